@@ -1,0 +1,1 @@
+"""Prometheus metrics, the exporter and the alert rules of the toolkit."""

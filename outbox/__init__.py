@@ -1,0 +1,26 @@
+"""The transactional outbox: write a state change and its events in one transaction."""
+
+from outbox.core import EventSpec, Outbox, Transaction
+from outbox.db import make_engine
+from outbox.errors import ConfigError, InvalidEvent, OutboxError
+from outbox.event import NewEvent
+from outbox.ids import new_event_id, uuid7
+from outbox.schema import PENDING, PUBLISHED, QUARANTINED, OutboxSchema, build_schema
+
+__all__ = [
+    "PENDING",
+    "PUBLISHED",
+    "QUARANTINED",
+    "ConfigError",
+    "EventSpec",
+    "InvalidEvent",
+    "NewEvent",
+    "Outbox",
+    "OutboxError",
+    "OutboxSchema",
+    "Transaction",
+    "build_schema",
+    "make_engine",
+    "new_event_id",
+    "uuid7",
+]

@@ -1,0 +1,94 @@
+"""Making engines: URL normalisation and the per-backend settings every part relies on.
+
+- ``postgresql://`` and ``postgres://`` URLs are driven by psycopg 3.
+- SQLite files run in WAL mode with a busy timeout, so a relay and writers in other
+  processes can share one file. pysqlite's own transaction handling is switched off and
+  SQLAlchemy emits ``BEGIN`` itself (the recipe in SQLAlchemy's SQLite dialect docs), which
+  lets a caller ask for ``BEGIN IMMEDIATE`` with the ``sqlite_begin`` execution option: the
+  relay does, to take SQLite's single write lock before it reads what it will update.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError
+
+from outbox.errors import ConfigError
+
+DEFAULT_SQLITE_FILE = "outbox.db"
+
+
+def default_database_url(directory: str | None = None) -> str:
+    """The embedded default: a SQLite file in the working directory."""
+    path = os.path.join(directory or os.getcwd(), DEFAULT_SQLITE_FILE)
+    return f"sqlite:///{path}"
+
+
+def normalise_url(url: str | URL) -> URL:
+    """Parse a database URL and pick our drivers; raise ConfigError naming the problem."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError("database_url", f"{url!r} is not a database URL ({exc})") from None
+    backend = parsed.get_backend_name()
+    if backend in ("postgresql", "postgres"):
+        if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+    elif backend != "sqlite":
+        raise ConfigError(
+            "database_url", f"unsupported backend {backend!r}: use postgresql:// or sqlite://"
+        )
+    return parsed
+
+
+def make_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
+    """Create an engine for ``url`` (default: the SQLite file) with our backend settings."""
+    parsed = normalise_url(url if url is not None else default_database_url())
+    if parsed.get_backend_name() == "sqlite":
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args.setdefault("timeout", 30)
+        connect_args.setdefault("check_same_thread", False)
+        engine = create_engine(parsed, connect_args=connect_args, **kwargs)
+        configure_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 20)
+    return create_engine(parsed, **kwargs)
+
+
+def configure_sqlite(engine: Engine) -> None:
+    """WAL, a busy timeout, foreign keys, and BEGIN emitted by SQLAlchemy (see module doc)."""
+    memory = engine.url.database in (None, "", ":memory:")
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if not memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin")
+        conn.exec_driver_sql(f"BEGIN {mode}" if mode in ("IMMEDIATE", "EXCLUSIVE") else "BEGIN")
+
+
+def is_postgres(bind: Engine | Connection) -> bool:
+    return bind.dialect.name == "postgresql"
+
+
+def describe_url(url: str | URL) -> str:
+    """The URL with any password hidden, for logs and error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<invalid url>"

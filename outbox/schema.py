@@ -1,0 +1,209 @@
+"""The outbox table, as SQLAlchemy metadata so Alembic users can include it.
+
+One row per event. The relay moves a row through ``pending`` -> ``published`` (or
+``quarantined``); retention deletes published rows later; nothing deletes a quarantined one.
+
+Column notes (the relay and the metrics read these names; do not rename them):
+
+- ``seq``: a database sequence, the order of insertion. When the domain serialises writes to
+  an aggregate (it locks the aggregate's row), the second transaction inserts after the first
+  committed, so for one key ``seq`` order is commit order: that is what per-key order uses.
+- ``event_id``: a UUIDv7 string made by the writer, stable across republishing; it travels in
+  the stream entry as ``id`` so a relay can reconcile an unreceipted publish.
+- ``key_hash``: CRC-32 of ``key``, so relays can split keys into partitions in SQL.
+- ``created_at`` and ``available_at`` come from the database clock; ``available_at`` is when
+  the row may next be tried (backoff pushes it forward).
+- ``claimed_by`` / ``claim_epoch`` / ``claimed_at``: the relay's persisted intent to publish;
+  ``stream`` / ``stream_id`` / ``published_at``: the receipt.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
+
+from outbox.errors import ConfigError
+from outbox.event import MAX_NAME_LENGTH
+
+PENDING = "pending"
+PUBLISHED = "published"
+QUARANTINED = "quarantined"
+STATES = (PENDING, PUBLISHED, QUARANTINED)
+
+DEFAULT_TABLE = "outbox_events"
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+
+class db_now(FunctionElement[datetime]):
+    """The database clock, as a column default or in queries.
+
+    PostgreSQL: ``now()`` (the transaction's start, the same for every row it writes).
+    SQLite's CURRENT_TIMESTAMP has one-second resolution while ages and latencies want
+    milliseconds, so there it is ``strftime(... %f)``: UTC text that SQLAlchemy reads back.
+    """
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+    name = "db_now"
+
+
+@compiles(db_now)
+def _db_now_default(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "(strftime('%Y-%m-%d %H:%M:%f', 'now'))"
+
+
+def check_identifier(setting: str, value: str | None, *, optional: bool = False) -> str | None:
+    """Table and schema names come from configuration: accept plain identifiers only.
+
+    Nothing from configuration is ever spliced into SQL unchecked.
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ConfigError(
+            setting, f"{value!r} is not a plain SQL identifier (letters, digits, underscore; max 63)"
+        )
+    return value
+
+
+def json_type() -> JSON:
+    """JSONB on PostgreSQL (indexable, compact), JSON text elsewhere."""
+    return JSON().with_variant(JSONB(), "postgresql")  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class OutboxSchema:
+    """The metadata and table of one outbox, with its validated names."""
+
+    metadata: MetaData
+    table: Table
+    table_name: str
+    schema: str | None
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.table_name}" if self.schema else self.table_name
+
+    @property
+    def notify_channel(self) -> str:
+        """LISTEN/NOTIFY channel name for this table (PostgreSQL only)."""
+        return f"{self.schema + '_' if self.schema else ''}{self.table_name}_new"[:63]
+
+
+def build_schema(
+    table_name: str = DEFAULT_TABLE,
+    schema: str | None = None,
+    metadata: MetaData | None = None,
+) -> OutboxSchema:
+    """Define the outbox table (and its indexes) on ``metadata`` (a new one by default)."""
+    name = check_identifier("table", table_name)
+    assert name is not None
+    schema_name = check_identifier("schema", schema, optional=True)
+    md = metadata if metadata is not None else MetaData()
+    table = Table(
+        name,
+        md,
+        Column(
+            "seq",
+            BigInteger().with_variant(Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column("event_id", String(64), nullable=False, unique=True),
+        Column("topic", String(MAX_NAME_LENGTH), nullable=False),
+        Column("key", String(MAX_NAME_LENGTH), nullable=False),
+        Column("key_hash", BigInteger, nullable=False),
+        Column("tenant", String(MAX_NAME_LENGTH), nullable=True),
+        Column("identity", String(MAX_NAME_LENGTH), nullable=False),
+        Column("payload", json_type(), nullable=False),
+        Column("headers", json_type(), nullable=True),
+        Column(
+            "created_at",
+            DateTime(timezone=True),
+            nullable=False,
+            server_default=db_now(),
+        ),
+        Column("available_at", DateTime(timezone=True), nullable=False, server_default=db_now()),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("state", String(16), nullable=False, server_default=text(f"'{PENDING}'")),
+        Column("claimed_by", String(128), nullable=True),
+        Column("claim_epoch", BigInteger, nullable=True),
+        Column("claimed_at", DateTime(timezone=True), nullable=True),
+        Column("stream", String(512), nullable=True),
+        Column("stream_id", String(64), nullable=True),
+        Column("published_at", DateTime(timezone=True), nullable=True),
+        schema=schema_name,
+    )
+    # The relay's claim reads pending rows in sequence order. A partial index holds only the
+    # pending rows, so it stays small however many published rows wait for retention, and
+    # the claim never walks past published ones. (Updated-away entries linger in it until
+    # vacuum: the relay issue tunes autovacuum for that.)
+    Index(
+        f"ix_{name}_pending",
+        table.c.seq,
+        postgresql_where=table.c.state == PENDING,
+        sqlite_where=table.c.state == PENDING,
+    )
+    # Metrics and `status` group pending rows by topic and want the oldest of each.
+    Index(
+        f"ix_{name}_pending_topic",
+        table.c.topic,
+        table.c.created_at,
+        postgresql_where=table.c.state == PENDING,
+        sqlite_where=table.c.state == PENDING,
+    )
+    # Quarantined rows are few and must be listed fast, for `status`, `requeue` and alerts.
+    Index(
+        f"ix_{name}_quarantined",
+        table.c.seq,
+        postgresql_where=table.c.state == QUARANTINED,
+        sqlite_where=table.c.state == QUARANTINED,
+    )
+    return OutboxSchema(metadata=md, table=table, table_name=name, schema=schema_name)
+
+
+def create_schema(bind: Engine | Connection, outbox_schema: OutboxSchema) -> None:
+    """Create the table and indexes if missing (idempotent, safe to call at every start)."""
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            _create(conn, outbox_schema)
+    else:
+        _create(bind, outbox_schema)
+
+
+def _create(conn: Connection, outbox_schema: OutboxSchema) -> None:
+    if conn.dialect.name == "postgresql":
+        # Several processes may call create_schema at once (relay replicas starting together);
+        # CREATE TABLE IF NOT EXISTS is not race-free in PostgreSQL, so serialise on a lock.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-ddl"})
+        if outbox_schema.schema:
+            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{outbox_schema.schema}"'))
+    outbox_schema.metadata.create_all(conn, checkfirst=True)

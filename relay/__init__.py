@@ -1,0 +1,1 @@
+"""The relay: republishes committed outbox events to Redis Streams."""

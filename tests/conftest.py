@@ -1,0 +1,104 @@
+"""Shared fixtures: real PostgreSQL, SQLite and Redis, isolated per test.
+
+- ``pg_url``: a fresh PostgreSQL schema per test, selected through the connection's
+  ``search_path`` (``?options=-csearch_path=...`` in the URL), so subprocesses given the URL
+  land in the same schema. Dropped afterwards.
+- ``sqlite_url``: a SQLite file in the test's temporary directory.
+- ``db_url``: both of the above, for the contract suites (parametrised: ``pg`` / ``sqlite``).
+- ``redis_url`` / ``redis_client``: the shared Redis at 127.0.0.1:6379; ``stream_prefix`` is a
+  unique prefix for the test's keys, deleted afterwards.
+
+A missing service fails the test (never skips): CI must not pass without PostgreSQL or Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+PG_BASE = os.environ.get("OUTBOX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def pg_url_for_schema(schema: str) -> str:
+    return f"{PG_BASE}?options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(scope="session")
+def pg_admin_engine() -> Iterator[sa.Engine]:
+    engine = sa.create_engine(PG_BASE, isolation_level="AUTOCOMMIT", pool_size=2)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.fail(f"PostgreSQL is not reachable at {PG_BASE}: {exc}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_schema(pg_admin_engine: sa.Engine) -> Iterator[str]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with pg_admin_engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    yield schema
+    with pg_admin_engine.connect() as conn:
+        # Terminate stragglers (killed subprocesses' sessions) so DROP does not wait on locks.
+        conn.execute(
+            sa.text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE pid <> pg_backend_pid() AND query ILIKE :q"
+            ),
+            {"q": f"%{schema}%"},
+        )
+        conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+
+@pytest.fixture
+def pg_url(pg_schema: str) -> str:
+    return pg_url_for_schema(pg_schema)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: os.PathLike[str]) -> str:
+    return f"sqlite:///{os.path.join(os.fspath(tmp_path), 'outbox-test.db')}"
+
+
+@pytest.fixture(params=["pg", "sqlite"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The contract-suite fixture: each test runs on PostgreSQL and on SQLite."""
+    name = "pg_url" if request.param == "pg" else "sqlite_url"
+    return str(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:  # pragma: no cover - environment problem
+        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {exc}")
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def stream_prefix() -> str:
+    """A unique prefix for this test's Redis keys (use it in stream templates)."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def redis_client(redis_url: str, stream_prefix: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    keys = list(client.scan_iter(match=f"*{stream_prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
