@@ -124,7 +124,8 @@ class Outbox:
                 events.append(spec)
                 continue
             if not isinstance(spec, Mapping):
-                raise InvalidEvent("events", f"item {index} is {type(spec).__name__}, not a mapping")
+                kind = type(spec).__name__
+                raise InvalidEvent("events", f"item {index} is {kind}, not a mapping")
             unknown = set(spec) - _EMIT_ARGS
             if unknown:
                 raise InvalidEvent("events", f"item {index} has unknown fields {sorted(unknown)}")

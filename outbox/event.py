@@ -85,7 +85,8 @@ def check_headers(headers: object) -> dict[str, str]:
         if "\x00" in value:
             raise InvalidEvent("headers", f"value of {name!r} must not contain NUL characters")
         if len(value) > MAX_HEADER_VALUE_LENGTH:
-            raise InvalidEvent("headers", f"value of {name!r} is longer than {MAX_HEADER_VALUE_LENGTH}")
+            limit = MAX_HEADER_VALUE_LENGTH
+            raise InvalidEvent("headers", f"value of {name!r} is longer than {limit}")
         checked[name] = value
     return checked
 

@@ -200,7 +200,8 @@ class KeyValueFormatter(logging.Formatter):
     """Human-readable lines for a terminal: ``time level message key=value ...``."""
 
     def format(self, record: logging.LogRecord) -> str:
-        base = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.levelname:<7} {record.getMessage()}"
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        base = f"{stamp} {record.levelname:<7} {record.getMessage()}"
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict) and fields:
             base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
@@ -246,8 +247,11 @@ def retry_forever(
             delay = backoff.delay(attempt)
             log.warning(
                 f"{what} failed, retrying",
-                extra=fields(error=f"{type(exc).__name__}: {exc}", attempt=attempt + 1,
-                             retry_in_seconds=round(delay, 3)),
+                extra=fields(
+                    error=f"{type(exc).__name__}: {exc}",
+                    attempt=attempt + 1,
+                    retry_in_seconds=round(delay, 3),
+                ),
             )
             attempt += 1
             stop.wait(delay)

@@ -55,7 +55,6 @@ DEFAULT_TABLE = "outbox_events"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
-
 class db_now(FunctionElement[datetime]):
     """The database clock, as a column default or in queries.
 
@@ -88,14 +87,15 @@ def check_identifier(setting: str, value: str | None, *, optional: bool = False)
         return None
     if not isinstance(value, str) or not _IDENTIFIER.match(value):
         raise ConfigError(
-            setting, f"{value!r} is not a plain SQL identifier (letters, digits, underscore; max 63)"
+            setting,
+            f"{value!r} is not a plain SQL identifier (letters, digits, underscore; max 63)",
         )
     return value
 
 
 def json_type() -> JSON:
     """JSONB on PostgreSQL (indexable, compact), JSON text elsewhere."""
-    return JSON().with_variant(JSONB(), "postgresql")  # type: ignore[return-value]
+    return JSON().with_variant(JSONB(), "postgresql")
 
 
 @dataclass(frozen=True)

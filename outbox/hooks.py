@@ -1,0 +1,63 @@
+"""Lifecycle hooks: how metrics (or anything else) observe the relay, consumers and workers.
+
+The core never imports prometheus-client. Each long-running part takes a ``hooks`` object
+(default: this no-op base) and calls these methods at the points named below;
+``metrics.PrometheusHooks`` implements them with an injected registry. A hook must be cheap
+and must not raise (the parts guard the calls anyway).
+Label values passed here are bounded (topics, groups, error classes, outcomes), never ids.
+"""
+
+from __future__ import annotations
+
+
+class Hooks:
+    """No-op base. Override what you observe."""
+
+    # -- relay ----------------------------------------------------------------------------
+    def relay_published(self, topic: str, count: int, latencies_seconds: list[float]) -> None:
+        """``count`` events of ``topic`` reached their stream; commit-to-stream latencies."""
+
+    def relay_publish_error(self, error_class: str, topic: str | None) -> None:
+        """A publish failed; ``error_class`` is ``transient`` / ``permanent`` or the
+        exception's class name."""
+
+    def relay_batch(self, duration_seconds: float, size: int) -> None:
+        """One claim-publish-record cycle finished."""
+
+    def relay_reconciled(self, found_in_stream: int, republished: int) -> None:
+        """Orphaned intents were reconciled against the stream."""
+
+    def relay_quarantined(self, topic: str, count: int) -> None:
+        """Records were quarantined (permanent failures)."""
+
+    def relay_cycle_ok(self, timestamp: float) -> None:
+        """A cycle completed without an infrastructure error (unix time)."""
+
+    # -- consumer -------------------------------------------------------------------------
+    def consumer_handled(self, group: str, stream: str, count: int) -> None:
+        """Entries handled and acknowledged."""
+
+    def consumer_duplicate(self, group: str, count: int) -> None:
+        """Entries whose business identity was already in the inbox (skipped, acknowledged)."""
+
+    def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
+        """Entries moved to the dead-letter stream and NEEDS_ATTENTION."""
+
+    def consumer_lag(self, group: str, stream: str, lag: int | None, pending: int) -> None:
+        """Group lag and pending count read from XINFO GROUPS."""
+
+    def consumer_cycle_ok(self, timestamp: float) -> None:
+        """A consumer batch completed without an infrastructure error (unix time)."""
+
+    # -- worker ---------------------------------------------------------------------------
+    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+        """A job's handler ended with ``outcome`` (done, retry, waiting, failed, ...)."""
+
+    def worker_lease_conflict(self, action: str) -> None:
+        """A worker lost a compare-and-set on (job, epoch): it was fenced out."""
+
+    def worker_cycle_ok(self, timestamp: float) -> None:
+        """A worker loop iteration completed without an infrastructure error (unix time)."""
+
+
+NO_HOOKS = Hooks()
