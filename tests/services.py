@@ -1,0 +1,308 @@
+"""Private PostgreSQL and Redis servers for tests that stop, restart or cut off a server.
+
+The shared servers (PostgreSQL on 5432, Redis on 6379) serve every engineer's tests at once,
+so a test that restarts a server must never touch them: it starts its own on a free port with
+the classes here, and the ``with`` block (or ``close()``) removes it with its data.
+
+- :class:`PrivateRedis`: ``redis-server`` as a child process (``--daemonize no``) on a free
+  port, in a temporary directory. ``stop()`` / ``start()`` restart it on the same port, so
+  clients configured with its URL reconnect to the new server. ``persistent=True`` turns on
+  the append-only file with ``appendfsync always``: every acknowledged write survives a stop
+  (even ``stop(kill=True)``, a SIGKILL), which is what a production Redis backing an outbox
+  relay is expected to do.
+- :class:`PrivatePostgres`: ``initdb`` into a temporary directory and ``pg_ctl`` on a free
+  port (TCP on 127.0.0.1 and a private Unix socket directory). PostgreSQL refuses to run as
+  root, so when the test runs as root the binaries run as the ``postgres`` OS user, which
+  owns the temporary directory. ``fsync=off``: the OS does not crash in these tests, and the
+  data files survive a server restart either way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/lib/postgresql/16/bin")
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _wait(condition: object, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} within {timeout:.0f} s")
+
+
+# -- Redis -----------------------------------------------------------------------------------
+
+
+class PrivateRedis:
+    """A ``redis-server`` child process on a free port; restartable on the same port."""
+
+    def __init__(self, *, persistent: bool = False, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.persistent = persistent
+        self.directory = tempfile.mkdtemp(prefix="private-redis-")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(self.directory, "redis.log")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _command(self) -> list[str]:
+        command = [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--dir",
+            self.directory,
+            "--logfile",
+            self.log_path,
+        ]
+        if self.persistent:
+            command += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            command += ["--appendonly", "no"]
+        return command
+
+    def start(self, timeout: float = 15.0) -> PrivateRedis:
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.process = subprocess.Popen(
+            self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _wait(lambda: self._ping(), f"private Redis on port {self.port} did not answer", timeout)
+        return self
+
+    def _ping(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.process.returncode}: {self.log()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                # A server still loading its AOF answers -LOADING: not ready yet.
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, *, kill: bool = False, timeout: float = 15.0) -> None:
+        """Stop the server: SIGTERM (clean shutdown) or, with ``kill``, SIGKILL (a crash)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            self.process = None
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        process.wait(timeout)
+        self.process = None
+        _wait(lambda: not _port_answers(self.port), "port still answering after stop", timeout)
+
+    def restart(self, *, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+                return handle.read()[-4000:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        try:
+            self.stop(kill=True)
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> PrivateRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+
+def pg_binary(name: str) -> str:
+    for directory in PG_BIN_DIRS:
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"PostgreSQL binary {name!r} not found (looked in {PG_BIN_DIRS})")
+    return found
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own: ``initdb`` in a temp dir, ``pg_ctl`` on a free port.
+
+    ``url`` is a SQLAlchemy URL (psycopg 3, database ``postgres``, user ``postgres``, trust).
+    ``restart()`` keeps the port and the data; ``stop(mode="immediate")`` is a crash (the
+    server recovers from its WAL on the next start).
+    """
+
+    def __init__(self, *, port: int | None = None, settings: Sequence[str] = ()) -> None:
+        self.port = port or free_port()
+        self.settings = tuple(settings)
+        self.directory = tempfile.mkdtemp(prefix="private-pg-")
+        self.data = os.path.join(self.directory, "data")
+        self.socket_dir = os.path.join(self.directory, "sock")
+        self.log_path = os.path.join(self.directory, "postgres.log")
+        os.makedirs(self.socket_dir)
+        self._as_postgres = os.geteuid() == 0
+        if self._as_postgres:
+            shutil.chown(self.directory, "postgres", "postgres")
+            shutil.chown(self.socket_dir, "postgres", "postgres")
+        self._initialised = False
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def url_for_schema(self, schema: str) -> str:
+        return f"{self.url}?options=-csearch_path%3D{schema}"
+
+    def _run(self, *command: str, timeout: float = 60.0) -> str:
+        argv = list(command)
+        if self._as_postgres:
+            argv = ["runuser", "-u", "postgres", "--", *argv]
+        done = subprocess.run(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            cwd=self.directory,
+            check=False,
+        )
+        output = done.stdout.decode("utf-8", "replace")
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {output}")
+        return output
+
+    def _options(self) -> str:
+        options = [
+            f"-p {self.port}",
+            f"-k {self.socket_dir}",
+            "-c listen_addresses=127.0.0.1",
+            "-c fsync=off",
+            "-c full_page_writes=off",
+            "-c max_connections=200",
+        ]
+        options += [f"-c {setting}" for setting in self.settings]
+        return " ".join(options)
+
+    def start(self, timeout: float = 60.0) -> PrivatePostgres:
+        if not self._initialised:
+            self._run(
+                pg_binary("initdb"),
+                "-D",
+                self.data,
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            )
+            self._initialised = True
+        self._run(
+            pg_binary("pg_ctl"),
+            "-D",
+            self.data,
+            "-l",
+            self.log_path,
+            "-o",
+            self._options(),
+            "-w",
+            "-t",
+            str(int(timeout)),
+            "start",
+            timeout=timeout + 10,
+        )
+        return self
+
+    def stop(self, mode: str = "fast", timeout: float = 60.0) -> None:
+        """``fast`` disconnects clients and shuts down cleanly; ``immediate`` is a crash."""
+        if not self.running():
+            return
+        self._run(
+            pg_binary("pg_ctl"),
+            "-D",
+            self.data,
+            "-m",
+            mode,
+            "-w",
+            "-t",
+            str(int(timeout)),
+            "stop",
+            timeout=timeout + 10,
+        )
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def running(self) -> bool:
+        return self._initialised and os.path.exists(os.path.join(self.data, "postmaster.pid"))
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+                return handle.read()[-4000:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        try:
+            self.stop("immediate")
+        except Exception:
+            pass
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> PrivatePostgres:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
