@@ -1,0 +1,303 @@
+"""Gauges computed from the database at scrape time: :class:`DatabaseCollector`.
+
+What a process cannot know by itself (how old the oldest unpublished event is, which record
+keeps failing, how many jobs wait) is read from the tables when Prometheus scrapes. Rules:
+
+- **A short cache** (``cache_seconds``, 5 s by default): several Prometheus servers, or a
+  scrape plus ``curl``, within the window share one round of queries. ``refreshes`` counts
+  the rounds actually run.
+- **Bounded queries**: each statement is served by a (partial) index, see
+  :mod:`metrics.queries`, and runs under a statement timeout (PostgreSQL:
+  ``statement_timeout`` set for the transaction only; SQLite: a progress handler that
+  interrupts the statement), so a sick database slows a scrape down by at most that much.
+- **Missing tables produce no series.** A relay-only deployment has no jobs table; each
+  source names the tables it needs, existence is checked once and cached (missing ones are
+  looked for again every ``table_recheck_seconds``, for a schema created after the exporter
+  started), and a source whose tables are absent is skipped without error.
+- **Failures do not break the scrape.** The process metrics on the same registry must still
+  be served when the database is down: a failing source is logged, and reported as
+  ``outbox_metrics_source_up{source} 0``.
+- **Bounded labels**: topics, states and the top-N stuck records only (``top_n`` series at
+  most, never one series per row).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection, Engine
+
+from metrics import queries
+from outbox.errors import ConfigError
+from outbox.schema import OutboxSchema, build_schema
+
+log = logging.getLogger("outbox.metrics")
+
+DEFAULT_CACHE_SECONDS = 5.0
+DEFAULT_TOP_N = 10
+DEFAULT_STATEMENT_TIMEOUT_MS = 2000
+DEFAULT_TABLE_RECHECK_SECONDS = 60.0
+# Upper bounds of the pending-attempts histogram (``le`` labels); +Inf is added.
+ATTEMPTS_BUCKETS: tuple[int, ...] = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+
+SourceFn = Callable[["ScrapeContext"], list[Metric]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One group of gauges and the tables (name, schema) it reads."""
+
+    name: str
+    tables: tuple[tuple[str, str | None], ...]
+    run: SourceFn
+
+
+@dataclass
+class ScrapeContext:
+    """What a source needs: a connection in its own transaction, and the database clock."""
+
+    conn: Connection
+    dialect: str
+    now: datetime
+
+
+def age_seconds(now: datetime, then: datetime | None) -> float | None:
+    """Seconds from ``then`` to ``now``, both read from the database (naive means UTC)."""
+    if then is None:
+        return None
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=UTC)
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    return max(0.0, (now - then).total_seconds())
+
+
+class DatabaseCollector(Collector):
+    """The database-derived gauges of one outbox (and, when present, consumer and job tables).
+
+    ``top_n`` bounds ``outbox_stuck_record_attempts`` to that many series.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        outbox_schema: OutboxSchema | None = None,
+        *,
+        cache_seconds: float = DEFAULT_CACHE_SECONDS,
+        top_n: int = DEFAULT_TOP_N,
+        statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
+        table_recheck_seconds: float = DEFAULT_TABLE_RECHECK_SECONDS,
+        attempts_buckets: Sequence[int] = ATTEMPTS_BUCKETS,
+        extra_sources: Iterable[Source] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cache_seconds < 0:
+            raise ConfigError("metrics.cache_seconds", "must be zero or positive")
+        if not 0 <= top_n <= 1000:
+            raise ConfigError("metrics.top_n", "must be between 0 and 1000")
+        if statement_timeout_ms <= 0:
+            raise ConfigError("metrics.statement_timeout_ms", "must be positive")
+        buckets = tuple(sorted(set(int(b) for b in attempts_buckets)))
+        if not buckets:
+            raise ConfigError("metrics.attempts_buckets", "needs at least one bound")
+        self.engine = engine
+        self.outbox_schema = outbox_schema if outbox_schema is not None else build_schema()
+        self.cache_seconds = float(cache_seconds)
+        self.top_n = int(top_n)
+        self.statement_timeout_ms = int(statement_timeout_ms)
+        self.table_recheck_seconds = float(table_recheck_seconds)
+        self.attempts_buckets = buckets
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cached: list[Metric] | None = None
+        self._cached_at = 0.0
+        self._tables: dict[tuple[str, str | None], bool] = {}
+        self._tables_checked_at: float | None = None
+        self.refreshes = 0
+        """Rounds of queries actually run (a cached scrape does not count)."""
+        self.sources: list[Source] = [self._outbox_source(), *extra_sources]
+
+    # -- prometheus_client protocol ---------------------------------------------------------
+
+    def describe(self) -> Iterable[Metric]:
+        # Returning nothing stops the registry from calling collect() (a database round)
+        # when the collector is registered.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            now = self._clock()
+            if self._cached is None or now - self._cached_at >= self.cache_seconds:
+                self._cached = self._refresh()
+                self._cached_at = self._clock()
+            return list(self._cached)
+
+    def invalidate(self) -> None:
+        """Forget the cached values: the next scrape queries the database."""
+        with self._lock:
+            self._cached = None
+
+    # -- one round ----------------------------------------------------------------------------
+
+    def _refresh(self) -> list[Metric]:
+        self.refreshes += 1
+        started = time.perf_counter()
+        metrics: list[Metric] = []
+        up = GaugeMetricFamily(
+            "outbox_metrics_source_up",
+            "1 if the last scrape read this source's tables, 0 if its queries failed.",
+            labels=["source"],
+        )
+        try:
+            present = self._present_tables()
+        except Exception as exc:
+            log.warning("metrics: cannot inspect the database", extra=_fields(exc))
+            present = None
+        for source in self.sources:
+            if present is None:
+                up.add_metric([source.name], 0.0)
+                continue
+            if not all(present.get(t, False) for t in source.tables):
+                continue  # e.g. no jobs table in a relay-only deployment: no series, no error
+            try:
+                metrics.extend(self._run_source(source))
+                up.add_metric([source.name], 1.0)
+            except Exception as exc:
+                log.warning("metrics: source query failed", extra=_fields(exc, source=source.name))
+                up.add_metric([source.name], 0.0)
+        metrics.append(up)
+        duration = GaugeMetricFamily(
+            "outbox_metrics_refresh_duration_seconds",
+            "Time the last round of database queries for these gauges took.",
+            value=time.perf_counter() - started,
+        )
+        metrics.append(duration)
+        return metrics
+
+    def _present_tables(self) -> dict[tuple[str, str | None], bool]:
+        wanted = {t for s in self.sources for t in s.tables}
+        now = self._clock()
+        recheck = (
+            self._tables_checked_at is None
+            or now - self._tables_checked_at >= self.table_recheck_seconds
+        )
+        missing = [t for t in wanted if not self._tables.get(t, False)]
+        if missing and recheck:
+            with self.engine.connect() as conn:
+                inspector = inspect(conn)
+                for name, schema in missing:
+                    self._tables[(name, schema)] = bool(inspector.has_table(name, schema=schema))
+                conn.rollback()
+            self._tables_checked_at = now
+        return dict(self._tables)
+
+    def _run_source(self, source: Source) -> list[Metric]:
+        with self.engine.connect() as conn:
+            dialect = conn.dialect.name
+            with conn.begin():
+                restore = self._limit_statements(conn, dialect)
+                try:
+                    now = conn.execute(queries.now_sql(dialect)).scalar_one()
+                    return source.run(ScrapeContext(conn=conn, dialect=dialect, now=now))
+                finally:
+                    restore()
+
+    def _limit_statements(self, conn: Connection, dialect: str) -> Callable[[], None]:
+        """Bound every statement of this transaction; returns how to undo it."""
+        if dialect == "postgresql":
+            # is_local=true: SET LOCAL, gone at the end of the transaction, so a pooled
+            # connection handed to the relay afterwards keeps its own settings.
+            conn.exec_driver_sql(
+                "SELECT set_config('statement_timeout', %(ms)s, true)",
+                {"ms": str(self.statement_timeout_ms)},
+            )
+            return lambda: None
+        if dialect == "sqlite":
+            raw: Any = conn.connection.driver_connection
+            deadline = time.monotonic() + self.statement_timeout_ms / 1000.0
+
+            def interrupt() -> int:
+                # A non-zero return aborts the running statement ("interrupted").
+                return 1 if time.monotonic() > deadline else 0
+
+            raw.set_progress_handler(interrupt, 10_000)
+            return lambda: raw.set_progress_handler(None, 0)
+        return lambda: None
+
+    # -- sources ------------------------------------------------------------------------------
+
+    def _outbox_source(self) -> Source:
+        s = self.outbox_schema
+        table = queries.qualified(s.table_name, s.schema)
+        top_n = self.top_n
+        buckets = self.attempts_buckets
+
+        def run(ctx: ScrapeContext) -> list[Metric]:
+            conn = ctx.conn
+            age = GaugeMetricFamily(
+                "outbox_oldest_unpublished_age_seconds",
+                "Age (database clock) of the oldest pending outbox event, per topic. "
+                "Topics with nothing pending have no series.",
+                labels=["topic"],
+            )
+            backlog = GaugeMetricFamily(
+                "outbox_backlog",
+                "Pending (unpublished) outbox events, per topic.",
+                labels=["topic"],
+            )
+            for topic, count, oldest in conn.execute(queries.backlog_by_topic(table)):
+                backlog.add_metric([topic], float(count))
+                value = age_seconds(ctx.now, oldest)
+                if value is not None:
+                    age.add_metric([topic], value)
+            quarantined = GaugeMetricFamily(
+                "outbox_quarantined",
+                "Outbox events quarantined after a permanent failure; they wait for a fix "
+                "and `outbox-relay requeue`.",
+                value=float(conn.execute(queries.quarantined_count(table)).scalar_one()),
+            )
+
+            by_attempts = {int(a): int(n) for a, n in conn.execute(queries.pending_attempts(table))}
+            hist_buckets: list[tuple[str, float]] = []
+            for bound in buckets:
+                hist_buckets.append(
+                    (str(bound), float(sum(n for a, n in by_attempts.items() if a <= bound)))
+                )
+            hist_buckets.append(("+Inf", float(sum(by_attempts.values()))))
+            attempts = HistogramMetricFamily(
+                "outbox_pending_attempts",
+                "Distribution of the publish attempts of pending outbox events.",
+                buckets=hist_buckets,
+                sum_value=float(sum(a * n for a, n in by_attempts.items())),
+            )
+            max_attempts = GaugeMetricFamily(
+                "outbox_max_attempts",
+                "Highest publish attempts among pending outbox events (0 when none).",
+                value=float(max(by_attempts, default=0)),
+            )
+
+            stuck = GaugeMetricFamily(
+                "outbox_stuck_record_attempts",
+                f"Publish attempts of the {top_n} most-attempted pending events (attempts > "
+                "0), labelled so an operator can find them; at most that many series.",
+                labels=["event_id", "topic"],
+            )
+            if top_n > 0:
+                for event_id, topic, n in conn.execute(queries.most_attempted(table, top_n)):
+                    stuck.add_metric([event_id, topic], float(n))
+            return [age, backlog, quarantined, attempts, max_attempts, stuck]
+
+        return Source(name="outbox", tables=((s.table_name, s.schema),), run=run)
+
+
+def _fields(exc: BaseException, **extra: Any) -> dict[str, Any]:
+    return {"fields": {"error": f"{type(exc).__name__}: {exc}", **extra}}

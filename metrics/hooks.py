@@ -1,0 +1,312 @@
+"""Process metrics: :class:`PrometheusHooks` implements :class:`outbox.hooks.Hooks`.
+
+The relay, consumers and workers call the hooks; this module turns the calls into counters,
+histograms and gauges on an injected registry (never the global one, so tests and several
+parts in one process do not collide). Label values are the bounded ones the hooks receive:
+topics, groups, streams, error classes, actions and outcomes, never event or job ids.
+
+A hook must be cheap and must not raise: every method clamps its inputs (a negative count
+would make ``Counter.inc`` raise) and swallows what the client library could still throw.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from functools import wraps
+from typing import Any, ParamSpec
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from outbox.hooks import Hooks
+
+log = logging.getLogger("outbox.metrics")
+
+P = ParamSpec("P")
+
+# Batches take milliseconds to seconds; commit-to-stream latency spans sub-millisecond
+# (NOTIFY wake-up) to minutes (a backlog after an outage), so its buckets reach an hour.
+BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+)
+BATCH_SIZE_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def _guarded(method: Callable[P, None]) -> Callable[P, None]:
+    """Hooks never raise into the part that calls them."""
+
+    @wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception:  # pragma: no cover - defensive: a metric must not stop a relay
+            log.debug("metrics hook %s failed", method.__name__, exc_info=True)
+
+    return wrapper
+
+
+def _label(value: object, default: str = "unknown") -> str:
+    return default if value is None or value == "" else str(value)
+
+
+class PrometheusHooks(Hooks):
+    """Counters, histograms and gauges for every hook, registered on ``registry``.
+
+    ``collector`` is the database-derived collector registered next to these (or None) and
+    ``server`` the HTTP server started by :func:`metrics.start_metrics` (or None); both are
+    kept here so the caller that only holds the hooks can still reach and stop them.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.collector: Any = None
+        self.server: Any = None
+        self._server_thread: Any = None
+        self._registered: set[int] = set()
+        self._register_lock = threading.Lock()
+        r = self.registry
+
+        # -- relay ------------------------------------------------------------------------
+        self.relay_published_total = Counter(
+            "outbox_relay_published",
+            "Events the relay published to their stream (receipt recorded), by topic.",
+            ["topic"],
+            registry=r,
+        )
+        self.relay_publish_errors_total = Counter(
+            "outbox_relay_publish_errors",
+            "Failed publish attempts, by error class (transient, permanent or exception name).",
+            ["error_class"],
+            registry=r,
+        )
+        self.relay_quarantined_total = Counter(
+            "outbox_relay_quarantined",
+            "Records this relay quarantined after a permanent failure, by topic.",
+            ["topic"],
+            registry=r,
+        )
+        self.relay_batch_duration_seconds = Histogram(
+            "outbox_relay_batch_duration_seconds",
+            "Duration of one claim-publish-record cycle of the relay.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.relay_batch_size = Histogram(
+            "outbox_relay_batch_size",
+            "Records handled per relay cycle.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.relay_commit_to_stream_seconds = Histogram(
+            "outbox_relay_commit_to_stream_seconds",
+            "Latency from the outbox row's creation (database clock) to its stream entry.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.relay_reconciled_total = Counter(
+            "outbox_relay_reconciled",
+            "Orphaned publish intents reconciled against the stream, by result "
+            "(found_in_stream: receipt recovered, republished: entry was missing).",
+            ["result"],
+            registry=r,
+        )
+        self.relay_last_success = Gauge(
+            "outbox_relay_last_success_timestamp_seconds",
+            "Unix time of the relay's last cycle that completed without an infrastructure error.",
+            registry=None,
+        )
+
+        # -- consumer ---------------------------------------------------------------------
+        self.consumer_handled_total = Counter(
+            "outbox_consumer_handled",
+            "Stream entries handled and acknowledged, by consumer group and stream.",
+            ["group", "stream"],
+            registry=r,
+        )
+        self.consumer_duplicates_total = Counter(
+            "outbox_consumer_duplicates",
+            "Entries skipped because their business identity was already in the inbox.",
+            ["group"],
+            registry=r,
+        )
+        self.consumer_dead_lettered_total = Counter(
+            "outbox_consumer_dead_lettered",
+            "Entries moved to the dead-letter stream and recorded as NEEDS_ATTENTION.",
+            ["group", "stream"],
+            registry=r,
+        )
+        self.consumer_group_lag = Gauge(
+            "outbox_consumer_group_lag",
+            "Entries in the stream not yet delivered to the group (XINFO GROUPS lag; "
+            "keeps its last value while Redis cannot tell).",
+            ["group", "stream"],
+            registry=r,
+        )
+        self.consumer_group_pending = Gauge(
+            "outbox_consumer_group_pending",
+            "Entries delivered to the group but not acknowledged (XINFO GROUPS pending).",
+            ["group", "stream"],
+            registry=r,
+        )
+        self.consumer_last_success = Gauge(
+            "outbox_consumer_last_success_timestamp_seconds",
+            "Unix time of the consumer's last batch that completed without an "
+            "infrastructure error.",
+            registry=None,
+        )
+
+        # -- worker -----------------------------------------------------------------------
+        self.worker_jobs_finished_total = Counter(
+            "outbox_worker_jobs_finished",
+            "Job handler runs, by action and outcome (done, retry, waiting, failed, ...).",
+            ["action", "outcome"],
+            registry=r,
+        )
+        self.worker_job_duration_seconds = Histogram(
+            "outbox_worker_job_duration_seconds",
+            "Duration of one job handler run, by action.",
+            ["action"],
+            buckets=JOB_BUCKETS,
+            registry=r,
+        )
+        self.worker_lease_conflicts_total = Counter(
+            "outbox_worker_lease_conflicts",
+            "Times a worker was fenced out: its (job, epoch) compare-and-set found a newer lease.",
+            ["action"],
+            registry=r,
+        )
+        self.worker_last_success = Gauge(
+            "outbox_worker_last_success_timestamp_seconds",
+            "Unix time of the worker's last loop iteration without an infrastructure error.",
+            registry=None,
+        )
+
+    # -- relay ----------------------------------------------------------------------------
+    @_guarded
+    def relay_published(self, topic: str, count: int, latencies_seconds: list[float]) -> None:
+        if count > 0:
+            self.relay_published_total.labels(_label(topic)).inc(count)
+        observe = self.relay_commit_to_stream_seconds.observe
+        for latency in latencies_seconds:
+            # Clock skew between the database and this host can make a latency negative.
+            observe(max(0.0, float(latency)))
+
+    @_guarded
+    def relay_publish_error(self, error_class: str, topic: str | None) -> None:
+        self.relay_publish_errors_total.labels(_label(error_class)).inc()
+
+    @_guarded
+    def relay_batch(self, duration_seconds: float, size: int) -> None:
+        self.relay_batch_duration_seconds.observe(max(0.0, float(duration_seconds)))
+        self.relay_batch_size.observe(max(0, int(size)))
+
+    @_guarded
+    def relay_reconciled(self, found_in_stream: int, republished: int) -> None:
+        if found_in_stream > 0:
+            self.relay_reconciled_total.labels("found_in_stream").inc(found_in_stream)
+        if republished > 0:
+            self.relay_reconciled_total.labels("republished").inc(republished)
+
+    @_guarded
+    def relay_quarantined(self, topic: str, count: int) -> None:
+        if count > 0:
+            self.relay_quarantined_total.labels(_label(topic)).inc(count)
+
+    @_guarded
+    def relay_cycle_ok(self, timestamp: float) -> None:
+        self._register_once(self.relay_last_success)
+        self.relay_last_success.set(float(timestamp))
+
+    # -- consumer -------------------------------------------------------------------------
+    @_guarded
+    def consumer_handled(self, group: str, stream: str, count: int) -> None:
+        if count > 0:
+            self.consumer_handled_total.labels(_label(group), _label(stream)).inc(count)
+
+    @_guarded
+    def consumer_duplicate(self, group: str, count: int) -> None:
+        if count > 0:
+            self.consumer_duplicates_total.labels(_label(group)).inc(count)
+
+    @_guarded
+    def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
+        if count > 0:
+            self.consumer_dead_lettered_total.labels(_label(group), _label(stream)).inc(count)
+
+    @_guarded
+    def consumer_lag(self, group: str, stream: str, lag: int | None, pending: int) -> None:
+        labels = (_label(group), _label(stream))
+        if lag is not None:
+            self.consumer_group_lag.labels(*labels).set(max(0, int(lag)))
+        self.consumer_group_pending.labels(*labels).set(max(0, int(pending)))
+
+    @_guarded
+    def consumer_cycle_ok(self, timestamp: float) -> None:
+        self._register_once(self.consumer_last_success)
+        self.consumer_last_success.set(float(timestamp))
+
+    # -- worker ---------------------------------------------------------------------------
+    @_guarded
+    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+        self.worker_jobs_finished_total.labels(_label(action), _label(outcome)).inc()
+        self.worker_job_duration_seconds.labels(_label(action)).observe(
+            max(0.0, float(duration_seconds))
+        )
+
+    @_guarded
+    def worker_lease_conflict(self, action: str) -> None:
+        self.worker_lease_conflicts_total.labels(_label(action)).inc()
+
+    @_guarded
+    def worker_cycle_ok(self, timestamp: float) -> None:
+        self._register_once(self.worker_last_success)
+        self.worker_last_success.set(float(timestamp))
+
+    def _register_once(self, metric: Gauge) -> None:
+        # The last-success gauges appear only once a part reports a cycle: a consumer process
+        # must not export a relay's "last success 0" that a stalled-relay alert would read.
+        if id(metric) not in self._registered:
+            with self._register_lock:
+                if id(metric) not in self._registered:
+                    self.registry.register(metric)
+                    self._registered.add(id(metric))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def port(self) -> int | None:
+        """The port the exporter listens on (useful after ``start_metrics(0)``), or None."""
+        return int(self.server.server_port) if self.server is not None else None
+
+    def close(self) -> None:
+        """Stop the HTTP exporter started with these hooks, if any (idempotent)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        thread, self._server_thread = self._server_thread, None
+        if thread is not None:
+            thread.join(timeout=5)
+
+
+def hook_names() -> Iterable[str]:
+    """The public hook methods of :class:`outbox.hooks.Hooks` (for completeness tests)."""
+    return sorted(n for n in vars(Hooks) if not n.startswith("_") and callable(vars(Hooks)[n]))
