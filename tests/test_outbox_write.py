@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from outbox import ConfigError, InvalidEvent, Outbox
 from outbox.schema import PENDING
@@ -46,6 +46,16 @@ APPROVE = sa.text("UPDATE quotes SET state = 'approved' WHERE id = 17")
 
 class Boom(Exception):
     pass
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Note(Base):
+    __tablename__ = "notes"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    text: Mapped[str]
 
 
 # -- atomic write ------------------------------------------------------------------------------
@@ -183,12 +193,13 @@ def test_emit_many_writes_a_list_in_one_statement(outbox: Outbox) -> None:
 
     sa.event.listen(outbox.engine, "before_cursor_execute", count)
     try:
-        with outbox.transaction() as tx:
-            ids = tx.emit_many(
+        with Session(outbox.engine) as session, session.begin():
+            ids = outbox.emit_many(
+                session,
                 [
                     {"topic": "line.added", "key": "quote-017", "payload": {"line": i}}
                     for i in range(250)
-                ]
+                ],
             )
     finally:
         sa.event.remove(outbox.engine, "before_cursor_execute", count)
@@ -196,6 +207,65 @@ def test_emit_many_writes_a_list_in_one_statement(outbox: Outbox) -> None:
     rows = events(outbox)
     assert [row.event_id for row in rows] == ids
     assert [row.payload["line"] for row in rows] == list(range(250))
+
+
+def test_emit_many_in_our_transaction_writes_all_in_order(outbox: Outbox) -> None:
+    with outbox.transaction() as tx:
+        tx.session.execute(APPROVE)
+        ids = tx.emit_many(
+            [{"topic": "line.added", "key": "q", "payload": {"line": i}} for i in range(300)]
+        )
+    rows = events(outbox)
+    assert [row.event_id for row in rows] == ids
+    assert [row.payload["line"] for row in rows] == list(range(300))
+    assert quote_state(outbox) == "approved"
+
+
+def test_manual_commit_inside_transaction_keeps_events_with_state_change(outbox: Outbox) -> None:
+    with pytest.raises(sa.exc.InvalidRequestError), outbox.transaction() as tx:
+        tx.session.execute(APPROVE)
+        tx.emit("quote.approved", key="quote-017", payload={"n": 1})
+        tx.session.commit()  # by hand: the buffered event must go with this commit
+        assert quote_state(outbox) == "approved"
+        assert [row.payload for row in events(outbox)] == [{"n": 1}]
+        # SQLAlchemy refuses further work in a begin() block after a manual commit.
+        tx.session.execute(APPROVE)
+    assert [row.payload for row in events(outbox)] == [{"n": 1}]
+
+
+def test_flush_writes_buffered_events_inside_the_transaction(outbox: Outbox) -> None:
+    with pytest.raises(Boom), outbox.transaction() as tx:
+        tx.emit("t", key="k", payload=1)
+        tx.flush()
+        count = tx.session.execute(sa.text("SELECT count(*) FROM outbox_events")).scalar()
+        assert count == 1
+        assert events(outbox) == []  # written, not committed
+        raise Boom
+    assert events(outbox) == []
+
+
+def test_orm_changes_commit_with_the_events(outbox: Outbox) -> None:
+    Base.metadata.create_all(outbox.engine)
+    with outbox.transaction() as tx:
+        tx.session.add(Note(id=1, text="approved"))
+        tx.emit("note.added", key="note-1", payload={"id": 1})
+    with outbox.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT text FROM notes")).scalar() == "approved"
+    assert len(events(outbox)) == 1
+    with pytest.raises(sa.exc.IntegrityError), outbox.transaction() as tx:
+        tx.emit("note.added", key="note-1", payload={"id": 1})
+        tx.session.add(Note(id=1, text="duplicate key"))  # flush fails at commit
+    assert len(events(outbox)) == 1
+
+
+def test_duplicate_event_id_fails_the_commit_and_rolls_back(outbox: Outbox) -> None:
+    with outbox.transaction() as tx:
+        tx.emit("t", key="k", payload=1, event_id="fixed-id")
+    with pytest.raises(Exception, match=r"fixed-id|UNIQUE|unique"), outbox.transaction() as tx:
+        tx.session.execute(APPROVE)
+        tx.emit("t", key="k", payload=2, event_id="fixed-id")
+    assert quote_state(outbox) == "draft"
+    assert [row.payload for row in events(outbox)] == [1]
 
 
 def test_emit_many_validates_every_event_before_writing(outbox: Outbox) -> None:
