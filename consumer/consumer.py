@@ -1,0 +1,897 @@
+"""Consumers: read the relay's streams in consumer groups and deduplicate by business
+identity in an inbox table, in the same transaction as the handler's work.
+
+One batch (``run_once``), in this order:
+
+1. Acknowledge what a previous batch committed but could not acknowledge (Redis was down).
+2. Claim back entries left pending longer than ``claim_idle_ms`` by any consumer of the
+   group (XAUTOCLAIM): a consumer that died, or this one's own entries whose handler failed
+   (that idle time is the retry delay). Their delivery counts come from XPENDING.
+3. Read new entries (XREADGROUP ``>``), up to ``batch_size`` in all.
+4. Decode; an undecodable entry is dead-lettered at once, an entry of a type without a
+   handler is dead-lettered or skipped (``unknown_types``), an entry delivered more than
+   ``max_deliveries`` times (its handler keeps killing processes) is dead-lettered.
+5. ONE database transaction for the batch: the inbox rows of the batch in one statement
+   (insert-or-skip, RETURNING the new identities); handlers run for new identities only,
+   first all together in one savepoint, and if one raises, again one savepoint per entry so
+   the failing entry rolls back its own work (and its inbox row) and the others commit. A
+   failing entry at its ``max_deliveries``-th delivery is dead-lettered; before that it stays
+   pending and is claimed back after ``claim_idle_ms``. Dead-letter records are written in
+   the same transaction.
+6. Commit, then copy dead letters to the dead-letter stream and XACK. A crash between
+   commit and XACK redelivers entries whose identity is in the inbox: duplicates, skipped.
+
+A handler may therefore run more than once for one entry (redelivery, the per-entry retry
+of step 5); only its committed database work counts, which is why effects on the outside
+world belong in jobs, not in handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+import redis as redislib
+from sqlalchemy import MetaData
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.orm import Session
+
+from consumer import inbox as q
+from consumer.consumer_event import ConsumedEvent, decode_entry, text_fields
+from consumer.errors import UndecodableEntry
+from outbox.db import make_engine
+from outbox.errors import ConfigError
+from outbox.hooks import NO_HOOKS, Hooks
+from outbox.runtime import Backoff, GracefulStop, fields, incarnation_name, redis_client
+from outbox.schema import check_identifier
+
+log = logging.getLogger("outbox.consumer")
+
+Handler = Callable[[ConsumedEvent, "ConsumerTx"], Any]
+BatchHandler = Callable[[list[ConsumedEvent], "ConsumerTx"], Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+
+
+def _positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(
+            name, f"must be {'non-negative' if allow_zero else 'positive'}, got {value}"
+        )
+
+
+def _positive_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number, got {type(value).__name__}")
+    if not value > 0:
+        raise ConfigError(name, f"must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """How a consumer reads, retries and gives up. Validated at construction.
+
+    - ``batch_size``: entries per batch (XREADGROUP COUNT) and per database transaction.
+    - ``block_ms``: how long a read waits for new entries; also bounds how long SIGTERM
+      waits. Keep it below the Redis client's socket timeout (10 s by default).
+    - ``claim_idle_ms``: an entry pending this long is claimed back (a dead consumer's, or a
+      failed handler's retry delay).
+    - ``max_deliveries``: deliveries after which a failing entry is dead-lettered.
+    - ``inbox_retention_seconds``: the deduplication window: inbox rows older than this are
+      purged, after which a redelivered identity would be handled again. Default 7 days.
+    - ``dead_letter_stream``: template of the dead-letter stream (``{stream}``, ``{group}``).
+    - ``unknown_types``: ``"dead_letter"`` (default: nothing is dropped silently) or
+      ``"skip"`` (acknowledge and log, for streams that carry types this group ignores).
+    - ``name_prefix``: the consumer name is ``<prefix>-<host>-<pid>-<random>``, fresh per
+      process, so a restart never inherits a dead incarnation's pending entries by name.
+    - ``stale_consumer_ms``: consumers of the group idle this long with nothing pending are
+      removed (XGROUP DELCONSUMER); None keeps them.
+    - ``purge_interval_seconds`` / ``purge_batch``: how often and how much inbox retention
+      deletes per transaction.
+    - ``maintenance_interval_seconds``: how often lag is reported and stale consumers swept.
+    - ``schema``: database schema of the consumer tables (None: the default search path).
+    - ``create_schema``: create the tables on first use (idempotent).
+    """
+
+    batch_size: int = 500
+    block_ms: int = 1000
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 5
+    inbox_retention_seconds: float = DEFAULT_RETENTION_SECONDS
+    dead_letter_stream: str = "{stream}.dead-letter"
+    unknown_types: Literal["dead_letter", "skip"] = "dead_letter"
+    name_prefix: str = "consumer"
+    stale_consumer_ms: int | None = 3_600_000
+    purge_interval_seconds: float = 60.0
+    purge_batch: int = 1000
+    maintenance_interval_seconds: float = 5.0
+    schema: str | None = None
+    create_schema: bool = True
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 10.0))
+
+    def __post_init__(self) -> None:
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("block_ms", self.block_ms)
+        _positive_int("claim_idle_ms", self.claim_idle_ms, allow_zero=True)
+        _positive_int("max_deliveries", self.max_deliveries)
+        _positive_number("inbox_retention_seconds", self.inbox_retention_seconds)
+        _positive_number("purge_interval_seconds", self.purge_interval_seconds)
+        _positive_int("purge_batch", self.purge_batch)
+        _positive_number("maintenance_interval_seconds", self.maintenance_interval_seconds)
+        if self.stale_consumer_ms is not None:
+            _positive_int("stale_consumer_ms", self.stale_consumer_ms)
+        if self.unknown_types not in ("dead_letter", "skip"):
+            raise ConfigError(
+                "unknown_types", f"must be 'dead_letter' or 'skip', got {self.unknown_types!r}"
+            )
+        if not isinstance(self.name_prefix, str) or not self.name_prefix.strip():
+            raise ConfigError("name_prefix", "must be a non-empty string")
+        if not isinstance(self.dead_letter_stream, str) or not self.dead_letter_stream:
+            raise ConfigError("dead_letter_stream", "must be a non-empty template")
+        try:
+            self.dead_letter_stream.format(stream="s", group="g")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                "dead_letter_stream",
+                f"{self.dead_letter_stream!r}: use only {{stream}} and {{group}} ({exc})",
+            ) from None
+        if not isinstance(self.backoff, Backoff):
+            raise ConfigError("backoff", "must be an outbox.runtime.Backoff")
+        check_identifier("schema", self.schema, optional=True)
+
+
+@dataclass
+class ConsumerTx:
+    """The transaction a handler runs in: ``session`` is the one the inbox row is written in
+    (inside a savepoint of the batch's transaction). Never commit or roll it back yourself:
+    raise to roll back your entry, return to keep its work."""
+
+    session: Session
+    group: str
+
+    @property
+    def connection(self) -> Connection:
+        """The session's Connection, for Core statements."""
+        return self.session.connection()
+
+
+@dataclass
+class _Entry:
+    stream: str
+    entry_id: str
+    raw: Mapping[Any, Any] | None
+    deliveries: int
+
+
+@dataclass
+class _Dead:
+    entry: _Entry
+    reason: str
+    error: str
+    event: ConsumedEvent | None = None
+
+
+@dataclass
+class _Outcome:
+    acks: dict[str, list[str]] = field(default_factory=dict)
+    handled: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    dead: list[_Dead] = field(default_factory=list)
+    dead_ids: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def ack(self, entry: _Entry) -> None:
+        self.acks.setdefault(entry.stream, []).append(entry.entry_id)
+
+    @property
+    def count(self) -> int:
+        return sum(len(ids) for ids in self.acks.values())
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _check_name(setting: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ConfigError(setting, f"must be a non-empty string, got {value!r}")
+    if len(value) > q.NAME_WIDTH:
+        raise ConfigError(setting, f"is longer than {q.NAME_WIDTH} characters")
+    return value
+
+
+class Consumer:
+    """Reads streams in a consumer group and hands each new business identity to its handler
+    once, in the transaction that records the identity in the inbox.
+
+    ``database``: URL, Engine, or None (the SQLite file default). ``redis``: URL, a
+    ``redislib.Redis`` client, or None (the embedded server). ``group``: the consumer group (and
+    the inbox's deduplication scope). Either ``topics`` (streams named by the ``stream``
+    template, default ``outbox.{topic}``) or ``streams`` (names). ``start``: where a group
+    that does not exist yet begins: ``"0"`` (default, nothing published before is missed) or
+    ``"$"`` (only new entries).
+    """
+
+    def __init__(
+        self,
+        database: str | URL | Engine | None = None,
+        redis: str | redislib.Redis | None = None,
+        *,
+        group: str,
+        topics: Sequence[str] | None = None,
+        streams: Sequence[str] | None = None,
+        stream: str = "outbox.{topic}",
+        start: str = "0",
+        config: ConsumerConfig | None = None,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.config = config if config is not None else ConsumerConfig()
+        if not isinstance(self.config, ConsumerConfig):
+            raise ConfigError("config", "must be a ConsumerConfig")
+        self.group = _check_name("group", group)
+        self.streams = self._resolve_streams(topics, streams, stream)
+        self._topics = list(topics) if topics is not None else None
+        self._stream_template = stream
+        if not isinstance(start, str) or not start:
+            raise ConfigError("start", "must be '0', '$' or a stream entry id")
+        self.start = start
+        self.hooks = hooks if hooks is not None else NO_HOOKS
+        if not isinstance(self.hooks, Hooks):
+            raise ConfigError("hooks", "must be an outbox.hooks.Hooks")
+        self._database = database
+        self.engine = self._make_engine(database)
+        self._redis_spec = redis
+        self._redis: redislib.Redis | None = None
+        if not (redis is None or isinstance(redis, str) or _is_redis_client(redis)):
+            raise ConfigError(
+                "redis", f"expected a redis URL or a redislib.Redis, got {type(redis).__name__}"
+            )
+        if isinstance(redis, str):
+            redis_client(redis)  # validates the URL now; the client is made on first use
+        self.tables = q.build_inbox_schema(self.config.schema)
+        self.name = incarnation_name(self.config.name_prefix)
+        self._handlers: dict[str, tuple[Callable[..., Any], bool]] = {}
+        self._stop = threading.Event()
+        self._ready = False
+        self._schema_ready = False
+        self._cursors: dict[str, str] = {}
+        self._carry: list[_Entry] = []  # a batch whose transaction failed: retried first
+        self._unacked: _Outcome | None = None  # committed but not yet acknowledged
+        self._next_maintenance = 0.0
+        self._next_purge = 0.0
+
+    # -- construction helpers ---------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_streams(
+        topics: Sequence[str] | None, streams: Sequence[str] | None, template: str
+    ) -> list[str]:
+        if (topics is None) == (streams is None):
+            raise ConfigError("topics", "give exactly one of topics=[...] or streams=[...]")
+        names = topics if topics is not None else streams
+        setting = "topics" if topics is not None else "streams"
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            raise ConfigError(setting, "must be a list of names, not a single string")
+        names = list(names)
+        if not names:
+            raise ConfigError(setting, "must not be empty")
+        for name in names:
+            _check_name(setting, name)
+        if streams is not None:
+            return list(dict.fromkeys(names))
+        if not isinstance(template, str) or not template:
+            raise ConfigError("stream", "must be a non-empty template")
+        try:
+            resolved = [template.format(topic=topic) for topic in names]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                "stream",
+                f"{template!r} may use only {{topic}} ({exc}); give streams=[...] for "
+                "tenant or partition streams",
+            ) from None
+        return list(dict.fromkeys(resolved))
+
+    @staticmethod
+    def _make_engine(database: str | URL | Engine | None) -> Engine:
+        if isinstance(database, Engine):
+            return database
+        if database is None or isinstance(database, (str, URL)):
+            return make_engine(database)
+        raise ConfigError("database", f"expected a URL or an Engine, got {type(database).__name__}")
+
+    def with_overrides(
+        self,
+        *,
+        database: str | URL | Engine | None = None,
+        redis: str | redislib.Redis | None = None,
+        group: str | None = None,
+        config: ConsumerConfig | None = None,
+        hooks: Hooks | None = None,
+    ) -> Consumer:
+        """A copy with some settings replaced and the same handlers (what the CLI's flags do)."""
+        clone = Consumer(
+            database if database is not None else self._database_for_copy(),
+            redis if redis is not None else self._redis_spec_for_copy(),
+            group=group if group is not None else self.group,
+            streams=self.streams,
+            start=self.start,
+            config=config if config is not None else self.config,
+            hooks=hooks if hooks is not None else self.hooks,
+        )
+        clone._handlers = dict(self._handlers)
+        return clone
+
+    def _database_for_copy(self) -> str | URL | Engine | None:
+        return self.engine if self._database is None else self._database
+
+    def _redis_spec_for_copy(self) -> str | redislib.Redis | None:
+        return self._redis if self._redis is not None else self._redis_spec
+
+    # -- public face ------------------------------------------------------------------------
+
+    @property
+    def redis(self) -> redislib.Redis:
+        """The Redis client (made on first use: the embedded server starts only if needed)."""
+        if self._redis is None:
+            spec = self._redis_spec
+            if isinstance(spec, redislib.Redis):
+                self._redis = spec
+            else:
+                self._redis = redis_client(spec)
+        return self._redis
+
+    @property
+    def metadata(self) -> MetaData:
+        """The MetaData of the inbox and dead-letter tables (for Alembic users)."""
+        return self.tables.metadata
+
+    def handler(self, event_type: str, *, batch: bool = False) -> Callable[[F], F]:
+        """Register ``fn(event, tx)`` for ``event_type``; with ``batch=True`` the function
+        gets ``fn(events, tx)`` with all new events of that type in the batch (one
+        executemany for all of them is how a consumer reaches tens of thousands per second).
+        """
+
+        def register(fn: F) -> F:
+            self.add_handler(event_type, fn, batch=batch)
+            return fn
+
+        return register
+
+    def add_handler(self, event_type: str, fn: Callable[..., Any], *, batch: bool = False) -> None:
+        _check_name("event_type", event_type)
+        if not callable(fn):
+            raise ConfigError("handler", f"{fn!r} is not callable")
+        if event_type in self._handlers:
+            raise ConfigError("event_type", f"{event_type!r} already has a handler")
+        self._handlers[event_type] = (fn, bool(batch))
+
+    @property
+    def event_types(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def create_schema(self) -> None:
+        """Create the inbox and dead-letter tables if missing (idempotent)."""
+        q.create_inbox_schema(self.engine, self.tables)
+        self._schema_ready = True
+
+    def dead_letter_stream_for(self, stream: str) -> str:
+        return self.config.dead_letter_stream.format(stream=stream, group=self.group)
+
+    def stop(self) -> None:
+        """Ask ``run()`` to finish the batch in hand and return."""
+        self._stop.set()
+
+    def run(self, stop: threading.Event | GracefulStop | None = None) -> None:
+        """Run batches until ``stop()``, the given stop event, or SIGTERM/SIGINT (when no
+        stop event is given and this is the main thread). Infrastructure errors (Redis or the
+        database down) are logged and retried with backoff; this never returns because of
+        them. On stop, the batch in hand is finished, committed and acknowledged."""
+        graceful = GracefulStop().install() if stop is None else None
+        event = stop.event if isinstance(stop, GracefulStop) else stop
+
+        def stopping() -> bool:
+            return (
+                self._stop.is_set()
+                or (event is not None and event.is_set())
+                or (graceful is not None and graceful.stopped)
+            )
+
+        log.info(
+            "consumer started",
+            extra=fields(group=self.group, consumer=self.name, streams=self.streams),
+        )
+        attempt = 0
+        while not stopping():
+            try:
+                self.run_once()
+                attempt = 0
+            except Exception as exc:
+                delay = self.config.backoff.delay(attempt)
+                attempt += 1
+                log.warning(
+                    "consumer batch failed, retrying",
+                    exc_info=not isinstance(exc, (redislib.RedisError, OSError)),
+                    extra=fields(
+                        group=self.group,
+                        error=f"{type(exc).__name__}: {exc}",
+                        attempt=attempt,
+                        retry_in_seconds=round(delay, 3),
+                    ),
+                )
+                deadline = time.monotonic() + delay
+                while not stopping() and time.monotonic() < deadline:
+                    self._stop.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+        # Whatever committed but is not acknowledged yet: one last try (harmless if it fails:
+        # the entries come back as duplicates).
+        if self._unacked is not None:
+            try:
+                self._acknowledge(self._unacked)
+            except Exception as exc:
+                log.warning("final acknowledge failed", extra=fields(error=str(exc)))
+        log.info("consumer stopped", extra=fields(group=self.group, consumer=self.name))
+
+    def run_once(self, *, block: bool = True) -> int:
+        """One batch. Returns how many entries it acknowledged (handled, duplicates, dead
+        letters, skipped). Raises on infrastructure errors (``run`` retries them); the batch
+        is kept and retried first by the next call."""
+        self._prepare()
+        if self._unacked is not None:
+            self._acknowledge(self._unacked)
+            self._unacked = None
+        if self._carry:
+            entries, self._carry = self._carry, []
+        else:
+            entries = self._claim(self.config.batch_size)
+            room = self.config.batch_size - len(entries)
+            if room > 0:
+                entries += self._read(room, block=block and not entries)
+        count = 0
+        if entries:
+            try:
+                outcome = self._process(entries)
+            except BaseException:
+                self._carry = entries
+                raise
+            self._unacked = outcome
+            self._acknowledge(outcome)
+            self._unacked = None
+            self._report(outcome)
+            count = outcome.count
+        self._maintain()
+        self._hook("consumer_cycle_ok", time.time())
+        return count
+
+    def purge_inbox(self, *, now: datetime | None = None, max_batches: int = 10) -> int:
+        """Delete this group's inbox rows older than the retention (the dedup window), in
+        bounded batches; ``now`` defaults to the database clock. Returns rows deleted."""
+        return q.purge_inbox(
+            self.engine,
+            self.tables.inbox,
+            self.group,
+            self.config.inbox_retention_seconds,
+            batch=self.config.purge_batch,
+            max_batches=max_batches,
+            now=now,
+        )
+
+    def dead_letters(
+        self, *, include_replayed: bool = False, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """This group's NEEDS_ATTENTION records (oldest first)."""
+        with self.engine.connect() as conn:
+            return q.list_dead_letters(
+                conn,
+                self.tables.dead_letters,
+                group=self.group,
+                include_replayed=include_replayed,
+                limit=limit,
+            )
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        if not self._schema_ready and self.config.create_schema:
+            self.create_schema()
+        if not self._ready:
+            if not self._handlers:
+                raise ConfigError("handlers", "register at least one handler before running")
+            for name in self.streams:
+                self._create_group(name)
+            self._ready = True
+
+    def _create_group(self, stream: str) -> None:
+        try:
+            # MKSTREAM: a stream nobody has published to yet is created empty, so the group
+            # exists from the start and the first entry published is not missed.
+            self.redis.xgroup_create(stream, self.group, id=self.start, mkstream=True)
+            log.info(
+                "consumer group created",
+                extra=fields(group=self.group, stream=stream, start=self.start),
+            )
+        except redislib.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _on_nogroup(self, exc: redislib.ResponseError) -> None:
+        # The stream (with its group) was deleted under us: create them again next time.
+        if "NOGROUP" in str(exc):
+            self._ready = False
+            self._cursors.clear()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _claim(self, room: int) -> list[_Entry]:
+        claimed: list[_Entry] = []
+        for name in self.streams:
+            if room - len(claimed) <= 0:
+                break
+            try:
+                reply = self.redis.xautoclaim(
+                    name,
+                    self.group,
+                    self.name,
+                    min_idle_time=self.config.claim_idle_ms,
+                    start_id=self._cursors.get(name, "0-0"),
+                    count=room - len(claimed),
+                )
+            except redislib.ResponseError as exc:
+                self._on_nogroup(exc)
+                raise
+            self._cursors[name] = _text(reply[0])
+            entries = [(_text(eid), raw) for eid, raw in reply[1]]
+            if not entries:
+                continue
+            # XAUTOCLAIM does not say how often an entry was delivered; XPENDING does.
+            pipe = self.redis.pipeline(transaction=False)
+            for eid, _raw in entries:
+                pipe.xpending_range(name, self.group, min=eid, max=eid, count=1)
+            counts = pipe.execute()
+            for (eid, raw), info in zip(entries, counts, strict=True):
+                deliveries = int(info[0]["times_delivered"]) if info else 1
+                claimed.append(_Entry(name, eid, raw, deliveries))
+            log.info(
+                "claimed pending entries",
+                extra=fields(group=self.group, stream=name, count=len(entries)),
+            )
+        return claimed
+
+    def _read(self, room: int, *, block: bool) -> list[_Entry]:
+        try:
+            reply: Any = self.redis.xreadgroup(
+                self.group,
+                self.name,
+                {name: ">" for name in self.streams},
+                count=room,
+                block=self.config.block_ms if block else None,
+            )
+        except redislib.ResponseError as exc:
+            self._on_nogroup(exc)
+            raise
+        entries: list[_Entry] = []
+        for stream_name, items in reply or []:
+            name = _text(stream_name)
+            entries.extend(_Entry(name, _text(eid), raw, 1) for eid, raw in items)
+        return entries
+
+    # -- processing -------------------------------------------------------------------------
+
+    def _process(self, entries: list[_Entry]) -> _Outcome:
+        outcome = _Outcome()
+        events: list[tuple[_Entry, ConsumedEvent]] = []
+        for entry in entries:
+            if not entry.raw:
+                # Deleted (trimmed) while pending: nothing left to handle.
+                log.warning(
+                    "pending entry no longer exists",
+                    extra=fields(group=self.group, stream=entry.stream, entry_id=entry.entry_id),
+                )
+                outcome.ack(entry)
+                continue
+            try:
+                event = decode_entry(entry.stream, entry.entry_id, entry.raw, entry.deliveries)
+            except UndecodableEntry as exc:
+                outcome.dead.append(_Dead(entry, q.UNDECODABLE, str(exc)))
+                continue
+            if event.type not in self._handlers:
+                if self.config.unknown_types == "skip":
+                    log.info(
+                        "no handler for event type, skipped",
+                        extra=fields(group=self.group, type=event.type, entry_id=entry.entry_id),
+                    )
+                    outcome.ack(entry)
+                else:
+                    error = f"no handler for event type {event.type!r} in group {self.group!r}"
+                    outcome.dead.append(_Dead(entry, q.UNKNOWN_TYPE, error, event))
+                continue
+            events.append((entry, event))
+
+        session = Session(self.engine.execution_options(sqlite_begin="IMMEDIATE"))
+        try:
+            with session.begin():
+                conn = session.connection()
+                self._deduplicate_and_handle(session, conn, events, outcome)
+                if outcome.dead:
+                    outcome.dead_ids = q.insert_dead_letters(
+                        conn, self.tables.dead_letters, [self._dead_row(d) for d in outcome.dead]
+                    )
+        finally:
+            session.close()
+        for dead in outcome.dead:
+            outcome.ack(dead.entry)
+        return outcome
+
+    def _deduplicate_and_handle(
+        self,
+        session: Session,
+        conn: Connection,
+        events: list[tuple[_Entry, ConsumedEvent]],
+        outcome: _Outcome,
+    ) -> None:
+        if not events:
+            return
+        # The first entry of an identity in the batch is the candidate; later ones in the
+        # same batch wait for its outcome.
+        first: dict[str, tuple[_Entry, ConsumedEvent]] = {}
+        later: list[tuple[_Entry, ConsumedEvent]] = []
+        for pair in events:
+            if pair[1].identity in first:
+                later.append(pair)
+            else:
+                first[pair[1].identity] = pair
+        # Entries delivered too often are suspected of killing their consumers: do not run
+        # them again (unless already handled: then they are mere duplicates).
+        worn = {i: p for i, p in first.items() if p[1].deliveries > self.config.max_deliveries}
+        if worn:
+            seen = q.seen_identities(conn, self.tables.inbox, self.group, list(worn))
+            for identity, (entry, event) in worn.items():
+                del first[identity]
+                if identity in seen:
+                    outcome.duplicates += 1
+                    outcome.ack(entry)
+                else:
+                    error = (
+                        f"delivered {entry.deliveries} times, more than max_deliveries="
+                        f"{self.config.max_deliveries} (its consumers died or failed)"
+                    )
+                    outcome.dead.append(_Dead(entry, q.POISON, error, event))
+        rows = [
+            {
+                "group_name": self.group,
+                "identity": identity,
+                "event_id": event.id,
+                "topic": event.type,
+                "stream": entry.stream,
+                "entry_id": entry.entry_id,
+            }
+            for identity, (entry, event) in sorted(first.items())
+        ]
+        new = q.insert_inbox_rows(conn, self.tables.inbox, rows)
+        fresh: list[tuple[_Entry, ConsumedEvent]] = []
+        for identity, (entry, event) in first.items():
+            if identity in new:
+                fresh.append((entry, event))
+            else:
+                outcome.duplicates += 1
+                outcome.ack(entry)
+        failures = self._handle(session, [event for _entry, event in fresh])
+        failed_identities: set[str] = set()
+        for entry, event in fresh:
+            exc = failures.get(_key(event))
+            if exc is None:
+                outcome.ack(entry)
+                outcome.handled[entry.stream] = outcome.handled.get(entry.stream, 0) + 1
+                continue
+            failed_identities.add(event.identity)
+            q.delete_inbox_row(conn, self.tables.inbox, self.group, event.identity)
+            error = f"{type(exc).__name__}: {exc}"
+            if entry.deliveries >= self.config.max_deliveries:
+                outcome.dead.append(_Dead(entry, q.POISON, error, event))
+                log.error(
+                    "handler failed, dead-lettered",
+                    extra=fields(
+                        group=self.group,
+                        stream=entry.stream,
+                        entry_id=entry.entry_id,
+                        deliveries=entry.deliveries,
+                        error=error,
+                    ),
+                )
+            else:
+                log.warning(
+                    "handler failed, will retry",
+                    extra=fields(
+                        group=self.group,
+                        stream=entry.stream,
+                        entry_id=entry.entry_id,
+                        deliveries=entry.deliveries,
+                        error=error,
+                    ),
+                )
+        for entry, event in later:
+            if event.identity in failed_identities:
+                continue  # its twin failed: stays pending, claimed back and retried later
+            outcome.duplicates += 1
+            outcome.ack(entry)
+
+    def _handle(self, session: Session, events: list[ConsumedEvent]) -> dict[str, BaseException]:
+        """Run the handlers of ``events``; return the failures by entry key.
+
+        Optimistic: all of them in one savepoint (two statements for the lot). If any raises,
+        that savepoint is rolled back and each entry runs again in its own savepoint, so only
+        the failing ones lose their work.
+        """
+        if not events:
+            return {}
+        tx = ConsumerTx(session=session, group=self.group)
+        savepoint = session.begin_nested()
+        try:
+            self._call(events, tx)
+        except Exception as exc:
+            savepoint.rollback()  # raises if the connection itself is gone: batch retried
+            if len(events) == 1:
+                return {_key(events[0]): exc}
+        else:
+            savepoint.commit()
+            return {}
+        failures: dict[str, BaseException] = {}
+        for event in events:
+            savepoint = session.begin_nested()
+            try:
+                self._call([event], tx)
+            except Exception as exc:
+                savepoint.rollback()
+                failures[_key(event)] = exc
+            else:
+                savepoint.commit()
+        return failures
+
+    def _call(self, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        batch: dict[str, list[ConsumedEvent]] = {}
+        for event in events:
+            fn, is_batch = self._handlers[event.type]
+            if is_batch:
+                batch.setdefault(event.type, []).append(event)
+            else:
+                fn(event, tx)
+        for event_type, group in batch.items():
+            self._handlers[event_type][0](group, tx)
+
+    def _dead_row(self, dead: _Dead) -> dict[str, Any]:
+        entry, event = dead.entry, dead.event
+        raw = text_fields(entry.raw)
+        return {
+            "group_name": self.group,
+            "stream": entry.stream,
+            "entry_id": entry.entry_id,
+            "event_id": event.id if event else raw.get("id"),
+            "topic": event.type if event else raw.get("type"),
+            "identity": event.identity if event else None,
+            "reason": dead.reason,
+            "error": dead.error,
+            "deliveries": entry.deliveries,
+            "payload": q.encode_fields(raw),
+            "dead_letter_stream": self.dead_letter_stream_for(entry.stream),
+        }
+
+    # -- after commit -----------------------------------------------------------------------
+
+    def _acknowledge(self, outcome: _Outcome) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for dead in outcome.dead:
+            fields_ = text_fields(dead.entry.raw)
+            fields_.update(
+                {
+                    "dl.group": self.group,
+                    "dl.stream": dead.entry.stream,
+                    "dl.entry_id": dead.entry.entry_id,
+                    "dl.reason": dead.reason,
+                    "dl.error": dead.error[: q.MAX_ERROR_CHARS],
+                    "dl.deliveries": str(dead.entry.deliveries),
+                    "dl.record_id": str(
+                        outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id), "")
+                    ),
+                }
+            )
+            pipe.xadd(self.dead_letter_stream_for(dead.entry.stream), fields_)  # type: ignore[arg-type]
+        for stream_name, ids in outcome.acks.items():
+            pipe.xack(stream_name, self.group, *ids)
+        results = pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, (redislib.ConnectionError, redislib.TimeoutError)):
+                raise result
+            if isinstance(result, Exception):
+                # A permanent refusal (say, the dead-letter key holds another type): the
+                # database record is the durable one; say so loudly and go on.
+                log.error(
+                    "dead-letter copy or ack refused",
+                    extra=fields(group=self.group, error=str(result)),
+                )
+        if outcome.dead:
+            for dead in outcome.dead:
+                log.error(
+                    "entry dead-lettered",
+                    extra=fields(
+                        group=self.group,
+                        stream=dead.entry.stream,
+                        entry_id=dead.entry.entry_id,
+                        reason=dead.reason,
+                        error=dead.error[:500],
+                        record_id=outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id)),
+                    ),
+                )
+
+    def _report(self, outcome: _Outcome) -> None:
+        for stream_name, count in outcome.handled.items():
+            self._hook("consumer_handled", self.group, stream_name, count)
+        if outcome.duplicates:
+            self._hook("consumer_duplicate", self.group, outcome.duplicates)
+        dead_by_stream: dict[str, int] = {}
+        for dead in outcome.dead:
+            dead_by_stream[dead.entry.stream] = dead_by_stream.get(dead.entry.stream, 0) + 1
+        for stream_name, count in dead_by_stream.items():
+            self._hook("consumer_dead_lettered", self.group, stream_name, count)
+
+    def _hook(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self.hooks, name)(*args)
+        except Exception:
+            log.exception("hook failed", extra=fields(hook=name))
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_maintenance:
+            self._next_maintenance = now + self.config.maintenance_interval_seconds
+            for name in self.streams:
+                self._report_lag(name)
+                if self.config.stale_consumer_ms is not None:
+                    self._remove_stale_consumers(name)
+        if now >= self._next_purge:
+            self._next_purge = now + self.config.purge_interval_seconds
+            removed = self.purge_inbox()
+            if removed:
+                log.info("inbox purged", extra=fields(group=self.group, rows=removed))
+
+    def _report_lag(self, stream: str) -> None:
+        for info in self.redis.xinfo_groups(stream):
+            if _text(info.get("name")) == self.group:
+                lag = info.get("lag")
+                self._hook(
+                    "consumer_lag",
+                    self.group,
+                    stream,
+                    int(lag) if lag is not None else None,
+                    int(info.get("pending") or 0),
+                )
+
+    def _remove_stale_consumers(self, stream: str) -> None:
+        assert self.config.stale_consumer_ms is not None
+        for info in self.redis.xinfo_consumers(stream, self.group):
+            name = _text(info.get("name"))
+            if name == self.name or int(info.get("pending") or 0) > 0:
+                continue  # a consumer with pending entries keeps them until they are claimed
+            if int(info.get("idle") or 0) > self.config.stale_consumer_ms:
+                self.redis.xgroup_delconsumer(stream, self.group, name)
+                log.info(
+                    "stale consumer removed",
+                    extra=fields(group=self.group, stream=stream, consumer=name),
+                )
+
+
+def _key(event: ConsumedEvent) -> str:
+    return event.entry_id + "\x00" + event.stream
+
+
+def _is_redis_client(value: object) -> bool:
+    return isinstance(value, redislib.Redis)
+
+
+__all__ = ["ConsumedEvent", "Consumer", "ConsumerConfig", "ConsumerTx"]
