@@ -38,7 +38,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
 from outbox.errors import ConfigError
-from outbox.schema import OutboxSchema, build_schema
+from outbox.schema import OutboxSchema, build_schema, check_identifier
 
 log = logging.getLogger("outbox.metrics")
 
@@ -97,6 +97,8 @@ class DatabaseCollector(Collector):
         statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
         table_recheck_seconds: float = DEFAULT_TABLE_RECHECK_SECONDS,
         attempts_buckets: Sequence[int] = ATTEMPTS_BUCKETS,
+        consumer_schema: str | None = None,
+        jobs_schema: str | None = None,
         extra_sources: Iterable[Source] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -124,7 +126,14 @@ class DatabaseCollector(Collector):
         self._tables_checked_at: float | None = None
         self.refreshes = 0
         """Rounds of queries actually run (a cached scrape does not count)."""
-        self.sources: list[Source] = [self._outbox_source(), *extra_sources]
+        self.consumer_schema = check_identifier("consumer_schema", consumer_schema, optional=True)
+        self.jobs_schema = check_identifier("jobs_schema", jobs_schema, optional=True)
+        self.sources: list[Source] = [
+            self._outbox_source(),
+            self._dead_letter_source(),
+            self._jobs_source(),
+            *extra_sources,
+        ]
 
     # -- prometheus_client protocol ---------------------------------------------------------
 
@@ -297,6 +306,68 @@ class DatabaseCollector(Collector):
             return [age, backlog, quarantined, attempts, max_attempts, stuck]
 
         return Source(name="outbox", tables=((s.table_name, s.schema),), run=run)
+
+    def _dead_letter_source(self) -> Source:
+        name, schema = queries.DEAD_LETTER_TABLE, self.consumer_schema
+        table = queries.qualified(name, schema)
+
+        def run(ctx: ScrapeContext) -> list[Metric]:
+            letters = GaugeMetricFamily(
+                "outbox_dead_letters",
+                "Consumer entries given up on and recorded as NEEDS_ATTENTION (also copied to "
+                "the dead-letter stream), per consumer group and reason.",
+                labels=["group", "reason"],
+            )
+            oldest_by_group: dict[str, float] = {}
+            for group, reason, count, oldest in ctx.conn.execute(queries.dead_letters(table)):
+                letters.add_metric([group, reason], float(count))
+                age = age_seconds(ctx.now, oldest)
+                if age is not None:
+                    oldest_by_group[group] = max(age, oldest_by_group.get(group, 0.0))
+            oldest_age = GaugeMetricFamily(
+                "outbox_oldest_dead_letter_age_seconds",
+                "Age of the oldest NEEDS_ATTENTION dead letter, per consumer group.",
+                labels=["group"],
+            )
+            for group, age in sorted(oldest_by_group.items()):
+                oldest_age.add_metric([group], age)
+            return [letters, oldest_age]
+
+        return Source(name="dead_letters", tables=((name, schema),), run=run)
+
+    def _jobs_source(self) -> Source:
+        name, schema = queries.JOBS_TABLE, self.jobs_schema
+        table = queries.qualified(name, schema)
+
+        def run(ctx: ScrapeContext) -> list[Metric]:
+            conn, dialect = ctx.conn, ctx.dialect
+            jobs = GaugeMetricFamily(
+                "outbox_jobs",
+                "Open jobs per state (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, "
+                "NEEDS_ATTENTION); DONE and CANCELLED are history and not counted.",
+                labels=["state"],
+            )
+            counts = dict.fromkeys(queries.OPEN_JOB_STATES, 0)
+            for state, count in conn.execute(queries.jobs_per_open_state(table)):
+                counts[state] = int(count)
+            for state, count in counts.items():
+                jobs.add_metric([state], float(count))
+            age = conn.execute(queries.oldest_ready_job(table, dialect)).scalar_one()
+            oldest_ready = GaugeMetricFamily(
+                "outbox_oldest_ready_job_age_seconds",
+                "How long the oldest runnable READY job has been eligible without a worker "
+                "claiming it (0 when none is waiting).",
+                value=max(0.0, float(age)) if age is not None else 0.0,
+            )
+            expired = GaugeMetricFamily(
+                "outbox_expired_leases",
+                "LEASED jobs whose lease has expired (database clock): their worker died and "
+                "no worker has recovered them yet.",
+                value=float(conn.execute(queries.expired_leases(table, dialect)).scalar_one()),
+            )
+            return [jobs, oldest_ready, expired]
+
+        return Source(name="jobs", tables=((name, schema),), run=run)
 
 
 def _fields(exc: BaseException, **extra: Any) -> dict[str, Any]:

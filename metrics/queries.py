@@ -13,7 +13,7 @@ Ages are computed against the database clock (:func:`now_sql`), the clock that w
 
 from __future__ import annotations
 
-from sqlalchemy import DateTime, Integer, String, column, text
+from sqlalchemy import DateTime, Double, Integer, String, column, text
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 
@@ -97,3 +97,83 @@ def naive_state_counts(table: str) -> TextClause:
         f"SELECT topic, state, count(*), min(created_at), max(attempts) "
         f"FROM {table} GROUP BY topic, state"
     )
+
+
+# -- consumer (tables of consumer/inbox.py) ------------------------------------------------------
+
+DEAD_LETTER_TABLE = "consumer_dead_letters"
+NEEDS_ATTENTION_LETTER = "needs_attention"
+
+
+def dead_letters(table: str) -> TextualSelect:
+    """NEEDS_ATTENTION dead letters per group and reason, with the oldest one's time.
+
+    Served by ``ix_consumer_dead_letters_state (state, group_name)``: replayed letters are
+    skipped by the index, so the cost follows what still needs attention. The consumer's
+    inbox itself is not counted: its size is the deduplication window (days of history), and
+    counting it would be a scan that grows with traffic.
+    """
+    return text(
+        f"SELECT group_name, reason, count(*) AS n, min(created_at) AS oldest FROM {table} "
+        f"WHERE state = '{NEEDS_ATTENTION_LETTER}' GROUP BY group_name, reason"
+    ).columns(
+        column("group_name", String),
+        column("reason", String),
+        column("n", Integer),
+        column("oldest", DateTime(timezone=True)),
+    )
+
+
+# -- jobs (tables of consumer/jobs_schema.py; times there are unix seconds) ----------------------
+
+JOBS_TABLE = "outbox_jobs"
+# Open (non-terminal) states. DONE and CANCELLED are history: counting them would scan every
+# job ever run, so they are not exported (the workers' outcome counters show throughput).
+OPEN_JOB_STATES = ("READY", "LEASED", "WAITING_EXTERNAL", "WAITING_REVIEW", "NEEDS_ATTENTION")
+
+
+def epoch_sql(dialect: str) -> str:
+    """The database clock in unix seconds, as the job store writes its times."""
+    if dialect == "sqlite":
+        # julianday has millisecond resolution; 2440587.5 is the julian day of 1970-01-01.
+        return "((julianday('now') - 2440587.5) * 86400.0)"
+    return "CAST(extract(epoch from now()) AS double precision)"
+
+
+def jobs_per_open_state(table: str) -> TextualSelect:
+    """Open jobs per state, one UNION ALL branch per state so each can use its partial index.
+
+    READY: ``ix_outbox_jobs_ready`` and LEASED: ``ix_outbox_jobs_leased`` (index-only on
+    PostgreSQL); the WAITING states: ``ix_outbox_jobs_waiting``. NEEDS_ATTENTION has no
+    index of its own in the job store yet, so that branch scans the table; it runs under the
+    statement timeout like every other (a partial index on it would make it free).
+    """
+    branches = " UNION ALL ".join(
+        f"SELECT '{state}' AS state, count(*) AS n FROM {table} WHERE state = '{state}'"
+        for state in OPEN_JOB_STATES
+    )
+    return text(branches).columns(column("state", String), column("n", Integer))
+
+
+def oldest_ready_job(table: str, dialect: str) -> TextualSelect:
+    """Age of the oldest READY job that is eligible now (``run_after`` passed or NULL).
+
+    Walks READY rows through ``ix_outbox_jobs_ready``: proportional to the runnable queue.
+    Jobs scheduled for later are not late, so they are left out.
+    """
+    now = epoch_sql(dialect)
+    return text(
+        f"SELECT {now} - min(coalesce(run_after, created_at)) AS age FROM {table} "
+        f"WHERE state = 'READY' AND coalesce(run_after, created_at) <= {now}"
+    ).columns(column("age", Double))
+
+
+def expired_leases(table: str, dialect: str) -> TextualSelect:
+    """LEASED jobs whose lease expired (their worker died and nobody recovered them yet).
+
+    A range on ``ix_outbox_jobs_leased (lease_expires_at) WHERE state = 'LEASED'``.
+    """
+    return text(
+        f"SELECT count(*) AS n FROM {table} "
+        f"WHERE state = 'LEASED' AND lease_expires_at <= {epoch_sql(dialect)}"
+    ).columns(column("n", Integer))
