@@ -1,0 +1,296 @@
+"""``outbox-consumer``: run a consumer, list its dead letters, replay one.
+
+::
+
+    outbox-consumer run MODULE:ATTRIBUTE   # a Consumer, or a zero-argument factory of one
+    outbox-consumer dead-letters [--json] [--group G] [--all]
+    outbox-consumer replay ID              # re-inject dead-letter record ID into its stream
+    outbox-consumer init-db                # create the inbox and dead-letter tables
+
+Flags take their defaults from ``OUTBOX_*`` environment variables (``OUTBOX_DATABASE_URL``,
+``OUTBOX_REDIS_URL``, ``OUTBOX_GROUP``, ``OUTBOX_BATCH_SIZE``, ``OUTBOX_METRICS_PORT``,
+``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``, ``OUTBOX_CONSUMER_SCHEMA``). For ``run``, a
+flag or variable that is set overrides what the application's Consumer was built with; one
+that is not set leaves it. Without a database URL the tools use the SQLite file in the
+working directory, without a Redis URL the embedded Redis server.
+
+Exit codes: 0 success, 1 failure (an unknown dead-letter id, ...), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from consumer import inbox as q
+from consumer.consumer import Consumer, ConsumerConfig
+from consumer.consumer_admin import list_dead_letters, replay_dead_letter
+from consumer.errors import AlreadyReplayed, DeadLetterNotFound
+from outbox.db import describe_url, make_engine
+from outbox.errors import ConfigError
+from outbox.runtime import GracefulStop, env, env_int, fields, redis_client, setup_logging
+
+log = logging.getLogger("outbox.consumer.cli")
+
+
+class UsageError(Exception):
+    """Bad usage the parser could not see (a MODULE:ATTRIBUTE that is not a consumer)."""
+
+
+def _common(parser: argparse.ArgumentParser, *, redis_url: bool) -> None:
+    parser.add_argument(
+        "--database-url",
+        default=env("DATABASE_URL"),
+        help="database URL (env OUTBOX_DATABASE_URL; default: the SQLite file outbox.db)",
+    )
+    if redis_url:
+        parser.add_argument(
+            "--redis-url",
+            default=env("REDIS_URL"),
+            help="Redis URL (env OUTBOX_REDIS_URL; default: the embedded Redis server)",
+        )
+    parser.add_argument(
+        "--schema",
+        default=env("CONSUMER_SCHEMA"),
+        help="database schema of the consumer tables (env OUTBOX_CONSUMER_SCHEMA)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=env("LOG_LEVEL", "info"),
+        help="debug, info, warning, error (env OUTBOX_LOG_LEVEL; default info)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-consumer",
+        description="Consume outbox streams with deduplication by business identity.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="run a consumer until SIGTERM",
+        description="Run the Consumer named by MODULE:ATTRIBUTE (an instance, or a "
+        "zero-argument factory returning one) until SIGTERM: the batch in hand is finished, "
+        "committed and acknowledged, then exit 0.",
+    )
+    run.add_argument("target", metavar="MODULE:ATTRIBUTE", help="e.g. myapp.consumers:billing")
+    _common(run, redis_url=True)
+    run.add_argument("--group", default=env("GROUP"), help="consumer group (env OUTBOX_GROUP)")
+    run.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="entries per batch and transaction (env OUTBOX_BATCH_SIZE)",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (env OUTBOX_METRICS_PORT)",
+    )
+    run.add_argument(
+        "--metrics-host",
+        default=env("METRICS_HOST", "127.0.0.1"),
+        help="address of the metrics server (env OUTBOX_METRICS_HOST; default 127.0.0.1)",
+    )
+
+    dead = commands.add_parser(
+        "dead-letters",
+        help="list NEEDS_ATTENTION records",
+        description="List dead-lettered entries (oldest first): a table, or --json.",
+    )
+    _common(dead, redis_url=False)
+    dead.add_argument("--group", default=env("GROUP"), help="only this group (env OUTBOX_GROUP)")
+    dead.add_argument("--all", action="store_true", help="include replayed records")
+    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    dead.add_argument("--json", action="store_true", help="print a JSON array")
+
+    replay = commands.add_parser(
+        "replay",
+        help="re-inject a dead-lettered entry into its stream",
+        description="Re-inject dead-letter record ID (see dead-letters) into its original "
+        "stream as a new entry, after the handler or producer was fixed.",
+    )
+    replay.add_argument("record_id", metavar="ID", type=int, help="dead-letter record id")
+    _common(replay, redis_url=True)
+
+    init = commands.add_parser("init-db", help="create the inbox and dead-letter tables")
+    _common(init, redis_url=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for bad usage
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    try:
+        setup_logging(args.log_level)
+        config = ConsumerConfig(schema=args.schema)
+        if args.command == "run":
+            return _run(args)
+        if args.command == "dead-letters":
+            return _dead_letters(args, config)
+        if args.command == "replay":
+            return _replay(args, config)
+        return _init_db(args, config)
+    except (ConfigError, UsageError) as exc:
+        print(f"outbox-consumer: {exc}", file=sys.stderr)
+        return 2
+    except (DeadLetterNotFound, AlreadyReplayed) as exc:
+        print(f"outbox-consumer: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 1
+    except Exception as exc:
+        log.exception("outbox-consumer failed")
+        print(f"outbox-consumer: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def load_consumer(target: str) -> Consumer:
+    """Import ``MODULE:ATTRIBUTE``; the attribute is a Consumer or a factory returning one."""
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UsageError(f"{target!r} is not MODULE:ATTRIBUTE (e.g. myapp.consumers:billing)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    obj: Any = module
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UsageError(f"{module_name!r} has no attribute {attribute!r}") from None
+    if not isinstance(obj, Consumer) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Consumer):
+        raise UsageError(f"{target} is {type(obj).__name__}, not a Consumer or a factory of one")
+    return obj
+
+
+def _run(args: argparse.Namespace) -> int:
+    consumer = load_consumer(args.target)
+    batch_size = args.batch_size if args.batch_size is not None else env_int("BATCH_SIZE", 0)
+    config = consumer.config
+    if batch_size:
+        config = dataclasses.replace(config, batch_size=batch_size)
+    if args.schema:
+        config = dataclasses.replace(config, schema=args.schema)
+    port = args.metrics_port if args.metrics_port is not None else env_int("METRICS_PORT", -1)
+    hooks = None
+    if port >= 0:
+        from metrics import start_metrics  # imported only when asked for
+
+        hooks = start_metrics(port, args.metrics_host)
+    consumer = consumer.with_overrides(
+        database=args.database_url,
+        redis=args.redis_url,
+        group=args.group,
+        config=config,
+        hooks=hooks,
+    )
+    log.info(
+        "outbox-consumer starting",
+        extra=fields(
+            group=consumer.group,
+            consumer=consumer.name,
+            streams=consumer.streams,
+            database=describe_url(consumer.engine.url),
+            batch_size=consumer.config.batch_size,
+        ),
+    )
+    stop = GracefulStop().install()
+    consumer.run(stop)
+    return 0
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+def _tables(config: ConsumerConfig) -> q.InboxSchema:
+    return q.build_inbox_schema(config.schema)
+
+
+def _dead_letters(args: argparse.Namespace, config: ConsumerConfig) -> int:
+    if args.limit <= 0:
+        raise ConfigError("--limit", "must be positive")
+    engine = make_engine(args.database_url)
+    tables = _tables(config)
+    q.create_inbox_schema(engine, tables)
+    rows = list_dead_letters(
+        engine, tables, group=args.group, include_replayed=args.all, limit=args.limit
+    )
+    if args.json:
+        print(json.dumps([_jsonable(row) for row in rows], indent=2, default=str))
+        return 0
+    if not rows:
+        print("no dead letters")
+        return 0
+    header = ("ID", "GROUP", "STREAM", "ENTRY", "EVENT", "REASON", "DELIVERIES", "STATE", "ERROR")
+    lines = [header] + [
+        (
+            str(row["id"]),
+            row["group_name"],
+            row["stream"],
+            row["entry_id"],
+            row["event_id"] or "-",
+            row["reason"],
+            str(row["deliveries"]),
+            row["state"],
+            (row["error"] or "").replace("\n", " ")[:80],
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    for line in lines:
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
+            + "  "
+            + line[-1]
+        )
+    return 0
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    out = dict(row)
+    with contextlib.suppress(TypeError, ValueError):
+        out["payload"] = json.loads(row["payload"])
+    for key in ("created_at", "replayed_at"):
+        if out.get(key) is not None:
+            out[key] = out[key].isoformat()
+    return out
+
+
+def _replay(args: argparse.Namespace, config: ConsumerConfig) -> int:
+    engine = make_engine(args.database_url)
+    tables = _tables(config)
+    q.create_inbox_schema(engine, tables)
+    entry_id = replay_dead_letter(engine, tables, redis_client(args.redis_url), args.record_id)
+    print(f"replayed dead-letter record {args.record_id} as entry {entry_id}")
+    return 0
+
+
+def _init_db(args: argparse.Namespace, config: ConsumerConfig) -> int:
+    engine = make_engine(args.database_url)
+    q.create_inbox_schema(engine, _tables(config))
+    print(f"consumer tables ready in {describe_url(engine.url)}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Operator actions on dead letters: list them, and replay one after a fix.
+
+Replay re-injects the entry's original fields into its original stream as a NEW entry
+(XADD), then marks the record ``replayed`` with the new entry id, in one database
+transaction that commits only after the XADD succeeded. Every group reading that stream
+sees the new entry; groups that had already handled its identity skip it as a duplicate
+(their inbox has it), the group that dead-lettered it handles it (a dead-lettered identity
+is never in the inbox). If the process dies between XADD and commit, the record stays
+``needs_attention`` and a second replay adds a second entry: the inbox makes that one a
+duplicate too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis as redislib
+from sqlalchemy.engine import Engine
+
+from consumer import inbox as q
+from consumer.errors import AlreadyReplayed, DeadLetterNotFound
+
+
+def list_dead_letters(
+    engine: Engine,
+    tables: q.InboxSchema,
+    *,
+    group: str | None = None,
+    include_replayed: bool = False,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        return q.list_dead_letters(
+            conn,
+            tables.dead_letters,
+            group=group,
+            include_replayed=include_replayed,
+            limit=limit,
+        )
+
+
+def replay_dead_letter(
+    engine: Engine, tables: q.InboxSchema, client: redislib.Redis, record_id: int
+) -> str:
+    """Re-inject dead-letter record ``record_id`` into its stream; return the new entry id.
+
+    Raises DeadLetterNotFound for an unknown id, AlreadyReplayed for a record replayed
+    before (its ``replayed_entry_id`` says where)."""
+    with engine.begin() as conn:
+        row = q.get_dead_letter(conn, tables.dead_letters, record_id, lock=True)
+        if row is None:
+            raise DeadLetterNotFound(f"no dead-letter record with id {record_id}")
+        if row["state"] == q.REPLAYED:
+            raise AlreadyReplayed(
+                f"dead-letter record {record_id} was replayed at {row['replayed_at']} "
+                f"as entry {row['replayed_entry_id']} of {row['stream']}"
+            )
+        fields = json.loads(row["payload"])
+        if not isinstance(fields, dict) or not fields:
+            fields = {"dl.empty": "1"}
+        new_id = client.xadd(row["stream"], {str(k): str(v) for k, v in fields.items()})
+        entry_id = new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+        q.mark_replayed(conn, tables.dead_letters, record_id, entry_id)
+    return entry_id

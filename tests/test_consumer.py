@@ -1,0 +1,610 @@
+"""Consumer contract suite (PostgreSQL and SQLite through ``db_url``, real Redis): guarantee 6
+of DESIGN.md. Entries are written with XADD in the relay's stream format, so these tests do
+not depend on the relay."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+
+from consumer import Consumer
+from consumer.consumer import ConsumerConfig, ConsumerTx
+from consumer.consumer_admin import replay_dead_letter
+from consumer.consumer_event import ConsumedEvent, decode_entry, encode_entry
+from consumer.errors import AlreadyReplayed, DeadLetterNotFound, UndecodableEntry
+from outbox.errors import ConfigError
+from outbox.hooks import Hooks
+
+TOPIC = "quote.approved"
+
+md = MetaData()
+jobs = Table(
+    "test_jobs",
+    md,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    # Deliberately NOT unique: a duplicate effect must show up as a second row.
+    Column("identity", String(200), nullable=False),
+    Column("event_id", String(64), nullable=False),
+)
+
+
+class RecordingHooks(Hooks):
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[Any, ...]]] = {}
+
+    def _add(self, name: str, *args: Any) -> None:
+        self.calls.setdefault(name, []).append(args)
+
+    def consumer_handled(self, group: str, stream: str, count: int) -> None:
+        self._add("handled", group, stream, count)
+
+    def consumer_duplicate(self, group: str, count: int) -> None:
+        self._add("duplicate", group, count)
+
+    def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
+        self._add("dead", group, stream, count)
+
+    def consumer_lag(self, group: str, stream: str, lag: int | None, pending: int) -> None:
+        self._add("lag", group, stream, lag, pending)
+
+    def consumer_cycle_ok(self, timestamp: float) -> None:
+        self._add("cycle", timestamp)
+
+    def total(self, name: str) -> int:
+        return sum(int(args[-1]) for args in self.calls.get(name, []))
+
+
+def publish(
+    client: redis.Redis,
+    stream: str,
+    identity: str | None,
+    event_id: str,
+    *,
+    topic: str = TOPIC,
+    data: Any = None,
+) -> str:
+    fields = encode_entry(
+        topic,
+        data if data is not None else {"n": event_id},
+        event_id=event_id,
+        subject="quote-017",
+        tenant="studio",
+        identity=identity,
+        headers={"traceid": "abc"},
+        time="2025-01-02T03:04:05.678Z",
+    )
+    return client.xadd(stream, fields).decode()  # type: ignore[arg-type,union-attr]
+
+
+def job_identities(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return [row[0] for row in conn.execute(select(jobs.c.identity).order_by(jobs.c.id))]
+
+
+def drain(consumer: Consumer) -> int:
+    total = 0
+    while (n := consumer.run_once(block=False)) > 0:
+        total += n
+    return total
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def stream(stream_prefix: str) -> str:
+    return f"{stream_prefix}.outbox.{TOPIC}"
+
+
+@pytest.fixture
+def make(
+    db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis
+) -> Iterator[Callable[..., Consumer]]:
+    made: list[Consumer] = []
+
+    def factory(
+        *, group: str = "billing", handler: Callable[..., Any] | None = None, **config: Any
+    ) -> Consumer:
+        settings: dict[str, Any] = {"block_ms": 50}
+        settings.update(config)
+        consumer = Consumer(
+            db_url,
+            redis_url,
+            group=group,
+            topics=[TOPIC],
+            stream=f"{stream_prefix}.outbox.{{topic}}",
+            config=ConsumerConfig(**settings),
+            hooks=RecordingHooks(),
+        )
+        md.create_all(consumer.engine, checkfirst=True)
+
+        def default(event: ConsumedEvent, tx: ConsumerTx) -> None:
+            tx.session.execute(insert(jobs).values(identity=event.identity, event_id=event.id))
+
+        consumer.add_handler(TOPIC, handler or default)
+        made.append(consumer)
+        return consumer
+
+    yield factory
+    for consumer in made:
+        consumer.engine.dispose()
+
+
+# -- deduplication -----------------------------------------------------------------------------
+
+
+def test_same_identity_published_three_times_creates_one_job(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make()
+    for n in range(3):
+        publish(redis_client, stream, "studio:send-quote-017", f"evt-{n}")
+    publish(redis_client, stream, "studio:send-quote-018", "evt-x")
+    assert drain(consumer) == 4
+    # And once more in a later batch: still a duplicate.
+    publish(redis_client, stream, "studio:send-quote-017", "evt-3")
+    assert drain(consumer) == 1
+    assert sorted(job_identities(consumer.engine)) == [
+        "studio:send-quote-017",
+        "studio:send-quote-018",
+    ]
+    hooks = consumer.hooks
+    assert isinstance(hooks, RecordingHooks)
+    assert hooks.total("handled") == 2
+    assert hooks.total("duplicate") == 3
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_identity_defaults_to_event_id(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make()
+    publish(redis_client, stream, None, "evt-1")
+    publish(redis_client, stream, None, "evt-1")  # the relay republished the same event
+    publish(redis_client, stream, None, "evt-2")
+    assert drain(consumer) == 3
+    assert sorted(job_identities(consumer.engine)) == ["evt-1", "evt-2"]
+
+
+def test_entry_of_a_dead_consumer_is_claimed_back_and_handled_once(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make(claim_idle_ms=0)
+    consumer.run_once(block=False)  # creates the group
+    publish(redis_client, stream, "studio:a", "evt-a")
+    # A consumer reads the entry and dies before acknowledging it.
+    got = redis_client.xreadgroup("billing", "ghost", {stream: ">"}, count=10)
+    assert len(got[0][1]) == 1  # type: ignore[index]
+    assert consumer.run_once(block=False) == 1  # XAUTOCLAIM takes it over
+    assert job_identities(consumer.engine) == ["studio:a"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+class CrashBeforeAck(Consumer):
+    """Dies (as far as Redis knows) between commit and XACK, once."""
+
+    crashed = False
+
+    def _acknowledge(self, outcome: Any) -> None:
+        if not self.crashed:
+            self.crashed = True
+            raise redis.ConnectionError("simulated crash after commit")
+        super()._acknowledge(outcome)
+
+
+def test_entry_delivered_twice_after_commit_creates_one_job(
+    db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis, stream: str
+) -> None:
+    config = ConsumerConfig(block_ms=50, claim_idle_ms=0)
+    template = f"{stream_prefix}.outbox.{{topic}}"
+    first = CrashBeforeAck(
+        db_url, redis_url, group="billing", topics=[TOPIC], stream=template, config=config
+    )
+    second = Consumer(
+        db_url,
+        redis_url,
+        group="billing",
+        topics=[TOPIC],
+        stream=template,
+        config=config,
+        hooks=RecordingHooks(),
+    )
+    md.create_all(first.engine, checkfirst=True)
+    for c in (first, second):
+        c.add_handler(
+            TOPIC,
+            lambda e, tx: tx.session.execute(
+                insert(jobs).values(identity=e.identity, event_id=e.id)
+            ),
+        )
+    publish(redis_client, stream, "studio:a", "evt-a")
+    with pytest.raises(redis.ConnectionError):
+        first.run_once(block=False)  # committed the job, never acknowledged
+    assert redis_client.xpending(stream, "billing")["pending"] == 1
+    # Another consumer claims the entry back: a second delivery of the same entry.
+    assert second.run_once(block=False) == 1
+    assert job_identities(second.engine) == ["studio:a"]
+    assert isinstance(second.hooks, RecordingHooks)
+    assert second.hooks.total("duplicate") == 1
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+    for c in (first, second):
+        c.engine.dispose()
+
+
+def test_duplicates_inside_one_batch_and_batch_handlers(
+    db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = Consumer(
+        db_url,
+        redis_url,
+        group="billing",
+        streams=[stream],
+        config=ConsumerConfig(block_ms=50),
+    )
+    md.create_all(consumer.engine, checkfirst=True)
+    batches: list[int] = []
+
+    @consumer.handler(TOPIC, batch=True)
+    def many(events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        batches.append(len(events))
+        tx.session.execute(
+            insert(jobs), [{"identity": e.identity, "event_id": e.id} for e in events]
+        )
+
+    for n in range(50):
+        publish(redis_client, stream, f"id-{n % 20}", f"evt-{n}")
+    assert drain(consumer) == 50
+    assert sorted(job_identities(consumer.engine)) == sorted(f"id-{n}" for n in range(20))
+    assert batches == [20]  # one call for the batch's 20 new identities
+
+
+# -- failures and dead letters -----------------------------------------------------------------
+
+
+def test_failing_handler_rolls_back_only_its_entry_then_dead_letters(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    calls: list[str] = []
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        calls.append(event.identity)
+        tx.session.execute(insert(jobs).values(identity=event.identity, event_id=event.id))
+        if event.identity == "bad":
+            raise ValueError("cannot price quote 17")
+
+    consumer = make(handler=handler, claim_idle_ms=0, max_deliveries=3)
+    for name in ("a", "b", "bad", "c", "d"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    assert consumer.run_once(block=False) == 4
+    # The others committed; the bad one's row (written before it raised) did not.
+    assert sorted(job_identities(consumer.engine)) == ["a", "b", "c", "d"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 1
+    # Claimed back (idle 0) and retried until its third delivery, then dead-lettered.
+    wait_for(
+        lambda: consumer.run_once(block=False) >= 0 and bool(consumer.dead_letters()),
+        "dead letter",
+    )
+    records = consumer.dead_letters()
+    assert len(records) == 1
+    record = records[0]
+    assert record["reason"] == "poison"
+    assert record["deliveries"] == 3
+    assert record["error"] == "ValueError: cannot price quote 17"
+    assert record["identity"] == "bad" and record["event_id"] == "evt-bad"
+    assert record["group_name"] == "billing" and record["stream"] == stream
+    assert json.loads(record["payload"])["identity"] == "bad"
+    dead = redis_client.xrange(consumer.dead_letter_stream_for(stream))
+    assert len(dead) == 1
+    fields = {k.decode(): v.decode() for k, v in dead[0][1].items()}
+    assert fields["dl.reason"] == "poison"
+    assert fields["dl.entry_id"] == record["entry_id"]
+    assert fields["dl.record_id"] == str(record["id"])
+    assert fields["id"] == "evt-bad"
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+    assert sorted(job_identities(consumer.engine)) == ["a", "b", "c", "d"]
+    assert isinstance(consumer.hooks, RecordingHooks)
+    assert consumer.hooks.total("dead") == 1
+
+
+def test_malformed_entries_are_dead_lettered_and_never_crash(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make()
+    consumer.run_once(block=False)
+    good = encode_entry(TOPIC, {"ok": True}, event_id="evt-good", identity="good")
+    bad_entries: list[dict[Any, Any]] = [
+        {"foo": "bar"},  # nothing of an event
+        {**good, "id": "evt-nojson", "identity": "nojson", "data": "{not json"},
+        {k: v for k, v in good.items() if k != "type"} | {"id": "evt-notype"},
+        {**good, "id": "evt-long", "identity": "x" * 500},
+        {**good, "id": b"\xff\xfe", "identity": "binary"},
+        {**good, "id": "evt-unknown", "identity": "unknown", "type": "quote.rejected"},
+    ]
+    for fields in bad_entries[:3]:
+        redis_client.xadd(stream, fields)
+    redis_client.xadd(stream, good)  # type: ignore[arg-type]
+    for fields in bad_entries[3:]:
+        redis_client.xadd(stream, fields)
+    assert drain(consumer) == 7
+    assert job_identities(consumer.engine) == ["good"]
+    records = consumer.dead_letters()
+    reasons = [(r["reason"], r["event_id"]) for r in records]
+    assert reasons == [
+        ("undecodable", None),
+        ("undecodable", "evt-nojson"),
+        ("undecodable", "evt-notype"),
+        ("undecodable", "evt-long"),
+        ("undecodable", "\ufffd\ufffd"),
+        ("unknown_type", "evt-unknown"),
+    ]
+    assert "data: is not JSON" in records[1]["error"]
+    assert "type" in records[2]["error"]
+    assert "identity" in records[3]["error"]
+    assert "quote.rejected" in records[5]["error"]
+    assert len(redis_client.xrange(consumer.dead_letter_stream_for(stream))) == 6
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_unknown_types_can_be_skipped(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make(unknown_types="skip")
+    publish(redis_client, stream, "x", "evt-x", topic="quote.rejected")
+    publish(redis_client, stream, "y", "evt-y")
+    assert drain(consumer) == 2
+    assert job_identities(consumer.engine) == ["y"]
+    assert consumer.dead_letters() == []
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_entry_delivered_more_than_max_is_dead_lettered_without_running(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    calls: list[str] = []
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        calls.append(event.identity)
+
+    consumer = make(handler=handler, claim_idle_ms=0, max_deliveries=2)
+    consumer.run_once(block=False)
+    publish(redis_client, stream, "killer", "evt-k")
+    # Two consumers in a row took it and died (an entry that kills its process).
+    redis_client.xreadgroup("billing", "ghost-1", {stream: ">"})
+    redis_client.xautoclaim(stream, "billing", "ghost-2", 0, "0-0")
+    assert consumer.run_once(block=False) == 1  # third delivery > max_deliveries
+    assert calls == []
+    [record] = consumer.dead_letters()
+    assert record["reason"] == "poison" and record["deliveries"] == 3
+
+
+def test_replay_reinjects_after_a_fix(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    broken = {"on": True}
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        if broken["on"]:
+            raise RuntimeError("bug")
+        tx.session.execute(insert(jobs).values(identity=event.identity, event_id=event.id))
+
+    consumer = make(handler=handler, max_deliveries=1)
+    publish(redis_client, stream, "q-1", "evt-1")
+    assert drain(consumer) == 1
+    [record] = consumer.dead_letters()
+    broken["on"] = False  # the fix
+    new_id = replay_dead_letter(consumer.engine, consumer.tables, redis_client, record["id"])
+    assert drain(consumer) == 1
+    assert job_identities(consumer.engine) == ["q-1"]
+    assert consumer.dead_letters() == []
+    [replayed] = consumer.dead_letters(include_replayed=True)
+    assert replayed["state"] == "replayed" and replayed["replayed_entry_id"] == new_id
+    with pytest.raises(AlreadyReplayed):
+        replay_dead_letter(consumer.engine, consumer.tables, redis_client, record["id"])
+    with pytest.raises(DeadLetterNotFound):
+        replay_dead_letter(consumer.engine, consumer.tables, redis_client, 424242)
+
+
+# -- groups, streams, retention ----------------------------------------------------------------
+
+
+def test_group_starts_at_the_beginning_unless_dollar(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    publish(redis_client, stream, "early", "evt-early")  # before any consumer exists
+    from_start = make(group="from-start")
+    from_now = Consumer(
+        from_start.engine,
+        redis_client,
+        group="from-now",
+        streams=[stream],
+        start="$",
+        config=ConsumerConfig(block_ms=50),
+    )
+    from_now.add_handler(
+        TOPIC,
+        lambda e, tx: tx.session.execute(
+            insert(jobs).values(identity="now:" + e.identity, event_id=e.id)
+        ),
+    )
+    assert drain(from_now) == 0
+    assert drain(from_start) == 1
+    publish(redis_client, stream, "late", "evt-late")
+    assert drain(from_now) == 1
+    assert drain(from_start) == 1
+    assert sorted(job_identities(from_start.engine)) == ["early", "late", "now:late"]
+
+
+def test_stream_that_does_not_exist_yet(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make()
+    assert consumer.run_once(block=False) == 0
+    assert redis_client.exists(stream)  # MKSTREAM: the group is there for the first entry
+    publish(redis_client, stream, "first", "evt-1")
+    assert drain(consumer) == 1
+    # The stream is deleted under the consumer: it recreates stream and group and goes on.
+    redis_client.delete(stream)
+    with pytest.raises(redis.ResponseError):
+        consumer.run_once(block=False)
+    assert consumer.run_once(block=False) == 0
+    publish(redis_client, stream, "second", "evt-2")
+    assert drain(consumer) == 1
+    assert job_identities(consumer.engine) == ["first", "second"]
+
+
+def test_inbox_retention_is_the_dedup_window(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make(inbox_retention_seconds=3600, purge_batch=2)
+    for n in range(5):
+        publish(redis_client, stream, f"id-{n}", f"evt-{n}")
+    drain(consumer)
+    with consumer.engine.connect() as conn:
+        clock = conn.execute(select(func.max(consumer.tables.inbox.c.processed_at))).scalar_one()
+    assert consumer.purge_inbox(now=clock + timedelta(seconds=1800)) == 0
+    assert consumer.purge_inbox(now=clock + timedelta(seconds=7200)) == 5  # 3 batches of <= 2
+    publish(redis_client, stream, "id-0", "evt-again")  # outside the window: handled again
+    drain(consumer)
+    assert job_identities(consumer.engine).count("id-0") == 2
+    assert ConsumerConfig().inbox_retention_seconds >= 7 * 24 * 3600
+
+
+def test_stale_consumers_are_removed(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    consumer = make(stale_consumer_ms=1, maintenance_interval_seconds=0.01)
+    consumer.run_once(block=False)
+    redis_client.xreadgroup("billing", "old-incarnation", {stream: ">"})  # nothing pending
+    publish(redis_client, stream, "p", "evt-p")
+    redis_client.xreadgroup("billing", "busy-incarnation", {stream: ">"})  # one pending
+
+    def names() -> set[str]:
+        return {c["name"].decode() for c in redis_client.xinfo_consumers(stream, "billing")}
+
+    wait_for(
+        lambda: consumer.run_once(block=False) >= 0 and "old-incarnation" not in names(), "removal"
+    )
+    assert "busy-incarnation" in names()  # keeps its pending entry until claimed
+
+
+def test_hooks_are_called_and_guarded(
+    db_url: str, redis_url: str, redis_client: redis.Redis, stream: str
+) -> None:
+    class Broken(RecordingHooks):
+        def consumer_handled(self, group: str, stream: str, count: int) -> None:
+            super().consumer_handled(group, stream, count)
+            raise RuntimeError("metrics down")
+
+    hooks = Broken()
+    consumer = Consumer(
+        db_url,
+        redis_url,
+        group="g",
+        streams=[stream],
+        hooks=hooks,
+        config=ConsumerConfig(block_ms=50),
+    )
+    md.create_all(consumer.engine, checkfirst=True)
+    consumer.add_handler(TOPIC, lambda e, tx: None)
+    publish(redis_client, stream, "a", "evt-a")
+    assert drain(consumer) == 1
+    assert hooks.total("handled") == 1
+    assert hooks.calls["lag"][0][:2] == ("g", stream)
+    assert "cycle" in hooks.calls
+
+
+# -- decoding and validation -------------------------------------------------------------------
+
+
+def test_decode_entry_reads_the_relay_format() -> None:
+    fields = encode_entry(
+        TOPIC,
+        {"total": 120},
+        event_id="e1",
+        subject="quote-017",
+        tenant="studio",
+        identity="studio:send-quote-017",
+        headers={"x": "1"},
+        time="2025-01-02T03:04:05Z",
+    )
+    fields["partitionkey"] = "7"
+    fields["traceparent"] = "00-abc-def-01"
+    raw = {k.encode(): v.encode() for k, v in fields.items()}
+    event = decode_entry("s", "1-0", raw, 2)
+    assert (event.id, event.type, event.subject, event.tenant, event.identity) == (
+        "e1",
+        TOPIC,
+        "quote-017",
+        "studio",
+        "studio:send-quote-017",
+    )
+    assert event.data == {"total": 120} and event.headers == {"x": "1"}
+    assert (event.stream, event.entry_id, event.deliveries) == ("s", "1-0", 2)
+    assert event.time is not None and event.time.year == 2025
+    assert event.partition_key == "7" and event.traceparent == "00-abc-def-01"
+    with pytest.raises(UndecodableEntry) as info:
+        decode_entry("s", "1-0", {b"id": b"x", b"type": b"t"}, 1)
+    assert info.value.field == "data"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"block_ms": -1}, "block_ms"),
+        ({"max_deliveries": 0}, "max_deliveries"),
+        ({"claim_idle_ms": "x"}, "claim_idle_ms"),
+        ({"inbox_retention_seconds": 0}, "inbox_retention_seconds"),
+        ({"dead_letter_stream": "{nope}"}, "dead_letter_stream"),
+        ({"unknown_types": "drop"}, "unknown_types"),
+        ({"schema": "bad name"}, "schema"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict[str, Any], setting: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ConsumerConfig(**kwargs)
+    assert info.value.setting == setting
+
+
+def test_consumer_validation(sqlite_url: str) -> None:
+    def build(**kwargs: Any) -> Consumer:
+        settings: dict[str, Any] = {"group": "g", "topics": [TOPIC]}
+        settings.update(kwargs)
+        return Consumer(sqlite_url, "redis://127.0.0.1:6379/0", **settings)
+
+    for kwargs, setting in [
+        ({"group": ""}, "group"),
+        ({"topics": None}, "topics"),
+        ({"streams": ["s"]}, "topics"),
+        ({"topics": "quote.approved"}, "topics"),
+        ({"topics": []}, "topics"),
+        ({"stream": "outbox.{tenant}"}, "stream"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            build(**kwargs)
+        assert info.value.setting == setting, kwargs
+    with pytest.raises(ConfigError):
+        Consumer(sqlite_url, "http://nope", group="g", topics=[TOPIC])
+    with pytest.raises(ConfigError):
+        Consumer(42, group="g", topics=[TOPIC])  # type: ignore[arg-type]
+    consumer = build()
+    consumer.add_handler(TOPIC, lambda e, tx: None)
+    with pytest.raises(ConfigError):
+        consumer.add_handler(TOPIC, lambda e, tx: None)
+    with pytest.raises(ConfigError):
+        build().run_once()  # no handler registered
+    assert consumer.streams == ["outbox.quote.approved"]
+    assert build(streams=["a", "a", "b"], topics=None).streams == ["a", "b"]
