@@ -12,9 +12,31 @@ from consumer.errors import Conflict, ConsumerError
 _LAZY = {
     "Store": "consumer.store",
     "Consumer": "consumer.consumer",
+    # the job store's public names (consumer/store.py, worker.py, retry.py, operations.py)
+    "EnqueueResult": "consumer.store",
+    "Lease": "consumer.store",
+    "Timer": "consumer.store",
+    "StoreConfig": "consumer.store",
+    "RetryPolicy": "consumer.retry",
+    "Worker": "consumer.worker",
+    "WorkerConfig": "consumer.worker",
+    "JobContext": "consumer.worker",
 }
 
-__all__ = ["Conflict", "ConsumerError", "Consumer", "Store"]
+__all__ = [
+    "Conflict",
+    "Consumer",
+    "ConsumerError",
+    "EnqueueResult",
+    "JobContext",
+    "Lease",
+    "RetryPolicy",
+    "Store",
+    "StoreConfig",
+    "Timer",
+    "Worker",
+    "WorkerConfig",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,191 @@
+"""The job store's tables, as SQLAlchemy metadata (Alembic users can include ``metadata``).
+
+Times are **unix seconds as double precision** (``now`` may be given as a number in every
+call, and lease arithmetic ``now + ttl`` is the same SQL on PostgreSQL and SQLite). The
+database clock in that unit is :class:`db_epoch` (PostgreSQL ``extract(epoch from now())``,
+SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs_states``.
+
+``outbox_jobs`` - one row per job (metrics read these names; do not rename):
+
+- ``id``: surrogate key. ``tenant`` + ``action``: the job's identity, unique per tenant
+  (``uq_outbox_jobs_tenant_action``); enqueueing it again returns the existing row.
+- ``kind``: the handler's name (NULL: the Worker routes by the action's prefix).
+- ``subject`` / ``subject_version``: the business subject the job acts on and the version
+  it was planned against. ``payload``: JSON. ``provider``: the external provider, for the
+  per-provider backoff ceiling.
+- ``state``: READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE,
+  CANCELLED. ``priority``: higher first within a tenant.
+- ``run_after``: when the job is next eligible (NULL: at once). For a waiting job, when its
+  timer wakes it.
+- ``attempts``: claims so far. ``auth_failures``: consecutive authentication failures.
+  ``first_failed_at``: start of the current failure streak (the recovery window).
+  ``last_error``: the latest failure's text. ``wait_reason``: why it waits.
+- ``lease_owner`` / ``lease_expires_at`` / ``lease_epoch``: the lease. ``lease_epoch``
+  increments on every claim and never decreases; every holder's move is compare-and-set on
+  (id, epoch). An expired lease is ``state = 'LEASED' AND lease_expires_at <= now``.
+- ``timer_scheduled_for`` / ``timer_reason`` / ``timer_subject_version`` /
+  ``timer_cancellation_condition`` (JSON): a business timer (``Store.schedule``).
+- ``created_at`` / ``updated_at``.
+
+Useful metric queries: jobs per state ``SELECT state, count(*) ... GROUP BY state``; oldest
+eligible READY age ``db_epoch - min(coalesce(run_after, created_at)) WHERE state = 'READY'
+AND coalesce(run_after, created_at) <= db_epoch``; expired leases ``count(*) WHERE state =
+'LEASED' AND lease_expires_at <= db_epoch`` (index ``ix_outbox_jobs_leased``).
+
+``outbox_job_attempts`` - the attempt history, one row per ended attempt or move:
+``job_id``, ``epoch``, ``worker``, ``outcome`` (done, retry, waiting_external,
+waiting_review, needs_attention, expired, cancelled, scheduled, conflict-free moves only),
+``error``, ``at``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Double,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
+
+from consumer.jobs_states import LEASED, READY, WAITING_EXTERNAL, WAITING_REVIEW
+
+JOBS_TABLE = "outbox_jobs"
+ATTEMPTS_TABLE = "outbox_job_attempts"
+NAME_LENGTH = 200
+
+PG_CLOCK = "CAST(extract(epoch from now()) AS double precision)"
+# julianday('now') has millisecond resolution; 2440587.5 is the julian day of 1970-01-01.
+SQLITE_CLOCK = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class db_epoch(FunctionElement[float]):
+    """The database clock in unix seconds (PostgreSQL: the transaction's start)."""
+
+    type = Double()
+    inherit_cache = True
+    name = "db_epoch"
+
+
+@compiles(db_epoch)
+def _db_epoch_pg(element: db_epoch, compiler: Any, **kw: Any) -> str:
+    return PG_CLOCK
+
+
+@compiles(db_epoch, "sqlite")
+def _db_epoch_sqlite(element: db_epoch, compiler: Any, **kw: Any) -> str:
+    return SQLITE_CLOCK
+
+
+def clock_sql(dialect: str) -> str:
+    return SQLITE_CLOCK if dialect == "sqlite" else PG_CLOCK
+
+
+def _json() -> JSON:
+    return JSON().with_variant(JSONB(), "postgresql")
+
+
+def _id_type() -> BigInteger:
+    return BigInteger().with_variant(Integer(), "sqlite")
+
+
+metadata = MetaData()
+
+jobs = Table(
+    JOBS_TABLE,
+    metadata,
+    Column("id", _id_type(), primary_key=True, autoincrement=True),
+    Column("tenant", String(NAME_LENGTH), nullable=False),
+    Column("action", String(NAME_LENGTH), nullable=False),
+    Column("kind", String(NAME_LENGTH), nullable=True),
+    Column("subject", String(NAME_LENGTH), nullable=True),
+    Column("subject_version", String(NAME_LENGTH), nullable=True),
+    Column("payload", _json(), nullable=True),
+    Column("provider", String(NAME_LENGTH), nullable=True),
+    Column("state", String(24), nullable=False, server_default=text(f"'{READY}'")),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("run_after", Double, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("auth_failures", Integer, nullable=False, server_default=text("0")),
+    Column("first_failed_at", Double, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("wait_reason", Text, nullable=True),
+    Column("lease_owner", String(NAME_LENGTH), nullable=True),
+    Column("lease_expires_at", Double, nullable=True),
+    Column("lease_epoch", BigInteger, nullable=False, server_default=text("0")),
+    Column("timer_scheduled_for", Double, nullable=True),
+    Column("timer_reason", Text, nullable=True),
+    Column("timer_subject_version", String(NAME_LENGTH), nullable=True),
+    Column("timer_cancellation_condition", _json(), nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+    UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
+)
+
+# The claim walks READY rows of one tenant in (priority desc, id) order, and the fairness
+# scan hops from tenant to tenant over the same index (a loose index scan). Partial: it holds
+# only READY rows, so DONE rows piling up never slow the claim.
+Index(
+    "ix_outbox_jobs_ready",
+    jobs.c.tenant,
+    jobs.c.priority.desc(),
+    jobs.c.id,
+    postgresql_where=jobs.c.state == READY,
+    sqlite_where=jobs.c.state == READY,
+)
+# Recovery looks for expired leases only.
+Index(
+    "ix_outbox_jobs_leased",
+    jobs.c.lease_expires_at,
+    postgresql_where=jobs.c.state == LEASED,
+    sqlite_where=jobs.c.state == LEASED,
+)
+# Timers of waiting jobs.
+Index(
+    "ix_outbox_jobs_waiting",
+    jobs.c.run_after,
+    postgresql_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
+    sqlite_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
+)
+
+attempts = Table(
+    ATTEMPTS_TABLE,
+    metadata,
+    Column("id", _id_type(), primary_key=True, autoincrement=True),
+    Column("job_id", BigInteger, nullable=False),
+    Column("epoch", BigInteger, nullable=True),
+    Column("worker", String(NAME_LENGTH), nullable=True),
+    Column("outcome", String(32), nullable=False),
+    Column("error", Text, nullable=True),
+    Column("at", Double, nullable=False),
+)
+Index("ix_outbox_job_attempts_job", attempts.c.job_id)
+
+
+def create_schema(bind: Engine | Connection) -> None:
+    """Create the job tables and indexes if missing (idempotent, safe at every start)."""
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            _create(conn)
+    else:
+        _create(bind)
+
+
+def _create(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+    metadata.create_all(conn, checkfirst=True)

@@ -1,0 +1,64 @@
+"""Job states and the one table of allowed moves between them.
+
+Every state change the store makes is checked against :data:`TRANSITIONS` (the SQL of each
+move also filters on the allowed source states, so a race cannot sneak past the check):
+
+- ``READY``: eligible to be claimed once ``run_after`` (NULL = at once) has passed.
+- ``LEASED``: held by one worker until ``lease_expires_at``; ``lease_epoch`` fences it.
+- ``WAITING_EXTERNAL``: waiting for a reply from outside (a provider callback, a customer);
+  no worker holds it. ``resume`` (the reply) or a timer makes it READY again.
+- ``WAITING_REVIEW``: a person must decide (a permanent failure, an unreconcilable
+  operation). ``resume`` (the decision) or ``cancel`` ends the wait.
+- ``NEEDS_ATTENTION``: the attempts or the recovery window are spent, or credentials were
+  refused repeatedly; an operator fixes the cause, then ``resume``.
+- ``DONE`` and ``CANCELLED``: terminal. ``CANCELLED`` is the extra state this store adds:
+  a timer whose subject changed or whose cancellation condition holds, or an operator's
+  ``cancel``, ends the job without acting.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from consumer.errors import IllegalTransition
+
+READY: Final = "READY"
+LEASED: Final = "LEASED"
+WAITING_EXTERNAL: Final = "WAITING_EXTERNAL"
+WAITING_REVIEW: Final = "WAITING_REVIEW"
+NEEDS_ATTENTION: Final = "NEEDS_ATTENTION"
+DONE: Final = "DONE"
+CANCELLED: Final = "CANCELLED"
+
+STATES: Final = (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED)
+WAITING: Final = (WAITING_EXTERNAL, WAITING_REVIEW)
+TERMINAL: Final = (DONE, CANCELLED)
+
+TRANSITIONS: Final[dict[str, frozenset[str]]] = {
+    # claim; cancel by an operator; an operator may also park a job for review.
+    READY: frozenset({LEASED, CANCELLED, WAITING_REVIEW}),
+    # The lease holder's moves (finish, fail, wait, schedule, cancel), recovery of an
+    # expired lease (READY or NEEDS_ATTENTION), and a new claim of an expired lease (LEASED
+    # again, with the next epoch).
+    LEASED: frozenset(
+        {LEASED, DONE, READY, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, CANCELLED}
+    ),
+    # A reply or a timer makes it eligible; the wait may also end in review or cancellation.
+    WAITING_EXTERNAL: frozenset({READY, WAITING_REVIEW, CANCELLED}),
+    # An operator's decision: retry (READY) or give up (CANCELLED).
+    WAITING_REVIEW: frozenset({READY, CANCELLED}),
+    NEEDS_ATTENTION: frozenset({READY, CANCELLED}),
+    DONE: frozenset(),
+    CANCELLED: frozenset(),
+}
+
+
+def sources(target: str) -> tuple[str, ...]:
+    """The states from which ``target`` may be reached (for the SQL's state filter)."""
+    return tuple(state for state in STATES if target in TRANSITIONS[state])
+
+
+def check_transition(job: str, current: str, target: str) -> None:
+    """Raise :class:`IllegalTransition` unless ``current -> target`` is allowed."""
+    if target not in TRANSITIONS.get(current, frozenset()):
+        raise IllegalTransition(job, current, target)

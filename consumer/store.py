@@ -1,0 +1,1259 @@
+"""The durable job store: leases fenced by epochs, waiting states, timers, tenant fairness.
+
+A job is an obligation with a lifecycle, not a sleeping process: a row in ``outbox_jobs``
+(see ``consumer.jobs_schema``) that moves between the states of ``consumer.jobs_states``.
+
+Contract:
+
+- **Identity.** ``(tenant, action)`` is unique; ``enqueue`` of an existing identity returns
+  the existing job with ``duplicate=True`` (also when it is DONE: an action happens once).
+- **Fencing.** ``claim`` increments ``lease_epoch``. Every move by a lease holder (``renew``,
+  ``finish``, ``fail``, ``wait_external``, ``wait_review``, ``schedule`` and ``cancel`` given a
+  lease) is one ``UPDATE ... WHERE id = :id AND lease_epoch = :epoch AND lease_owner =
+  :worker AND state = 'LEASED'``; no row matched means :class:`~consumer.errors.Conflict`.
+  The epoch is the fence, not the clock: after its lease expired a holder may still finish
+  as long as nobody claimed or recovered the job meanwhile (doing so changes the epoch or
+  the state and fences it out).
+- **Refused claims return None.** ``claim`` of a job whose lease is live, or that is not
+  READY (or not yet eligible), returns ``None``; an unknown job raises ``JobNotFound``.
+- **Time.** ``now`` (unix seconds, or a datetime; naive means UTC) replaces the database
+  clock in a call; without it every comparison uses the database server's clock.
+- **Transitions** are checked against ``consumer.jobs_states.TRANSITIONS`` (one table); a
+  disallowed one raises ``IllegalTransition``.
+- **Fairness** (``claim_batch`` / ``claim_next``): round robin over the tenants that have
+  READY work. Each claim splits its batch into equal shares per tenant (a tenant with fewer
+  eligible jobs leaves its share unused for that claim) and the order of tenants rotates
+  from claim to claim, so with ``claim_next`` (batch of one) tenants alternate: tenant B's
+  10 jobs are all claimed within the first 20 claims even if tenant A has 10,000 ready.
+  Within a tenant: higher ``priority`` first, then enqueue order.
+- **Recovery** (``recover``, run by workers periodically): expired leases go back to READY,
+  or to NEEDS_ATTENTION when ``max_attempts`` claims were spent; due timers of waiting jobs
+  make them READY. Bounded by ``limit`` rows per call; it never touches a live lease.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Row,
+    and_,
+    create_engine,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
+
+from consumer import jobs_queries as q
+from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.jobs_schema import NAME_LENGTH, attempts, db_epoch, jobs
+from consumer.jobs_schema import create_schema as _create_schema
+from consumer.jobs_states import (
+    CANCELLED,
+    DONE,
+    LEASED,
+    NEEDS_ATTENTION,
+    READY,
+    WAITING,
+    WAITING_EXTERNAL,
+    WAITING_REVIEW,
+    check_transition,
+    sources,
+)
+from consumer.retry import RetryPolicy
+from outbox.db import configure_sqlite, make_engine, normalise_url
+from outbox.errors import ConfigError
+
+Time = float | int | datetime
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """``job_id`` of the job; ``duplicate`` is True when the identity existed already."""
+
+    job_id: int
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class Timer:
+    """A business timer: when, why, against which subject version, and the condition (JSON
+    data the handler interprets) under which it must not act."""
+
+    scheduled_for: float
+    reason: str
+    subject_version: str | None = None
+    cancellation_condition: Any = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed job: what a worker needs to run it and to prove it still holds it."""
+
+    job_id: int
+    tenant: str
+    action: str
+    kind: str | None
+    subject: str | None
+    subject_version: str | None
+    payload: Any
+    provider: str | None
+    attempts: int
+    epoch: int
+    worker: str
+    expires_at: float
+    timer: Timer | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A snapshot of a job row (``Store.get``)."""
+
+    id: int
+    tenant: str
+    action: str
+    kind: str | None
+    subject: str | None
+    subject_version: str | None
+    payload: Any
+    provider: str | None
+    state: str
+    priority: int
+    run_after: float | None
+    attempts: int
+    auth_failures: int
+    last_error: str | None
+    wait_reason: str | None
+    lease_owner: str | None
+    lease_expires_at: float | None
+    lease_epoch: int
+    timer: Timer | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One row of a job's history."""
+
+    job_id: int
+    epoch: int | None
+    worker: str | None
+    outcome: str
+    error: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    requeued: int = 0
+    needs_attention: int = 0
+    woken: int = 0
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """``finish_batch``: the job ids finished, and those whose lease was lost (fenced)."""
+
+    done: list[int] = field(default_factory=list)
+    conflicts: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries."""
+
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_tenants_scanned: int = 1000
+    recover_limit: int = 500
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigError("retry", "must be a RetryPolicy")
+        for name in ("max_tenants_scanned", "recover_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+JobRef = "int | str | tuple[str, str] | Lease"
+
+
+# -- the store -------------------------------------------------------------------------------
+
+
+class Store:
+    """The job store on one database (see the module docstring for the contract).
+
+    ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long
+    as the Store); ``Store(url_or_engine)`` otherwise: a URL or the same Engine the rest of
+    the application uses. The schema is created on construction (idempotent) unless
+    ``create_schema=False``.
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | URL | Engine | None = None,
+        *,
+        config: StoreConfig | None = None,
+        create_schema: bool = True,
+    ) -> None:
+        self._lock: AbstractContextManager[Any] = nullcontext()
+        if isinstance(url_or_engine, Engine):
+            self.engine = url_or_engine
+        elif url_or_engine is None or isinstance(url_or_engine, (str, URL)):
+            self.engine = _engine_for(url_or_engine)
+        else:
+            raise ConfigError(
+                "url_or_engine",
+                f"expected a URL string or an Engine, got {type(url_or_engine).__name__}",
+            )
+        if isinstance(self.engine.pool, StaticPool):
+            # One connection shared by every thread: transactions must not interleave on it.
+            self._lock = threading.RLock()
+        self.config = config if config is not None else StoreConfig()
+        if not isinstance(self.config, StoreConfig):
+            raise ConfigError("config", "must be a StoreConfig")
+        self.dialect = self.engine.dialect.name
+        self._cursor = ""  # fairness rotation: the tenant served first by the last claim
+        self._cursor_lock = threading.Lock()
+        if create_schema:
+            self.create_schema()
+
+    def create_schema(self) -> None:
+        """Create the job tables if they do not exist (idempotent)."""
+        with self._lock:
+            _create_schema(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """A short transaction we own; on SQLite it takes the write lock up front."""
+        with self._lock, self.engine.connect() as conn:
+            if self.dialect == "sqlite":
+                conn.execution_options(sqlite_begin="IMMEDIATE")
+            with conn.begin():
+                yield conn
+
+    @property
+    def _pg(self) -> bool:
+        return self.dialect == "postgresql"
+
+    def _clock(self, conn: Connection, now: float | None) -> float:
+        if now is not None:
+            return now
+        return float(conn.execute(select(db_epoch())).scalar_one())
+
+    # -- enqueue -------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        tenant: str,
+        action: str,
+        *,
+        subject: str | None = None,
+        subject_version: str | int | None = None,
+        payload: Any = None,
+        priority: int = 0,
+        run_after: Time | None = None,
+        kind: str | None = None,
+        provider: str | None = None,
+        session: Session | Connection | None = None,
+        now: Time | None = None,
+    ) -> EnqueueResult:
+        """Create the job ``(tenant, action)`` in READY, or return the existing one.
+
+        With ``session`` (a SQLAlchemy Session or Connection) the insert joins the caller's
+        transaction and is never committed here; otherwise the store commits it.
+        ``run_after`` delays eligibility; ``kind`` names the handler (default: routed by the
+        action's prefix); ``provider`` selects a per-provider backoff ceiling.
+        """
+        _name("tenant", tenant)
+        _name("action", action)
+        _name("subject", subject, optional=True)
+        version = _version("subject_version", subject_version)
+        _name("kind", kind, optional=True)
+        _name("provider", provider, optional=True)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise JobError("priority", f"must be an integer, got {priority!r}")
+        _check_json("payload", payload)
+        when = _time("now", now)
+        after = _time("run_after", run_after)
+        stamp: Any = literal(when) if when is not None else db_epoch()
+        values = {
+            "tenant": tenant,
+            "action": action,
+            "kind": kind,
+            "subject": subject,
+            "subject_version": version,
+            "payload": payload,
+            "provider": provider,
+            "state": READY,
+            "priority": priority,
+            "run_after": after,
+            "created_at": stamp,
+            "updated_at": stamp,
+        }
+        if session is None:
+            with self._tx() as conn:
+                return self._enqueue(conn, values)
+        if isinstance(session, Session):
+            return self._enqueue(session.connection(), values)
+        if isinstance(session, Connection):
+            return self._enqueue(session, values)
+        raise JobError("session", f"must be a Session or Connection, got {type(session).__name__}")
+
+    def _enqueue(self, conn: Connection, values: dict[str, Any]) -> EnqueueResult:
+        # ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
+        # inserts, so RETURNING is how we learn whether this call created the row.
+        ins = pg_insert(jobs) if conn.dialect.name == "postgresql" else sqlite_insert(jobs)
+        stmt = (
+            ins.values(**values)
+            .on_conflict_do_nothing(index_elements=["tenant", "action"])
+            .returning(jobs.c.id)
+        )
+        new_id = conn.execute(stmt).scalar()
+        if new_id is not None:
+            return EnqueueResult(int(new_id), False)
+        existing = conn.execute(
+            select(jobs.c.id).where(
+                jobs.c.tenant == values["tenant"], jobs.c.action == values["action"]
+            )
+        ).scalar()
+        if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
+            raise Conflict(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
+        return EnqueueResult(int(existing), True)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def get(self, job: Any, action: str | None = None) -> Job:
+        """The job's current row; ``JobNotFound`` if it does not exist."""
+        where, label = _key(job, action)
+        with self._lock, self.engine.connect() as conn:
+            row = conn.execute(select(jobs).where(where)).first()
+        if row is None:
+            raise JobNotFound(f"no job {label}")
+        return _job(row)
+
+    def history(self, job: Any, action: str | None = None) -> list[Attempt]:
+        """The job's attempt history, oldest first."""
+        job_id = self.get(job, action).id
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(
+                select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)
+            ).all()
+        return [Attempt(r.job_id, r.epoch, r.worker, r.outcome, r.error, float(r.at)) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """Jobs per state (every state present, zero when none)."""
+        from sqlalchemy import func
+
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
+        result = dict.fromkeys(
+            (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED), 0
+        )
+        result.update({state: int(n) for state, n in rows})
+        return result
+
+    # -- claiming ------------------------------------------------------------------------
+
+    def claim(
+        self,
+        tenant: str,
+        action: str,
+        worker: str,
+        now: Time | None = None,
+        ttl: float = 30,
+    ) -> int | None:
+        """Lease the job ``(tenant, action)`` to ``worker`` for ``ttl`` seconds.
+
+        Returns the new epoch, or ``None`` when the job cannot be claimed now: its lease is
+        live, it is not READY, or ``run_after`` is still ahead. An expired lease is taken
+        over (the old holder is fenced out by the new epoch and its attempt recorded as
+        ``expired``). Unknown job: ``JobNotFound``.
+        """
+        _name("tenant", tenant)
+        _name("action", action)
+        _name("worker", worker)
+        seconds = _ttl(ttl)
+        when = _time("now", now)
+        where, label = _key(tenant, action)
+        with self._tx() as conn:
+            # Lock the row (PostgreSQL) so the check and the move are one step; SQLite holds
+            # its write lock already.
+            row = conn.execute(
+                select(
+                    jobs.c.id,
+                    jobs.c.state,
+                    jobs.c.run_after,
+                    jobs.c.lease_owner,
+                    jobs.c.lease_epoch,
+                    jobs.c.lease_expires_at,
+                    jobs.c.attempts,
+                )
+                .where(where)
+                .with_for_update()
+            ).first()
+            if row is None:
+                raise JobNotFound(f"no job {label}")
+            clock = self._clock(conn, when)
+            takeover = row.state == LEASED and row.lease_expires_at <= clock
+            if row.state == LEASED and not takeover:
+                return None
+            if row.state == READY and row.run_after is not None and row.run_after > clock:
+                return None
+            if row.state not in (READY, LEASED):
+                return None
+            if takeover and row.attempts >= self.config.retry.max_attempts:
+                return None  # spent: recovery moves it to NEEDS_ATTENTION
+            new_epoch = int(row.lease_epoch) + 1
+            moved = conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == row.id,
+                    jobs.c.state == row.state,
+                    jobs.c.lease_epoch == row.lease_epoch,
+                )
+                .values(
+                    state=LEASED,
+                    lease_owner=worker,
+                    lease_epoch=new_epoch,
+                    lease_expires_at=clock + seconds,
+                    attempts=jobs.c.attempts + 1,
+                    updated_at=clock,
+                )
+                .returning(jobs.c.id)
+            ).first()
+            if moved is None:  # pragma: no cover - the row lock makes this unreachable
+                return None
+            if takeover:
+                self._record(
+                    conn,
+                    row.id,
+                    int(row.lease_epoch),
+                    row.lease_owner,
+                    "expired",
+                    "lease expired",
+                    clock,
+                )
+            return new_epoch
+
+    def claim_next(self, worker: str, ttl: float = 30, *, now: Time | None = None) -> Lease | None:
+        """Claim one eligible job, fairly across tenants (see the module docstring)."""
+        leases = self.claim_batch(worker, 1, ttl, now=now)
+        return leases[0] if leases else None
+
+    def claim_batch(
+        self, worker: str, limit: int, ttl: float = 30, *, now: Time | None = None
+    ) -> list[Lease]:
+        """Claim up to ``limit`` eligible jobs in one short transaction, round robin over
+        tenants; each gets its own epoch. PostgreSQL: one statement, FOR UPDATE SKIP LOCKED."""
+        _name("worker", worker)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        seconds = _ttl(ttl)
+        when = _time("now", now)
+        with self._cursor_lock:
+            cursor = self._cursor
+        params: dict[str, Any] = {
+            "cursor": cursor,
+            "max_tenants": self.config.max_tenants_scanned,
+            "limit": limit,
+            "worker": worker,
+            "ttl": seconds,
+        }
+        if when is not None:
+            params["now"] = when
+        with self._tx() as conn:
+            if self._pg:
+                rows = conn.execute(q.pg_claim_batch(when is not None), params).all()
+            else:
+                rows = self._sqlite_claim(conn, params, when is not None)
+        leases = [_lease(row) for row in rows]
+        leases.sort(key=lambda lease: (lease.tenant <= cursor, lease.tenant, lease.job_id))
+        if leases:
+            with self._cursor_lock:
+                self._cursor = leases[0].tenant
+        return leases
+
+    def _sqlite_claim(
+        self, conn: Connection, params: dict[str, Any], now_given: bool
+    ) -> Sequence[Row[Any]]:
+        tenants = [
+            r[0]
+            for r in conn.execute(
+                q.sqlite_tenants(), {k: params[k] for k in ("cursor", "max_tenants")}
+            )
+        ]
+        if not tenants:
+            return []
+        per = max(1, math.ceil(params["limit"] / len(tenants)))
+        ids: list[int] = []
+        for tenant in tenants:
+            pick = {"tenant": tenant, "per": per}
+            if now_given:
+                pick["now"] = params["now"]
+            ids.extend(int(r[0]) for r in conn.execute(q.sqlite_pick(now_given), pick))
+            if len(ids) >= params["limit"]:
+                break
+        ids = ids[: params["limit"]]
+        if not ids:
+            return []
+        lease_params = {"ids": json.dumps(ids), "worker": params["worker"], "ttl": params["ttl"]}
+        if now_given:
+            lease_params["now"] = params["now"]
+        return conn.execute(q.sqlite_lease(now_given), lease_params).all()
+
+    # -- the lease holder's moves (compare-and-set on (job, epoch)) ----------------------
+
+    def renew(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        ttl: float = 30,
+        now: Time | None = None,
+    ) -> float:
+        """Extend the lease to ``now + ttl``; returns the new expiry. ``Conflict`` if fenced."""
+        seconds = _ttl(ttl)
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self._tx() as conn:
+            clock = self._clock(conn, when)
+            self._cas(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                LEASED,
+                {"lease_expires_at": clock + seconds},
+                clock,
+            )
+        return clock + seconds
+
+    def finish(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held."""
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self._tx() as conn:
+            self._move(conn, where, label, who, epoch_, DONE, {}, "done", None, when)
+
+    def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
+        """Finish many leases in one transaction, each fenced on its own epoch. Leases that
+        were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
+        items = list(leases)
+        for lease in items:
+            if not isinstance(lease, Lease):
+                raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
+        when = _time("now", now)
+        if not items:
+            return BatchResult()
+        done: list[int] = []
+        by_worker: dict[str, list[Lease]] = {}
+        for lease in items:
+            by_worker.setdefault(lease.worker, []).append(lease)
+        with self._tx() as conn:
+            for worker, group in by_worker.items():
+                if self._pg:
+                    params: dict[str, Any] = {
+                        "ids": ",".join(str(x.job_id) for x in group),
+                        "epochs": ",".join(str(x.epoch) for x in group),
+                        "worker": worker,
+                    }
+                    if when is not None:
+                        params["now"] = when
+                    done.extend(
+                        int(r[0]) for r in conn.execute(q.pg_finish_batch(when is not None), params)
+                    )
+                else:
+                    clock = self._clock(conn, when)
+                    for lease in group:
+                        try:
+                            self._move(
+                                conn,
+                                jobs.c.id == lease.job_id,
+                                str(lease.job_id),
+                                worker,
+                                lease.epoch,
+                                DONE,
+                                {},
+                                "done",
+                                None,
+                                clock,
+                            )
+                        except Conflict:
+                            continue
+                        done.append(lease.job_id)
+        finished = set(done)
+        return BatchResult(
+            done=sorted(finished),
+            conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
+        )
+
+    def fail(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        error: str | BaseException = "",
+        kind: str = "transient",
+        provider: str | None = None,
+        now: Time | None = None,
+        rng: random.Random | None = None,
+    ) -> str:
+        """Record a failed attempt; returns the job's new state (see ``consumer.retry``):
+        transient -> READY after a jittered backoff (NEEDS_ATTENTION when spent), permanent
+        -> WAITING_REVIEW, auth -> READY then NEEDS_ATTENTION after a few."""
+        if kind not in ("transient", "permanent", "auth"):
+            raise JobError("kind", f"must be transient, permanent or auth, got {kind!r}")
+        _name("provider", provider, optional=True)
+        text_error = _error_text(error)
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self._tx() as conn:
+            row = conn.execute(
+                select(
+                    jobs.c.attempts,
+                    jobs.c.auth_failures,
+                    jobs.c.first_failed_at,
+                    jobs.c.provider,
+                )
+                .where(
+                    where,
+                    jobs.c.lease_epoch == epoch_,
+                    jobs.c.lease_owner == who,
+                    jobs.c.state == LEASED,
+                )
+                .with_for_update()
+            ).first()
+            if row is None:
+                self._diagnose(conn, where, label, who, epoch_)
+            assert row is not None
+            clock = self._clock(conn, when)
+            auth_failures = row.auth_failures + 1 if kind == "auth" else 0
+            started = row.first_failed_at if row.first_failed_at is not None else clock
+            decision = self.config.retry.decide(
+                kind,
+                attempts=int(row.attempts),
+                auth_failures=auth_failures,
+                elapsed=max(0.0, clock - started),
+                provider=provider or row.provider,
+                rng=rng,
+            )
+            values: dict[str, Any] = {
+                "auth_failures": auth_failures,
+                "first_failed_at": started,
+                "last_error": text_error,
+            }
+            if decision.state == READY:
+                values["run_after"] = clock + decision.delay
+            else:
+                values["wait_reason"] = decision.reason
+            outcome = {READY: "retry"}.get(decision.state, decision.state.lower())
+            self._move(
+                conn, where, label, who, epoch_, decision.state, values, outcome, text_error, clock
+            )
+        return decision.state
+
+    def wait_external(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        until: Time | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> WAITING_EXTERNAL: the worker is released; ``resume`` (the reply) or the
+        timer at ``until`` (if given) makes the job READY again."""
+        self._wait(job, action, worker, epoch, WAITING_EXTERNAL, reason, until, now)
+
+    def wait_review(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        until: Time | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> WAITING_REVIEW: a person must decide (``resume`` or ``cancel``)."""
+        self._wait(job, action, worker, epoch, WAITING_REVIEW, reason, until, now)
+
+    def _wait(
+        self,
+        job: Any,
+        action: str | None,
+        worker: str | None,
+        epoch: int | None,
+        state: str,
+        reason: str | None,
+        until: Time | None,
+        now: Time | None,
+    ) -> None:
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        when = _time("now", now)
+        wake = _time("until", until)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self._tx() as conn:
+            self._move(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                state,
+                {"wait_reason": reason, "run_after": wake},
+                state.lower(),
+                reason,
+                when,
+            )
+
+    def schedule(
+        self,
+        job: Any,
+        scheduled_for: Time,
+        reason: str,
+        subject_version: str | int | None = None,
+        cancellation_condition: Any = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """Set a business timer on ``job``: at ``scheduled_for`` it becomes eligible, and its
+        handler re-reads the subject (``Lease.timer``): a changed version or a holding
+        cancellation condition means cancel or re-plan instead of acting.
+
+        ``job`` is a :class:`Lease` (the holder re-plans: LEASED -> READY, fenced by its
+        epoch) or a job id / ``(tenant, action)`` for a job that is READY (stays READY,
+        delayed) or waiting (stays waiting; the timer wakes it).
+        """
+        at = _time("scheduled_for", scheduled_for)
+        if at is None:
+            raise JobError("scheduled_for", "is required")
+        if not isinstance(reason, str) or not reason:
+            raise JobError("reason", "must be a non-empty string")
+        version = _version("subject_version", subject_version)
+        _check_json("cancellation_condition", cancellation_condition)
+        when = _time("now", now)
+        timer_values = {
+            "run_after": at,
+            "timer_scheduled_for": at,
+            "timer_reason": reason,
+            "timer_subject_version": version,
+            "timer_cancellation_condition": cancellation_condition,
+        }
+        if isinstance(job, Lease):
+            with self._tx() as conn:
+                self._move(
+                    conn,
+                    jobs.c.id == job.job_id,
+                    str(job.job_id),
+                    job.worker,
+                    job.epoch,
+                    READY,
+                    {**timer_values, "wait_reason": None},
+                    "scheduled",
+                    reason,
+                    when,
+                    clear_timer=False,
+                )
+            return
+        where, label = _key(job, None)
+        with self._tx() as conn:
+            clock = self._clock(conn, when)
+            moved = conn.execute(
+                update(jobs)
+                .where(where, jobs.c.state.in_((READY, *WAITING)))
+                .values(**timer_values, updated_at=clock)
+                .returning(jobs.c.id)
+            ).first()
+            if moved is None:
+                state = self._state(conn, where, label)
+                # A timer on a leased, finished or attention-needing job is not ours to set.
+                if state == LEASED:
+                    raise Conflict(f"job {label} is leased: its holder schedules it")
+                check_transition(label, state, READY)
+                raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
+
+    def cancel(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """-> CANCELLED. Given a lease (or worker and epoch) it is the holder's fenced move;
+        otherwise an operator's, allowed from READY, waiting states and NEEDS_ATTENTION (a
+        leased job raises ``Conflict``: only its holder may cancel it)."""
+        when = _time("now", now)
+        if isinstance(job, Lease) or worker is not None or epoch is not None:
+            where, label, who, epoch_ = _holder(job, action, worker, epoch)
+            with self._tx() as conn:
+                self._move(
+                    conn,
+                    where,
+                    label,
+                    who,
+                    epoch_,
+                    CANCELLED,
+                    {"wait_reason": reason},
+                    "cancelled",
+                    reason,
+                    when,
+                )
+            return
+        where, label = _key(job, action)
+        self._operator_move(
+            where, label, CANCELLED, {"wait_reason": reason}, "cancelled", reason, when
+        )
+
+    def resume(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        run_after: Time | None = None,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """A reply or an operator's decision: WAITING_EXTERNAL, WAITING_REVIEW or
+        NEEDS_ATTENTION -> READY (eligible at ``run_after``, default at once). The failure
+        counters restart, so a fixed job gets its full retry budget again."""
+        when = _time("now", now)
+        after = _time("run_after", run_after)
+        where, label = _key(job, action)
+        values = {
+            "run_after": after,
+            "wait_reason": None,
+            "auth_failures": 0,
+            "first_failed_at": None,
+            "attempts": 0,
+        }
+        self._operator_move(
+            where,
+            label,
+            READY,
+            values,
+            "resumed",
+            reason,
+            when,
+            allowed=(WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION),
+        )
+
+    def _operator_move(
+        self,
+        where: ColumnElement[bool],
+        label: str,
+        target: str,
+        values: dict[str, Any],
+        outcome: str,
+        note: str | None,
+        when: float | None,
+        allowed: tuple[str, ...] | None = None,
+    ) -> None:
+        from_states = tuple(s for s in (allowed or sources(target)) if s != LEASED)
+        with self._tx() as conn:
+            clock = self._clock(conn, when)
+            row = conn.execute(
+                update(jobs)
+                .where(where, jobs.c.state.in_(from_states))
+                .values(**values, state=target, updated_at=clock, **_NO_TIMER)
+                .returning(jobs.c.id, jobs.c.lease_epoch)
+            ).first()
+            if row is None:
+                state = self._state(conn, where, label)
+                if state == LEASED and target in (CANCELLED,):
+                    raise Conflict(f"job {label} is leased: only its holder may move it")
+                if state not in from_states:
+                    check_transition(label, state, target)
+                    raise IllegalTransition(label, state, target)
+                raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
+            self._record(conn, row.id, None, None, outcome, note, clock)
+
+    def _move(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        label: str,
+        worker: str,
+        epoch: int,
+        target: str,
+        values: dict[str, Any],
+        outcome: str,
+        note: str | None,
+        when: float | None,
+        *,
+        clear_timer: bool = True,
+    ) -> int:
+        """The holder's move LEASED -> ``target``, ended lease, history row. Returns the id."""
+        check_transition(label, LEASED, target)
+        clock = self._clock(conn, when)
+        moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
+        if clear_timer:
+            moved.update(_NO_TIMER)
+        job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
+        self._record(conn, job_id, epoch, worker, outcome, note, clock)
+        return job_id
+
+    def _cas(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        label: str,
+        worker: str,
+        epoch: int,
+        target: str,
+        values: dict[str, Any],
+        clock: float,
+    ) -> int:
+        # The fence: one UPDATE matching (job, epoch, owner, LEASED); no row = Conflict.
+        row = conn.execute(
+            update(jobs)
+            .where(
+                where,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .values(**values, updated_at=clock)
+            .returning(jobs.c.id)
+        ).first()
+        if row is None:
+            self._diagnose(conn, where, label, worker, epoch)
+        assert row is not None
+        return int(row[0])
+
+    def _diagnose(
+        self, conn: Connection, where: ColumnElement[bool], label: str, worker: str, epoch: int
+    ) -> None:
+        row = conn.execute(
+            select(jobs.c.state, jobs.c.lease_epoch, jobs.c.lease_owner).where(where)
+        ).first()
+        if row is None:
+            raise JobNotFound(f"no job {label}")
+        raise Conflict(
+            f"job {label}: {worker} with epoch {epoch} is fenced out "
+            f"(state {row.state}, epoch {row.lease_epoch}, owner {row.lease_owner})"
+        )
+
+    def _state(self, conn: Connection, where: ColumnElement[bool], label: str) -> str:
+        state = conn.execute(select(jobs.c.state).where(where)).scalar()
+        if state is None:
+            raise JobNotFound(f"no job {label}")
+        return str(state)
+
+    def _record(
+        self,
+        conn: Connection,
+        job_id: int,
+        epoch: int | None,
+        worker: str | None,
+        outcome: str,
+        error: str | None,
+        clock: float,
+    ) -> None:
+        conn.execute(
+            insert(attempts).values(
+                job_id=job_id, epoch=epoch, worker=worker, outcome=outcome, error=error, at=clock
+            )
+        )
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def recover(self, *, now: Time | None = None, limit: int | None = None) -> RecoveryResult:
+        """Return expired leases to READY (NEEDS_ATTENTION when ``max_attempts`` claims are
+        spent) and wake waiting jobs whose timer is due. At most ``limit`` rows of each.
+
+        Rows are locked with SKIP LOCKED (PostgreSQL) and re-checked against the epoch read,
+        so a lease renewed or finished meanwhile is left alone: a live lease is never touched.
+        """
+        bound = self.config.recover_limit if limit is None else limit
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise JobError("limit", f"must be a positive integer, got {bound!r}")
+        when = _time("now", now)
+        max_attempts = self.config.retry.max_attempts
+        requeued = attention = woken = 0
+        with self._tx() as conn:
+            clock = self._clock(conn, when)
+            expired = conn.execute(
+                select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+                .where(jobs.c.state == LEASED, jobs.c.lease_expires_at <= clock)
+                .order_by(jobs.c.lease_expires_at)
+                .limit(bound)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for row in expired:
+                target = NEEDS_ATTENTION if row.attempts >= max_attempts else READY
+                check_transition(str(row.id), LEASED, target)
+                values: dict[str, Any] = {
+                    "state": target,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "last_error": "lease expired",
+                    "updated_at": clock,
+                }
+                if target == NEEDS_ATTENTION:
+                    values["wait_reason"] = f"{row.attempts} attempts spent (lease expired)"
+                hit = conn.execute(
+                    update(jobs)
+                    .where(
+                        jobs.c.id == row.id,
+                        jobs.c.lease_epoch == row.lease_epoch,
+                        jobs.c.state == LEASED,
+                        jobs.c.lease_expires_at <= clock,
+                    )
+                    .values(**values)
+                    .returning(jobs.c.id)
+                ).first()
+                if hit is None:
+                    continue
+                self._record(
+                    conn,
+                    row.id,
+                    int(row.lease_epoch),
+                    row.lease_owner,
+                    "expired",
+                    "lease expired",
+                    clock,
+                )
+                if target == READY:
+                    requeued += 1
+                else:
+                    attention += 1
+            due = conn.execute(
+                select(jobs.c.id, jobs.c.state)
+                .where(jobs.c.state.in_(WAITING), jobs.c.run_after <= clock)
+                .order_by(jobs.c.run_after)
+                .limit(bound)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for waiting in due:
+                check_transition(str(waiting.id), waiting.state, READY)
+                hit = conn.execute(
+                    update(jobs)
+                    .where(jobs.c.id == waiting.id, jobs.c.state == waiting.state)
+                    .values(state=READY, wait_reason=None, updated_at=clock)
+                    .returning(jobs.c.id)
+                ).first()
+                if hit is not None:
+                    self._record(conn, waiting.id, None, None, "timer_fired", None, clock)
+                    woken += 1
+        return RecoveryResult(requeued=requeued, needs_attention=attention, woken=woken)
+
+
+_NO_TIMER: dict[str, Any] = {
+    "timer_scheduled_for": None,
+    "timer_reason": None,
+    "timer_subject_version": None,
+    "timer_cancellation_condition": None,
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _engine_for(url: str | URL | None) -> Engine:
+    if url is None:
+        return _memory_engine()
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        return _memory_engine()
+    return make_engine(parsed)
+
+
+def _memory_engine() -> Engine:
+    # One connection for the Store's life (StaticPool): an in-memory database exists only
+    # inside its connection, so a pool of several would give each its own empty database.
+    engine = create_engine(
+        make_url("sqlite://"),
+        poolclass=StaticPool,
+        connect_args={"check_same_thread": False},
+    )
+    configure_sqlite(engine)
+    return engine
+
+
+def _name(field_name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise JobError(field_name, f"must be a non-empty string, got {value!r}")
+    if len(value) > NAME_LENGTH:
+        raise JobError(field_name, f"is longer than {NAME_LENGTH} characters")
+
+
+def _version(field_name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise JobError(field_name, f"must be a string or an integer, got {value!r}")
+    text_value = str(value)
+    _name(field_name, text_value)
+    return text_value
+
+
+def _ttl(ttl: object) -> float:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise JobError("ttl", f"must be a number of seconds, got {ttl!r}")
+    if ttl <= 0:
+        raise JobError("ttl", f"must be positive, got {ttl!r}")
+    return float(ttl)
+
+
+def _time(field_name: str, value: object) -> float | None:
+    """A time argument as unix seconds: a number, or a datetime (naive means UTC)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return aware.timestamp()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise JobError(field_name, f"must be unix seconds or a datetime, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise JobError(field_name, f"must be a finite, non-negative time, got {value!r}")
+    return float(value)
+
+
+def _check_json(field_name: str, value: object) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise JobError(field_name, f"is not JSON-serialisable ({exc})") from None
+
+
+def _error_text(error: object) -> str:
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"[:2000]
+    if not isinstance(error, str):
+        raise JobError("error", f"must be a string or an exception, got {error!r}")
+    return error[:2000]
+
+
+def _key(job: object, action: str | None) -> tuple[ColumnElement[bool], str]:
+    """A job reference: a Lease, a job id, ``(tenant, action)`` or ``tenant, action``."""
+    if isinstance(job, Lease):
+        return jobs.c.id == job.job_id, f"{job.tenant}/{job.action}"
+    if isinstance(job, int) and not isinstance(job, bool):
+        if action is not None:
+            raise JobError("action", "give a job id or (tenant, action), not both")
+        return jobs.c.id == job, f"#{job}"
+    if isinstance(job, tuple) and len(job) == 2 and action is None:
+        job, action = job
+    if isinstance(job, str):
+        _name("tenant", job)
+        _name("action", action)
+        return and_(jobs.c.tenant == job, jobs.c.action == action), f"{job}/{action}"
+    raise JobError("job", f"expected a Lease, a job id or (tenant, action), got {job!r}")
+
+
+def _holder(
+    job: object, action: str | None, worker: str | None, epoch: int | None
+) -> tuple[ColumnElement[bool], str, str, int]:
+    if isinstance(job, Lease):
+        worker = job.worker if worker is None else worker
+        epoch = job.epoch if epoch is None else epoch
+    where, label = _key(job, action)
+    _name("worker", worker)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        raise JobError("epoch", f"must be a positive integer (from claim), got {epoch!r}")
+    assert worker is not None
+    return where, label, worker, epoch
+
+
+def _timer(row: Any) -> Timer | None:
+    if row.timer_scheduled_for is None:
+        return None
+    return Timer(
+        scheduled_for=float(row.timer_scheduled_for),
+        reason=row.timer_reason or "",
+        subject_version=row.timer_subject_version,
+        cancellation_condition=row.timer_cancellation_condition,
+    )
+
+
+def _lease(row: Any) -> Lease:
+    return Lease(
+        job_id=int(row.id),
+        tenant=row.tenant,
+        action=row.action,
+        kind=row.kind,
+        subject=row.subject,
+        subject_version=row.subject_version,
+        payload=row.payload,
+        provider=row.provider,
+        attempts=int(row.attempts),
+        epoch=int(row.lease_epoch),
+        worker=row.lease_owner,
+        expires_at=float(row.lease_expires_at),
+        timer=_timer(row),
+    )
+
+
+def _job(row: Any) -> Job:
+    return Job(
+        id=int(row.id),
+        tenant=row.tenant,
+        action=row.action,
+        kind=row.kind,
+        subject=row.subject,
+        subject_version=row.subject_version,
+        payload=row.payload,
+        provider=row.provider,
+        state=row.state,
+        priority=int(row.priority),
+        run_after=row.run_after,
+        attempts=int(row.attempts),
+        auth_failures=int(row.auth_failures),
+        last_error=row.last_error,
+        wait_reason=row.wait_reason,
+        lease_owner=row.lease_owner,
+        lease_expires_at=row.lease_expires_at,
+        lease_epoch=int(row.lease_epoch),
+        timer=_timer(row),
+        created_at=float(row.created_at),
+        updated_at=float(row.updated_at),
+    )

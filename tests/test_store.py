@@ -1,0 +1,344 @@
+"""Job store contract suite: PostgreSQL and SQLite through the ``db_url`` fixture.
+
+Guarantee 7 (fenced jobs) and 9 (waiting costs storage, timers) of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from consumer.errors import (
+    Conflict,
+    IllegalTransition,
+    JobError,
+    JobNotFound,
+)
+from consumer.jobs_states import (
+    CANCELLED,
+    DONE,
+    LEASED,
+    NEEDS_ATTENTION,
+    READY,
+    TRANSITIONS,
+    WAITING_EXTERNAL,
+    WAITING_REVIEW,
+)
+from consumer.retry import RetryPolicy
+from consumer.store import Store, StoreConfig
+from outbox.db import make_engine
+
+
+def test_seed_example_runs_exactly_as_written() -> None:
+    from consumer import Conflict, Store
+
+    store = Store()  # in-memory SQLite; Store(url_or_engine) otherwise
+    store.enqueue("studio", "send-quote-017")
+    epoch = store.claim("studio", "send-quote-017", "worker-a", now=100, ttl=30)  # -> 1
+    # a second claim by another worker is refused until the lease expires (now < 130), then epoch 2 for the next worker  # noqa: E501
+    store.finish("studio", "send-quote-017", "worker-a", epoch, now=132)  # Conflict if fenced out
+
+    assert epoch == 1
+    assert store.get("studio", "send-quote-017").state == DONE
+    assert Conflict is not None
+
+
+def test_seed_story_second_claim_refused_then_epoch_two_fences_the_first() -> None:
+    from consumer import Conflict, Store
+
+    store = Store()
+    store.enqueue("studio", "send-quote-017")
+    assert store.claim("studio", "send-quote-017", "worker-a", now=100, ttl=30) == 1
+    assert store.claim("studio", "send-quote-017", "worker-b", now=129.9, ttl=30) is None
+    assert store.claim("studio", "send-quote-017", "worker-b", now=130, ttl=30) == 2
+    with pytest.raises(Conflict):
+        store.finish("studio", "send-quote-017", "worker-a", 1, now=132)
+    store.finish("studio", "send-quote-017", "worker-b", 2, now=132)
+    history = store.history("studio", "send-quote-017")
+    assert [(a.worker, a.epoch, a.outcome) for a in history] == [
+        ("worker-a", 1, "expired"),
+        ("worker-b", 2, "done"),
+    ]
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    yield s
+    s.dispose()
+
+
+def test_enqueue_is_idempotent_per_tenant(store: Store) -> None:
+    first = store.enqueue("studio", "send-quote-017", subject="quote-017", payload={"n": 1})
+    again = store.enqueue("studio", "send-quote-017", payload={"n": 2})
+    other = store.enqueue("atelier", "send-quote-017")
+    assert not first.duplicate and again.duplicate
+    assert again.job_id == first.job_id
+    assert other.job_id != first.job_id and not other.duplicate
+    assert store.get(first.job_id).payload == {"n": 1}
+
+
+def test_enqueue_joins_the_callers_transaction(db_url: str) -> None:
+    engine = make_engine(db_url)
+    store = Store(engine)
+    with Session(engine) as session:
+        session.begin()
+        result = store.enqueue("studio", "rolled-back", session=session)
+        assert not result.duplicate
+        session.rollback()
+    with pytest.raises(JobNotFound):
+        store.get("studio", "rolled-back")
+    with engine.connect() as conn, conn.begin():
+        store.enqueue("studio", "committed", session=conn)
+    assert store.get("studio", "committed").state == READY
+    engine.dispose()
+
+
+def test_every_holder_move_with_a_stale_epoch_raises_conflict(store: Store) -> None:
+    store.enqueue("t", "job")
+    assert store.claim("t", "job", "a", now=100, ttl=10) == 1
+    assert store.claim("t", "job", "b", now=111, ttl=10) == 2
+    stale = ("t", "job", "a", 1)
+    moves = [
+        lambda: store.renew(*stale, now=112),
+        lambda: store.finish(*stale, now=112),
+        lambda: store.fail(*stale, error="x", now=112),
+        lambda: store.fail(*stale, error="x", kind="permanent", now=112),
+        lambda: store.wait_external(*stale, now=112),
+        lambda: store.wait_review(*stale, now=112),
+        lambda: store.cancel(*stale, now=112),
+    ]
+    for move in moves:
+        with pytest.raises(Conflict):
+            move()
+    # the wrong worker with the right epoch is fenced too
+    with pytest.raises(Conflict):
+        store.finish("t", "job", "a", 2, now=112)
+    job = store.get("t", "job")
+    assert (job.state, job.lease_owner, job.lease_epoch) == (LEASED, "b", 2)
+    store.finish("t", "job", "b", 2, now=112)
+
+
+def test_stale_lease_object_cannot_reschedule(store: Store) -> None:
+    store.enqueue("t", "job")
+    old = store.claim_next("a", ttl=5, now=100)
+    assert old is not None
+    assert store.recover(now=106).requeued == 1
+    new = store.claim_next("b", ttl=5, now=107)
+    assert new is not None and new.epoch == old.epoch + 1
+    with pytest.raises(Conflict):
+        store.schedule(old, 500, "reminder")
+    with pytest.raises(Conflict):
+        store.finish(old)
+    store.finish(new)
+
+
+def test_a_live_lease_is_never_claimed(store: Store) -> None:
+    store.enqueue("t", "job")
+    lease = store.claim_next("a", ttl=30, now=1000)
+    assert lease is not None and lease.epoch == 1
+    for t in (1000, 1010, 1029.999):
+        assert store.claim("t", "job", "b", now=t, ttl=30) is None
+        assert store.claim_next("b", now=t) is None
+        assert store.claim_batch("b", 10, now=t) == []
+    store.renew(lease, ttl=30, now=1020)  # now expires at 1050
+    assert store.claim("t", "job", "b", now=1049, ttl=30) is None
+    assert store.recover(now=1049) == store.recover(now=1049)  # nothing to do
+    assert store.get("t", "job").lease_owner == "a"
+    assert store.claim("t", "job", "b", now=1050, ttl=30) == 2
+
+
+def test_recovery_returns_only_expired_leases(store: Store) -> None:
+    for i in range(6):
+        store.enqueue("t", f"job-{i}")
+    short = store.claim_batch("short", 3, ttl=10, now=100)
+    long = store.claim_batch("long", 3, ttl=100, now=100)
+    assert len(short) == 3 and len(long) == 3
+    assert store.recover(now=109).requeued == 0
+    result = store.recover(now=110)
+    assert result.requeued == 3 and result.needs_attention == 0
+    for lease in short:
+        assert store.get(lease.job_id).state == READY
+        with pytest.raises(Conflict):
+            store.finish(lease)
+    for lease in long:
+        job = store.get(lease.job_id)
+        assert (job.state, job.lease_owner, job.lease_epoch) == (LEASED, "long", lease.epoch)
+        store.finish(lease, now=111)
+    assert [a.outcome for a in store.history(short[0].job_id)] == ["expired"]
+
+
+def test_recovery_is_bounded_and_sends_spent_jobs_to_attention(db_url: str) -> None:
+    store = Store(db_url, config=StoreConfig(retry=RetryPolicy(max_attempts=2)))
+    store.enqueue("t", "flaky")
+    for i in range(5):
+        store.enqueue("t", f"other-{i}")
+    store.claim_batch("w", 10, ttl=1, now=100)
+    assert store.recover(now=200, limit=2).requeued == 2
+    assert store.recover(now=200).requeued == 4
+    assert store.claim("t", "flaky", "w", now=201, ttl=1) == 2
+    result = store.recover(now=300)
+    assert result.needs_attention == 1
+    assert store.get("t", "flaky").state == NEEDS_ATTENTION
+    store.dispose()
+
+
+def test_illegal_transitions_raise(store: Store) -> None:
+    store.enqueue("t", "job")
+    with pytest.raises(IllegalTransition):
+        store.resume("t", "job")  # READY -> READY is no resume
+    epoch = store.claim("t", "job", "w", ttl=30)
+    assert epoch == 1
+    store.finish("t", "job", "w", epoch)
+    with pytest.raises(IllegalTransition) as info:
+        store.resume("t", "job")
+    assert (info.value.current, info.value.target) == (DONE, READY)
+    with pytest.raises(IllegalTransition):
+        store.cancel("t", "job")
+    with pytest.raises(IllegalTransition):
+        store.schedule(("t", "job"), 10**9, "too late")
+    assert store.claim("t", "job", "w") is None  # DONE is terminal
+    assert TRANSITIONS[DONE] == frozenset() and TRANSITIONS[CANCELLED] == frozenset()
+
+
+def test_waiting_states_release_the_worker_and_resume_makes_them_eligible(store: Store) -> None:
+    store.enqueue("t", "ask-customer")
+    store.enqueue("t", "check-vat")
+    ask = store.claim_next("w", now=100)
+    vat = store.claim_next("w", now=100)
+    assert ask is not None and vat is not None
+    store.wait_external(ask, reason="waiting for the customer's reply", now=101)
+    store.wait_review(vat, reason="VAT number rejected", now=101)
+    for lease, state in ((ask, WAITING_EXTERNAL), (vat, WAITING_REVIEW)):
+        job = store.get(lease.job_id)
+        assert job.state == state and job.lease_owner is None and job.lease_expires_at is None
+    assert store.claim_next("w2", now=10**9) is None  # waiting costs storage, not a worker
+    assert store.recover(now=10**9) == store.recover(now=10**9)
+    store.resume(ask.job_id, now=102)  # the reply arrived
+    store.resume("t", "check-vat", now=102)  # an operator decided
+    again = store.claim_batch("w2", 10, now=103)
+    assert sorted(x.job_id for x in again) == sorted([ask.job_id, vat.job_id])
+    assert all(x.epoch == 2 for x in again)
+
+
+def test_a_waiting_job_wakes_on_its_timer(store: Store) -> None:
+    store.enqueue("t", "await-payment")
+    lease = store.claim_next("w", now=100)
+    assert lease is not None
+    store.wait_external(lease, reason="payment", until=500, now=100)
+    assert store.recover(now=499).woken == 0
+    assert store.recover(now=500).woken == 1
+    assert store.claim_next("w", now=501) is not None
+
+
+def test_failures_follow_the_retry_policy(db_url: str) -> None:
+    policy = RetryPolicy(
+        base=10,
+        ceiling=60,
+        provider_ceilings={"sms": 20},
+        max_attempts=4,
+        max_auth_failures=2,
+        max_elapsed=1000,
+    )
+    store = Store(db_url, config=StoreConfig(retry=policy))
+    rng = random.Random(7)
+    store.enqueue("t", "mail", provider="sms")
+    now = 100.0
+    for attempt in (1, 2, 3):
+        lease = store.claim_next("w", now=now)
+        assert lease is not None and lease.attempts == attempt
+        assert store.fail(lease, error=TimeoutError("slow"), now=now, rng=rng) == READY
+        job = store.get(lease.job_id)
+        assert job.run_after is not None and now <= job.run_after <= now + 20  # sms ceiling
+        assert job.last_error == "TimeoutError: slow"
+        assert store.claim_next("w", now=now - 1) is None
+        now = job.run_after
+    lease = store.claim_next("w", now=now)
+    assert lease is not None
+    assert store.fail(lease, error="still slow", now=now) == NEEDS_ATTENTION
+
+    store.enqueue("t", "validate")
+    lease = store.claim("t", "validate", "w", now=1)
+    assert lease == 1
+    assert store.fail("t", "validate", "w", 1, error="bad VAT", kind="permanent") == WAITING_REVIEW
+
+    store.enqueue("t", "auth")
+    states = []
+    t = 100.0
+    for _ in range(2):
+        lease2 = store.claim_next("w", now=t + 10**6)
+        assert lease2 is not None and lease2.action == "auth"
+        states.append(store.fail(lease2, error="401", kind="auth", now=t))
+    assert states == [READY, NEEDS_ATTENTION]
+    history = store.history("t", "auth")
+    assert [h.outcome for h in history] == ["retry", "needs_attention"]
+    store.dispose()
+
+
+def test_recovery_window_bounds_transient_retries(db_url: str) -> None:
+    store = Store(db_url, config=StoreConfig(retry=RetryPolicy(max_elapsed=50)))
+    store.enqueue("t", "job")
+    lease = store.claim_next("w", now=100)
+    assert lease is not None and store.fail(lease, error="e", now=100) == READY
+    lease = store.claim_next("w", now=10**6)
+    assert lease is not None and store.fail(lease, error="e", now=151) == NEEDS_ATTENTION
+    store.resume(lease.job_id, now=152)  # an operator fixed it: the budget restarts
+    lease = store.claim_next("w", now=152)
+    assert lease is not None and lease.attempts == 1
+    store.dispose()
+
+
+def test_now_accepts_datetimes_and_defaults_to_the_database_clock(store: Store) -> None:
+    store.enqueue("t", "job", run_after=datetime(2000, 1, 1, tzinfo=UTC))
+    assert store.claim("t", "job", "w", now=datetime(1999, 12, 31)) is None
+    epoch = store.claim("t", "job", "w", ttl=60)  # database clock: far after 2000
+    assert epoch == 1
+    job = store.get("t", "job")
+    assert job.lease_expires_at is not None
+    assert job.lease_expires_at - job.updated_at == pytest.approx(60)
+    assert job.updated_at > datetime(2020, 1, 1, tzinfo=UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda s: s.enqueue("", "a"), "tenant"),
+        (lambda s: s.enqueue("t", "  "), "action"),
+        (lambda s: s.enqueue("t", "a", payload={1, 2}), "payload"),
+        (lambda s: s.enqueue("t", "a", priority="high"), "priority"),
+        (lambda s: s.claim("t", "a", "w", ttl=-1), "ttl"),
+        (lambda s: s.claim("t", "a", "w", now="noon"), "now"),
+        (lambda s: s.claim("t", "a", ""), "worker"),
+        (lambda s: s.claim_batch("w", 0), "limit"),
+        (lambda s: s.finish("t", "a", "w", 0), "epoch"),
+        (lambda s: s.fail("t", "a", "w", 1, kind="weird"), "kind"),
+        (lambda s: s.schedule(("t", "a"), 5, ""), "reason"),
+    ],
+)
+def test_bad_input_raises_a_typed_error_naming_the_field(call: object, field: str) -> None:
+    store = Store()
+    with pytest.raises(JobError) as info:
+        call(store)  # type: ignore[operator]
+    assert info.value.field == field
+
+
+def test_unknown_jobs_raise_job_not_found(store: Store) -> None:
+    with pytest.raises(JobNotFound):
+        store.claim("t", "nope", "w")
+    with pytest.raises(JobNotFound):
+        store.finish("t", "nope", "w", 1)
+    with pytest.raises(JobNotFound):
+        store.resume(12345)
+
+
+def test_schema_is_created_idempotently(db_url: str) -> None:
+    engine = make_engine(db_url)
+    Store(engine).create_schema()
+    Store(engine).create_schema()
+    assert {"outbox_jobs", "outbox_job_attempts"} <= set(sa.inspect(engine).get_table_names())
+    engine.dispose()
