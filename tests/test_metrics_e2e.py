@@ -1,0 +1,242 @@
+"""End to end: a real Prometheus server scrapes our exporter and evaluates alerts.yml.
+
+The rules are the shipped ones with lowered thresholds and ``for:`` durations
+(``metrics.alerts.render_rules``), evaluated every second. The test writes a stuck record,
+waits until Prometheus's API reports OutboxStuckRecord firing for that event id, fixes the
+record, and waits until the alert resolves. Deadlines bound every wait; no fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from metrics.alerts import render_rules
+from outbox.db import make_engine
+from outbox.schema import OutboxSchema, build_schema, create_schema, db_now
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)  # polling interval of an observable condition, not a wait for it
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def http_get(url: str) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bytes(response.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    handle = log.open("wb")
+    process = subprocess.Popen(
+        args,
+        cwd=REPO,
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+    handle.close()
+    return Proc(process, log)
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.fail("prometheus is missing: apt-get install prometheus (see .ci/run)")
+    return path
+
+
+def start_prometheus(binary: str, tmp: Path, target_port: int) -> tuple[Proc, str]:
+    (tmp / "rules.yml").write_text(render_rules({"stuck_record_attempts": 3}, for_duration="1s"))
+    (tmp / "prometheus.yml").write_text(
+        "global:\n"
+        "  scrape_interval: 1s\n"
+        "  evaluation_interval: 1s\n"
+        "rule_files:\n"
+        "  - rules.yml\n"
+        "scrape_configs:\n"
+        "  - job_name: outbox-relay\n"
+        "    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{target_port}']\n"
+    )
+    port = free_port()
+    proc = spawn(
+        [
+            binary,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        tmp / "prometheus.log",
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def alerts(api: str) -> list[dict[str, Any]]:
+    body = http_get(f"{api}/api/v1/alerts")
+    if body is None:
+        return []
+    return list(json.loads(body)["data"]["alerts"])
+
+
+def stuck_alert(api: str, event_id: str, state: str) -> dict[str, Any] | None:
+    for alert in alerts(api):
+        labels = alert["labels"]
+        if (
+            labels.get("alertname") == "OutboxStuckRecord"
+            and labels.get("event_id") == event_id
+            and alert["state"] == state
+        ):
+            return alert
+    return None
+
+
+def target_up(api: str) -> bool:
+    body = http_get(f"{api}/api/v1/targets")
+    if body is None:
+        return False
+    targets = json.loads(body)["data"]["activeTargets"]
+    return any(t["health"] == "up" for t in targets)
+
+
+@pytest.fixture
+def outbox_engine(pg_url: str) -> Iterator[tuple[sa.Engine, OutboxSchema]]:
+    engine = make_engine(pg_url)
+    schema = build_schema()
+    create_schema(engine, schema)
+    yield engine, schema
+    engine.dispose()
+
+
+def insert_stuck(engine: sa.Engine, schema: OutboxSchema, event_id: str, attempts: int) -> None:
+    """A record the relay keeps failing on: many attempts, backoff pushed into the future."""
+    with engine.begin() as conn:
+        now = conn.execute(sa.select(db_now())).scalar_one()
+        conn.execute(
+            schema.table.insert().values(
+                event_id=event_id,
+                topic="orders",
+                key="quote-017",
+                key_hash=1,
+                identity=event_id,
+                payload={"total": 120},
+                attempts=attempts,
+                last_error="ResponseError: stream rejected the entry",
+                created_at=now,
+                available_at=now + timedelta(hours=1),
+            )
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_prometheus_fires_and_resolves_the_stuck_record_alert(
+    pg_url: str,
+    outbox_engine: tuple[sa.Engine, OutboxSchema],
+    prometheus_binary: str,
+    tmp_path: Path,
+) -> None:
+    engine, schema = outbox_engine
+    exporter_port = free_port()
+    exporter = spawn(
+        [
+            sys.executable,
+            "-m",
+            "metrics",
+            "--database-url",
+            pg_url,
+            "--port",
+            str(exporter_port),
+            "--cache-seconds",
+            "0",
+        ],
+        tmp_path / "exporter.log",
+    )
+    prometheus, api = start_prometheus(prometheus_binary, tmp_path, exporter_port)
+    try:
+        wait_for(
+            "the exporter to serve",
+            lambda: http_get(f"http://127.0.0.1:{exporter_port}/metrics"),
+        )
+        wait_for("Prometheus to scrape the exporter", lambda: target_up(api))
+
+        # A healthy record with a few attempts stays under the threshold: no alert.
+        insert_stuck(engine, schema, "ev-flaky", attempts=1)
+        insert_stuck(engine, schema, "ev-poison", attempts=7)
+        firing = wait_for(
+            "OutboxStuckRecord firing for ev-poison",
+            lambda: stuck_alert(api, "ev-poison", "firing"),
+        )
+        assert firing["labels"]["topic"] == "orders"
+        assert "outbox-relay" in firing["annotations"]["description"]
+        assert stuck_alert(api, "ev-flaky", "firing") is None
+        assert stuck_alert(api, "ev-flaky", "pending") is None
+
+        # The fix: the record is repaired and published (what `requeue` and the relay do).
+        with engine.begin() as conn:
+            conn.execute(
+                schema.table.update()
+                .where(schema.table.c.event_id == "ev-poison")
+                .values(state="published", published_at=db_now())
+            )
+        wait_for(
+            "OutboxStuckRecord to resolve",
+            lambda: not any(a["labels"].get("event_id") == "ev-poison" for a in alerts(api)),
+        )
+    finally:
+        prometheus.stop()
+        exporter.stop()
+    assert exporter.process.returncode == 0, exporter.output()
