@@ -624,6 +624,34 @@ class Store:
             conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
         )
 
+    def release(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> READY without counting a failure: a draining worker hands back a job it
+        claimed but did not start (the claim is not counted as an attempt)."""
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self._tx() as conn:
+            self._move(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                READY,
+                {"attempts": jobs.c.attempts - 1},
+                "released",
+                None,
+                when,
+                clear_timer=False,
+            )
+
     def fail(
         self,
         job: Any,

@@ -1,0 +1,469 @@
+"""Workers: claim jobs fairly, run their handlers under a heartbeat, record the outcome.
+
+```python
+from consumer import Store, Worker
+
+worker = Worker(Store("postgresql+psycopg://localhost/app"))
+
+@worker.handler("send-quote")            # runs jobs whose kind is "send-quote", or whose
+def send_quote(job):                     # action starts with "send-quote-", ":" ...
+    quote = load(job.subject)
+    job.progress()                       # long handlers report progress: the lease is
+    ...                                  # renewed only while they do
+
+worker.run_once()                        # one cycle; returns how many jobs it handled
+worker.run()                             # until SIGTERM: finishes the jobs in hand, exits
+```
+
+Outcomes: a handler that returns finishes the job (DONE; successes of one cycle are
+finished together in one fenced batch). It may instead move the job itself through its
+:class:`JobContext` (``wait_external``, ``wait_review``, ``schedule``, ``cancel``). Raising
+``TransientFailure``/``PermanentFailure``/``AuthFailure`` (``consumer.errors``) records that
+failure; any other exception counts as transient. A job no handler matches goes to
+WAITING_REVIEW (a deploy mistake an operator must see, not a silent retry loop).
+
+Timers: ``job.timer`` is the business timer that made the job eligible (or None).
+``job.recheck(current_version, cancelled=..., replan_at=...)`` compares the subject's
+current facts with those the timer was planned against: it cancels the job when the
+cancellation condition holds, re-plans it (a new timer) when the version changed and
+``replan_at`` is given (cancels otherwise), and returns True only when acting is still right.
+
+Heartbeat: one thread renews the leases of running jobs every ``ttl / 3`` seconds, but only
+for handlers that reported progress (``job.progress()``) since the last renewal; starting
+counts as progress. A stuck handler therefore loses its lease after about one ttl and
+another worker takes the job over; its late moves get ``Conflict`` (fenced).
+
+Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
+the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from consumer.errors import Conflict, JobFailure
+from consumer.store import Lease, Store, Time, Timer, _time
+from outbox.errors import ConfigError
+from outbox.hooks import NO_HOOKS, Hooks
+from outbox.runtime import Backoff, GracefulStop, fields, incarnation_name
+
+log = logging.getLogger("consumer.worker")
+
+Handler = Callable[["JobContext"], Any]
+_SEPARATORS = "-:/.#_"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Frozen worker settings (validated; errors name the field)."""
+
+    name: str = field(default_factory=lambda: incarnation_name("worker"))
+    concurrency: int = 1
+    batch_size: int = 10
+    ttl: float = 30.0
+    poll_interval: float = 0.5
+    recover_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError("name", "must be a non-empty string")
+        for name in ("concurrency", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        for name in ("ttl", "poll_interval", "recover_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(name, f"must be a positive number, got {value!r}")
+
+
+class JobContext:
+    """What a handler gets: the lease's facts and the moves it may make on its job."""
+
+    def __init__(self, store: Store, lease: Lease) -> None:
+        self.store = store
+        self.lease = lease
+        self.outcome: str | None = None  # set when the handler moved the job itself
+        self.lost = False  # set by the heartbeat when the lease was lost (fenced)
+        self._progress = 1
+        self._renewed = 0
+        self._lock = threading.Lock()
+
+    # -- facts ----------------------------------------------------------------------------
+    @property
+    def job_id(self) -> int:
+        return self.lease.job_id
+
+    @property
+    def tenant(self) -> str:
+        return self.lease.tenant
+
+    @property
+    def action(self) -> str:
+        return self.lease.action
+
+    @property
+    def subject(self) -> str | None:
+        return self.lease.subject
+
+    @property
+    def subject_version(self) -> str | None:
+        return self.lease.subject_version
+
+    @property
+    def payload(self) -> Any:
+        return self.lease.payload
+
+    @property
+    def timer(self) -> Timer | None:
+        return self.lease.timer
+
+    @property
+    def attempt(self) -> int:
+        return self.lease.attempts
+
+    # -- heartbeat ------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Say the handler is still making progress: the next heartbeat renews the lease."""
+        with self._lock:
+            self._progress += 1
+
+    def _due_for_renewal(self) -> bool:
+        with self._lock:
+            if self._progress > self._renewed and self.outcome is None and not self.lost:
+                self._renewed = self._progress
+                return True
+            return False
+
+    # -- moves ----------------------------------------------------------------------------
+    def wait_external(self, reason: str | None = None, *, until: Time | None = None) -> None:
+        """Release the worker until a reply (``Store.resume``) or the timer ``until``."""
+        self.store.wait_external(self.lease, reason=reason, until=until)
+        self.outcome = "waiting_external"
+
+    def wait_review(self, reason: str | None = None) -> None:
+        self.store.wait_review(self.lease, reason=reason)
+        self.outcome = "waiting_review"
+
+    def schedule(
+        self,
+        scheduled_for: Time,
+        reason: str,
+        subject_version: str | int | None = None,
+        cancellation_condition: Any = None,
+    ) -> None:
+        """Re-plan: READY again at ``scheduled_for`` with this business timer."""
+        self.store.schedule(
+            self.lease, scheduled_for, reason, subject_version, cancellation_condition
+        )
+        self.outcome = "scheduled"
+
+    def cancel(self, reason: str | None = None) -> None:
+        self.store.cancel(self.lease, reason=reason)
+        self.outcome = "cancelled"
+
+    def recheck(
+        self,
+        current_version: str | int | None,
+        *,
+        cancelled: bool = False,
+        replan_at: Time | None = None,
+    ) -> bool:
+        """Compare the subject's current facts with the timer's; True means act now.
+
+        ``cancelled``: the handler evaluated the timer's ``cancellation_condition`` against
+        the subject and it holds -> the job is cancelled. A ``current_version`` different
+        from the timer's ``subject_version`` -> re-planned at ``replan_at`` (same reason and
+        condition, the new version), or cancelled when no ``replan_at`` is given.
+        """
+        timer = self.timer
+        if cancelled:
+            reason = timer.reason if timer else "timer"
+            self.cancel(f"{reason}: cancellation condition holds")
+            return False
+        if timer is None or timer.subject_version is None:
+            return True
+        current = None if current_version is None else str(current_version)
+        if current == timer.subject_version:
+            return True
+        if replan_at is None:
+            self.cancel(f"{timer.reason}: subject changed ({timer.subject_version} -> {current})")
+            return False
+        if _time("replan_at", replan_at) is None:  # pragma: no cover - checked above
+            return False
+        self.schedule(replan_at, timer.reason, current, timer.cancellation_condition)
+        return False
+
+
+class Worker:
+    """Runs job handlers (see the module docstring). ``store`` may be left None and bound
+    later (the ``outbox-worker`` command binds it from ``--database-url``)."""
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        config: WorkerConfig | None = None,
+        hooks: Hooks | None = None,
+        **options: Any,
+    ) -> None:
+        if store is not None and not isinstance(store, Store):
+            raise ConfigError("store", f"must be a Store, got {type(store).__name__}")
+        base = config if config is not None else WorkerConfig()
+        if not isinstance(base, WorkerConfig):
+            raise ConfigError("config", "must be a WorkerConfig")
+        self.config = replace(base, **options) if options else base
+        self.store = store
+        self.hooks = hooks if hooks is not None else NO_HOOKS
+        self.handlers: dict[str, Handler] = {}
+        self.stop_flag = GracefulStop()
+        self._active: dict[int, JobContext] = {}
+        self._active_lock = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._last_recover = 0.0
+        self._recover_lock = threading.Lock()
+
+    # -- registry -------------------------------------------------------------------------
+    def handler(self, name: str) -> Callable[[Handler], Handler]:
+        """Decorator: register ``fn`` for jobs of kind ``name`` (or actions prefixed by it)."""
+
+        def decorate(fn: Handler) -> Handler:
+            self.register(name, fn)
+            return fn
+
+        return decorate
+
+    def register(self, name: str, fn: Handler) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError("handler name", "must be a non-empty string")
+        if not callable(fn):
+            raise ConfigError("handler", f"{name!r}: not callable")
+        self.handlers[name] = fn
+
+    def route(self, lease: Lease) -> tuple[str, Handler] | None:
+        """The handler for a job: by ``kind``, else the action itself, else the longest
+        registered name the action starts with followed by a separator (``-:/.#_``)."""
+        if lease.kind is not None:
+            fn = self.handlers.get(lease.kind)
+            return (lease.kind, fn) if fn is not None else None
+        if lease.action in self.handlers:
+            return lease.action, self.handlers[lease.action]
+        best: str | None = None
+        for name in self.handlers:
+            if (
+                lease.action.startswith(name)
+                and lease.action[len(name)] in _SEPARATORS
+                and (best is None or len(name) > len(best))
+            ):
+                best = name
+        return (best, self.handlers[best]) if best is not None else None
+
+    def _store(self) -> Store:
+        if self.store is None:
+            raise ConfigError("store", "the worker has no Store: pass one or bind worker.store")
+        return self.store
+
+    # -- one cycle ------------------------------------------------------------------------
+    def run_once(self, *, now: Time | None = None) -> int:
+        """Recover if due, claim a batch, run its handlers, record outcomes; returns how many
+        jobs were handled (0: nothing eligible). Database errors propagate (``run`` retries)."""
+        store = self._store()
+        self._maybe_recover(store, now)
+        leases = store.claim_batch(
+            self.config.name, self.config.batch_size, self.config.ttl, now=now
+        )
+        if not leases:
+            return 0
+        contexts = [JobContext(store, lease) for lease in leases]
+        with self._active_lock:
+            for ctx in contexts:
+                self._active[ctx.job_id] = ctx
+        self._ensure_heartbeat()
+        done: list[tuple[JobContext, str, float]] = []
+        handled = 0
+        try:
+            for index, ctx in enumerate(contexts):
+                if self.stop_flag.stopped:
+                    self._release(contexts[index:])
+                    break
+                outcome, label, started = self._run_one(ctx)
+                handled += 1
+                if outcome == "done":
+                    done.append((ctx, label, started))
+            if done:
+                result = store.finish_batch([ctx.lease for ctx, _, _ in done])
+                lost = set(result.conflicts)
+                for ctx, label, started in done:
+                    if ctx.job_id in lost:
+                        self._hook("worker_lease_conflict", label)
+                        self._hook("worker_job_finished", label, "conflict", _since(started))
+                    else:
+                        self._hook("worker_job_finished", label, "done", _since(started))
+        finally:
+            with self._active_lock:
+                for ctx in contexts:
+                    self._active.pop(ctx.job_id, None)
+        self._hook("worker_cycle_ok", time.time())
+        return handled
+
+    def _run_one(self, ctx: JobContext) -> tuple[str, str, float]:
+        store = self._store()
+        started = time.monotonic()
+        routed = self.route(ctx.lease)
+        label = routed[0] if routed else "unrouted"
+        try:
+            if routed is None:
+                store.fail(
+                    ctx.lease,
+                    error=f"no handler registered for action {ctx.action!r}",
+                    kind="permanent",
+                )
+                outcome = "no_handler"
+            else:
+                try:
+                    routed[1](ctx)
+                except Conflict:
+                    raise
+                except JobFailure as failure:
+                    outcome = (
+                        "failed_"
+                        + store.fail(
+                            ctx.lease, error=failure, kind=failure.kind, provider=failure.provider
+                        ).lower()
+                    )
+                except Exception as exc:  # any other handler error: transient
+                    log.warning(
+                        "job handler failed",
+                        extra=fields(job_id=ctx.job_id, action=ctx.action, error=repr(exc)),
+                    )
+                    outcome = "failed_" + store.fail(ctx.lease, error=exc).lower()
+                else:
+                    outcome = ctx.outcome or "done"
+        except Conflict as exc:
+            log.info("lease lost", extra=fields(job_id=ctx.job_id, error=str(exc)))
+            self._hook("worker_lease_conflict", label)
+            self._hook("worker_job_finished", label, "conflict", _since(started))
+            return "conflict", label, started
+        if outcome != "done":
+            self._hook("worker_job_finished", label, outcome, _since(started))
+        return outcome, label, started
+
+    def _release(self, contexts: list[JobContext]) -> None:
+        for ctx in contexts:
+            try:
+                self._store().release(ctx.lease)
+            except Conflict:
+                continue
+
+    def _maybe_recover(self, store: Store, now: Time | None) -> None:
+        with self._recover_lock:
+            due = time.monotonic() - self._last_recover >= self.config.recover_interval
+            if due:
+                self._last_recover = time.monotonic()
+        if due:
+            result = store.recover(now=now)
+            if result.requeued or result.needs_attention or result.woken:
+                log.info("recovered jobs", extra=fields(**result.__dict__))
+
+    # -- heartbeat ------------------------------------------------------------------------
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat is not None and self._heartbeat.is_alive():
+            return
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"{self.config.name}-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        interval = self.config.ttl / 3
+        while True:
+            with self._active_lock:
+                contexts = list(self._active.values())
+            if not contexts and self.stop_flag.stopped:
+                return
+            for ctx in contexts:
+                if not ctx._due_for_renewal():
+                    continue
+                try:
+                    self._store().renew(ctx.lease, ttl=self.config.ttl)
+                except Conflict:
+                    ctx.lost = True
+                    log.warning("lease lost at renewal", extra=fields(job_id=ctx.job_id))
+                except SQLAlchemyError as exc:
+                    log.warning("lease renewal failed", extra=fields(error=repr(exc)))
+            if self.stop_flag.wait(interval) and not self._active:
+                return
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, *, install_signals: bool = True) -> None:
+        """Run ``concurrency`` loops until SIGTERM/SIGINT or ``stop()``; each drains the job
+        in hand (jobs claimed but not started are released) and the call returns."""
+        self._store()
+        if install_signals:
+            self.stop_flag.install()
+        log.info(
+            "worker started",
+            extra=fields(
+                worker=self.config.name,
+                concurrency=self.config.concurrency,
+                handlers=sorted(self.handlers),
+            ),
+        )
+        threads = [
+            threading.Thread(target=self._loop, name=f"{self.config.name}-{i}", daemon=True)
+            for i in range(self.config.concurrency)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)
+        log.info("worker stopped", extra=fields(worker=self.config.name))
+
+    def stop(self) -> None:
+        self.stop_flag.stop()
+
+    def _loop(self) -> None:
+        backoff = Backoff(0.2, 10.0)
+        idle = Backoff(0.01, self.config.poll_interval)
+        failures = 0
+        empty = 0
+        while not self.stop_flag.stopped:
+            try:
+                handled = self.run_once()
+            except SQLAlchemyError as exc:
+                delay = backoff.delay(failures)
+                failures += 1
+                log.warning(
+                    "worker cycle failed, retrying",
+                    extra=fields(
+                        error=f"{type(exc).__name__}: {exc}"[:500],
+                        attempt=failures,
+                        retry_in_seconds=round(delay, 3),
+                    ),
+                )
+                self.stop_flag.wait(delay)
+                continue
+            failures = 0
+            if handled:
+                empty = 0
+            else:
+                empty += 1
+                self.stop_flag.wait(idle.cap(empty))
+
+    def _hook(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self.hooks, name)(*args)
+        except Exception:  # hooks must never break the worker
+            log.exception("hook failed", extra=fields(hook=name))
+
+
+def _since(started: float) -> float:
+    return time.monotonic() - started

@@ -1,0 +1,169 @@
+"""``outbox-worker``: run job handlers.
+
+```
+outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--batch-size N]
+                                   [--ttl SECONDS] [--metrics-port PORT] [--metrics-host HOST]
+                                   [--log-level LEVEL]
+outbox-worker init-db [--database-url URL]
+```
+
+``MODULE:ATTRIBUTE`` names a :class:`consumer.Worker` or a zero-argument factory returning
+one. A worker built without a Store gets ``Store(--database-url)``; flags override its
+concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*``
+environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_BATCH_SIZE``,
+``OUTBOX_TTL``, ``OUTBOX_METRICS_PORT``, ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no
+database URL, a SQLite file in the working directory. Exit codes: 0 after a clean stop
+(SIGTERM/SIGINT drain the jobs in hand), 1 on failure, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+from outbox.db import default_database_url, describe_url
+from outbox.errors import OutboxError
+from outbox.runtime import env, env_float, env_int, fields, setup_logging
+
+log = logging.getLogger("consumer.worker")
+
+
+class UsageError(Exception):
+    """Bad usage: exit 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-worker", description="Run durable job handlers (fenced leases)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the handlers of a Worker until SIGTERM")
+    run.add_argument("target", help="MODULE:ATTRIBUTE naming a Worker or a factory of one")
+    run.add_argument(
+        "--concurrency", type=int, default=None, help="worker loops (threads) [OUTBOX_CONCURRENCY]"
+    )
+    run.add_argument(
+        "--batch-size", type=int, default=None, help="jobs claimed per cycle [OUTBOX_BATCH_SIZE]"
+    )
+    run.add_argument("--ttl", type=float, default=None, help="lease seconds [OUTBOX_TTL]")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port [OUTBOX_METRICS_PORT]",
+    )
+    run.add_argument(
+        "--metrics-host", default=None, help="metrics bind address [OUTBOX_METRICS_HOST, 127.0.0.1]"
+    )
+    init = sub.add_parser("init-db", help="create the job tables")
+    for p in (run, init):
+        p.add_argument(
+            "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
+        )
+        p.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+    return parser
+
+
+def load_worker(target: str) -> Any:
+    """Import ``MODULE:ATTRIBUTE`` and return the Worker (calling a factory if needed)."""
+    from consumer.worker import Worker
+
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UsageError(f"target {target!r} must be MODULE:ATTRIBUTE")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"{module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, Worker) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Worker):
+        raise UsageError(f"{target!r} is not a Worker nor a factory returning one")
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
+        return int(exc.code or 0)
+    try:
+        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
+        url = args.database_url or env("DATABASE_URL") or default_database_url()
+        if args.command == "init-db":
+            from consumer.store import Store
+
+            Store(url).dispose()
+            log.info("job tables ready", extra=fields(database=describe_url(url)))
+            return 0
+        return _run(args, url)
+    except UsageError as exc:
+        print(f"outbox-worker: {exc}", file=sys.stderr)
+        return 2
+    except OutboxError as exc:
+        # configuration problems (ConfigError, JobError) are bad usage too
+        print(f"outbox-worker: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except Exception as exc:
+        log.exception("worker failed", extra=fields(error=repr(exc)))
+        return 1
+
+
+def _run(args: argparse.Namespace, url: str) -> int:
+    from consumer.store import Store
+
+    worker = load_worker(args.target)
+    options: dict[str, Any] = {}
+    concurrency = args.concurrency if args.concurrency is not None else _env_opt_int("CONCURRENCY")
+    batch = args.batch_size if args.batch_size is not None else _env_opt_int("BATCH_SIZE")
+    ttl = args.ttl if args.ttl is not None else _env_opt_float("TTL")
+    if concurrency is not None:
+        options["concurrency"] = concurrency
+    if batch is not None:
+        options["batch_size"] = batch
+    if ttl is not None:
+        options["ttl"] = ttl
+    if options:
+        worker.config = replace(worker.config, **options)
+    if worker.store is None:
+        worker.store = Store(url)
+    port = args.metrics_port if args.metrics_port is not None else _env_opt_int("METRICS_PORT")
+    if port is not None:
+        from metrics import start_metrics  # lazily: only with the flag
+
+        host = args.metrics_host or env("METRICS_HOST", "127.0.0.1") or "127.0.0.1"
+        worker.hooks = start_metrics(port, host, engine=worker.store.engine)
+    log.info(
+        "outbox-worker starting",
+        extra=fields(
+            database=describe_url(str(worker.store.engine.url)),
+            concurrency=worker.config.concurrency,
+        ),
+    )
+    worker.run()
+    return 0
+
+
+def _env_opt_int(name: str) -> int | None:
+    return env_int(name, 0) if env(name) is not None else None
+
+
+def _env_opt_float(name: str) -> float | None:
+    return env_float(name, 0.0) if env(name) is not None else None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Workers: handler outcomes, business timers, heartbeats, hooks, and the outbox-worker CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from consumer.errors import AuthFailure, PermanentFailure
+from consumer.jobs_states import (
+    CANCELLED,
+    DONE,
+    LEASED,
+    NEEDS_ATTENTION,
+    READY,
+    WAITING_EXTERNAL,
+    WAITING_REVIEW,
+)
+from consumer.retry import RetryPolicy
+from consumer.store import Store, StoreConfig
+from consumer.worker import JobContext, Worker
+from outbox.hooks import Hooks
+
+DAY = 86400.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.02)
+
+
+class RecordingHooks(Hooks):
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, str]] = []
+        self.conflicts: list[str] = []
+        self.cycles = 0
+
+    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+        self.finished.append((action, outcome))
+
+    def worker_lease_conflict(self, action: str) -> None:
+        self.conflicts.append(action)
+
+    def worker_cycle_ok(self, timestamp: float) -> None:
+        self.cycles += 1
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url, config=StoreConfig(retry=RetryPolicy(base=0.01, ceiling=0.02)))
+    yield s
+    s.dispose()
+
+
+# -- timers with business meaning (guarantee 9) ----------------------------------------------
+
+INVOICES = sa.Table(
+    "test_invoices",
+    sa.MetaData(),
+    sa.Column("id", sa.String(50), primary_key=True),
+    sa.Column("due", sa.Float, nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("paid", sa.Boolean, nullable=False),
+)
+
+
+def test_invoice_reminders_are_replanned_or_cancelled_when_their_subject_changed(
+    store: Store,
+) -> None:
+    INVOICES.metadata.create_all(store.engine)
+    now = time.time()
+    with store.engine.begin() as conn:
+        for name in ("inv-1", "inv-2", "inv-3"):
+            conn.execute(sa.insert(INVOICES).values(id=name, due=now + DAY, version=1, paid=False))
+    for name in ("inv-1", "inv-2", "inv-3"):
+        job = store.enqueue("studio", f"remind-{name}", subject=name, subject_version=1)
+        # remind three days before the due date; due in one day, so the timer is due now
+        store.schedule(
+            job.job_id,
+            now + DAY - 3 * DAY,
+            "payment reminder",
+            1,
+            {"field": "paid", "equals": True},
+        )
+    with store.engine.begin() as conn:  # the domain changes its facts meanwhile
+        conn.execute(
+            sa.update(INVOICES)
+            .where(INVOICES.c.id == "inv-2")
+            .values(due=now + 30 * DAY, version=2)
+        )
+        conn.execute(
+            sa.update(INVOICES).where(INVOICES.c.id == "inv-3").values(paid=True, version=2)
+        )
+
+    sent: list[str] = []
+    worker = Worker(store, batch_size=10)
+
+    @worker.handler("remind")
+    def remind(job: JobContext) -> None:
+        assert job.timer is not None and job.timer.reason == "payment reminder"
+        with store.engine.connect() as conn:
+            invoice = conn.execute(sa.select(INVOICES).where(INVOICES.c.id == job.subject)).one()
+        condition = job.timer.cancellation_condition
+        holds = getattr(invoice, condition["field"]) == condition["equals"]
+        if job.recheck(invoice.version, cancelled=holds, replan_at=invoice.due - 3 * DAY):
+            sent.append(str(job.subject))
+
+    assert worker.run_once() == 3
+    assert sent == ["inv-1"]
+    assert store.get("studio", "remind-inv-1").state == DONE
+    replanned = store.get("studio", "remind-inv-2")
+    assert replanned.state == READY and replanned.timer is not None
+    assert replanned.timer.subject_version == "2"
+    assert replanned.run_after == pytest.approx(now + 27 * DAY)
+    assert replanned.timer.cancellation_condition == {"field": "paid", "equals": True}
+    assert store.get("studio", "remind-inv-3").state == CANCELLED
+    assert worker.run_once() == 0  # the re-planned reminder waits for its new time
+    assert worker.run_once(now=now + 27 * DAY) == 1
+    assert sent == ["inv-1", "inv-2"]
+
+
+def test_a_timer_on_a_waiting_job_wakes_it(store: Store) -> None:
+    job = store.enqueue("t", "chase-reply")
+    lease = store.claim_next("w")
+    assert lease is not None
+    store.wait_external(lease, reason="customer reply")
+    store.schedule(job.job_id, 1000.0, "chase after a week", None)  # long due
+    assert store.get(job.job_id).state == WAITING_EXTERNAL
+    assert store.recover().woken == 1
+    again = store.claim_next("w")
+    assert again is not None and again.timer is not None
+    assert again.timer.reason == "chase after a week"
+
+
+# -- outcomes ---------------------------------------------------------------------------------
+
+
+def test_handler_outcomes_are_recorded_and_hooked(store: Store) -> None:
+    hooks = RecordingHooks()
+    worker = Worker(store, hooks=hooks, batch_size=20)
+    for action in ("ok-1", "ok-2", "boom-1", "invalid-1", "auth-1", "ask-1", "mystery-1"):
+        store.enqueue("t", action)
+    store.enqueue("t", "custom", kind="ok")
+
+    worker.register("ok", lambda job: None)
+
+    @worker.handler("boom")
+    def boom(job: JobContext) -> None:
+        raise RuntimeError("provider timed out")
+
+    @worker.handler("invalid")
+    def invalid(job: JobContext) -> None:
+        raise PermanentFailure("VAT number rejected")
+
+    @worker.handler("auth")
+    def auth(job: JobContext) -> None:
+        raise AuthFailure("401")
+
+    @worker.handler("ask")
+    def ask(job: JobContext) -> None:
+        job.wait_external("waiting for the customer")
+
+    assert worker.run_once() == 8
+    states = {
+        a: store.get("t", a).state
+        for a in ("ok-1", "ok-2", "custom", "boom-1", "invalid-1", "auth-1", "ask-1", "mystery-1")
+    }
+    assert states == {
+        "ok-1": DONE,
+        "ok-2": DONE,
+        "custom": DONE,
+        "boom-1": READY,
+        "invalid-1": WAITING_REVIEW,
+        "auth-1": READY,
+        "ask-1": WAITING_EXTERNAL,
+        "mystery-1": WAITING_REVIEW,
+    }
+    assert "RuntimeError: provider timed out" in (store.get("t", "boom-1").last_error or "")
+    assert sorted(hooks.finished) == sorted(
+        [
+            ("ok", "done"),
+            ("ok", "done"),
+            ("ok", "done"),
+            ("boom", "failed_ready"),
+            ("invalid", "failed_waiting_review"),
+            ("auth", "failed_ready"),
+            ("ask", "waiting_external"),
+            ("unrouted", "no_handler"),
+        ]
+    )
+    assert hooks.cycles == 1
+    # authentication failures stop after a small bounded number
+    wait_for(lambda: worker.run_once() == 0 and store.get("t", "auth-1").state != READY)
+    assert store.get("t", "auth-1").state == NEEDS_ATTENTION
+
+
+def test_heartbeat_renews_only_while_the_handler_progresses(pg_url: str) -> None:
+    store = Store(pg_url)
+    hooks = RecordingHooks()
+    worker = Worker(store, hooks=hooks, ttl=0.6, batch_size=1)
+    store.enqueue("t", "busy-1")
+    store.enqueue("t", "stuck-1")
+    release = threading.Event()
+    renewed = threading.Event()
+
+    @worker.handler("busy")
+    def busy(job: JobContext) -> None:
+        first = store.get(job.job_id).lease_expires_at
+        while not release.is_set():
+            job.progress()
+            current = store.get(job.job_id).lease_expires_at
+            if first is not None and current is not None and current > first + 0.5:
+                renewed.set()
+            release.wait(0.05)
+
+    @worker.handler("stuck")
+    def stuck(job: JobContext) -> None:
+        release.wait(60)  # no progress reported: the lease must lapse
+
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    assert renewed.wait(30)  # busy kept its lease alive beyond the first ttl
+    release.set()
+    runner.join(30)
+    assert store.get("t", "busy-1").state == DONE
+
+    release.clear()
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    other = Store(pg_url, create_schema=False)
+    wait_for(lambda: other.claim("t", "stuck-1", "rescuer", ttl=60) is not None)
+    release.set()
+    runner.join(30)
+    job = store.get("t", "stuck-1")
+    assert (job.state, job.lease_owner, job.lease_epoch) == (LEASED, "rescuer", 2)
+    assert hooks.conflicts == ["stuck"]
+    other.dispose()
+    store.dispose()
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "consumer.worker_cli", *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_cli_runs_a_worker_and_exits_zero_on_sigterm(db_url: str, tmp_path: Path) -> None:
+    store = Store(db_url)
+    for i in range(12):
+        store.enqueue("t", f"noop-{i}")
+    effects = tmp_path / "effects.txt"
+    proc = _cli(
+        "run",
+        "tests.jobs_support:build",
+        "--concurrency",
+        "2",
+        env={
+            "OUTBOX_DATABASE_URL": db_url,
+            "JOBS_EFFECTS_FILE": str(effects),
+            "OUTBOX_LOG_LEVEL": "info",
+        },
+    )
+    try:
+        wait_for(lambda: store.counts()[DONE] == 12)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert "worker stopped" in err
+    assert sorted(effects.read_text().split()) == sorted(f"noop-{i}" for i in range(12))
+    store.dispose()
+
+
+def test_cli_usage_errors_exit_two_and_help_exits_zero() -> None:
+    from consumer.worker_cli import main
+
+    assert main(["--help"]) == 0
+    assert main([]) == 2
+    assert main(["run", "no-colon"]) == 2
+    assert main(["run", "tests.jobs_support:missing"]) == 2
+    assert main(["run", "tests.jobs_support:not_a_worker"]) == 2
+    assert (
+        main(
+            ["run", "tests.jobs_support:build", "--concurrency", "0", "--database-url", "sqlite://"]
+        )
+        == 2
+    )
