@@ -16,7 +16,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from metrics.collector import DatabaseCollector, Source
+from metrics.collector import DatabaseCollector, Source, unknown_receipts_source
 from metrics.exporter import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -47,4 +47,5 @@ __all__ = [
     "resource_path",
     "serve_forever",
     "start_metrics",
+    "unknown_receipts_source",
 ]

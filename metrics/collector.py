@@ -370,5 +370,51 @@ class DatabaseCollector(Collector):
         return Source(name="jobs", tables=((name, schema),), run=run)
 
 
+def unknown_receipts_source(
+    table: str,
+    schema: str | None = None,
+    *,
+    state_column: str = "state",
+    unknown_value: str = "UNKNOWN",
+    since_column: str = "created_at",
+) -> Source:
+    """A source for ``outbox_unknown_receipts`` and ``outbox_oldest_unknown_receipt_age_seconds``
+    over an operation-receipts table (``since_column`` in unix seconds). Pass it in
+    ``extra_sources``; the names are checked as plain identifiers."""
+    names = {
+        "table": table,
+        "state_column": state_column,
+        "since_column": since_column,
+    }
+    for setting, name in names.items():
+        check_identifier(setting, name)
+    if not unknown_value.replace("_", "").isalnum():
+        raise ConfigError("unknown_value", f"{unknown_value!r} is not a plain state name")
+    check_identifier("schema", schema, optional=True)
+    qualified = queries.qualified(table, schema)
+
+    def run(ctx: ScrapeContext) -> list[Metric]:
+        count, age = ctx.conn.execute(
+            queries.unknown_receipts(
+                qualified, f'"{state_column}"', unknown_value, f'"{since_column}"', ctx.dialect
+            )
+        ).one()
+        return [
+            GaugeMetricFamily(
+                "outbox_unknown_receipts",
+                "External operations whose outcome is UNKNOWN (a timeout; reconciliation has "
+                "not settled them yet).",
+                value=float(count),
+            ),
+            GaugeMetricFamily(
+                "outbox_oldest_unknown_receipt_age_seconds",
+                "Age of the oldest UNKNOWN operation receipt (0 when none).",
+                value=max(0.0, float(age)) if age is not None else 0.0,
+            ),
+        ]
+
+    return Source(name="receipts", tables=((table, schema),), run=run)
+
+
 def _fields(exc: BaseException, **extra: Any) -> dict[str, Any]:
     return {"fields": {"error": f"{type(exc).__name__}: {exc}", **extra}}

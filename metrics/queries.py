@@ -177,3 +177,19 @@ def expired_leases(table: str, dialect: str) -> TextualSelect:
         f"SELECT count(*) AS n FROM {table} "
         f"WHERE state = 'LEASED' AND lease_expires_at <= {epoch_sql(dialect)}"
     ).columns(column("n", Integer))
+
+
+# -- operation receipts (external effects whose outcome is UNKNOWN) ---------------------------
+
+
+def unknown_receipts(
+    table: str, state_column: str, unknown_value: str, since_column: str, dialect: str
+) -> TextualSelect:
+    """UNKNOWN receipts: how many, and the age of the oldest (its ``since_column`` holds unix
+    seconds, as the job store writes times). Few rows by nature (a timeout leaves one until
+    reconciliation settles it); an index on ``state_column`` keeps it bounded.
+    """
+    return text(
+        f"SELECT count(*) AS n, {epoch_sql(dialect)} - min({since_column}) AS age "
+        f"FROM {table} WHERE {state_column} = '{unknown_value}'"
+    ).columns(column("n", Integer), column("age", Double))

@@ -23,9 +23,11 @@ from metrics import (
     build_metrics,
     queries,
     start_metrics,
+    unknown_receipts_source,
 )
 from metrics.collector import ScrapeContext
 from outbox.db import make_engine
+from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.schema import OutboxSchema, build_schema, create_schema, db_now
 
@@ -436,3 +438,46 @@ def test_start_metrics_serves_a_fresh_registry_on_localhost(
         )
     finally:
         hooks.close()
+
+
+def make_receipts_table(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE TABLE test_receipts (id integer primary key, state varchar(16) NOT NULL,"
+                " created_at double precision NOT NULL)"
+            )
+        )
+
+
+def test_unknown_receipts_source(engine: sa.Engine) -> None:
+    collector_registry = CollectorRegistry()
+    source = unknown_receipts_source("test_receipts")
+    collector = DatabaseCollector(
+        engine, cache_seconds=0, table_recheck_seconds=0, extra_sources=[source]
+    )
+    collector_registry.register(collector)
+    # No table yet: no series, no error.
+    assert collector_registry.get_sample_value("outbox_unknown_receipts") is None
+    make_receipts_table(engine)
+    assert collector_registry.get_sample_value("outbox_unknown_receipts") == 0.0
+    assert collector_registry.get_sample_value("outbox_oldest_unknown_receipt_age_seconds") == 0.0
+    with engine.begin() as conn:
+        now = float(
+            conn.execute(sa.text("SELECT " + queries.epoch_sql(conn.dialect.name))).scalar_one()
+        )
+        for i, (state, age) in enumerate([("UNKNOWN", 700), ("UNKNOWN", 30), ("SUCCEEDED", 9000)]):
+            conn.execute(
+                sa.text("INSERT INTO test_receipts VALUES (:i, :s, :t)"),
+                {"i": i, "s": state, "t": now - age},
+            )
+    assert collector_registry.get_sample_value("outbox_unknown_receipts") == 2.0
+    age = collector_registry.get_sample_value("outbox_oldest_unknown_receipt_age_seconds")
+    assert age is not None and 700.0 <= age < 760.0
+
+
+def test_unknown_receipts_source_rejects_unsafe_names() -> None:
+    with pytest.raises(ConfigError):
+        unknown_receipts_source("receipts; DROP TABLE x")
+    with pytest.raises(ConfigError):
+        unknown_receipts_source("receipts", unknown_value="x' OR '1")
