@@ -35,6 +35,8 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
+    or_,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -187,7 +189,42 @@ def build_schema(
         postgresql_where=table.c.state == QUARANTINED,
         sqlite_where=table.c.state == QUARANTINED,
     )
+    # The relay's per-key hold: a row that is failing (pending with attempts > 0: in backoff
+    # or awaiting reconciliation) or quarantined holds back the later rows of its key. The
+    # claim probes this index for an earlier such row of the candidate's key; it holds only
+    # failing rows, so it is nearly always empty and the probe nearly free.
+    Index(
+        f"ix_{name}_blocked",
+        table.c.key,
+        table.c.seq,
+        postgresql_where=_blocked_predicate(table),
+        sqlite_where=_blocked_predicate(table),
+    )
     return OutboxSchema(metadata=md, table=table, table_name=name, schema=schema_name)
+
+
+def _blocked_predicate(table: Table) -> Any:
+    return or_(
+        table.c.state == QUARANTINED,
+        and_(table.c.state == PENDING, table.c.attempts > 0),
+    )
+
+
+# Per-table autovacuum for PostgreSQL (set when missing). Every published row leaves a dead
+# entry in the pending index and a dead tuple; the relay's claims start past them (see
+# relay/store.py), and vacuum must keep up so that the index and heap stay small: vacuum
+# after a fixed number of dead rows (not a fraction of a table that grows by retention),
+# without cost-based sleeping. fillfactor leaves room on each page so that the relay's claim
+# UPDATE (intent columns only, none indexed) can be a HOT update.
+PG_STORAGE_PARAMETERS = {
+    "autovacuum_vacuum_scale_factor": "0",
+    "autovacuum_vacuum_threshold": "20000",
+    "autovacuum_vacuum_insert_scale_factor": "0",
+    "autovacuum_vacuum_insert_threshold": "50000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_vacuum_cost_delay": "0",
+    "fillfactor": "85",
+}
 
 
 def create_schema(bind: Engine | Connection, outbox_schema: OutboxSchema) -> None:
@@ -207,3 +244,53 @@ def _create(conn: Connection, outbox_schema: OutboxSchema) -> None:
         if outbox_schema.schema:
             conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{outbox_schema.schema}"'))
     outbox_schema.metadata.create_all(conn, checkfirst=True)
+    _create_relay_extras(conn, outbox_schema)
+
+
+def _create_relay_extras(conn: Connection, outbox_schema: OutboxSchema) -> None:
+    """What the relay needs beyond the table, added when missing (so a table created by an
+    earlier version gets them too): the blocked-key index, and on PostgreSQL the NOTIFY
+    trigger and the storage parameters. Each is checked first, so a user who does not own
+    the table can still call this once they are in place."""
+    table = outbox_schema.table
+    name = outbox_schema.table_name
+    qualified = (
+        f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
+    )
+    blocked = next(i for i in table.indexes if i.name == f"ix_{name}_blocked")
+    blocked.create(conn, checkfirst=True)
+    if conn.dialect.name != "postgresql":
+        return
+    oid = conn.execute(text("SELECT to_regclass(:q)::oid"), {"q": qualified}).scalar()
+    options = conn.execute(
+        text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = :oid"), {"oid": oid}
+    ).scalar()
+    present = {str(o).split("=", 1)[0] for o in (options or [])}
+    missing = {k: v for k, v in PG_STORAGE_PARAMETERS.items() if k not in present}
+    if missing:
+        settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
+        conn.execute(text(f"ALTER TABLE {qualified} SET ({settings})"))
+    # LISTEN/NOTIFY wake-up: one notification per inserting statement (not per row), on the
+    # channel OutboxSchema.notify_channel; a relay LISTENing on it claims at once.
+    trigger = f"{name}_notify"[:63]
+    exists = conn.execute(
+        text("SELECT 1 FROM pg_trigger WHERE tgrelid = :oid AND tgname = :n"),
+        {"oid": oid, "n": trigger},
+    ).scalar()
+    if not exists:
+        function = (
+            f'"{outbox_schema.schema}"."{trigger}"' if outbox_schema.schema else f'"{trigger}"'
+        )
+        channel = outbox_schema.notify_channel.replace("'", "''")
+        conn.execute(
+            text(
+                f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
+                f"$$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                f'CREATE TRIGGER "{trigger}" AFTER INSERT ON {qualified} '
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
+            )
+        )

@@ -1,0 +1,103 @@
+"""The relay's configuration: one frozen object, validated at construction.
+
+The command line maps flags and ``OUTBOX_*`` environment variables into it; nothing in the
+relay reads the environment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from outbox.errors import ConfigError
+from outbox.runtime import Backoff
+
+DEFAULT_BATCH_SIZE = 500
+DEFAULT_RETENTION_SECONDS = 24 * 3600.0
+DEFAULT_PARTITIONS = 16
+
+
+def _positive(name: str, value: float, *, integer: bool = False, zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number, got {type(value).__name__}")
+    if integer and not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(name, f"must be {'non-negative' if zero else 'positive'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """How one relay process claims, publishes and cleans up.
+
+    - ``batch_size``: rows claimed and published per cycle (one claim statement, one XADD
+      pipeline, one receipt statement).
+    - ``partitions``: PostgreSQL only. Keys are split into this many partitions by
+      ``key_hash % partitions``; each partition is owned by one replica at a time (see
+      :mod:`relay.store`). Every replica of one outbox must use the same number.
+    - ``poll_interval`` / ``max_poll_interval``: adaptive polling. After a cycle that found
+      work the relay polls again after ``poll_interval``; each idle cycle doubles the wait up
+      to ``max_poll_interval``. With ``listen`` (PostgreSQL LISTEN/NOTIFY) a commit wakes the
+      relay at once and polling only covers lost notifications.
+    - ``retention_seconds``: published rows older than this are deleted, in batches of
+      ``retention_batch`` rows, every ``retention_interval`` seconds. ``0`` disables
+      retention. Quarantined rows are never deleted.
+    - ``publish_deadline``: a claimed batch must reach Redis within this many seconds of its
+      claim, or the relay does not send it (it is left for reconciliation). Together with
+      ``clock_margin`` (allowed disagreement between the database and Redis clocks, and
+      network delay) it bounds where an orphaned intent's entry can be in the stream, and how
+      long another replica waits before reconciling it.
+    - ``record_backoff``: per-record retry delays after transient failures (full jitter).
+    - ``outage_backoff``: the loop's own waits while the database or Redis is down.
+    - ``progress_interval``: seconds between structured progress log lines.
+    - ``rebalance_interval``: seconds between partition ownership checks.
+    - ``sweep_interval``: seconds between claims that scan pending rows from the very first
+      one (ordinary claims start near where the last one ended; see :mod:`relay.store`).
+    """
+
+    batch_size: int = DEFAULT_BATCH_SIZE
+    partitions: int = DEFAULT_PARTITIONS
+    poll_interval: float = 0.05
+    max_poll_interval: float = 1.0
+    listen: bool = True
+    retention_seconds: float = DEFAULT_RETENTION_SECONDS
+    retention_batch: int = 1000
+    retention_interval: float = 60.0
+    publish_deadline: float = 2.0
+    clock_margin: float = 1.0
+    record_backoff: Backoff = field(default_factory=lambda: Backoff(0.25, 60.0))
+    outage_backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 10.0))
+    progress_interval: float = 10.0
+    rebalance_interval: float = 1.0
+    sweep_interval: float = 1.0
+    name_prefix: str = "relay"
+
+    def __post_init__(self) -> None:
+        _positive("batch_size", self.batch_size, integer=True)
+        if self.batch_size > 10_000:
+            raise ConfigError("batch_size", f"must be at most 10000, got {self.batch_size}")
+        _positive("partitions", self.partitions, integer=True)
+        if self.partitions > 4096:
+            raise ConfigError("partitions", f"must be at most 4096, got {self.partitions}")
+        _positive("poll_interval", self.poll_interval)
+        _positive("max_poll_interval", self.max_poll_interval)
+        if self.max_poll_interval < self.poll_interval:
+            raise ConfigError("max_poll_interval", "must be at least poll_interval")
+        _positive("retention_seconds", self.retention_seconds, zero=True)
+        _positive("retention_batch", self.retention_batch, integer=True)
+        _positive("retention_interval", self.retention_interval)
+        _positive("publish_deadline", self.publish_deadline)
+        _positive("clock_margin", self.clock_margin, zero=True)
+        _positive("progress_interval", self.progress_interval)
+        _positive("rebalance_interval", self.rebalance_interval)
+        _positive("sweep_interval", self.sweep_interval)
+        for name in ("record_backoff", "outage_backoff"):
+            if not isinstance(getattr(self, name), Backoff):
+                raise ConfigError(name, "must be an outbox.runtime.Backoff")
+        if not isinstance(self.listen, bool):
+            raise ConfigError("listen", "must be a bool")
+
+    @property
+    def reconcile_after(self) -> float:
+        """Seconds after a claim when its intent may be reconciled by anyone."""
+        return self.publish_deadline + self.clock_margin

@@ -1,0 +1,384 @@
+"""Publishing to Redis Streams: entry format, stream routing, pipelined XADD, lookups.
+
+Entry format (one flat hash per event, CloudEvents attribute names):
+
+=================  =============================================================
+``specversion``    ``1.0``
+``id``             the event id (UUIDv7 string), stable across republishing
+``source``         the publisher's ``source`` (default ``outbox``)
+``type``           the topic
+``subject``        the key
+``time``           ``created_at``, ISO-8601 UTC (``2024-05-01T12:00:00.123456Z``)
+``datacontenttype`` ``application/json``
+``data``           the payload, JSON text exactly as stored
+``tenant``         the tenant, when set
+``identity``       the business identity consumers deduplicate on
+``partitionkey``   the key (CloudEvents partitioning extension)
+``traceparent``    the ``traceparent`` header, when set
+``header.<name>``  every other header
+=================  =============================================================
+
+Stream names come from a template with ``{topic}``, ``{tenant}`` and ``{partition}``
+(``key_hash % partitions``); ``{{`` and ``}}`` are literal braces, which is how a Redis
+Cluster hash tag is written: ``outbox.{{{topic}}}`` makes ``outbox.{quote.approved}``.
+
+The hot path packs XADD commands into one buffer and sends it on one connection (one round
+trip per batch, replies read in order). A Redis Cluster client falls back to redis-py's
+cluster pipeline, which splits the batch per node.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from outbox.errors import ConfigError
+from relay.errors import PermanentPublishError, RoutingError
+from relay.records import Record
+
+TEMPLATE_FIELDS = frozenset({"topic", "tenant", "partition"})
+MAX_STREAM_NAME = 512
+
+# Error replies that say "not now" rather than "never": retried with backoff.
+TRANSIENT_REPLIES = (
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "NOREPLICAS",
+    "READONLY",
+    "MOVED",
+    "ASK",
+    "MISCONF",
+)
+
+INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+)
+
+
+class TransientError(Exception):
+    """A per-entry reply that retrying may fix (OOM, BUSY, ...); the entry was not added."""
+
+
+@dataclass(frozen=True)
+class StreamTemplate:
+    """A validated stream-name template."""
+
+    template: str
+    fields: frozenset[str]
+    partitions: int
+
+    @classmethod
+    def parse(cls, template: str, partitions: int = 16) -> StreamTemplate:
+        if not isinstance(template, str) or not template.strip():
+            raise ConfigError("stream", "the stream template must be a non-empty string")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise ConfigError("stream_partitions", f"must be a positive integer: {partitions!r}")
+        used: set[str] = set()
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise ConfigError("stream", f"{template!r} is not a valid template ({exc})") from None
+        for _literal, name, spec, conversion in parsed:
+            if name is None:
+                continue
+            if name not in TEMPLATE_FIELDS:
+                allowed = ", ".join("{" + f + "}" for f in sorted(TEMPLATE_FIELDS))
+                raise ConfigError(
+                    "stream",
+                    f"{template!r} uses unknown placeholder {{{name}}}; allowed: {allowed} "
+                    "(write {{ and }} for literal braces)",
+                )
+            if spec or conversion:
+                raise ConfigError("stream", f"{template!r}: placeholders take no format spec")
+            used.add(name)
+        if "topic" not in used and not used and "{" in template.replace("{{", "").replace("}}", ""):
+            raise ConfigError("stream", f"{template!r} is not a valid template")
+        return cls(template=template, fields=frozenset(used), partitions=partitions)
+
+    def render(self, topic: str, tenant: str | None, key_hash: int) -> str:
+        values: dict[str, Any] = {"topic": topic}
+        if "tenant" in self.fields:
+            if tenant is None:
+                raise RoutingError(
+                    f"stream template {self.template!r} needs {{tenant}} and the event has none"
+                )
+            values["tenant"] = tenant
+        if "partition" in self.fields:
+            values["partition"] = key_hash % self.partitions
+        name = self.template.format(**values)
+        if len(name) > MAX_STREAM_NAME:
+            raise RoutingError(f"stream name is {len(name)} characters, over {MAX_STREAM_NAME}")
+        return name
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+_SPECVERSION = _bulk(b"specversion") + _bulk(b"1.0")
+_CONTENTTYPE = _bulk(b"datacontenttype") + _bulk(b"application/json")
+_F_ID = _bulk(b"id")
+_F_SOURCE = _bulk(b"source")
+_F_TYPE = _bulk(b"type")
+_F_SUBJECT = _bulk(b"subject")
+_F_TIME = _bulk(b"time")
+_F_DATA = _bulk(b"data")
+_F_TENANT = _bulk(b"tenant")
+_F_IDENTITY = _bulk(b"identity")
+_F_PARTITIONKEY = _bulk(b"partitionkey")
+_F_TRACEPARENT = _bulk(b"traceparent")
+_XADD = _bulk(b"XADD")
+_STAR = _bulk(b"*")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One record ready to send: its stream and the packed XADD command."""
+
+    record: Record
+    stream: str
+    command: bytes
+
+
+class RedisStreamPublisher:
+    """XADD outbox records to Redis Streams, one pipelined round trip per batch.
+
+    ``stream_template`` routes each event (see the module doc); ``maxlen`` enables
+    approximate trimming (``MAXLEN ~ n``; it costs throughput and trims history that a
+    reconciliation could need, so keep it far above a few minutes of traffic); ``source`` is
+    the CloudEvents ``source`` attribute; ``partitions`` is the modulus of ``{partition}``.
+    """
+
+    def __init__(
+        self,
+        redis_client: Any,
+        stream_template: str = "outbox.{topic}",
+        maxlen: int | None = None,
+        *,
+        source: str = "outbox",
+        partitions: int = 16,
+    ) -> None:
+        if redis_client is None:
+            raise ConfigError("redis_client", "a redis.Redis client is required")
+        if maxlen is not None and (
+            isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0
+        ):
+            raise ConfigError("maxlen", f"must be a positive integer or None, got {maxlen!r}")
+        if not isinstance(source, str) or not source:
+            raise ConfigError("source", "must be a non-empty string")
+        self.client = redis_client
+        self.template = StreamTemplate.parse(stream_template, partitions)
+        self.maxlen = maxlen
+        self.source = source
+        self._source = _F_SOURCE + _bulk(source.encode())
+        self._trim = (
+            b"" if maxlen is None else _bulk(b"MAXLEN") + _bulk(b"~") + _bulk(str(maxlen).encode())
+        )
+        self._extra_args = 0 if maxlen is None else 3
+        self._topic_streams: dict[str, str] = {}
+        self._cluster = not hasattr(redis_client, "connection_pool")
+
+    @property
+    def stream_template(self) -> str:
+        return self.template.template
+
+    # -- building ---------------------------------------------------------------------------
+
+    def stream_for(self, record: Record) -> str:
+        """The stream of ``record`` (raises RoutingError)."""
+        if self.template.fields == {"topic"}:
+            name = self._topic_streams.get(record.topic)
+            if name is None:
+                name = self.template.render(record.topic, None, 0)
+                if len(self._topic_streams) < 10_000:
+                    self._topic_streams[record.topic] = name
+            return name
+        return self.template.render(record.topic, record.tenant, record.key_hash)
+
+    def entry(self, record: Record) -> dict[str, str]:
+        """The stream entry of ``record`` as a dict (for tests, tools and the cluster path)."""
+        fields = {
+            "specversion": "1.0",
+            "id": record.event_id,
+            "source": self.source,
+            "type": record.topic,
+            "subject": record.key,
+            "time": record.time,
+            "datacontenttype": "application/json",
+            "data": record.payload,
+        }
+        if record.tenant is not None:
+            fields["tenant"] = record.tenant
+        fields["identity"] = record.identity
+        fields["partitionkey"] = record.key
+        for name, value in _headers(record).items():
+            fields["traceparent" if name == "traceparent" else "header." + name] = value
+        return fields
+
+    def prepare(self, record: Record) -> Prepared:
+        """Route and pack one record (raises RoutingError or PermanentPublishError)."""
+        stream = self.stream_for(record)
+        headers = _headers(record)
+        parts = [
+            b"",  # placeholder for the array header
+            _XADD,
+            _bulk(stream.encode()),
+            self._trim,
+            _STAR,
+            _SPECVERSION,
+            _F_ID,
+            _bulk(record.event_id.encode()),
+            self._source,
+            _F_TYPE,
+            _bulk(record.topic.encode()),
+            _F_SUBJECT,
+            _bulk(record.key.encode()),
+            _F_TIME,
+            _bulk(record.time.encode()),
+            _CONTENTTYPE,
+            _F_DATA,
+            _bulk(record.payload.encode()),
+        ]
+        count = 3 + self._extra_args + 16
+        if record.tenant is not None:
+            parts.append(_F_TENANT)
+            parts.append(_bulk(record.tenant.encode()))
+            count += 2
+        parts.append(_F_IDENTITY)
+        parts.append(_bulk(record.identity.encode()))
+        parts.append(_F_PARTITIONKEY)
+        parts.append(_bulk(record.key.encode()))
+        count += 4
+        for name, value in headers.items():
+            field = _F_TRACEPARENT if name == "traceparent" else _bulk(("header." + name).encode())
+            parts.append(field)
+            parts.append(_bulk(value.encode()))
+            count += 2
+        parts[0] = b"*%d\r\n" % count
+        return Prepared(record, stream, b"".join(parts))
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def publish(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
+        """XADD every prepared record in one round trip; one result per record, in order.
+
+        A result is the new entry id, or the exception the server replied for that entry
+        (:class:`PermanentPublishError` or :class:`TransientError`): such an entry was not
+        added. A connection failure or timeout raises instead, and then any prefix of the
+        batch may have been added (the caller reconciles before publishing again).
+        """
+        if not prepared:
+            return []
+        if self._cluster:
+            return self._publish_cluster(prepared)
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join(p.command for p in prepared)], check_health=True)
+            results: list[str | Exception] = []
+            for _ in prepared:
+                try:
+                    reply = conn.read_response()
+                except ResponseError as exc:
+                    results.append(classify_reply(exc))
+                    continue
+                results.append(reply.decode() if isinstance(reply, bytes) else str(reply))
+            return results
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def _publish_cluster(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
+        pipe = self.client.pipeline(transaction=False)
+        for p in prepared:
+            kwargs: dict[str, Any] = {}
+            if self.maxlen is not None:
+                kwargs = {"maxlen": self.maxlen, "approximate": True}
+            pipe.xadd(p.stream, self.entry(p.record), **kwargs)
+        raw = pipe.execute(raise_on_error=False)
+        results: list[str | Exception] = []
+        for reply in raw:
+            if isinstance(reply, ResponseError):
+                results.append(classify_reply(reply))
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                results.append(reply.decode() if isinstance(reply, bytes) else str(reply))
+        return results
+
+    # -- reconciliation ---------------------------------------------------------------------
+
+    def find_published(
+        self, stream: str, event_ids: Iterable[str], start_ms: int, end_ms: int
+    ) -> dict[str, str]:
+        """Which of ``event_ids`` are in ``stream`` between the two Redis-clock times
+        (milliseconds); returns event id -> entry id. Reads the range in pages."""
+        wanted = set(event_ids)
+        found: dict[str, str] = {}
+        start = f"{max(0, start_ms)}-0"
+        end = f"{max(0, end_ms)}-18446744073709551615"
+        while wanted:
+            page = self.client.xrange(stream, min=start, max=end, count=1000)
+            if not page:
+                break
+            for entry_id, fields in page:
+                event_id = fields.get(b"id") if isinstance(fields, dict) else None
+                if event_id is None and isinstance(fields, dict):
+                    event_id = fields.get("id")
+                if isinstance(event_id, bytes):
+                    event_id = event_id.decode()
+                if event_id in wanted:
+                    wanted.discard(event_id)
+                    found[event_id] = (
+                        entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                    )
+            if len(page) < 1000:
+                break
+            last = page[-1][0]
+            last = last.decode() if isinstance(last, bytes) else str(last)
+            start = "(" + last
+        return found
+
+    def ping(self) -> None:
+        self.client.ping()
+
+
+def _headers(record: Record) -> dict[str, str]:
+    if not record.headers:
+        return {}
+    try:
+        value = json.loads(record.headers)
+    except ValueError as exc:
+        raise PermanentPublishError(f"stored headers are not valid JSON: {exc}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise PermanentPublishError("stored headers are not a mapping of strings to strings")
+    return value
+
+
+def classify_reply(exc: ResponseError) -> Exception:
+    """A per-entry error reply: transient (retry later) or permanent (quarantine)."""
+    message = str(exc)
+    head = message.split(" ", 1)[0].upper()
+    if head in TRANSIENT_REPLIES or isinstance(exc, redis.exceptions.ReadOnlyError):
+        return TransientError(message)
+    return PermanentPublishError(f"Redis refused the entry: {message}")

@@ -1,0 +1,45 @@
+"""What the relay moves around: a claimed row, and the outcome of publishing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One claimed outbox row, as the relay needs it to build a stream entry.
+
+    ``payload`` and ``headers`` are the stored JSON *text* (PostgreSQL renders ``jsonb`` as
+    text in the claim query), so the relay never decodes and re-encodes a payload.
+    ``time`` is ``created_at`` as ISO-8601 UTC; ``created_epoch`` is the same instant in Unix
+    seconds, for commit-to-stream latencies.
+    """
+
+    seq: int
+    event_id: str
+    topic: str
+    key: str
+    key_hash: int
+    tenant: str | None
+    identity: str
+    payload: str
+    headers: str | None
+    time: str
+    created_epoch: float
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """An intent without a receipt: claimed by ``claimed_by`` at ``claimed_epoch_s`` (Unix
+    seconds, database clock), never marked published. Reconciled against the stream."""
+
+    seq: int
+    event_id: str
+    topic: str
+    key: str
+    key_hash: int
+    tenant: str | None
+    claimed_by: str
+    claim_epoch: int
+    claimed_epoch_s: float

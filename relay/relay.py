@@ -1,0 +1,478 @@
+"""The relay loop: claim, publish, record; reconcile orphaned intents; retention.
+
+One cycle (:meth:`Relay.run_once`):
+
+1. Keep a fair share of partitions (PostgreSQL; SQLite: the single relay lock).
+2. Reconcile intents without receipts whose publish window has passed: read that window of
+   their streams, record receipts for the events found there, clear the intent of the rest.
+3. Claim a batch (one statement that also writes the intent), build the entries, and XADD
+   them in one pipelined round trip, in ``seq`` order.
+4. Record receipts (one statement), back off transient per-entry failures and quarantine
+   permanent ones (one statement each, only when there are any).
+
+A connection failure of the database or of Redis raises out of ``run_once``; ``run`` logs
+it, waits with exponential backoff and full jitter, and carries on; it never exits because
+a service is down. SIGTERM or SIGINT (or the ``stop`` argument) ends ``run`` after the batch
+in hand has been published and its receipts recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from outbox.core import Outbox
+from outbox.db import make_engine
+from outbox.hooks import NO_HOOKS, Hooks
+from outbox.runtime import GracefulStop, fields, incarnation_name
+from outbox.schema import OutboxSchema, build_schema
+from relay.config import RelayConfig
+from relay.errors import ConfigError, PermanentPublishError, RoutingError
+from relay.publisher import INFRASTRUCTURE_ERRORS, Prepared, RedisStreamPublisher, TransientError
+from relay.records import Orphan, Record
+from relay.store import PostgresStore, SqliteStore, Store
+
+log = logging.getLogger("outbox.relay")
+
+
+def infrastructure_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "a service is unavailable": wait and retry, never exit."""
+    import psycopg
+
+    return (
+        *INFRASTRUCTURE_ERRORS,
+        redis.RedisError,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+        OperationalError,
+        DBAPIError,
+        ConnectionError,
+    )
+
+
+@dataclass
+class RelayStats:
+    """Counters for progress lines and the live view (this process only)."""
+
+    published: int = 0
+    quarantined: int = 0
+    retried: int = 0
+    reconciled_found: int = 0
+    reconciled_missing: int = 0
+    cycles: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    started: float = field(default_factory=time.time)
+
+
+class Relay:
+    """Republishes committed outbox events to Redis Streams.
+
+    ``outbox_or_engine``: an :class:`outbox.Outbox` (its engine and table), an Engine or a
+    database URL (then the default table, or ``schema``). ``publisher``: a
+    :class:`RedisStreamPublisher`. ``hooks`` observe it (metrics).
+    """
+
+    def __init__(
+        self,
+        outbox_or_engine: Outbox | Engine | str | URL,
+        publisher: RedisStreamPublisher,
+        config: RelayConfig | None = None,
+        *,
+        hooks: Hooks | None = None,
+        schema: OutboxSchema | None = None,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(outbox_or_engine, Outbox):
+            self.engine = outbox_or_engine.engine
+            self.schema = schema or outbox_or_engine.schema
+        elif isinstance(outbox_or_engine, Engine):
+            self.engine = outbox_or_engine
+            self.schema = schema or build_schema()
+        elif isinstance(outbox_or_engine, (str, URL)):
+            self.engine = make_engine(outbox_or_engine)
+            self.schema = schema or build_schema()
+        else:
+            raise ConfigError(
+                "outbox_or_engine",
+                f"expected an Outbox, an Engine or a URL, got {type(outbox_or_engine).__name__}",
+            )
+        if not isinstance(publisher, RedisStreamPublisher):
+            raise ConfigError("publisher", "must be a RedisStreamPublisher")
+        self.config = config or RelayConfig()
+        if not isinstance(self.config, RelayConfig):
+            raise ConfigError("config", "must be a RelayConfig")
+        self.publisher = publisher
+        self.hooks = hooks or NO_HOOKS
+        self.name = name or incarnation_name(self.config.name_prefix)
+        self.stats = RelayStats()
+        self.store: Store
+        if self.engine.dialect.name == "postgresql":
+            self.store = PostgresStore(
+                self.engine,
+                self.schema,
+                partitions=self.config.partitions,
+                reconcile_after=self.config.reconcile_after,
+                listen=self.config.listen,
+                rebalance_interval=self.config.rebalance_interval,
+                sweep_interval=self.config.sweep_interval,
+            )
+        elif self.engine.dialect.name == "sqlite":
+            self.store = SqliteStore(
+                self.engine, self.schema, reconcile_after=self.config.reconcile_after
+            )
+        else:
+            raise ConfigError("database_url", f"unsupported database {self.engine.dialect.name}")
+        self._epoch = 0
+        self._sweep_due = True
+        self._last_sweep = 0.0
+        self._last_orphan_check = -1e9
+        self._last_retention = -1e9
+        self._infra = infrastructure_errors()
+        self.on_progress: Callable[[Relay], None] | None = None
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _hook(self, method: str, *args: Any) -> None:
+        try:
+            getattr(self.hooks, method)(*args)
+        except Exception:  # a hook must never break the relay
+            log.debug("hook %s failed", method, exc_info=True)
+
+    # -- one cycle --------------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """One claim-publish-record cycle (plus due reconciliation); how many it published.
+
+        Raises the infrastructure error if the database or Redis is unavailable.
+        """
+        started = time.monotonic()
+        self.store.connect()
+        if self.store.rebalance():
+            self._sweep_due = True
+            self._last_orphan_check = -1e9
+        published = 0
+        if started - self._last_orphan_check >= 0.5:
+            self._last_orphan_check = started
+            published += self._reconcile()
+        sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
+        self._epoch += 1
+        epoch = self._epoch
+        records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
+        if sweep:
+            self._sweep_due = False
+            self._last_sweep = started
+        if records:
+            published += self._publish(records, epoch, started)
+        self.stats.cycles += 1
+        self._hook("relay_cycle_ok", time.time())
+        return published
+
+    def _publish(self, records: list[Record], epoch: int, started: float) -> int:
+        claimed_at = time.monotonic()
+        prepared: list[Prepared] = []
+        quarantine: list[tuple[int, str]] = []
+        release: list[int] = []
+        held: set[str] = set()  # keys with an earlier record failing in this batch
+        quarantined_topics: dict[str, int] = {}
+        for record in records:
+            if record.key in held:
+                release.append(record.seq)
+                continue
+            try:
+                if not self.store.payload_is_json:
+                    _check_json(record.payload)
+                prepared.append(self.publisher.prepare(record))
+            except (RoutingError, PermanentPublishError) as exc:
+                quarantine.append((record.seq, str(exc)))
+                quarantined_topics[record.topic] = quarantined_topics.get(record.topic, 0) + 1
+                held.add(record.key)
+        # The intent is committed; the entries must reach Redis within the deadline, or not
+        # at all (another replica may reconcile this intent once the window has passed).
+        if time.monotonic() - claimed_at > self.config.publish_deadline:
+            log.warning("publish deadline passed before sending; leaving the batch to retry")
+            self.store.release(self.name, epoch, [p.record.seq for p in prepared] + release)
+            self.store.quarantine(self.name, epoch, quarantine)
+            return 0
+        try:
+            results = self.publisher.publish(prepared)
+        except Exception as exc:
+            # Any prefix of the batch may be in the stream: keep the intents (they are
+            # reconciled before the next attempt) and count the attempt on every record.
+            error = f"{type(exc).__name__}: {exc}"
+            self.store.mark_failed(
+                self.name,
+                epoch,
+                [
+                    (
+                        p.record.seq,
+                        max(
+                            self.config.reconcile_after,
+                            self.config.record_backoff.delay(p.record.attempts),
+                        ),
+                        error,
+                        True,
+                    )
+                    for p in prepared
+                ],
+            )
+            self.store.release(self.name, epoch, release)
+            self.store.quarantine(self.name, epoch, quarantine)
+            self._hook("relay_publish_error", "transient", None)
+            raise
+        receipts: list[tuple[int, str, str]] = []
+        failed: list[tuple[int, float, str, bool]] = []
+        by_topic: dict[str, list[float]] = {}
+        now = time.time()
+        for p, result in zip(prepared, results, strict=True):
+            record = p.record
+            if record.key in held:
+                if isinstance(result, str):
+                    # Sent before we knew an earlier record of its key failed in the same
+                    # pipeline: it is in the stream, so record it honestly.
+                    receipts.append((record.seq, p.stream, result))
+                    by_topic.setdefault(record.topic, []).append(now - record.created_epoch)
+                else:
+                    release.append(record.seq)
+                continue
+            if isinstance(result, str):
+                receipts.append((record.seq, p.stream, result))
+                by_topic.setdefault(record.topic, []).append(now - record.created_epoch)
+            elif isinstance(result, TransientError):
+                delay = self.config.record_backoff.delay(record.attempts)
+                failed.append((record.seq, delay, str(result), False))
+                held.add(record.key)
+                self._hook("relay_publish_error", "transient", record.topic)
+            else:
+                quarantine.append((record.seq, str(result)))
+                quarantined_topics[record.topic] = quarantined_topics.get(record.topic, 0) + 1
+                held.add(record.key)
+                self._hook("relay_publish_error", "permanent", record.topic)
+        recorded = self.store.mark_published(self.name, epoch, receipts)
+        if recorded != len(receipts):
+            log.warning(
+                "some receipts were fenced out (their intent was reconciled by another relay)",
+                extra=fields(expected=len(receipts), recorded=recorded, epoch=epoch),
+            )
+        self.store.mark_failed(self.name, epoch, failed)
+        self.store.quarantine(self.name, epoch, quarantine)
+        self.store.release(self.name, epoch, release)
+        if failed or quarantine or any(r.attempts for r in records):
+            # Rows behind a failing or recovered key sit below the claim floor.
+            self._sweep_due = True
+        for topic, latencies in by_topic.items():
+            self._hook("relay_published", topic, len(latencies), latencies)
+        for topic, count in quarantined_topics.items():
+            self._hook("relay_quarantined", topic, count)
+            log.error(
+                "quarantined records",
+                extra=fields(topic=topic, count=count, error=quarantine[0][1][:300]),
+            )
+        self.stats.published += len(receipts)
+        self.stats.quarantined += len(quarantine)
+        self.stats.retried += len(failed)
+        self._hook("relay_batch", time.monotonic() - started, len(records))
+        return len(receipts)
+
+    def _reconcile(self) -> int:
+        """Resolve intents without receipts whose publish window has passed."""
+        orphans = self.store.orphans(self.config.batch_size)
+        if not orphans:
+            return 0
+        margin = self.config.clock_margin
+        groups: dict[str, list[Orphan]] = {}
+        missing: list[Orphan] = []
+        for orphan in orphans:
+            record = Record(
+                orphan.seq,
+                orphan.event_id,
+                orphan.topic,
+                orphan.key,
+                orphan.key_hash,
+                orphan.tenant,
+                "",
+                "",
+                None,
+                "",
+                0.0,
+                0,
+            )
+            try:
+                stream = self.publisher.stream_for(record)
+            except RoutingError:
+                missing.append(orphan)  # never routable, so never published
+                continue
+            groups.setdefault(stream, []).append(orphan)
+        found: list[tuple[Orphan, str, str]] = []
+        for stream, members in groups.items():
+            start = min(o.claimed_epoch_s for o in members) - margin
+            end = max(o.claimed_epoch_s for o in members) + self.config.publish_deadline + margin
+            try:
+                hits = self.publisher.find_published(
+                    stream, [o.event_id for o in members], int(start * 1000), int(end * 1000) + 1
+                )
+            except redis.ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                hits = {}  # not a stream: nothing of ours can be in it
+            for orphan in members:
+                entry_id = hits.get(orphan.event_id)
+                if entry_id is None:
+                    missing.append(orphan)
+                else:
+                    found.append((orphan, stream, entry_id))
+        self.store.resolve_orphans(found, missing)
+        self.stats.reconciled_found += len(found)
+        self.stats.reconciled_missing += len(missing)
+        self._sweep_due = True
+        self._hook("relay_reconciled", len(found), len(missing))
+        log.info(
+            "reconciled intents without receipts",
+            extra=fields(found_in_stream=len(found), to_republish=len(missing)),
+        )
+        return len(found)
+
+    def delete_expired(self) -> int:
+        """Delete published rows older than the retention, in bounded batches."""
+        if self.config.retention_seconds <= 0:
+            return 0
+        total = 0
+        for _ in range(20):
+            deleted = self.store.delete_published(
+                self.config.retention_seconds, self.config.retention_batch
+            )
+            total += deleted
+            if deleted < self.config.retention_batch:
+                break
+        if total:
+            log.info("retention deleted published rows", extra=fields(deleted=total))
+        return total
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, stop: GracefulStop | threading.Event | None = None) -> None:
+        """Run until SIGTERM/SIGINT or ``stop`` is set. Never exits on an outage."""
+        if stop is None:
+            graceful = GracefulStop().install()
+            event = graceful.event
+        elif isinstance(stop, GracefulStop):
+            event = stop.event
+        elif isinstance(stop, threading.Event):
+            event = stop
+        else:
+            raise ConfigError("stop", "must be a GracefulStop or a threading.Event")
+        cfg = self.config
+        log.info(
+            "relay started",
+            extra=fields(
+                relay=self.name,
+                database=self.engine.url.render_as_string(hide_password=True),
+                stream=self.publisher.stream_template,
+                batch_size=cfg.batch_size,
+                partitions=cfg.partitions if self.engine.dialect.name == "postgresql" else 1,
+                listen=cfg.listen and self.store.supports_notify,
+                retention_seconds=cfg.retention_seconds,
+            ),
+        )
+        interval = cfg.poll_interval
+        outage_attempt = 0
+        last_progress = time.monotonic()
+        published_at_progress = 0
+        try:
+            while not event.is_set():
+                try:
+                    published = self.run_once()
+                    now = time.monotonic()
+                    if now - self._last_retention >= cfg.retention_interval and (
+                        0 in self.store.owned
+                    ):
+                        self._last_retention = now
+                        self.delete_expired()
+                    if outage_attempt:
+                        log.info("recovered", extra=fields(after_attempts=outage_attempt))
+                    outage_attempt = 0
+                except Exception as exc:
+                    # Outages are expected; anything else is a bug, logged with its
+                    # traceback. Neither ends the loop.
+                    outage_attempt += 1
+                    self.stats.errors += 1
+                    self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                    delay = cfg.outage_backoff.delay(outage_attempt)
+                    log.warning(
+                        "database or Redis unavailable; retrying"
+                        if isinstance(exc, self._infra)
+                        else "unexpected error; retrying",
+                        exc_info=not isinstance(exc, self._infra),
+                        extra=fields(
+                            error=self.stats.last_error[:500],
+                            attempt=outage_attempt,
+                            retry_in_seconds=round(delay, 3),
+                        ),
+                    )
+                    self._hook("relay_publish_error", type(exc).__name__, None)
+                    self.store.close()
+                    event.wait(delay)
+                    continue
+                now = time.monotonic()
+                if now - last_progress >= cfg.progress_interval:
+                    self._log_progress(now - last_progress, published_at_progress)
+                    last_progress = now
+                    published_at_progress = self.stats.published
+                if self.on_progress is not None:
+                    try:
+                        self.on_progress(self)
+                    except Exception:
+                        log.debug("progress callback failed", exc_info=True)
+                if published >= cfg.batch_size:
+                    interval = cfg.poll_interval
+                    continue
+                if published:
+                    interval = cfg.poll_interval
+                else:
+                    interval = min(cfg.max_poll_interval, interval * 2)
+                if event.is_set():
+                    break
+                # Wake on a NOTIFY, a stop request, or the polling interval.
+                if self.store.supports_notify and cfg.listen:
+                    self.store.wait_for_notify(min(interval, 0.25))
+                else:
+                    event.wait(interval)
+        finally:
+            self.store.close()
+            log.info(
+                "relay stopped",
+                extra=fields(relay=self.name, published=self.stats.published),
+            )
+
+    def _log_progress(self, elapsed: float, before: int) -> None:
+        try:
+            backlog, oldest = self.store.backlog()
+        except self._infra:
+            backlog, oldest = -1, None
+        log.info(
+            "progress",
+            extra=fields(
+                published=self.stats.published,
+                rate_per_second=round((self.stats.published - before) / max(elapsed, 1e-9), 1),
+                backlog=backlog,
+                oldest_unpublished_age_seconds=None if oldest is None else round(oldest, 3),
+                quarantined=self.stats.quarantined,
+                partitions=sorted(self.store.owned),
+            ),
+        )
+
+
+def _check_json(payload: str) -> None:
+    try:
+        json.loads(payload)
+    except (TypeError, ValueError) as exc:
+        raise PermanentPublishError(f"stored payload is not valid JSON: {exc}") from None

@@ -1,0 +1,889 @@
+"""The relay's storage seam: every SQL statement the relay runs, PostgreSQL and SQLite.
+
+How replicas share the work and keep per-key order (the design, in one place)
+------------------------------------------------------------------------------
+Keys are split into ``partitions`` by ``key_hash % partitions``. On PostgreSQL each partition
+is owned by at most one relay at a time: ownership is a session-level advisory lock held by
+the relay's *claim connection*, and every claim runs on that connection, so a relay whose
+session died (process killed, connection cut, server restarted) can claim nothing more in the
+partitions it lost, and the server releases its locks the moment the session ends: another
+replica takes over within one rebalance interval, without waiting for a lease to expire.
+Replicas count each other through a second advisory lock each holds, and each takes a fair
+share (``ceil(partitions / replicas)``), releasing extras between batches.
+
+We chose owned partitions over a head-of-key claim because the claim then stays one indexed
+range scan over pending rows in ``seq`` order: a head-of-key claim needs, for every candidate,
+a probe for an earlier unpublished row of its key, and that probe walks the dead index
+entries that every published row leaves behind until vacuum (measured: it halves the claim
+rate within seconds). Within its partitions a relay claims in ``seq`` order and XADDs a batch
+in that order on one connection, so a key's events reach the stream in ``seq`` order, which is
+commit order when the domain serialises writes to a key.
+
+A record that failed (``attempts > 0`` and still pending: in backoff, or an intent awaiting
+reconciliation) or that is quarantined blocks the later records of *its key only*: the claim
+skips a row when an earlier row of the same key is in the small ``blocked`` partial index
+(``ix_<table>_blocked``; it holds only failing rows, so the probe is nearly free).
+
+Intent, publish, receipt
+------------------------
+The claim statement writes the intent (``claimed_by`` = the relay's incarnation name,
+``claim_epoch`` = its batch counter, ``claimed_at`` = database time) and commits before any
+XADD. The receipt (``state = 'published'``, ``stream``, ``stream_id``, ``published_at``) is a
+compare-and-set on ``(claimed_by, claim_epoch)``. A relay does not send a batch later than
+``publish_deadline`` after its claim, so an entry for an intent can only be in the stream
+between ``claimed_at - clock_margin`` and ``claimed_at + publish_deadline + clock_margin``.
+When a relay takes over a partition it marks the pending intents it finds there as an
+attempt (``attempts + 1``, which blocks their keys) available for reconciliation once that
+window has passed; reconciliation reads the window of the stream (XRANGE), records receipts
+for the events it finds and clears the intent of the others, which are then claimed and
+published as usual. A batch whose XADD failed with a connection error is left the same way.
+
+Late commits
+------------
+The claim selects by ``state``, not by a position in the table: a row whose transaction
+commits late (it holds a smaller ``seq`` than rows already published) is pending when it
+becomes visible and is claimed by the next cycle, never skipped. Under serialised writes no
+later event of its key can exist before it commits, so it is not overtaken either. To keep
+claims from walking the dead index entries of published rows, an ordinary claim starts at a
+*floor*: the highest sequence value allocated at a moment since which every transaction
+then in progress has finished (``pg_snapshot_xmin`` of the current snapshot has passed that
+moment's ``xmax``, as watermill-sql reasons). Nothing below the floor can still appear. A
+full sweep from the first row runs every ``sweep_interval`` and after any retry, and picks up
+rows that waited behind a blocked key.
+
+SQLite
+------
+One relay at a time: it takes an exclusive lock on ``<database>.relay.lock`` (a second
+relay waits, logging), claims with ``BEGIN IMMEDIATE`` (the database's single write lock,
+taken before reading what it will update) and polls; there is no LISTEN/NOTIFY.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from outbox.runtime import fields
+from outbox.schema import OutboxSchema
+from relay.records import Orphan, Record
+
+log = logging.getLogger("outbox.relay")
+
+
+class Store(Protocol):
+    """What the relay loop needs from storage (see the module doc)."""
+
+    payload_is_json: bool
+    supports_notify: bool
+
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def rebalance(self) -> bool: ...
+    @property
+    def owned(self) -> frozenset[int]: ...
+    def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]: ...
+    def mark_published(
+        self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
+    ) -> int: ...
+    def mark_failed(
+        self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
+    ) -> None: ...
+    def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None: ...
+    def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None: ...
+    def orphans(self, limit: int) -> list[Orphan]: ...
+    def resolve_orphans(
+        self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
+    ) -> None: ...
+    def wait_for_notify(self, timeout: float) -> bool: ...
+    def delete_published(self, older_than_seconds: float, limit: int) -> int: ...
+    def backlog(self) -> tuple[int, float | None]: ...
+
+
+def _quoted(schema: OutboxSchema) -> str:
+    if schema.schema:
+        return f'"{schema.schema}"."{schema.table_name}"'
+    return f'"{schema.table_name}"'
+
+
+# -- PostgreSQL --------------------------------------------------------------------------------
+
+_PG_RECORD_COLUMNS = """t.seq, t.event_id, t.topic, t.key, t.key_hash, t.tenant, t.identity,
+    t.payload::text, t.headers::text,
+    to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+    extract(epoch FROM t.created_at)::float8, t.attempts"""
+
+# The blocked-key probe. Its predicate is the predicate of ix_<table>_blocked, so the probe
+# reads that small index only.
+_BLOCKED = """NOT EXISTS (
+        SELECT 1 FROM {t} b
+        WHERE b.key = o.key AND b.seq < o.seq
+          AND (b.state = 'quarantined' OR (b.state = 'pending' AND b.attempts > 0)))"""
+
+PG_CLAIM = (
+    """
+WITH picked AS (
+    SELECT o.seq FROM {t} o
+    WHERE o.state = 'pending' AND o.claimed_by IS NULL AND o.available_at <= now()
+      AND o.seq >= %(floor)s
+      AND (o.key_hash %% %(nparts)s) = ANY(%(parts)s)
+      AND """
+    + _BLOCKED
+    + """
+    ORDER BY o.seq
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE {t} t SET claimed_by = %(owner)s, claim_epoch = %(epoch)s, claimed_at = now()
+FROM picked WHERE t.seq = picked.seq
+RETURNING """
+    + _PG_RECORD_COLUMNS
+)
+
+# Receipts: one statement for the whole batch, arrays bound in binary (%b): psycopg would
+# otherwise send Python lists as text arrays, which costs tens of milliseconds per batch.
+# Compare-and-set on (claimed_by, claim_epoch): a relay whose intent was reconciled away
+# records nothing.
+PG_PUBLISHED = """
+UPDATE {t} t SET state = 'published', stream = u.stream, stream_id = u.sid,
+    published_at = now()
+FROM unnest(%(seqs)b::bigint[], %(streams)b::text[], %(sids)b::text[]) AS u(seq, stream, sid)
+WHERE t.seq = u.seq AND t.claimed_by = %(owner)s AND t.claim_epoch = %(epoch)s
+  AND t.state = 'pending'"""
+
+# Transient failures: count the attempt, push available_at by the jittered delay, keep the
+# intent when the XADD may have happened (it is then reconciled before the next attempt).
+PG_FAILED = """
+UPDATE {t} t SET attempts = t.attempts + 1,
+    available_at = now() + make_interval(secs => u.delay),
+    last_error = u.err,
+    claimed_by = CASE WHEN u.keep THEN t.claimed_by END,
+    claim_epoch = CASE WHEN u.keep THEN t.claim_epoch END,
+    claimed_at = CASE WHEN u.keep THEN t.claimed_at END
+FROM unnest(%(seqs)b::bigint[], %(delays)b::float8[], %(errs)b::text[], %(keeps)b::bool[])
+    AS u(seq, delay, err, keep)
+WHERE t.seq = u.seq AND t.claimed_by = %(owner)s AND t.claim_epoch = %(epoch)s
+  AND t.state = 'pending'"""
+
+PG_QUARANTINE = """
+UPDATE {t} t SET state = 'quarantined', attempts = t.attempts + 1, last_error = u.err,
+    claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL
+FROM unnest(%(seqs)b::bigint[], %(errs)b::text[]) AS u(seq, err)
+WHERE t.seq = u.seq AND t.claimed_by = %(owner)s AND t.claim_epoch = %(epoch)s
+  AND t.state = 'pending'"""
+
+PG_RELEASE = """
+UPDATE {t} t SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL
+WHERE t.seq = ANY(%(seqs)b::bigint[]) AND t.claimed_by = %(owner)s
+  AND t.claim_epoch = %(epoch)s AND t.state = 'pending'"""
+
+# On taking over partitions: the intents found there belong to a relay that lost them.
+# Counting them as an attempt puts them in the blocked index (their keys wait), and they
+# become reconcilable once no XADD for them can still arrive.
+PG_MARK_ORPHANS = """
+UPDATE {t} t SET attempts = t.attempts + 1,
+    available_at = greatest(t.available_at,
+                            t.claimed_at + make_interval(secs => %(after)s)),
+    last_error = 'relay ' || t.claimed_by || ' left an intent without a receipt'
+WHERE t.state = 'pending' AND t.claimed_by IS NOT NULL
+  AND (t.key_hash %% %(nparts)s) = ANY(%(parts)s)"""
+
+PG_ORPHANS = """
+SELECT t.seq, t.event_id, t.topic, t.key, t.key_hash, t.tenant, t.claimed_by, t.claim_epoch,
+    extract(epoch FROM t.claimed_at)::float8
+FROM {t} t
+WHERE t.state = 'pending' AND t.attempts > 0 AND t.claimed_by IS NOT NULL
+  AND t.available_at <= now()
+  AND t.claimed_at <= now() - make_interval(secs => %(after)s)
+  AND (t.key_hash %% %(nparts)s) = ANY(%(parts)s)
+ORDER BY t.seq
+LIMIT %(limit)s"""
+
+PG_RESOLVE_FOUND = """
+UPDATE {t} t SET state = 'published', stream = u.stream, stream_id = u.sid,
+    published_at = now()
+FROM unnest(%(seqs)b::bigint[], %(streams)b::text[], %(sids)b::text[],
+            %(owners)b::text[], %(epochs)b::bigint[]) AS u(seq, stream, sid, owner, epoch)
+WHERE t.seq = u.seq AND t.claimed_by = u.owner AND t.claim_epoch = u.epoch
+  AND t.state = 'pending'"""
+
+PG_RESOLVE_MISSING = """
+UPDATE {t} t SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL
+FROM unnest(%(seqs)b::bigint[], %(owners)b::text[], %(epochs)b::bigint[])
+    AS u(seq, owner, epoch)
+WHERE t.seq = u.seq AND t.claimed_by = u.owner AND t.claim_epoch = u.epoch
+  AND t.state = 'pending'"""
+
+PG_RETENTION = """
+DELETE FROM {t} WHERE seq IN (
+    SELECT seq FROM {t}
+    WHERE state = 'published' AND published_at < now() - make_interval(secs => %(age)s)
+    ORDER BY seq LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED)"""
+
+PG_BACKLOG = """
+SELECT count(*), extract(epoch FROM now() - min(created_at))::float8
+FROM {t} WHERE state = 'pending'"""
+
+# The floor sample: the highest sequence value handed out so far, and the snapshot's xmin
+# and xmax. Once a later sample's xmin reaches this xmax, every transaction that could hold
+# a sequence value up to last_value has finished.
+PG_SNAPSHOT = """
+SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint,
+    coalesce(pg_sequence_last_value(%(seq)s::regclass), 0)
+FROM pg_current_snapshot() s"""
+
+PG_LOCKS = """
+SELECT l.classid::bigint, l.objid::bigint, l.pid = pg_backend_pid()
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid::bigint IN (%(c)s, %(m)s)"""
+
+
+class PostgresStore:
+    """The relay's statements on PostgreSQL (psycopg 3, autocommit: each statement is one
+    short transaction). See the module doc for the design."""
+
+    payload_is_json = True
+    supports_notify = True
+
+    def __init__(
+        self,
+        engine: Engine,
+        schema: OutboxSchema,
+        *,
+        partitions: int,
+        reconcile_after: float,
+        listen: bool,
+        rebalance_interval: float,
+        sweep_interval: float,
+    ) -> None:
+        self.engine = engine
+        self.schema = schema
+        self.partitions = partitions
+        self.reconcile_after = reconcile_after
+        self.listen = listen
+        self.rebalance_interval = rebalance_interval
+        self.sweep_interval = sweep_interval
+        self._conn: Any = None
+        self._listen_conn: Any = None
+        self._owned: frozenset[int] = frozenset()
+        self._sql: dict[str, str] = {}
+        self._lock_class = 0
+        self._member_class = 0
+        self._member_id = random.randrange(1, 2**31 - 1)
+        self._sequence = ""
+        self._samples: list[tuple[float, int, int]] = []  # (monotonic, xmax, last_value)
+        self._floor = 0
+        self._last_rebalance = -math.inf
+        self._last_sample = -math.inf
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _connect_args(self) -> tuple[list[Any], dict[str, Any]]:
+        cargs, cparams = self.engine.dialect.create_connect_args(self.engine.url)
+        return list(cargs), dict(cparams)
+
+    def _new_connection(self) -> Any:
+        import psycopg
+
+        cargs, cparams = self._connect_args()
+        cparams.setdefault("connect_timeout", 5)
+        return psycopg.connect(*cargs, autocommit=True, **cparams)
+
+    def connect(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            return
+        conn = self._new_connection()
+        try:
+            row = conn.execute("SELECT current_schema()").fetchone()
+            schema_name = self.schema.schema or (row[0] if row else "public")
+            qualified = f"{schema_name}.{self.schema.table_name}"
+            t = f'"{schema_name}"."{self.schema.table_name}"'
+            self._sql = {
+                name: sql.replace("{t}", t)
+                for name, sql in {
+                    "claim": PG_CLAIM,
+                    "published": PG_PUBLISHED,
+                    "failed": PG_FAILED,
+                    "quarantine": PG_QUARANTINE,
+                    "release": PG_RELEASE,
+                    "mark_orphans": PG_MARK_ORPHANS,
+                    "orphans": PG_ORPHANS,
+                    "resolve_found": PG_RESOLVE_FOUND,
+                    "resolve_missing": PG_RESOLVE_MISSING,
+                    "retention": PG_RETENTION,
+                    "backlog": PG_BACKLOG,
+                }.items()
+            }
+            seq_row = conn.execute(
+                "SELECT pg_get_serial_sequence(%s, 'seq')",
+                (f'"{schema_name}"."{self.schema.table_name}"',),
+            ).fetchone()
+            self._sequence = seq_row[0] if seq_row and seq_row[0] else ""
+            self._lock_class = zlib.crc32(f"outbox-relay:{qualified}".encode()) & 0x7FFFFFFF
+            self._member_class = (self._lock_class ^ 0x2B5A5A5A) & 0x7FFFFFFF
+            conn.execute("SELECT pg_advisory_lock(%s, %s)", (self._member_class, self._member_id))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._owned = frozenset()
+        self._samples.clear()
+        self._floor = 0
+        self._last_rebalance = -math.inf
+
+    def close(self) -> None:
+        for conn in (self._conn, self._listen_conn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        self._conn = None
+        self._listen_conn = None
+        self._owned = frozenset()
+
+    def _lost(self) -> None:
+        """Forget a connection that failed: its session (and so its locks) is gone or going."""
+        self.close()
+
+    def _execute(self, name: str, params: dict[str, Any]) -> Any:
+        if self._conn is None or self._conn.closed:
+            raise ConnectionResetError("the relay's database connection is closed")
+        try:
+            return self._conn.execute(self._sql[name], params)
+        except Exception as exc:
+            if _is_connection_error(exc):
+                self._lost()
+            raise
+
+    # -- partitions -------------------------------------------------------------------------
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return self._owned
+
+    def rebalance(self) -> bool:
+        """Take or give back partitions toward a fair share; True if any were taken (their
+        orphaned intents were marked, and the caller should sweep)."""
+        now = time.monotonic()
+        if now - self._last_rebalance < self.rebalance_interval and self._owned:
+            return False
+        self._last_rebalance = now
+        self.connect()
+        assert self._conn is not None
+        try:
+            rows = self._conn.execute(
+                PG_LOCKS, {"c": self._lock_class, "m": self._member_class}
+            ).fetchall()
+            members = max(1, len({(c, o) for c, o, _mine in rows if c == self._member_class}))
+            mine = {o for c, o, m in rows if c == self._lock_class and m}
+            others = {o for c, o, m in rows if c == self._lock_class and not m}
+            target = math.ceil(self.partitions / members)
+            taken: set[int] = set()
+            if len(mine) > target:
+                extra = sorted(mine)[target:]
+                self._conn.execute(
+                    "SELECT pg_advisory_unlock(%s, p) FROM unnest(%s::int[]) p",
+                    (self._lock_class, extra),
+                )
+                mine -= set(extra)
+            elif len(mine) < target:
+                free = [p for p in range(self.partitions) if p not in mine and p not in others]
+                random.shuffle(free)
+                if free:
+                    got = self._conn.execute(
+                        "SELECT p FROM unnest(%s::int[]) p "
+                        "WHERE pg_try_advisory_lock(%s, p) LIMIT %s",
+                        (free, self._lock_class, target - len(mine)),
+                    ).fetchall()
+                    taken = {int(r[0]) for r in got}
+                    mine |= taken
+            if taken:
+                self._conn.execute(
+                    self._sql["mark_orphans"],
+                    {
+                        "after": self.reconcile_after,
+                        "nparts": self.partitions,
+                        "parts": sorted(taken),
+                    },
+                )
+        except Exception as exc:
+            if _is_connection_error(exc):
+                self._lost()
+            raise
+        changed = frozenset(mine) != self._owned
+        self._owned = frozenset(mine)
+        if changed:
+            log.info(
+                "partitions",
+                extra=fields(owned=sorted(self._owned), replicas=members, target=target),
+            )
+        return bool(taken)
+
+    # -- floor ------------------------------------------------------------------------------
+
+    def _advance_floor(self) -> None:
+        """Sample the snapshot (at most every 100 ms) and raise the floor past sequence
+        values whose transactions have all finished (see the module doc)."""
+        now = time.monotonic()
+        if now - self._last_sample < 0.1 or not self._sequence:
+            return
+        self._last_sample = now
+        assert self._conn is not None
+        try:
+            row = self._conn.execute(PG_SNAPSHOT, {"seq": self._sequence}).fetchone()
+        except Exception as exc:
+            if _is_connection_error(exc):
+                self._lost()
+            raise
+        xmin, xmax, last_value = int(row[0]), int(row[1]), int(row[2])
+        self._samples.append((now, xmax, last_value))
+        # A sample is usable once every transaction it saw in progress has ended and it is
+        # at least a second old (a statement may allocate its sequence value a moment
+        # before its transaction id).
+        usable = [s for s in self._samples if s[1] <= xmin and now - s[0] >= 1.0]
+        if usable:
+            best = max(usable, key=lambda s: s[2])
+            self._floor = max(self._floor, best[2])
+            self._samples = [s for s in self._samples if s[2] > best[2]]
+        if len(self._samples) > 600:
+            del self._samples[: len(self._samples) - 600]
+
+    # -- claim and outcomes -----------------------------------------------------------------
+
+    def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
+        if not self._owned:
+            return []
+        if not sweep:
+            self._advance_floor()
+        cur = self._execute(
+            "claim",
+            {
+                "floor": 0 if sweep else self._floor,
+                "nparts": self.partitions,
+                "parts": sorted(self._owned),
+                "limit": limit,
+                "owner": owner,
+                "epoch": epoch,
+            },
+        )
+        records = [Record(*row) for row in cur.fetchall()]
+        records.sort(key=lambda r: r.seq)
+        return records
+
+    def mark_published(
+        self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
+    ) -> int:
+        if not receipts:
+            return 0
+        cur = self._execute(
+            "published",
+            {
+                "seqs": [r[0] for r in receipts],
+                "streams": [r[1] for r in receipts],
+                "sids": [r[2] for r in receipts],
+                "owner": owner,
+                "epoch": epoch,
+            },
+        )
+        return int(cur.rowcount)
+
+    def mark_failed(
+        self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
+    ) -> None:
+        if not failures:
+            return
+        self._execute(
+            "failed",
+            {
+                "seqs": [f[0] for f in failures],
+                "delays": [float(f[1]) for f in failures],
+                "errs": [f[2][:2000] for f in failures],
+                "keeps": [bool(f[3]) for f in failures],
+                "owner": owner,
+                "epoch": epoch,
+            },
+        )
+
+    def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None:
+        if not failures:
+            return
+        self._execute(
+            "quarantine",
+            {
+                "seqs": [f[0] for f in failures],
+                "errs": [f[1][:2000] for f in failures],
+                "owner": owner,
+                "epoch": epoch,
+            },
+        )
+
+    def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
+        if seqs:
+            self._execute("release", {"seqs": list(seqs), "owner": owner, "epoch": epoch})
+
+    def orphans(self, limit: int) -> list[Orphan]:
+        if not self._owned:
+            return []
+        cur = self._execute(
+            "orphans",
+            {
+                "after": self.reconcile_after,
+                "nparts": self.partitions,
+                "parts": sorted(self._owned),
+                "limit": limit,
+            },
+        )
+        return [Orphan(*row) for row in cur.fetchall()]
+
+    def resolve_orphans(
+        self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
+    ) -> None:
+        if found:
+            self._execute(
+                "resolve_found",
+                {
+                    "seqs": [o.seq for o, _s, _i in found],
+                    "streams": [s for _o, s, _i in found],
+                    "sids": [i for _o, _s, i in found],
+                    "owners": [o.claimed_by for o, _s, _i in found],
+                    "epochs": [o.claim_epoch for o, _s, _i in found],
+                },
+            )
+        if missing:
+            self._execute(
+                "resolve_missing",
+                {
+                    "seqs": [o.seq for o in missing],
+                    "owners": [o.claimed_by for o in missing],
+                    "epochs": [o.claim_epoch for o in missing],
+                },
+            )
+
+    # -- wake-up ----------------------------------------------------------------------------
+
+    def wait_for_notify(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a NOTIFY from the insert trigger; True if one came.
+        Without LISTEN (or if the listening connection fails) this is a plain sleep."""
+        if not self.listen:
+            time.sleep(timeout)
+            return False
+        try:
+            if self._listen_conn is None or self._listen_conn.closed:
+                conn = self._new_connection()
+                conn.execute(f'LISTEN "{self.schema.notify_channel}"')
+                self._listen_conn = conn
+            got = False
+            for _n in self._listen_conn.notifies(timeout=timeout, stop_after=1):
+                got = True
+            if got:  # drain what else is queued: one wake-up is enough
+                for _n in self._listen_conn.notifies(timeout=0.0001):
+                    pass
+            return got
+        except Exception as exc:
+            log.warning(
+                "LISTEN connection failed; polling",
+                extra=fields(error=f"{type(exc).__name__}: {exc}"),
+            )
+            if self._listen_conn is not None:
+                with contextlib.suppress(Exception):
+                    self._listen_conn.close()
+            self._listen_conn = None
+            time.sleep(timeout)
+            return False
+
+    # -- retention and progress -------------------------------------------------------------
+
+    def delete_published(self, older_than_seconds: float, limit: int) -> int:
+        cur = self._execute("retention", {"age": float(older_than_seconds), "limit": limit})
+        return int(cur.rowcount)
+
+    def backlog(self) -> tuple[int, float | None]:
+        row = self._execute("backlog", {}).fetchone()
+        return int(row[0]), (float(row[1]) if row[1] is not None else None)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    import psycopg
+
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, OSError))
+
+
+# -- SQLite ------------------------------------------------------------------------------------
+
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+SQLITE_CLAIM = (
+    """
+SELECT o.seq, o.event_id, o.topic, o.key, o.key_hash, o.tenant, o.identity,
+    o.payload, o.headers,
+    replace(substr(o.created_at, 1, 23), ' ', 'T') || 'Z',
+    (julianday(o.created_at) - 2440587.5) * 86400.0, o.attempts
+FROM {t} o
+WHERE o.state = 'pending' AND o.claimed_by IS NULL AND o.available_at <= """
+    + _SQLITE_NOW
+    + """
+  AND """
+    + _BLOCKED.replace("{t}", "{t}")
+    + """
+ORDER BY o.seq
+LIMIT :limit"""
+)
+
+
+class SqliteStore:
+    """The relay's statements on SQLite: one relay at a time (a lock file), BEGIN IMMEDIATE,
+    polling. Same semantics as :class:`PostgresStore` with a single partition."""
+
+    payload_is_json = False
+    supports_notify = False
+
+    def __init__(self, engine: Engine, schema: OutboxSchema, *, reconcile_after: float) -> None:
+        self.engine = engine
+        self.schema = schema
+        self.reconcile_after = reconcile_after
+        self.t = _quoted(schema)
+        self._lock_fd: int | None = None
+        self._owned: frozenset[int] = frozenset()
+        self._waiting_logged = False
+
+    def _lock_path(self) -> str | None:
+        database = self.engine.url.database
+        if not database or database == ":memory:":
+            return None
+        return os.path.abspath(database) + ".relay.lock"
+
+    def connect(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+        self._lock_fd = None
+        self._owned = frozenset()
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return self._owned
+
+    def rebalance(self) -> bool:
+        if self._owned:
+            return False
+        path = self._lock_path()
+        if path is not None:
+            import fcntl
+
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                if not self._waiting_logged:
+                    log.warning(
+                        "another relay holds this SQLite database; waiting (SQLite runs one "
+                        "relay at a time)",
+                        extra=fields(lock=path),
+                    )
+                    self._waiting_logged = True
+                return False
+            self._lock_fd = fd
+        self._owned = frozenset({0})
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"UPDATE {self.t} SET attempts = attempts + 1, "
+                    "available_at = max(available_at, strftime('%Y-%m-%d %H:%M:%f', claimed_at, "
+                    "'+' || :after || ' seconds')), "
+                    "last_error = 'relay ' || claimed_by || ' left an intent without a receipt' "
+                    "WHERE state = 'pending' AND claimed_by IS NOT NULL"
+                ),
+                {"after": self.reconcile_after},
+            )
+        return True
+
+    def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
+        if not self._owned:
+            return []
+        sql = SQLITE_CLAIM.replace("{t}", self.t)
+        with (
+            self.engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn,
+            conn.begin(),
+        ):
+            rows = conn.execute(text(sql), {"limit": limit}).fetchall()
+            if not rows:
+                return []
+            conn.execute(
+                text(
+                    f"UPDATE {self.t} SET claimed_by = :owner, claim_epoch = :epoch, "
+                    f"claimed_at = {_SQLITE_NOW} WHERE seq = :seq"
+                ),
+                [{"owner": owner, "epoch": epoch, "seq": r[0]} for r in rows],
+            )
+        records = []
+        for r in rows:
+            payload = r[7] if isinstance(r[7], str) else json.dumps(r[7])
+            headers = r[8] if (r[8] is None or isinstance(r[8], str)) else json.dumps(r[8])
+            records.append(
+                Record(
+                    int(r[0]),
+                    r[1],
+                    r[2],
+                    r[3],
+                    int(r[4]),
+                    r[5],
+                    r[6],
+                    payload,
+                    headers,
+                    str(r[9]),
+                    float(r[10] or 0.0),
+                    int(r[11]),
+                )
+            )
+        return records
+
+    def _run_many(self, sql: str, params: list[dict[str, Any]]) -> int:
+        if not params:
+            return 0
+        with self.engine.begin() as conn:
+            result = conn.execute(text(sql), params)
+            return int(result.rowcount)
+
+    def mark_published(
+        self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
+    ) -> int:
+        return self._run_many(
+            f"UPDATE {self.t} SET state = 'published', stream = :stream, stream_id = :sid, "
+            f"published_at = {_SQLITE_NOW} WHERE seq = :seq AND claimed_by = :owner "
+            "AND claim_epoch = :epoch AND state = 'pending'",
+            [
+                {"seq": s, "stream": st, "sid": sid, "owner": owner, "epoch": epoch}
+                for s, st, sid in receipts
+            ],
+        )
+
+    def mark_failed(
+        self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
+    ) -> None:
+        self._run_many(
+            f"UPDATE {self.t} SET attempts = attempts + 1, "
+            "available_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :delay || ' seconds'), "
+            "last_error = :err, "
+            "claimed_by = CASE WHEN :keep THEN claimed_by END, "
+            "claim_epoch = CASE WHEN :keep THEN claim_epoch END, "
+            "claimed_at = CASE WHEN :keep THEN claimed_at END "
+            "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
+            "AND state = 'pending'",
+            [
+                {
+                    "seq": s,
+                    "delay": f"{delay:.6f}",
+                    "err": err[:2000],
+                    "keep": 1 if keep else 0,
+                    "owner": owner,
+                    "epoch": epoch,
+                }
+                for s, delay, err, keep in failures
+            ],
+        )
+
+    def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None:
+        self._run_many(
+            f"UPDATE {self.t} SET state = 'quarantined', attempts = attempts + 1, "
+            "last_error = :err, claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
+            "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
+            "AND state = 'pending'",
+            [{"seq": s, "err": err[:2000], "owner": owner, "epoch": epoch} for s, err in failures],
+        )
+
+    def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
+        self._run_many(
+            f"UPDATE {self.t} SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
+            "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
+            "AND state = 'pending'",
+            [{"seq": s, "owner": owner, "epoch": epoch} for s in seqs],
+        )
+
+    def orphans(self, limit: int) -> list[Orphan]:
+        if not self._owned:
+            return []
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT seq, event_id, topic, key, key_hash, tenant, claimed_by, claim_epoch, "
+                    "(julianday(claimed_at) - 2440587.5) * 86400.0 "
+                    f"FROM {self.t} WHERE state = 'pending' AND attempts > 0 "
+                    f"AND claimed_by IS NOT NULL AND available_at <= {_SQLITE_NOW} "
+                    "AND claimed_at <= strftime('%Y-%m-%d %H:%M:%f', 'now', "
+                    "'-' || :after || ' seconds') ORDER BY seq LIMIT :limit"
+                ),
+                {"after": self.reconcile_after, "limit": limit},
+            ).fetchall()
+        return [
+            Orphan(int(r[0]), r[1], r[2], r[3], int(r[4]), r[5], r[6], int(r[7]), float(r[8]))
+            for r in rows
+        ]
+
+    def resolve_orphans(
+        self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
+    ) -> None:
+        self._run_many(
+            f"UPDATE {self.t} SET state = 'published', stream = :stream, stream_id = :sid, "
+            f"published_at = {_SQLITE_NOW} WHERE seq = :seq AND claimed_by = :owner "
+            "AND claim_epoch = :epoch AND state = 'pending'",
+            [
+                {
+                    "seq": o.seq,
+                    "stream": s,
+                    "sid": i,
+                    "owner": o.claimed_by,
+                    "epoch": o.claim_epoch,
+                }
+                for o, s, i in found
+            ],
+        )
+        self._run_many(
+            f"UPDATE {self.t} SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
+            "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
+            "AND state = 'pending'",
+            [{"seq": o.seq, "owner": o.claimed_by, "epoch": o.claim_epoch} for o in missing],
+        )
+
+    def wait_for_notify(self, timeout: float) -> bool:
+        time.sleep(timeout)
+        return False
+
+    def delete_published(self, older_than_seconds: float, limit: int) -> int:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                text(
+                    f"DELETE FROM {self.t} WHERE seq IN (SELECT seq FROM {self.t} "
+                    "WHERE state = 'published' AND published_at < "
+                    "strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || :age || ' seconds') "
+                    "ORDER BY seq LIMIT :limit)"
+                ),
+                {"age": f"{older_than_seconds:.6f}", "limit": limit},
+            )
+            return int(result.rowcount)
+
+    def backlog(self) -> tuple[int, float | None]:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT count(*), (julianday('now') - julianday(min(created_at))) * 86400.0 "
+                    f"FROM {self.t} WHERE state = 'pending'"
+                )
+            ).fetchone()
+        assert row is not None
+        return int(row[0]), (float(row[1]) if row[1] is not None else None)
