@@ -298,6 +298,8 @@ class Worker:
                 if outcome == "done":
                     done.append((ctx, label, started))
             if done:
+                for ctx, _, _ in done:
+                    ctx.outcome = "done"  # the heartbeat leaves it alone from here
                 result = store.finish_batch([ctx.lease for ctx, _, _ in done])
                 lost = set(result.conflicts)
                 for ctx, label, started in done:
@@ -394,8 +396,11 @@ class Worker:
                 try:
                     self._store().renew(ctx.lease, ttl=self.config.ttl)
                 except Conflict:
-                    ctx.lost = True
-                    log.warning("lease lost at renewal", extra=fields(job_id=ctx.job_id))
+                    with self._active_lock:
+                        still_running = ctx.job_id in self._active and ctx.outcome is None
+                    if still_running:  # not merely finished between snapshot and renewal
+                        ctx.lost = True
+                        log.warning("lease lost at renewal", extra=fields(job_id=ctx.job_id))
                 except SQLAlchemyError as exc:
                     log.warning("lease renewal failed", extra=fields(error=repr(exc)))
             if self.stop_flag.wait(interval) and not self._active:

@@ -1,0 +1,168 @@
+"""``python -m bench jobs``: claim+finish throughput of no-op jobs, ours vs procrastinate.
+
+Both run against the same PostgreSQL database in the same run, each in its own fresh
+schema (dropped afterwards). Ours: ``N`` threads of one :class:`consumer.Worker` calling
+``run_once()`` (fair batch claim with FOR UPDATE SKIP LOCKED, a no-op handler, one fenced
+``finish_batch`` per cycle; every job keeps its own epoch compare-and-set and history row).
+Procrastinate: a worker with ``concurrency=N`` draining deferred no-op tasks (``wait=False``).
+Figures are jobs per second and the ratio at each concurrency; the machine is shared, so
+read ratios, not absolutes.
+
+Options: ``--jobs`` (ours, per concurrency), ``--procrastinate-jobs``, ``--concurrency 1,4,8``,
+``--batch-size``, ``--database-url``, ``--skip-procrastinate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def _schema_url(base: str, schema: str) -> str:
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options=-csearch_path%3D{schema}"
+
+
+def _seed(engine: sa.Engine, count: int, tag: str) -> None:
+    from consumer.jobs_schema import jobs
+
+    rows = [
+        {"tenant": "bench", "action": f"noop-{tag}-{i}", "created_at": 0.0, "updated_at": 0.0}
+        for i in range(count)
+    ]
+    with engine.begin() as conn:
+        for start in range(0, count, 5000):
+            conn.execute(sa.insert(jobs), rows[start : start + 5000])
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("VACUUM ANALYZE outbox_jobs"))
+
+
+def run_ours(url: str, count: int, concurrency: int, batch_size: int, tag: str) -> float:
+    from consumer.store import Store
+    from consumer.worker import Worker
+
+    store = Store(url)
+    _seed(store.engine, count, tag)
+    worker = Worker(store, batch_size=batch_size, concurrency=concurrency)
+    worker.register("noop", lambda job: None)
+    done = [0] * concurrency
+
+    def loop(index: int) -> None:
+        while True:
+            handled = worker.run_once()
+            if not handled:
+                return
+            done[index] += handled
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    counts = store.counts()
+    worker.stop()
+    store.dispose()
+    if counts["DONE"] < count or sum(done) != count:
+        raise RuntimeError(f"ours: expected {count} DONE, got {counts} ({sum(done)} handled)")
+    return count / elapsed
+
+
+def run_procrastinate(conninfo: str, count: int, concurrency: int) -> float:
+    import logging
+
+    from procrastinate import App, PsycopgConnector
+
+    logging.getLogger("procrastinate").setLevel(logging.WARNING)
+    app = App(connector=PsycopgConnector(conninfo=conninfo, min_size=1, max_size=concurrency + 4))
+
+    @app.task(name="noop", queue="bench")
+    def noop() -> None:
+        return None
+
+    async def main() -> float:
+        async with app.open_async():
+            tables = await app.connector.execute_query_one_async(
+                "SELECT to_regclass('procrastinate_jobs') IS NOT NULL AS present"
+            )
+            if not tables["present"]:
+                await app.schema_manager.apply_schema_async()
+            for start in range(0, count, 1000):
+                await noop.batch_defer_async(*[{} for _ in range(min(1000, count - start))])
+            started = time.perf_counter()
+            await app.run_worker_async(
+                queues=["bench"],
+                concurrency=concurrency,
+                wait=False,
+                install_signal_handlers=False,
+                listen_notify=False,
+                fetch_job_polling_interval=0.05,
+            )
+            elapsed = time.perf_counter() - started
+            left = await app.connector.execute_query_one_async(
+                "SELECT count(*) AS n FROM procrastinate_jobs WHERE status = 'todo'"
+            )
+            if left["n"]:
+                raise RuntimeError(f"procrastinate left {left['n']} jobs")
+            return count / elapsed
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench jobs", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--database-url", default=DEFAULT_URL)
+    parser.add_argument("--jobs", type=int, default=20_000, help="our jobs per concurrency")
+    parser.add_argument("--procrastinate-jobs", type=int, default=1_500)
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument("--skip-procrastinate", action="store_true")
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")
+    tag = uuid.uuid4().hex[:8]
+    ours_schema, proc_schema = f"bench_jobs_{tag}", f"bench_procrastinate_{tag}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{ours_schema}"'))
+        conn.execute(sa.text(f'CREATE SCHEMA "{proc_schema}"'))
+    results: list[tuple[int, float, float | None]] = []
+    try:
+        ours_url = _schema_url(args.database_url, ours_schema)
+        plain = sa.engine.make_url(args.database_url).set(drivername="postgresql")
+        conninfo = _schema_url(plain.render_as_string(hide_password=False), proc_schema)
+        for level in levels:
+            ours = run_ours(ours_url, args.jobs, level, args.batch_size, f"c{level}")
+            theirs = (
+                None
+                if args.skip_procrastinate
+                else run_procrastinate(conninfo, args.procrastinate_jobs, level)
+            )
+            results.append((level, ours, theirs))
+            _print_row(level, ours, theirs)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{ours_schema}" CASCADE'))
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{proc_schema}" CASCADE'))
+        admin.dispose()
+    return 0
+
+
+def _print_row(level: int, ours: float, theirs: float | None) -> None:
+    ratio: Any = f"{ours / theirs:.1f}x" if theirs else "-"
+    theirs_text = f"{theirs:,.0f}" if theirs else "-"
+    print(
+        f"concurrency {level}: ours {ours:,.0f} jobs/s | procrastinate {theirs_text} jobs/s"
+        f" | ratio {ratio}",
+        flush=True,
+    )
