@@ -19,6 +19,7 @@ the classes here, and the ``with`` block (or ``close()``) removes it with its da
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -290,10 +291,8 @@ class PrivatePostgres:
             return ""
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.stop("immediate")
-        except Exception:
-            pass
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> PrivatePostgres:
