@@ -1,9 +1,19 @@
-"""End to end: a real Prometheus server scrapes our exporter and evaluates alerts.yml.
+"""End to end: a real Prometheus server scrapes a real relay and evaluates alerts.yml.
 
 The rules are the shipped ones with lowered thresholds and ``for:`` durations
-(``metrics.alerts.render_rules``), evaluated every second. The test writes a stuck record,
-waits until Prometheus's API reports OutboxStuckRecord firing for that event id, fixes the
-record, and waits until the alert resolves. Deadlines bound every wait; no fixed sleeps.
+(``metrics.alerts.render_rules``), evaluated every second; the target is ``outbox-relay run
+--metrics-port`` (a subprocess on PostgreSQL and the shared Redis, streams under the test's
+prefix). Two poison records:
+
+- a record the relay keeps failing on (attempts past the threshold, its backoff in the
+  future): OutboxStuckRecord fires with its event id; after the fix the relay publishes it
+  and the alert resolves;
+- an event whose stream the Redis server rejects (the key holds a string: WRONGTYPE, a
+  permanent failure): the relay quarantines it, OutboxQuarantinedEvents fires; after the fix
+  (the key removed) ``outbox-relay requeue`` puts it back, the relay publishes it, and the
+  alert resolves.
+
+Deadlines bound every wait; no fixed sleeps.
 """
 
 from __future__ import annotations
@@ -181,39 +191,55 @@ def insert_stuck(engine: sa.Engine, schema: OutboxSchema, event_id: str, attempt
         )
 
 
+def relay_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "relay", *args]
+
+
+def alert_named(api: str, name: str, state: str) -> dict[str, Any] | None:
+    for alert in alerts(api):
+        if alert["labels"].get("alertname") == name and alert["state"] == state:
+            return alert
+    return None
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_prometheus_fires_and_resolves_the_stuck_record_alert(
+@pytest.mark.timeout(300)
+def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
     pg_url: str,
+    redis_url: str,
+    redis_client: Any,
+    stream_prefix: str,
     outbox_engine: tuple[sa.Engine, OutboxSchema],
     prometheus_binary: str,
     tmp_path: Path,
 ) -> None:
     engine, schema = outbox_engine
-    exporter_port = free_port()
-    exporter = spawn(
-        [
-            sys.executable,
-            "-m",
-            "metrics",
+    metrics_port = free_port()
+    relay = spawn(
+        relay_command(
+            "run",
             "--database-url",
             pg_url,
-            "--port",
-            str(exporter_port),
-            "--cache-seconds",
+            "--redis-url",
+            redis_url,
+            "--stream",
+            f"{stream_prefix}.{{topic}}",
+            "--metrics-port",
+            str(metrics_port),
+            "--retention",
             "0",
-        ],
-        tmp_path / "exporter.log",
+        ),
+        tmp_path / "relay.log",
     )
-    prometheus, api = start_prometheus(prometheus_binary, tmp_path, exporter_port)
+    prometheus, api = start_prometheus(prometheus_binary, tmp_path, metrics_port)
     try:
         wait_for(
-            "the exporter to serve",
-            lambda: http_get(f"http://127.0.0.1:{exporter_port}/metrics"),
+            "the relay to serve metrics",
+            lambda: http_get(f"http://127.0.0.1:{metrics_port}/metrics"),
         )
-        wait_for("Prometheus to scrape the exporter", lambda: target_up(api))
+        wait_for("Prometheus to scrape the relay", lambda: target_up(api))
 
-        # A healthy record with a few attempts stays under the threshold: no alert.
+        # 1. A stuck record, and a flaky one under the threshold.
         insert_stuck(engine, schema, "ev-flaky", attempts=1)
         insert_stuck(engine, schema, "ev-poison", attempts=7)
         firing = wait_for(
@@ -221,22 +247,100 @@ def test_prometheus_fires_and_resolves_the_stuck_record_alert(
             lambda: stuck_alert(api, "ev-poison", "firing"),
         )
         assert firing["labels"]["topic"] == "orders"
-        assert "outbox-relay" in firing["annotations"]["description"]
+        assert "outbox-relay status" in firing["annotations"]["description"]
         assert stuck_alert(api, "ev-flaky", "firing") is None
         assert stuck_alert(api, "ev-flaky", "pending") is None
-
-        # The fix: the record is repaired and published (what `requeue` and the relay do).
+        # The fix: its cause is gone, it is due now; the relay publishes it.
         with engine.begin() as conn:
             conn.execute(
                 schema.table.update()
-                .where(schema.table.c.event_id == "ev-poison")
-                .values(state="published", published_at=db_now())
+                .where(schema.table.c.event_id.in_(["ev-poison", "ev-flaky"]))
+                .values(available_at=db_now())
             )
         wait_for(
             "OutboxStuckRecord to resolve",
             lambda: not any(a["labels"].get("event_id") == "ev-poison" for a in alerts(api)),
         )
+        entries = redis_client.xrange(f"{stream_prefix}.orders")
+        assert {fields[b"id"] for _, fields in entries} >= {b"ev-poison", b"ev-flaky"}
+
+        # 2. A stream the server rejects: quarantined at once, the relay carries on.
+        redis_client.set(f"{stream_prefix}.invoices", "not a stream")
+        with engine.begin() as conn:
+            conn.execute(
+                schema.table.insert().values(
+                    event_id="ev-rejected",
+                    topic="invoices",
+                    key="invoice-9",
+                    key_hash=9,
+                    identity="ev-rejected",
+                    payload={"total": 9},
+                )
+            )
+        quarantined = wait_for(
+            "OutboxQuarantinedEvents firing",
+            lambda: alert_named(api, "OutboxQuarantinedEvents", "firing"),
+        )
+        assert "outbox-relay requeue" in quarantined["annotations"]["description"]
+        redis_client.delete(f"{stream_prefix}.invoices")
+        requeue = subprocess.run(
+            relay_command("requeue", "--database-url", pg_url, "ev-rejected"),
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert requeue.returncode == 0, requeue.stdout + requeue.stderr
+        wait_for(
+            "OutboxQuarantinedEvents to resolve",
+            lambda: (
+                alert_named(api, "OutboxQuarantinedEvents", "firing") is None
+                and alert_named(api, "OutboxQuarantinedEvents", "pending") is None
+            ),
+        )
+        entries = redis_client.xrange(f"{stream_prefix}.invoices")
+        assert [fields[b"id"] for _, fields in entries] == [b"ev-rejected"]
+        # The relay kept making progress all along: no stalled/absent-relay alert.
+        for name in ("OutboxRelayStalled", "OutboxNoRelayReporting", "OutboxRelayDown"):
+            assert alert_named(api, name, "firing") is None, name
     finally:
         prometheus.stop()
+        relay.stop()
+    assert relay.process.returncode == 0, relay.output()
+
+
+@pytest.mark.timeout(120)
+def test_outbox_relay_metrics_serves_the_gauges_and_stops_on_sigterm(
+    pg_url: str, outbox_engine: tuple[sa.Engine, OutboxSchema], tmp_path: Path
+) -> None:
+    engine, schema = outbox_engine
+    insert_stuck(engine, schema, "ev-stuck", attempts=4)
+    port = free_port()
+    exporter = spawn(
+        relay_command("metrics", "--database-url", pg_url, "--port", str(port)),
+        tmp_path / "exporter.log",
+    )
+    try:
+        body = wait_for(
+            "the exporter to serve", lambda: http_get(f"http://127.0.0.1:{port}/metrics")
+        ).decode()
+        assert 'outbox_stuck_record_attempts{event_id="ev-stuck",topic="orders"} 4.0' in body
+        assert 'outbox_backlog{topic="orders"} 1.0' in body
+        assert "outbox_max_attempts 4.0" in body
+    finally:
         exporter.stop()
     assert exporter.process.returncode == 0, exporter.output()
+
+
+def test_outbox_relay_metrics_rejects_a_bad_port(pg_url: str) -> None:
+    result = subprocess.run(
+        relay_command("metrics", "--database-url", pg_url, "--port", "70000"),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "metrics_port" in result.stderr
