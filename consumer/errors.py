@@ -100,3 +100,13 @@ class AuthFailure(JobFailure):
 class OperationError(ConsumerError):
     """An operation intent cannot proceed: the same operation id was dispatched with a
     different request (digest mismatch), or the provider is not registered."""
+
+
+class ProviderTimeout(TransientFailure):
+    """A provider did not answer in time: the request may or may not have taken effect. The
+    operation's receipt becomes UNKNOWN (never FAILED) and is reconciled before any resend."""
+
+
+class OperationUnresolved(ConsumerError):
+    """An operation's earlier outcome is unknown and its provider offers neither a lookup nor
+    an idempotency key: the job was moved to WAITING_REVIEW and the handler must stop."""

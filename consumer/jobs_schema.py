@@ -36,6 +36,12 @@ AND coalesce(run_after, created_at) <= db_epoch``; expired leases ``count(*) WHE
 ``job_id``, ``epoch``, ``worker``, ``outcome`` (done, retry, waiting_external,
 waiting_review, needs_attention, expired, cancelled, scheduled, conflict-free moves only),
 ``error``, ``at``.
+
+``outbox_operations`` - operation intents and receipts for external effects (guarantee 8;
+see ``consumer.operations``): ``operation_id`` (stable), ``job_id``, ``provider``,
+``request_digest``, ``state`` (PENDING, ACCEPTED, UNKNOWN, FAILED), ``provider_ref``,
+``attempts``, ``last_error``, ``created_at``, ``updated_at``. Unknown receipts:
+``count(*), db_epoch - min(updated_at) WHERE state = 'UNKNOWN'`` (``ix_outbox_operations_unknown``).
 """
 
 from __future__ import annotations
@@ -173,6 +179,31 @@ attempts = Table(
     Column("at", Double, nullable=False),
 )
 Index("ix_outbox_job_attempts_job", attempts.c.job_id)
+
+OPERATIONS_TABLE = "outbox_operations"
+
+# Operation intents and their receipts (consumer/operations.py documents the columns).
+operations = Table(
+    OPERATIONS_TABLE,
+    metadata,
+    Column("operation_id", String(NAME_LENGTH * 2), primary_key=True),
+    Column("job_id", BigInteger, nullable=False),
+    Column("provider", String(NAME_LENGTH), nullable=False),
+    Column("request_digest", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("provider_ref", String(NAME_LENGTH), nullable=True),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+# The metrics read UNKNOWN receipts (count, oldest age): keep that lookup small.
+Index(
+    "ix_outbox_operations_unknown",
+    operations.c.updated_at,
+    postgresql_where=operations.c.state == "UNKNOWN",
+    sqlite_where=operations.c.state == "UNKNOWN",
+)
 
 
 def create_schema(bind: Engine | Connection) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from consumer.errors import Conflict, JobFailure
+from consumer.errors import Conflict, JobFailure, OperationUnresolved
 from consumer.store import Lease, Store, Time, Timer, _time
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks
@@ -333,6 +333,8 @@ class Worker:
                     routed[1](ctx)
                 except Conflict:
                     raise
+                except OperationUnresolved:
+                    outcome = ctx.outcome or "waiting_review"  # dispatch moved the job
                 except JobFailure as failure:
                     outcome = (
                         "failed_"

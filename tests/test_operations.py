@@ -1,0 +1,178 @@
+"""Operation intents and receipts (guarantee 8): one customer-visible effect."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from consumer.errors import OperationError, OperationUnresolved, PermanentFailure, ProviderTimeout
+from consumer.jobs_states import DONE, READY, WAITING_REVIEW
+from consumer.operations import ACCEPTED, FAILED, UNKNOWN, Operations, SimulatedProvider
+from consumer.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.05)
+
+
+def _claim(store: Store, action: str = "email-1"):  # type: ignore[no-untyped-def]
+    store.enqueue("t", action, subject="ann@example.com")
+    lease = store.claim_next("w", ttl=1)
+    assert lease is not None
+    return lease
+
+
+def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
+    db_url: str, tmp_path: Path
+) -> None:
+    store = Store(db_url)
+    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True)
+    ops = Operations(store, {"sim": sim})
+    lease = _claim(store)
+    with pytest.raises(ProviderTimeout):
+        ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    receipt = ops.receipt(f"{lease.job_id}:send")
+    assert receipt is not None and receipt.state == UNKNOWN  # never FAILED
+    assert store.fail(lease, error="timeout") == READY
+    sim.mode = "ok"
+    again = store.claim_next("w", now=10**10)
+    assert again is not None
+    result = ops.dispatch(again, "send", "sim", {"to": "ann"})
+    assert result.state == ACCEPTED and result.reconciled
+    assert [ref for ref, _ in sim.effects()] == [result.provider_ref]
+    # a later retry of the same job does not repeat the effect either
+    assert ops.dispatch(again, "send", "sim", {"to": "ann"}).provider_ref == result.provider_ref
+    assert len(sim.effects()) == 1
+    with pytest.raises(OperationError):
+        ops.dispatch(again, "send", "sim", {"to": "bob"})  # same operation, other request
+    store.dispose()
+
+
+def test_idempotency_key_reconciles_without_lookup(db_url: str, tmp_path: Path) -> None:
+    store = Store(db_url)
+    sim = SimulatedProvider(
+        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False, idempotency=True
+    )
+    ops = Operations(store, {"sim": sim})
+    lease = _claim(store)
+    with pytest.raises(ProviderTimeout):
+        ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    sim.mode = "ok"
+    result = ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    assert result.state == ACCEPTED and len(sim.effects()) == 1
+    store.dispose()
+
+
+def test_a_provider_without_lookup_or_idempotency_sends_the_job_to_review(
+    db_url: str, tmp_path: Path
+) -> None:
+    store = Store(db_url)
+    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False)
+    ops = Operations(store, {"sim": sim})
+    lease = _claim(store)
+    with pytest.raises(ProviderTimeout):
+        ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    with pytest.raises(OperationUnresolved):
+        ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    assert store.get(lease.job_id).state == WAITING_REVIEW
+    receipt = ops.receipt(f"{lease.job_id}:send")
+    assert receipt is not None and receipt.state == UNKNOWN
+    assert len(sim.effects()) == 1
+    store.dispose()
+
+
+def test_rejection_is_failed_and_a_fenced_worker_cannot_dispatch(
+    db_url: str, tmp_path: Path
+) -> None:
+    from consumer.errors import Conflict
+
+    store = Store(db_url)
+    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="reject")
+    ops = Operations(store, {"sim": sim})
+    lease = _claim(store)
+    with pytest.raises(PermanentFailure):
+        ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    assert ops.receipt(f"{lease.job_id}:send") is not None
+    assert ops.receipt(f"{lease.job_id}:send").state == FAILED  # type: ignore[union-attr]
+    other = _claim(store, "email-2")
+    store.recover(now=10**10)
+    with pytest.raises(Conflict):
+        ops.dispatch(other, "send", "sim", {"to": "bob"})
+    assert sim.effects() == []
+    store.dispose()
+
+
+def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OUTBOX_DATABASE_URL": db_url,
+        "SIM_PATH": str(sim_path),
+        "SIM_MODE": mode,
+        "SIM_LOOKUP": "1",
+        "JOBS_TTL": "1",
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "consumer.worker_cli",
+            "run",
+            "tests.jobs_support:build_dispatching",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.slow
+def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
+    pg_url: str, tmp_path: Path
+) -> None:
+    store = Store(pg_url)
+    sim_path = tmp_path / "provider.db"
+    sim = SimulatedProvider(str(sim_path))
+    store.enqueue("studio", "email-quote-017", subject="ann@example.com")
+    first = _worker(pg_url, sim_path, "hang_after_accept")
+    try:
+        wait_for(lambda: Path(str(sim_path) + ".accepted").exists())
+        first.send_signal(signal.SIGKILL)  # after the provider accepted, before the receipt
+        assert first.wait(30) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+    ops = Operations(store, {"sim": sim})
+    job_id = store.get("studio", "email-quote-017").id
+    receipt = ops.receipt(f"{job_id}:send")
+    assert receipt is not None and receipt.state == "PENDING"
+    second = _worker(pg_url, sim_path, "ok")
+    try:
+        wait_for(lambda: store.get("studio", "email-quote-017").state == DONE)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+    effects = sim.effects()
+    assert len(effects) == 1
+    receipt = ops.receipt(f"{job_id}:send")
+    assert receipt is not None and receipt.state == ACCEPTED
+    assert receipt.provider_ref == effects[0][0]
+    outcomes = [a.outcome for a in store.history("studio", "email-quote-017")]
+    assert outcomes == ["expired", "done"]
+    store.dispose()
