@@ -67,7 +67,13 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-from consumer.jobs_states import LEASED, READY, WAITING_EXTERNAL, WAITING_REVIEW
+from consumer.jobs_states import (
+    LEASED,
+    NEEDS_ATTENTION,
+    READY,
+    WAITING_EXTERNAL,
+    WAITING_REVIEW,
+)
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -158,6 +164,13 @@ Index(
     jobs.c.lease_expires_at,
     postgresql_where=jobs.c.state == LEASED,
     sqlite_where=jobs.c.state == LEASED,
+)
+# Jobs that need a person: the metrics count them at every scrape; keep that lookup small.
+Index(
+    "ix_outbox_jobs_needs_attention",
+    jobs.c.updated_at,
+    postgresql_where=jobs.c.state == NEEDS_ATTENTION,
+    sqlite_where=jobs.c.state == NEEDS_ATTENTION,
 )
 # Timers of waiting jobs.
 Index(

@@ -126,6 +126,7 @@ def dead_letters(table: str) -> TextualSelect:
 
 # -- jobs (tables of consumer/jobs_schema.py; times there are unix seconds) ----------------------
 
+OPERATIONS_TABLE = "outbox_operations"
 JOBS_TABLE = "outbox_jobs"
 # Open (non-terminal) states. DONE and CANCELLED are history: counting them would scan every
 # job ever run, so they are not exported (the workers' outcome counters show throughput).

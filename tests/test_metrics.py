@@ -481,3 +481,30 @@ def test_unknown_receipts_source_rejects_unsafe_names() -> None:
         unknown_receipts_source("receipts; DROP TABLE x")
     with pytest.raises(ConfigError):
         unknown_receipts_source("receipts", unknown_value="x' OR '1")
+
+
+def test_unknown_receipts_of_the_job_store_are_exported_by_default(engine: sa.Engine) -> None:
+    from consumer.jobs_schema import create_schema as create_job_tables
+    from consumer.jobs_schema import db_epoch, operations
+
+    collector_registry = CollectorRegistry()
+    collector_registry.register(DatabaseCollector(engine, cache_seconds=0, table_recheck_seconds=0))
+    assert collector_registry.get_sample_value("outbox_unknown_receipts") is None
+    create_job_tables(engine)
+    with engine.begin() as conn:
+        now = float(conn.execute(sa.select(db_epoch())).scalar_one())
+        for i, (state, age) in enumerate([("UNKNOWN", 400), ("ACCEPTED", 9000), ("UNKNOWN", 5)]):
+            conn.execute(
+                operations.insert().values(
+                    operation_id=f"{i}:send",
+                    job_id=i,
+                    provider="mail",
+                    request_digest="0" * 64,
+                    state=state,
+                    created_at=now - 10_000,  # the intent is old; UNKNOWN since updated_at
+                    updated_at=now - age,
+                )
+            )
+    assert collector_registry.get_sample_value("outbox_unknown_receipts") == 2.0
+    age = collector_registry.get_sample_value("outbox_oldest_unknown_receipt_age_seconds")
+    assert age is not None and 400.0 <= age < 460.0
