@@ -184,14 +184,16 @@ def load_consumer(target: str) -> Consumer:
 
 
 def _run(args: argparse.Namespace) -> int:
-    consumer = load_consumer(args.target)
     batch_size = args.batch_size if args.batch_size is not None else env_int("BATCH_SIZE", 0)
+    if args.batch_size is not None and batch_size <= 0:
+        raise ConfigError("batch_size", f"--batch-size must be positive, got {batch_size}")
+    port = args.metrics_port if args.metrics_port is not None else env_int("METRICS_PORT", -1)
+    consumer = load_consumer(args.target)
     config = consumer.config
     if batch_size:
         config = dataclasses.replace(config, batch_size=batch_size)
     if args.schema:
         config = dataclasses.replace(config, schema=args.schema)
-    port = args.metrics_port if args.metrics_port is not None else env_int("METRICS_PORT", -1)
     hooks = None
     if port >= 0:
         from metrics import start_metrics  # imported only when asked for

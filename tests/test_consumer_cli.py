@@ -1,0 +1,314 @@
+"""``outbox-consumer``: usage, dead letters, replay, SIGTERM, and the kill test (real
+subprocesses SIGKILLed mid-batch and restarted; exactly one job per identity afterwards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from consumer import Consumer
+from consumer.cli import main
+from consumer.consumer import ConsumerConfig
+from consumer.consumer_event import encode_entry
+
+sys.path.insert(0, str(Path(__file__).parent))
+import consumer_app
+
+REPO = Path(__file__).resolve().parent.parent
+TOPIC = "job.requested"
+BIN = Path(sys.executable).parent / "outbox-consumer"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def publish_many(client: redis.Redis, stream: str, specs: list[tuple[str, str]]) -> None:
+    pipe = client.pipeline(transaction=False)
+    for n, (identity, event_id) in enumerate(specs, 1):
+        pipe.xadd(stream, encode_entry(TOPIC, {"n": n}, event_id=event_id, identity=identity))  # type: ignore[arg-type]
+        if n % 1000 == 0:
+            pipe.execute()
+    pipe.execute()
+
+
+def count_jobs(engine: sa.Engine) -> tuple[int, int]:
+    table = consumer_app.jobs
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(sa.func.count(), sa.func.count(sa.distinct(table.c.identity)))
+        ).one()
+    return int(row[0]), int(row[1])
+
+
+def jobs_by(engine: sa.Engine, pid: int) -> int:
+    table = consumer_app.jobs
+    with engine.connect() as conn:
+        query = sa.select(sa.func.count()).where(table.c.worker == str(pid))
+        return int(conn.execute(query).scalar_one())
+
+
+class App:
+    """Starts ``outbox-consumer run consumer_app:build`` subprocesses against one stream."""
+
+    def __init__(self, tmp: Path, db_url: str, redis_url: str, stream: str, **env: str) -> None:
+        self.tmp = tmp
+        self.db_url = db_url
+        self.redis_url = redis_url
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+            "CONSUMER_APP_STREAM": stream,
+            "OUTBOX_LOG_LEVEL": "info",
+            **env,
+        }
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.log_of: dict[int, Path] = {}
+        self.logs = 0
+
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+        self.logs += 1
+        path = self.tmp / f"consumer-{self.logs}.log"
+        log = open(path, "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                str(BIN),
+                "run",
+                "consumer_app:build",
+                "--database-url",
+                self.db_url,
+                "--redis-url",
+                self.redis_url,
+                *extra,
+            ],
+            cwd=self.tmp,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.procs.append(proc)
+        self.log_of[proc.pid] = path
+        return proc
+
+    def started(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Past startup (its SIGTERM handler is installed): it logged "consumer started"."""
+        return "consumer started" in self.log_of[proc.pid].read_text()
+
+    def logs_text(self) -> str:
+        return "\n".join(p.read_text() for p in sorted(self.tmp.glob("consumer-*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def app_factory(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., App]]:
+    apps: list[App] = []
+
+    def make(db_url: str, stream: str, **env: str) -> App:
+        engine = sa.create_engine(db_url)
+        consumer_app.metadata.create_all(engine)
+        engine.dispose()
+        app = App(tmp_path, db_url, redis_url, stream, **env)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.close()
+
+
+# -- usage ---------------------------------------------------------------------------------
+
+
+def test_help_and_bad_usage(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["--help"]) == 0
+    assert "dead-letters" in capsys.readouterr().out
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--metrics-port" in out and "OUTBOX_DATABASE_URL" in out
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["run"]) == 2
+    assert main(["replay", "not-a-number"]) == 2
+    capsys.readouterr()
+    assert main(["run", "no-colon"]) == 2
+    assert "MODULE:ATTRIBUTE" in capsys.readouterr().err
+    assert main(["run", "no_such_module_xyz:thing"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    assert main(["run", "consumer_app:nothing"]) == 2
+    assert "no attribute" in capsys.readouterr().err
+    assert main(["run", "consumer_app:metadata"]) == 2
+    assert "not a Consumer" in capsys.readouterr().err
+    assert main(["run", "consumer_app:build", "--batch-size", "0"]) == 2
+    assert "batch_size" in capsys.readouterr().err
+    monkeypatch.setenv("OUTBOX_METRICS_PORT", "many")
+    assert main(["run", "consumer_app:build"]) == 2
+    assert "OUTBOX_METRICS_PORT" in capsys.readouterr().err
+    # A factory that fails is a failure of the application, not bad usage.
+    monkeypatch.delenv("OUTBOX_METRICS_PORT")
+    monkeypatch.delenv("CONSUMER_APP_STREAM", raising=False)
+    assert main(["run", "consumer_app:build"]) == 1
+    assert "CONSUMER_APP_STREAM" in capsys.readouterr().err
+
+
+def test_dead_letters_and_replay(
+    db_url: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stream = f"{stream_prefix}.jobs"
+    consumer = Consumer(
+        db_url, redis_url, group="app", streams=[stream], config=ConsumerConfig(max_deliveries=1)
+    )
+    fixed = {"yes": False}
+
+    @consumer.handler(TOPIC)
+    def handle(event: Any, tx: Any) -> None:
+        if not fixed["yes"]:
+            raise RuntimeError("provider rejected the template")
+        tx.session.execute(
+            sa.insert(consumer_app.jobs).values(
+                identity=event.identity, event_id=event.id, worker="t"
+            )
+        )
+
+    consumer_app.metadata.create_all(consumer.engine)
+    publish_many(redis_client, stream, [("q-1", "evt-1")])
+    assert consumer.run_once(block=False) == 1
+    capsys.readouterr()
+
+    assert main(["dead-letters", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "evt-1" in out and "RuntimeError: provider rejected the template" in out
+    assert main(["dead-letters", "--database-url", db_url, "--json"]) == 0
+    [record] = json.loads(capsys.readouterr().out)
+    assert record["reason"] == "poison" and record["state"] == "needs_attention"
+    assert record["payload"]["id"] == "evt-1" and record["group_name"] == "app"
+
+    fixed["yes"] = True
+    args = ["--database-url", db_url, "--redis-url", redis_url]
+    assert main(["replay", str(record["id"]), *args]) == 0
+    assert "replayed dead-letter record" in capsys.readouterr().out
+    assert consumer.run_once(block=False) == 1
+    assert count_jobs(consumer.engine) == (1, 1)
+    assert main(["replay", str(record["id"]), *args]) == 1
+    assert "was replayed" in capsys.readouterr().err
+    assert main(["replay", "987654", *args]) == 1
+    assert "no dead-letter record with id 987654" in capsys.readouterr().err
+    assert main(["dead-letters", "--database-url", db_url]) == 0
+    assert "no dead letters" in capsys.readouterr().out
+    assert main(["dead-letters", "--database-url", db_url, "--all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["state"] == "replayed"
+    consumer.engine.dispose()
+
+
+def test_run_drains_and_exits_zero_on_sigterm(
+    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+) -> None:
+    stream = f"{stream_prefix}.jobs"
+    app = app_factory(
+        pg_url, stream, CONSUMER_APP_FAIL_IDENTITY="poison", CONSUMER_APP_MAX_DELIVERIES="1"
+    )
+    proc = app.start("--batch-size", "50", "--group", "app")
+    specs = [(f"id-{n}", f"evt-{n}") for n in range(300)] + [("poison", "evt-poison")]
+    publish_many(redis_client, stream, specs)
+    engine = sa.create_engine(pg_url)
+    try:
+        wait_for(lambda: count_jobs(engine)[0] >= 300, "jobs")
+        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, app.logs_text()
+        assert count_jobs(engine) == (300, 300)
+        # The poison entry went to the dead-letter stream and NEEDS_ATTENTION.
+        assert redis_client.xlen(f"{stream}.dead-letter") == 1
+        with engine.connect() as conn:
+            reasons = conn.execute(
+                sa.text("SELECT reason, event_id FROM consumer_dead_letters")
+            ).all()
+        assert [tuple(r) for r in reasons] == [("poison", "evt-poison")]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow
+def test_kill_test_exactly_one_job_per_identity(
+    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+) -> None:
+    stream = f"{stream_prefix}.jobs"
+    app = app_factory(
+        pg_url, stream, CONSUMER_APP_CLAIM_IDLE_MS="1000", CONSUMER_APP_MAX_DELIVERIES="1000"
+    )
+    # 10,000 events, 9,000 identities: 1,000 identities are published twice (new event ids).
+    specs = [(f"id-{n % 9000}", f"evt-{n}") for n in range(10_000)]
+    publish_many(redis_client, stream, specs)
+    engine = sa.create_engine(pg_url)
+    flags = ("--batch-size", "50")
+    try:
+        victim = app.start(*flags)
+        survivor = app.start(*flags)
+        kills = interrupted = 0
+        while kills < 10 and count_jobs(engine)[0] < 7500:
+            # Kill once the victim itself is handling entries: it spends its time in
+            # batches, so the kill lands mid-batch (checked below from what it left pending).
+            wait_for(
+                lambda p=victim.pid: jobs_by(engine, p) >= 100 or count_jobs(engine)[1] == 9000,
+                "victim progress",
+            )
+            if jobs_by(engine, victim.pid) < 100:
+                break  # the others finished first
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            kills += 1
+            summary = redis_client.xpending(stream, "app")
+            left = [c for c in summary["consumers"] if f"-{victim.pid}-" in c["name"].decode()]
+            interrupted += bool(left and left[0]["pending"] > 0)
+            victim = app.start(*flags)
+        assert kills >= 3, "the consumers finished before the victim could be killed enough"
+        assert interrupted >= 1, "no kill left a batch pending"
+        print(f"kills={kills} mid-batch={interrupted} jobs before the drain={count_jobs(engine)}")
+
+        def done() -> bool:
+            return (
+                count_jobs(engine)[1] == 9000
+                and redis_client.xpending(stream, "app")["pending"] == 0
+            )
+
+        wait_for(done, "every identity handled and nothing pending", timeout=120)
+
+        for proc in (victim, survivor):
+            wait_for(lambda p=proc: app.started(p), "consumer started")
+            proc.send_signal(signal.SIGTERM)
+        for proc in (victim, survivor):
+            assert proc.wait(timeout=30) == 0, app.logs_text()
+        total, distinct = count_jobs(engine)
+        assert (total, distinct) == (9000, 9000), f"{total - distinct} duplicate jobs"
+        assert redis_client.xpending(stream, "app")["pending"] == 0
+        with engine.connect() as conn:
+            dead = conn.execute(sa.text("SELECT count(*) FROM consumer_dead_letters")).scalar()
+        assert dead == 0
+    finally:
+        engine.dispose()
