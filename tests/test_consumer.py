@@ -608,3 +608,49 @@ def test_consumer_validation(sqlite_url: str) -> None:
         build().run_once()  # no handler registered
     assert consumer.streams == ["outbox.quote.approved"]
     assert build(streams=["a", "a", "b"], topics=None).streams == ["a", "b"]
+
+
+# -- jobs through the job store ----------------------------------------------------------------
+
+
+def test_handler_enqueues_jobs_in_the_inbox_transaction(
+    db_url: str, redis_url: str, redis_client: redis.Redis, stream: str
+) -> None:
+    from consumer import Store
+
+    consumer = Consumer(
+        db_url,
+        redis_url,
+        group="billing",
+        streams=[stream],
+        config=ConsumerConfig(block_ms=50, claim_idle_ms=0, max_deliveries=2),
+    )
+    store = Store(consumer.engine)
+
+    @consumer.handler(TOPIC)
+    def on_quote_approved(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        # The action is per EVENT id on purpose: without the inbox, a duplicate event of
+        # the same business identity would create a second job.
+        result = store.enqueue(
+            event.tenant or "-",
+            f"send-{event.id}",
+            subject=event.subject,
+            payload={"identity": event.identity},
+            session=tx.session,
+        )
+        assert not result.duplicate
+        if event.data.get("explode"):
+            raise RuntimeError("after enqueue")  # the job must roll back with the inbox row
+
+    for n in range(3):
+        publish(redis_client, stream, "studio:send-quote-017", f"evt-{n}")
+    publish(redis_client, stream, "studio:explodes", "evt-x", data={"explode": True})
+    drain(consumer)
+    wait_for(
+        lambda: consumer.run_once(block=False) >= 0 and bool(consumer.dead_letters()),
+        "the exploding entry dead-lettered",
+    )
+    with consumer.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT action, payload FROM outbox_jobs")).all()
+    assert [row[0] for row in rows] == ["send-evt-0"]
+    consumer.engine.dispose()
