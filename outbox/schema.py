@@ -223,7 +223,7 @@ PG_STORAGE_PARAMETERS = {
     "autovacuum_vacuum_insert_threshold": "50000",
     "autovacuum_analyze_scale_factor": "0.02",
     "autovacuum_vacuum_cost_delay": "0",
-    "fillfactor": "85",
+    "fillfactor": "50",
 }
 
 
@@ -254,9 +254,7 @@ def _create_relay_extras(conn: Connection, outbox_schema: OutboxSchema) -> None:
     the table can still call this once they are in place."""
     table = outbox_schema.table
     name = outbox_schema.table_name
-    qualified = (
-        f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
-    )
+    qualified = f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
     blocked = next(i for i in table.indexes if i.name == f"ix_{name}_blocked")
     blocked.create(conn, checkfirst=True)
     if conn.dialect.name != "postgresql":

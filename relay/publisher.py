@@ -73,6 +73,10 @@ class TransientError(Exception):
     """A per-entry reply that retrying may fix (OOM, BUSY, ...); the entry was not added."""
 
 
+class HeldBack(Exception):
+    """An entry not attempted because an earlier entry of its key failed in the batch."""
+
+
 @dataclass(frozen=True)
 class StreamTemplate:
     """A validated stream-name template."""
@@ -141,17 +145,58 @@ _F_TENANT = _bulk(b"tenant")
 _F_IDENTITY = _bulk(b"identity")
 _F_PARTITIONKEY = _bulk(b"partitionkey")
 _F_TRACEPARENT = _bulk(b"traceparent")
-_XADD = _bulk(b"XADD")
-_STAR = _bulk(b"*")
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """One record ready to send: its stream and the packed XADD command."""
+    """One record ready to send: its stream and its packed field/value pairs."""
 
     record: Record
     stream: str
-    command: bytes
+    fields: bytes
+    nfields: int
+
+
+# One batch, atomically, in order. KEYS: the distinct streams. ARGV: entry count, MAXLEN (0:
+# none), then per entry: stream index, key group, field count, fields. An entry whose key
+# already failed in this batch is not attempted ("HELD"); an error reply is "!<message>".
+PUBLISH_LUA = """
+local n = tonumber(ARGV[1])
+local maxlen = tonumber(ARGV[2])
+local out = {}
+local failed = {}
+local i = 3
+for e = 1, n do
+  local k = tonumber(ARGV[i])
+  local g = ARGV[i + 1]
+  local nf = tonumber(ARGV[i + 2])
+  i = i + 3
+  if failed[g] then
+    out[e] = 'HELD'
+  else
+    local args
+    if maxlen > 0 then
+      args = {'XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*'}
+    else
+      args = {'XADD', KEYS[k], '*'}
+    end
+    for f = 0, nf - 1 do
+      args[#args + 1] = ARGV[i + f]
+    end
+    local ok = redis.pcall(unpack(args))
+    if type(ok) == 'table' and ok.err then
+      failed[g] = true
+      out[e] = '!' .. ok.err
+    else
+      out[e] = ok
+    end
+  end
+  i = i + nf
+end
+return out
+"""
+_EVAL = _bulk(b"EVAL")
+_SCRIPT = _bulk(PUBLISH_LUA.encode())
 
 
 class RedisStreamPublisher:
@@ -230,15 +275,10 @@ class RedisStreamPublisher:
         return fields
 
     def prepare(self, record: Record) -> Prepared:
-        """Route and pack one record (raises RoutingError or PermanentPublishError)."""
+        """Route and pack one record's fields (raises RoutingError or PermanentPublishError)."""
         stream = self.stream_for(record)
         headers = _headers(record)
         parts = [
-            b"",  # placeholder for the array header
-            _XADD,
-            _bulk(stream.encode()),
-            self._trim,
-            _STAR,
             _SPECVERSION,
             _F_ID,
             _bulk(record.event_id.encode()),
@@ -253,7 +293,7 @@ class RedisStreamPublisher:
             _F_DATA,
             _bulk(record.payload.encode()),
         ]
-        count = 3 + self._extra_args + 16
+        count = 16
         if record.tenant is not None:
             parts.append(_F_TENANT)
             parts.append(_bulk(record.tenant.encode()))
@@ -268,8 +308,7 @@ class RedisStreamPublisher:
             parts.append(field)
             parts.append(_bulk(value.encode()))
             count += 2
-        parts[0] = b"*%d\r\n" % count
-        return Prepared(record, stream, b"".join(parts))
+        return Prepared(record, stream, b"".join(parts), count)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -277,32 +316,65 @@ class RedisStreamPublisher:
         """XADD every prepared record in one round trip; one result per record, in order.
 
         A result is the new entry id, or the exception the server replied for that entry
-        (:class:`PermanentPublishError` or :class:`TransientError`): such an entry was not
-        added. A connection failure or timeout raises instead, and then any prefix of the
-        batch may have been added (the caller reconciles before publishing again).
+        (:class:`PermanentPublishError`, :class:`TransientError`, or :class:`HeldBack` for an
+        entry not attempted because an earlier entry of its key failed in this batch): such
+        an entry was not added. A connection failure or timeout raises instead, and then any
+        prefix of the batch may have been added (the caller reconciles before publishing
+        again).
+
+        On a single Redis server the batch is one ``EVAL`` of :data:`PUBLISH_SCRIPT`: atomic,
+        in ``seq`` order, and a failing entry holds back the later entries of its key (per-key
+        order even when one key's events go to several streams and one of them fails).
         """
         if not prepared:
             return []
         if self._cluster:
             return self._publish_cluster(prepared)
+        streams: dict[str, int] = {}
+        groups: dict[str, int] = {}
+        body: list[bytes] = []
+        for p in prepared:
+            index = streams.setdefault(p.stream, len(streams) + 1)
+            group = groups.setdefault(p.record.key, len(groups) + 1)
+            body.append(b"$%d\r\n%d\r\n" % (len(str(index)), index))
+            body.append(b"$%d\r\n%d\r\n" % (len(str(group)), group))
+            body.append(b"$%d\r\n%d\r\n" % (len(str(p.nfields)), p.nfields))
+            body.append(p.fields)
+        head = [
+            b"*%d\r\n"
+            % (3 + len(streams) + 2 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
+            _EVAL,
+            _SCRIPT,
+            _bulk(str(len(streams)).encode()),
+        ]
+        head.extend(_bulk(name.encode()) for name in streams)
+        head.append(_bulk(str(len(prepared)).encode()))
+        head.append(_bulk(str(self.maxlen or 0).encode()))
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command([b"".join(p.command for p in prepared)], check_health=True)
-            results: list[str | Exception] = []
-            for _ in prepared:
-                try:
-                    reply = conn.read_response()
-                except ResponseError as exc:
-                    results.append(classify_reply(exc))
-                    continue
-                results.append(reply.decode() if isinstance(reply, bytes) else str(reply))
-            return results
+            conn.send_packed_command([b"".join(head), b"".join(body)], check_health=True)
+            try:
+                replies = conn.read_response()
+            except ResponseError as exc:
+                # The whole call was refused (OOM at start, BUSY, ...): nothing was added.
+                error = classify_reply(exc)
+                return [error for _ in prepared]
         except BaseException:
             conn.disconnect()
             raise
         finally:
             pool.release(conn)
+        results: list[str | Exception] = []
+        for reply in replies:
+            text_reply = reply.decode() if isinstance(reply, bytes) else str(reply)
+            if text_reply.startswith("!"):
+                results.append(classify_reply(ResponseError(text_reply[1:])))
+            elif text_reply == "HELD":
+                results.append(HeldBack("an earlier event of this key failed in this batch"))
+            else:
+                results.append(text_reply)
+        return results
 
     def _publish_cluster(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
         pipe = self.client.pipeline(transaction=False)

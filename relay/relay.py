@@ -37,7 +37,13 @@ from outbox.runtime import GracefulStop, fields, incarnation_name
 from outbox.schema import OutboxSchema, build_schema
 from relay.config import RelayConfig
 from relay.errors import ConfigError, PermanentPublishError, RoutingError
-from relay.publisher import INFRASTRUCTURE_ERRORS, Prepared, RedisStreamPublisher, TransientError
+from relay.publisher import (
+    INFRASTRUCTURE_ERRORS,
+    HeldBack,
+    Prepared,
+    RedisStreamPublisher,
+    TransientError,
+)
 from relay.records import Orphan, Record
 from relay.store import PostgresStore, SqliteStore, Store
 
@@ -235,6 +241,10 @@ class Relay:
         now = time.time()
         for p, result in zip(prepared, results, strict=True):
             record = p.record
+            if isinstance(result, HeldBack):
+                release.append(record.seq)
+                held.add(record.key)
+                continue
             if record.key in held:
                 if isinstance(result, str):
                     # Sent before we knew an earlier record of its key failed in the same

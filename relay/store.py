@@ -146,6 +146,7 @@ WITH picked AS (
 )
 UPDATE {t} t SET claimed_by = %(owner)s, claim_epoch = %(epoch)s, claimed_at = now()
 FROM picked WHERE t.seq = picked.seq
+  AND (SELECT set_config('synchronous_commit', 'on', true)) = 'on'
 RETURNING """
     + _PG_RECORD_COLUMNS
 )
@@ -251,6 +252,10 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
   AND l.classid::bigint IN (%(c)s, %(m)s)"""
 
 
+SETTLE = 0.25
+"""Seconds between reading a sequence value and the snapshot whose xmax covers it."""
+
+
 class PostgresStore:
     """The relay's statements on PostgreSQL (psycopg 3, autocommit: each statement is one
     short transaction). See the module doc for the design."""
@@ -286,6 +291,7 @@ class PostgresStore:
         self._sequence = ""
         self._samples: list[tuple[float, int, int]] = []  # (monotonic, xmax, last_value)
         self._floor = 0
+        self._cursor = 0
         self._last_rebalance = -math.inf
         self._last_sample = -math.inf
 
@@ -300,7 +306,14 @@ class PostgresStore:
 
         cargs, cparams = self._connect_args()
         cparams.setdefault("connect_timeout", 5)
-        return psycopg.connect(*cargs, autocommit=True, **cparams)
+        conn = psycopg.connect(*cargs, autocommit=True, **cparams)
+        # Receipts, backoffs and releases may be lost in a database crash without harm:
+        # the intent stays and is reconciled against the stream. The claim (the intent
+        # itself) must be durable before any XADD, so the claim statement switches
+        # synchronous_commit back on for its own transaction (see PG_CLAIM). This saves a
+        # WAL flush per batch.
+        conn.execute("SET synchronous_commit = off")
+        return conn
 
     def connect(self) -> None:
         if self._conn is not None and not self._conn.closed:
@@ -342,6 +355,7 @@ class PostgresStore:
         self._owned = frozenset()
         self._samples.clear()
         self._floor = 0
+        self._cursor = 0
         self._last_rebalance = -math.inf
 
     def close(self) -> None:
@@ -437,7 +451,7 @@ class PostgresStore:
         """Sample the snapshot (at most every 100 ms) and raise the floor past sequence
         values whose transactions have all finished (see the module doc)."""
         now = time.monotonic()
-        if now - self._last_sample < 0.1 or not self._sequence:
+        if now - self._last_sample < 0.05 or not self._sequence:
             return
         self._last_sample = now
         assert self._conn is not None
@@ -449,16 +463,22 @@ class PostgresStore:
             raise
         xmin, xmax, last_value = int(row[0]), int(row[1]), int(row[2])
         self._samples.append((now, xmax, last_value))
-        # A sample is usable once every transaction it saw in progress has ended and it is
-        # at least a second old (a statement may allocate its sequence value a moment
-        # before its transaction id).
-        usable = [s for s in self._samples if s[1] <= xmin and now - s[0] >= 1.0]
-        if usable:
-            best = max(usable, key=lambda s: s[2])
-            self._floor = max(self._floor, best[2])
-            self._samples = [s for s in self._samples if s[2] > best[2]]
-        if len(self._samples) > 600:
-            del self._samples[: len(self._samples) - 600]
+        # The sequence value of sample i is safe once every transaction that could hold a
+        # value up to it has ended. An INSERT allocates its value a moment before its
+        # transaction id, so the xmax that covers sample i is the one of a sample taken
+        # SETTLE seconds later; once the current xmin has passed that xmax, no transaction
+        # holding a value up to sample i's last_value is still running.
+        best = -1
+        for i, (t_i, _x, _lv) in enumerate(self._samples):
+            later = next((s for s in self._samples[i + 1 :] if s[0] - t_i >= SETTLE), None)
+            if later is None or later[1] > xmin:
+                break
+            best = i
+        if best >= 0:
+            self._floor = max(self._floor, self._samples[best][2])
+            del self._samples[: best + 1]
+        if len(self._samples) > 2000:
+            del self._samples[: len(self._samples) - 2000]
 
     # -- claim and outcomes -----------------------------------------------------------------
 
@@ -467,10 +487,14 @@ class PostgresStore:
             return []
         if not sweep:
             self._advance_floor()
+        # An ordinary claim starts where the previous one ended, but never above the safe
+        # floor: rows below the cursor that were not claimed are blocked or locked (the
+        # sweep takes them) or were invisible then, and those lie above the safe floor.
+        start = 0 if sweep else min(self._floor, self._cursor + 1)
         cur = self._execute(
             "claim",
             {
-                "floor": 0 if sweep else self._floor,
+                "floor": start,
                 "nparts": self.partitions,
                 "parts": sorted(self._owned),
                 "limit": limit,
@@ -480,6 +504,8 @@ class PostgresStore:
         )
         records = [Record(*row) for row in cur.fetchall()]
         records.sort(key=lambda r: r.seq)
+        if records:
+            self._cursor = max(self._cursor, records[-1].seq) if not sweep else records[-1].seq
         return records
 
     def mark_published(

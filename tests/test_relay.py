@@ -1,0 +1,459 @@
+"""The relay against real PostgreSQL, SQLite and Redis: entries, order, failures, receipts.
+
+Contract tests take ``db_url`` (PostgreSQL and SQLite); PostgreSQL-only behaviour (late
+commits under concurrency, partitions shared by replicas) takes ``pg_url``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox.runtime import Backoff
+from relay import (
+    ConfigError,
+    RedisStreamPublisher,
+    Relay,
+    RelayConfig,
+    requeue,
+    status,
+)
+from tests.services import PrivateRedis
+
+
+def fast_config(**overrides: Any) -> RelayConfig:
+    values: dict[str, Any] = {
+        "publish_deadline": 0.5,
+        "clock_margin": 0.2,
+        "record_backoff": Backoff(0.05, 0.2),
+        "rebalance_interval": 0.1,
+    }
+    values.update(overrides)
+    return RelayConfig(**values)
+
+
+def entries(client: redis.Redis, stream: str) -> list[dict[str, str]]:
+    return [
+        {k.decode(): v.decode() for k, v in fields.items()} for _id, fields in client.xrange(stream)
+    ]
+
+
+def rows(outbox: Outbox) -> list[dict[str, Any]]:
+    with outbox.engine.connect() as conn:
+        result = conn.execute(
+            sa.text(
+                "SELECT seq, event_id, key, state, attempts, last_error, claimed_by, stream, "
+                "stream_id FROM outbox_events ORDER BY seq"
+            )
+        )
+        return [dict(r._mapping) for r in result]
+
+
+def drain(relay: Relay, rounds: int = 20) -> int:
+    total = 0
+    for _ in range(rounds):
+        total += relay.run_once()
+    return total
+
+
+@pytest.fixture
+def outbox(db_url: str) -> Outbox:
+    o = Outbox(db_url)
+    o.create_schema()
+    return o
+
+
+@pytest.fixture
+def pg_outbox(pg_url: str) -> Outbox:
+    o = Outbox(pg_url)
+    o.create_schema()
+    return o
+
+
+def make_relay(outbox: Outbox, client: redis.Redis, prefix: str, **config: Any) -> Relay:
+    publisher = RedisStreamPublisher(client, f"{prefix}.{{topic}}")
+    return Relay(outbox, publisher, fast_config(**config))
+
+
+# -- entries ----------------------------------------------------------------------------------
+
+
+def test_run_once_publishes_committed_events_as_cloudevents(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with outbox.transaction() as tx:
+        first = tx.emit(
+            "quote.approved",
+            key="quote-017",
+            payload={"total": 120, "lines": [1, 2]},
+            tenant="studio",
+            identity="studio:send-quote-017",
+            headers={"traceparent": "00-4bf92f3577b34da6-00f067aa0ba902b7-01", "origin": "web"},
+        )
+        second = tx.emit("quote.approved", key="quote-018", payload={"total": 5})
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    assert relay.run_once() == 2
+    assert relay.run_once() == 0
+    got = entries(redis_client, f"{stream_prefix}.quote.approved")
+    assert [e["id"] for e in got] == [first, second]
+    e = got[0]
+    assert e["specversion"] == "1.0"
+    assert e["source"] == "outbox"
+    assert e["type"] == "quote.approved"
+    assert e["subject"] == "quote-017"
+    assert e["partitionkey"] == "quote-017"
+    assert e["datacontenttype"] == "application/json"
+    assert json.loads(e["data"]) == {"total": 120, "lines": [1, 2]}
+    assert e["tenant"] == "studio"
+    assert e["identity"] == "studio:send-quote-017"
+    assert e["traceparent"] == "00-4bf92f3577b34da6-00f067aa0ba902b7-01"
+    assert e["header.origin"] == "web"
+    stamp = datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
+    assert abs(stamp.timestamp() - time.time()) < 60
+    assert "tenant" not in got[1] and "traceparent" not in got[1]
+    assert got[1]["identity"] == second
+    for row in rows(outbox):
+        assert row["state"] == "published"
+        assert row["stream"] == f"{stream_prefix}.quote.approved"
+        assert row["stream_id"]
+
+
+def test_rolled_back_transaction_publishes_nothing(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with pytest.raises(RuntimeError), outbox.transaction() as tx:
+        tx.emit("quote.approved", key="quote-1", payload={})
+        raise RuntimeError("domain failure")
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    assert drain(relay, 3) == 0
+    assert redis_client.exists(f"{stream_prefix}.quote.approved") == 0
+
+
+def test_stream_template_placeholders_and_validation(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with pytest.raises(ConfigError, match="unknown placeholder"):
+        RedisStreamPublisher(redis_client, "outbox.{topik}")
+    with pytest.raises(ConfigError):
+        RedisStreamPublisher(redis_client, "outbox.{topic")
+    with pytest.raises(ConfigError):
+        RedisStreamPublisher(redis_client, "")
+    with pytest.raises(ConfigError):
+        RelayConfig(batch_size=0)
+    publisher = RedisStreamPublisher(
+        redis_client, stream_prefix + ".{{{tenant}}}.{topic}.{partition}", partitions=4
+    )
+    with outbox.transaction() as tx:
+        tx.emit("a", key="k1", payload=1, tenant="t1")
+        no_tenant = tx.emit("a", key="k2", payload=2)
+    relay = Relay(outbox, publisher, fast_config())
+    assert relay.run_once() == 1
+    streams = {k.decode() for k in redis_client.scan_iter(match=f"{stream_prefix}*")}
+    assert len(streams) == 1 and streams.pop().startswith(stream_prefix + ".{t1}.a.")
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[no_tenant]["state"] == "quarantined"
+    assert "{tenant}" in by_id[no_tenant]["last_error"]
+
+
+# -- per-key order and failures -----------------------------------------------------------------
+
+
+def test_transient_failure_backs_off_and_holds_back_only_its_key(
+    outbox: Outbox, stream_prefix: str
+) -> None:
+    """Redis out of memory (a real OOM reply from a private server): every record of the
+    batch counts an attempt and backs off; once Redis accepts writes again each key's events
+    go out in order, and the failures did not block a key written afterwards."""
+    with PrivateRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        with outbox.transaction() as tx:
+            a1 = tx.emit("t", key="A", payload=1)
+            a2 = tx.emit("t", key="A", payload=2)
+        client.config_set("maxmemory", 1)
+        client.config_set("maxmemory-policy", "noeviction")
+        relay = make_relay(outbox, client, stream_prefix, record_backoff=Backoff(0.4, 0.4))
+        assert relay.run_once() == 0
+        by_id = {r["event_id"]: r for r in rows(outbox)}
+        assert by_id[a1]["attempts"] == 1 and by_id[a1]["state"] == "pending"
+        assert "OOM" in by_id[a1]["last_error"]
+        assert by_id[a2]["attempts"] == 0  # held back behind a1, not attempted
+        client.config_set("maxmemory", 0)
+        with outbox.transaction() as tx:
+            b1 = tx.emit("t", key="B", payload=1)
+            a3 = tx.emit("t", key="A", payload=3)
+        relay.run_once()  # a1 is still backing off: A waits, B flows
+        assert [e["id"] for e in entries(client, f"{stream_prefix}.t")] == [b1]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and client.xlen(f"{stream_prefix}.t") < 4:
+            relay.run_once()
+            time.sleep(0.05)
+        got = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
+        assert got == [b1, a1, a2, a3]
+        client.close()
+
+
+def test_failure_of_one_stream_holds_back_the_key_in_other_streams(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    """One key's events go to two streams; the first fails permanently (WRONGTYPE) in the
+    same batch: the second is held back (pending), not published out of order."""
+    redis_client.set(f"{stream_prefix}.bad", "x")
+    with outbox.transaction() as tx:
+        first = tx.emit("bad", key="K", payload=1)
+        second = tx.emit("good", key="K", payload=2)
+        other = tx.emit("good", key="L", payload=3)
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    relay.run_once()
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[first]["state"] == "quarantined"
+    assert by_id[second]["state"] == "pending" and by_id[second]["claimed_by"] is None
+    assert [e["id"] for e in entries(redis_client, f"{stream_prefix}.good")] == [other]
+
+
+def test_poison_record_quarantined_then_requeued_in_order(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    poison_stream = f"{stream_prefix}.poison"
+    redis_client.set(poison_stream, "not a stream")  # XADD gets WRONGTYPE
+    with outbox.transaction() as tx:
+        p1 = tx.emit("poison", key="K", payload={"n": 1})
+        other = tx.emit("fine", key="other", payload={})
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    relay.run_once()
+    with outbox.transaction() as tx:
+        k2 = tx.emit("fine", key="K", payload={"n": 2})  # same key, healthy stream: waits
+        other2 = tx.emit("fine", key="other", payload={})
+    drain(relay, 3)
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[p1]["state"] == "quarantined"
+    assert "WRONGTYPE" in by_id[p1]["last_error"]
+    assert by_id[k2]["state"] == "pending"
+    assert by_id[other]["state"] == by_id[other2]["state"] == "published"
+    report = status(outbox.engine, outbox.schema)
+    assert report["quarantined"] == 1 and report["pending"] == 1
+    assert report["topics"]["poison"]["quarantined"] == 1
+    assert report["topics"]["poison"]["max_attempts"] == 1
+    # The fix, then requeue: both go out, in order.
+    redis_client.delete(poison_stream)
+    result = requeue(outbox.engine, outbox.schema, [p1, "no-such-id"])
+    assert result.requeued == [p1] and result.unknown == ["no-such-id"]
+    drain(relay, 5)
+    assert [e["id"] for e in entries(redis_client, poison_stream)] == [p1]
+    fine = [e["id"] for e in entries(redis_client, f"{stream_prefix}.fine")]
+    assert fine.index(k2) > fine.index(other)
+    published = {r["event_id"]: r for r in rows(outbox)}
+    assert published[p1]["state"] == published[k2]["state"] == "published"
+    assert int(published[p1]["stream_id"].split("-")[0]) <= int(
+        published[k2]["stream_id"].split("-")[0]
+    )
+
+
+def test_malformed_stored_payload_is_quarantined(
+    sqlite_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    with outbox.engine.begin() as conn:  # a hand-written row, bypassing validation
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_events (event_id, topic, key, key_hash, identity, payload) "
+                "VALUES ('hand-1', 't', 'K', 1, 'hand-1', '{not json')"
+            )
+        )
+    with outbox.transaction() as tx:
+        good = tx.emit("t", key="J", payload={})
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    drain(relay, 2)
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id["hand-1"]["state"] == "quarantined"
+    assert "not valid JSON" in by_id["hand-1"]["last_error"]
+    assert [e["id"] for e in entries(redis_client, f"{stream_prefix}.t")] == [good]
+
+
+# -- intents and reconciliation -------------------------------------------------------------
+
+
+def test_intent_without_receipt_is_reconciled_not_duplicated(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with outbox.transaction() as tx:
+        sent = tx.emit("t", key="A", payload={"n": 1})
+        unsent = tx.emit("t", key="B", payload={"n": 1})
+        later = tx.emit("t", key="A", payload={"n": 2})
+    stream = f"{stream_prefix}.t"
+    # A relay "died" after claiming both and XADDing one: write its intent by hand and put
+    # the entry it sent in the stream.
+    dialect = outbox.engine.dialect.name
+    now = "now()" if dialect == "postgresql" else "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+    with outbox.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"UPDATE outbox_events SET claimed_by = 'relay-dead', claim_epoch = 7, "
+                f"claimed_at = {now} WHERE event_id IN (:a, :b)"
+            ),
+            {"a": sent, "b": unsent},
+        )
+    redis_client.xadd(stream, {"id": sent, "type": "t", "subject": "A"})
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    relay.run_once()
+    # The orphaned intents block their keys until the publish window has passed.
+    assert [e["id"] for e in entries(redis_client, stream)] == [sent]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(entries(redis_client, stream)) < 3:
+        relay.run_once()
+        time.sleep(0.05)
+    got = [e["id"] for e in entries(redis_client, stream)]
+    assert sorted(got) == sorted([sent, unsent, later])  # nothing twice
+    assert got.index(sent) < got.index(later)
+    assert relay.stats.reconciled_found == 1 and relay.stats.reconciled_missing == 1
+    assert all(r["state"] == "published" for r in rows(outbox))
+
+
+def test_redis_down_keeps_intents_and_recovers_without_duplicates(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i % 3}", payload={"i": i}) for i in range(9)]
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    broken = Relay(outbox, RedisStreamPublisher(dead, f"{stream_prefix}.{{topic}}"), fast_config())
+    with pytest.raises(redis.ConnectionError):
+        broken.run_once()
+    broken.store.close()
+    assert all(r["attempts"] == 1 and r["state"] == "pending" for r in rows(outbox))
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    deadline = time.monotonic() + 10
+    stream = f"{stream_prefix}.t"
+    while time.monotonic() < deadline and len(entries(redis_client, stream)) < 9:
+        relay.run_once()
+        time.sleep(0.05)
+    got = [e["id"] for e in entries(redis_client, stream)]
+    assert sorted(got) == sorted(ids)
+    for k in range(3):
+        mine = [i for n, i in enumerate(ids) if n % 3 == k]
+        assert [i for i in got if i in mine] == mine
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+
+def test_retention_deletes_only_old_published_rows(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    with outbox.transaction() as tx:
+        old = tx.emit("t", key="a", payload={})
+        recent = tx.emit("t", key="b", payload={})
+        quarantined = tx.emit("t", key="c", payload={})
+        pending = tx.emit("t", key="d", payload={})
+    dialect = outbox.engine.dialect.name
+    long_ago = (
+        "now() - interval '2 days'"
+        if dialect == "postgresql"
+        else "strftime('%Y-%m-%d %H:%M:%f', 'now', '-2 days')"
+    )
+    with outbox.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_events SET state = 'published', published_at = "
+                f"{long_ago} WHERE event_id = :old"
+            ),
+            {"old": old},
+        )
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_events SET state = 'published', published_at = created_at "
+                "WHERE event_id = :r"
+            ),
+            {"r": recent},
+        )
+        conn.execute(
+            sa.text(
+                f"UPDATE outbox_events SET state = 'quarantined', created_at = {long_ago} "
+                "WHERE event_id = :q"
+            ),
+            {"q": quarantined},
+        )
+    relay = make_relay(outbox, redis_client, stream_prefix, retention_seconds=3600.0)
+    relay.store.connect()
+    relay.store.rebalance()
+    assert relay.delete_expired() == 1
+    left = {r["event_id"] for r in rows(outbox)}
+    assert left == {recent, quarantined, pending}
+    relay.store.close()
+
+
+# -- PostgreSQL: late commits, replicas ---------------------------------------------------------
+
+
+def test_late_commit_is_published_after_commit_and_not_overtaken(
+    pg_outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    outbox = pg_outbox
+    relay = make_relay(outbox, redis_client, stream_prefix, sweep_interval=3600.0)
+    stream = f"{stream_prefix}.t"
+    with outbox.engine.connect() as held:
+        tx = held.begin()
+        late = outbox.emit(held, "t", key="K", payload={"n": 1})  # smaller seq, held open
+        before: list[str] = []
+        # Other keys keep committing and flowing across several relay cycles (long enough
+        # for the claim floor to be sampled and advanced where it safely can).
+        deadline = time.monotonic() + 1.6
+        while time.monotonic() < deadline:
+            with outbox.transaction() as other:
+                before.append(other.emit("t", key=f"o{len(before)}", payload={}))
+            relay.run_once()
+            time.sleep(0.02)
+        assert late not in [e["id"] for e in entries(redis_client, stream)]
+        tx.commit()
+    with outbox.transaction() as tx2:
+        after = tx2.emit("t", key="K", payload={"n": 2})
+    drain(relay, 4)
+    got = [e["id"] for e in entries(redis_client, stream)]
+    assert late in got and after in got
+    assert got.index(late) < got.index(after)
+    assert sorted(got) == sorted([*before, late, after])
+
+
+def test_replicas_share_partitions_and_publish_everything_once_in_order(
+    pg_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    keys = [f"key-{i}" for i in range(40)]
+    expected: dict[str, list[str]] = {k: [] for k in keys}
+    stop = threading.Event()
+    relays = [
+        make_relay(Outbox(pg_url), redis_client, stream_prefix, batch_size=50) for _ in range(2)
+    ]
+    threads = [threading.Thread(target=r.run, args=(stop,)) for r in relays]
+    for t in threads:
+        t.start()
+    try:
+        for n in range(30):
+            with outbox.transaction() as tx:
+                for k in keys[n % 4 :: 4]:
+                    expected[k].append(tx.emit("t", key=k, payload={"n": n}))
+        total = sum(len(v) for v in expected.values())
+        deadline = time.monotonic() + 30
+        stream = f"{stream_prefix}.t"
+        while time.monotonic() < deadline and redis_client.xlen(stream) < total:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    got = entries(redis_client, stream)
+    assert len(got) == total
+    assert len({e["id"] for e in got}) == total
+    for k in keys:
+        assert [e["id"] for e in got if e["subject"] == k] == expected[k]
+    owned = [r.store.owned for r in relays]
+    assert not (owned[0] & owned[1])
+    assert all(r.stats.published > 0 for r in relays)
