@@ -37,7 +37,7 @@ from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 import redis as redislib
-from sqlalchemy import MetaData
+from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -161,6 +161,20 @@ class ConsumerTx:
     def connection(self) -> Connection:
         """The session's Connection, for Core statements."""
         return self.session.connection()
+
+    def insert_many(
+        self,
+        table: Table,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        conflict: Sequence[str] | None = None,
+        returning: str | None = None,
+    ) -> list[Any]:
+        """Insert ``rows`` into ``table`` in ONE statement in this transaction (binary
+        ``unnest`` arrays on PostgreSQL): the fast path for a batch handler that creates a
+        job per event. ``conflict`` columns skip colliding rows; ``returning`` names a
+        column to return for the inserted rows."""
+        return q.bulk_insert(self.connection, table, rows, conflict=conflict, returning=returning)
 
 
 @dataclass

@@ -64,15 +64,17 @@ def text_fields(raw: Mapping[Any, Any] | None) -> dict[str, str]:
 
 
 def _strict_text(raw: Mapping[Any, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in raw.items():
-        try:
-            k = key.decode("utf-8") if isinstance(key, bytes) else str(key)
-            v = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        except UnicodeDecodeError:
-            raise UndecodableEntry("fields", "a field name or value is not UTF-8") from None
-        out[k] = v
-    return out
+    try:
+        # The common case (a redis-py client returning bytes) in one comprehension: this
+        # runs once per entry, tens of thousands of times a second.
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): (
+                v.decode() if isinstance(v, bytes) else str(v)
+            )
+            for k, v in raw.items()
+        }
+    except UnicodeDecodeError:
+        raise UndecodableEntry("fields", "a field name or value is not UTF-8") from None
 
 
 def _parse_time(value: str | None) -> datetime | None:
@@ -112,7 +114,7 @@ def decode_entry(
     headers = {
         name[len(HEADER_PREFIX) :]: value
         for name, value in fields.items()
-        if name.startswith(HEADER_PREFIX) and len(name) > len(HEADER_PREFIX)
+        if name[:7] == HEADER_PREFIX and len(name) > len(HEADER_PREFIX)
     }
     return ConsumedEvent(
         id=event_id,

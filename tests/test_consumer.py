@@ -260,9 +260,10 @@ def test_duplicates_inside_one_batch_and_batch_handlers(
     @consumer.handler(TOPIC, batch=True)
     def many(events: list[ConsumedEvent], tx: ConsumerTx) -> None:
         batches.append(len(events))
-        tx.session.execute(
-            insert(jobs), [{"identity": e.identity, "event_id": e.id} for e in events]
+        inserted = tx.insert_many(
+            jobs, [{"identity": e.identity, "event_id": e.id} for e in events], returning="id"
         )
+        assert len(inserted) == len(events)
 
     for n in range(50):
         publish(redis_client, stream, f"id-{n % 20}", f"evt-{n}")

@@ -1,0 +1,170 @@
+"""Consumer throughput: messages/s through one consumer with inbox dedup and one job insert
+per message, on PostgreSQL, in batches, beside a per-message-transaction baseline.
+
+``python -m bench consumer [--messages 20000] [--baseline-messages 2000] [--batch-size 500]``
+
+Every mode reads the same stream with its own consumer group (so each reads every entry),
+records each identity in the inbox and inserts one job row per new identity:
+
+- ``per-message``: our Consumer with ``batch_size=1``: one transaction (and one XREADGROUP,
+  XAUTOCLAIM, XACK) per message. The baseline.
+- ``batched``: batches of ``--batch-size``, one transaction each, a plain handler issuing
+  one INSERT per message (a round trip per message).
+- ``batched+batch-handler``: the same with ``handler(..., batch=True)`` and
+  ``tx.insert_many``: one statement for the batch's jobs. This is the figure the issue's
+  target (>= 20,000/s for one process) refers to.
+- ``batched+store``: a plain handler calling ``Store.enqueue(..., session=tx.session)``.
+
+Figures are noisy on a shared 2-core machine; the ratios come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import redis
+import sqlalchemy as sa
+from sqlalchemy import BigInteger, Column, MetaData, String, Table, insert
+
+from consumer.consumer import Consumer, ConsumerConfig, ConsumerTx
+from consumer.consumer_event import ConsumedEvent, encode_entry
+
+PG = os.environ.get("OUTBOX_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS = os.environ.get("OUTBOX_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+TOPIC = "quote.approved"
+
+md = MetaData()
+bench_jobs = Table(
+    "bench_jobs",
+    md,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("identity", String(200), nullable=False),
+    Column("event_id", String(64), nullable=False),
+)
+
+
+def publish(client: redis.Redis, stream: str, count: int) -> None:
+    pipe = client.pipeline(transaction=False)
+    for n in range(count):
+        fields = encode_entry(
+            TOPIC,
+            {"quote": n, "total": 120, "lines": [1, 2, 3]},
+            event_id=uuid.uuid4().hex,
+            subject=f"quote-{n}",
+            tenant="studio",
+            identity=f"studio:send-quote-{n}",
+        )
+        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+        if n % 2000 == 1999:
+            pipe.execute()
+    pipe.execute()
+
+
+def measure(
+    name: str,
+    url: str,
+    stream: str,
+    count: int,
+    batch_size: int,
+    register: Callable[[Consumer], None],
+) -> float:
+    consumer = Consumer(
+        url,
+        REDIS,
+        group=f"bench-{name}",
+        streams=[stream],
+        config=ConsumerConfig(batch_size=batch_size, block_ms=100),
+    )
+    register(consumer)
+    consumer.create_schema()
+    handled = 0
+    started = time.perf_counter()
+    while handled < count:
+        handled += consumer.run_once()
+    elapsed = time.perf_counter() - started
+    consumer.engine.dispose()
+    rate = handled / elapsed
+    print(f"  {name:<24} {handled:>7} msgs in {elapsed:6.2f} s  = {rate:9,.0f} msgs/s", flush=True)
+    return rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench consumer", description=__doc__)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--baseline-messages", type=int, default=2_000)
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--skip-store", action="store_true", help="skip the Store.enqueue mode")
+    args = parser.parse_args(argv)
+    if args.messages <= 0 or args.baseline_messages <= 0 or args.batch_size <= 0:
+        parser.error("sizes must be positive")
+
+    schema = f"bench_consumer_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    url = f"{PG}?options=-csearch_path%3D{schema}"
+    client = redis.Redis.from_url(REDIS)
+    stream = f"bench.consumer.{uuid.uuid4().hex[:8]}"
+    try:
+        engine = sa.create_engine(url)
+        md.create_all(engine)
+        engine.dispose()
+        publish(client, stream, args.messages)
+        print(
+            f"consumer bench: {args.messages} messages (baseline {args.baseline_messages}), "
+            f"batch {args.batch_size}, PostgreSQL + Redis on loopback"
+        )
+
+        def plain(consumer: Consumer) -> None:
+            @consumer.handler(TOPIC)
+            def on_event(event: ConsumedEvent, tx: ConsumerTx) -> None:
+                tx.session.execute(
+                    insert(bench_jobs).values(identity=event.identity, event_id=event.id)
+                )
+
+        def batch(consumer: Consumer) -> None:
+            @consumer.handler(TOPIC, batch=True)
+            def on_events(events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+                tx.insert_many(
+                    bench_jobs, [{"identity": e.identity, "event_id": e.id} for e in events]
+                )
+
+        def store_mode(consumer: Consumer) -> None:
+            from consumer import Store
+
+            store = Store(consumer.engine)
+
+            @consumer.handler(TOPIC)
+            def on_event(event: ConsumedEvent, tx: ConsumerTx) -> None:
+                store.enqueue(
+                    event.tenant or "-",
+                    event.identity,
+                    subject=event.subject,
+                    session=tx.session,
+                )
+
+        rates: dict[str, float] = {}
+        rates["per-message"] = measure("per-message", url, stream, args.baseline_messages, 1, plain)
+        rates["batched"] = measure("batched", url, stream, args.messages, args.batch_size, plain)
+        rates["batched+batch-handler"] = measure(
+            "batched+batch-handler", url, stream, args.messages, args.batch_size, batch
+        )
+        if not args.skip_store:
+            rates["batched+store"] = measure(
+                "batched+store", url, stream, args.messages, args.batch_size, store_mode
+            )
+        base = rates["per-message"]
+        print("ratios against the per-message-transaction baseline:")
+        for name, rate in rates.items():
+            print(f"  {name:<24} x{rate / base:6.1f}")
+    finally:
+        client.delete(stream)
+        client.close()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+    return 0
