@@ -37,7 +37,7 @@ from relay.config import (
     DEFAULT_RETENTION_SECONDS,
     RelayConfig,
 )
-from relay.publisher import RedisStreamPublisher
+from relay.publisher import RedisStreamPublisher, StreamTemplate
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
@@ -280,6 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from relay.relay import Relay, infrastructure_errors
 
     config = relay_config(args)
+    StreamTemplate.parse(args.stream)  # a bad template fails before anything starts
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
     client = redis_client(args.redis_url)

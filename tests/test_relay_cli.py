@@ -1,0 +1,208 @@
+"""``outbox-relay`` as a user runs it: real subprocesses, real PostgreSQL, SQLite and Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from outbox import Outbox
+from relay.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Any = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    full_env["PYTHONPATH"] = str(ROOT)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
+    result = cli("init-db", "--database-url", db_url)
+    assert result.returncode == 0, result.stderr
+    outbox = Outbox(db_url)
+    with outbox.transaction() as tx:
+        bad = tx.emit("quote.approved", key="q1", payload={})
+        tx.emit("quote.approved", key="q2", payload={})
+        tx.emit("invoice.created", key="i1", payload={})
+    with outbox.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_events SET state = 'quarantined', attempts = 3, "
+                "last_error = 'WRONGTYPE' WHERE event_id = :e"
+            ),
+            {"e": bad},
+        )
+    result = cli("status", "--json", env={"OUTBOX_DATABASE_URL": db_url})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["pending"] == 2 and report["quarantined"] == 1 and report["max_attempts"] == 3
+    assert report["oldest_unpublished_age_seconds"] >= 0
+    assert set(report["topics"]) == {"quote.approved", "invoice.created"}
+    assert report["topics"]["quote.approved"] == {
+        "pending": 1,
+        "quarantined": 1,
+        "oldest_unpublished_age_seconds": report["topics"]["quote.approved"][
+            "oldest_unpublished_age_seconds"
+        ],
+        "max_attempts": 3,
+    }
+    table = cli("status", "--database-url", db_url)
+    assert table.returncode == 0 and "quote.approved" in table.stdout and "PENDING" in table.stdout
+    unknown = cli("requeue", "--database-url", db_url, "no-such-event")
+    assert unknown.returncode == 1 and "unknown event id: no-such-event" in unknown.stderr
+    ok = cli("requeue", "--database-url", db_url, bad)
+    assert ok.returncode == 0 and f"requeued {bad}" in ok.stdout
+    again = cli("requeue", "--database-url", db_url, "--all")
+    assert again.returncode == 0 and "no quarantined events" in again.stdout
+    assert json.loads(cli("status", "--json", "--database-url", db_url).stdout)["quarantined"] == 0
+
+
+def test_bad_arguments_and_unreachable_services() -> None:
+    assert cli("run", "--no-such-flag").returncode == 2
+    assert cli().returncode == 2
+    assert cli("requeue", "--database-url", "sqlite:///x.db").returncode == 2
+    bad_url = cli("status", "--database-url", "mysql://localhost/x")
+    assert bad_url.returncode == 2 and "unsupported backend" in bad_url.stderr
+    down = cli("status", "--database-url", "postgresql://nobody@127.0.0.1:1/none", timeout=30)
+    assert down.returncode == 1
+    assert "cannot use the database at postgresql" in down.stderr
+    assert "Connection refused" in down.stderr or "connection" in down.stderr.lower()
+    assert cli("init-db", "--database-url", "postgresql://x@127.0.0.1:1/x").returncode == 1
+    bad_stream = cli("run", "--stream", "outbox.{nope}", "--database-url", "sqlite:///x.db")
+    assert bad_stream.returncode == 2 and "unknown placeholder" in bad_stream.stderr
+    bad_env = cli("run", "--once", env={"OUTBOX_BATCH_SIZE": "many"})
+    assert bad_env.returncode == 2 and "OUTBOX_BATCH_SIZE" in bad_env.stderr
+    assert main(["status", "--database-url", "postgresql://x@127.0.0.1:1/x"]) == 1
+
+
+def test_run_once_publishes(
+    pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i}", payload={"i": i}) for i in range(3)]
+    result = cli(
+        "run",
+        "--once",
+        "--stream",
+        f"{stream_prefix}.{{topic}}",
+        env={"OUTBOX_DATABASE_URL": pg_url, "OUTBOX_REDIS_URL": redis_url},
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"published": 3}
+    got = [f[b"id"].decode() for _i, f in redis_client.xrange(f"{stream_prefix}.t")]
+    assert got == ids
+
+
+def test_sigterm_drains_and_exits_zero(
+    pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OUTBOX_DATABASE_URL=pg_url,
+        OUTBOX_REDIS_URL=redis_url,
+        OUTBOX_STREAM=f"{stream_prefix}.{{topic}}",
+        OUTBOX_BATCH_SIZE="200",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "run", "--log-level", "info"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with outbox.transaction() as tx:
+            tx.emit_many(
+                [{"topic": "t", "key": f"k{i % 50}", "payload": {"i": i}} for i in range(2000)]
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and redis_client.xlen(f"{stream_prefix}.t") == 0:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    messages = [line["message"] for line in lines]
+    assert "relay started" in messages and "relay stopped" in messages
+    assert "stop requested" in messages
+    # Whatever it claimed before stopping has its receipt: no intent is left behind.
+    with outbox.engine.connect() as conn:
+        dangling = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM outbox_events WHERE state = 'pending' "
+                "AND claimed_by IS NOT NULL"
+            )
+        ).scalar()
+        published = conn.execute(
+            sa.text("SELECT count(*) FROM outbox_events WHERE state = 'published'")
+        ).scalar()
+    assert dangling == 0
+    assert published == redis_client.xlen(f"{stream_prefix}.t")
+
+
+def test_run_waits_for_database_instead_of_exiting(tmp_path: Path, redis_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OUTBOX_DATABASE_URL="postgresql://x@127.0.0.1:1/x",
+        OUTBOX_REDIS_URL=redis_url,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "run"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(3)
+    assert proc.poll() is None  # still waiting, not exited
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "retrying" in err
+
+
+def test_demo_runs_on_the_embedded_default(tmp_path: Path) -> None:
+    result = cli("demo", "--duration", "3", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "published by the relay" in result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("stopped:")
+    written = int(last.split("stopped: ")[1].split(" quotes")[0])
+    published = int(last.split("approved, ")[1].split(" events")[0])
+    assert written > 0 and published == written
+    assert "0 pending" in last
+    assert (tmp_path / "outbox.db").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help(flag: str) -> None:
+    result = cli(flag)
+    assert result.returncode == 0 and "run" in result.stdout and "demo" in result.stdout
+    for command in ("run", "status", "requeue", "init-db", "demo"):
+        assert cli(command, "--help").returncode == 0
