@@ -116,6 +116,10 @@ def decode_entry(
         for name, value in fields.items()
         if name[:7] == HEADER_PREFIX and len(name) > len(HEADER_PREFIX)
     }
+    traceparent = fields.get("traceparent") or None
+    if traceparent is not None:
+        # The relay lifts the traceparent header to a CloudEvents attribute; give it back.
+        headers.setdefault("traceparent", traceparent)
     return ConsumedEvent(
         id=event_id,
         type=topic,
@@ -130,7 +134,7 @@ def decode_entry(
         time=_parse_time(fields.get("time")),
         source=fields.get("source") or None,
         partition_key=fields.get("partitionkey") or None,
-        traceparent=fields.get("traceparent") or None,
+        traceparent=traceparent,
         fields=fields,
     )
 

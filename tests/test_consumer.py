@@ -552,7 +552,8 @@ def test_decode_entry_reads_the_relay_format() -> None:
         "studio",
         "studio:send-quote-017",
     )
-    assert event.data == {"total": 120} and event.headers == {"x": "1"}
+    assert event.data == {"total": 120}
+    assert event.headers == {"x": "1", "traceparent": "00-abc-def-01"}
     assert (event.stream, event.entry_id, event.deliveries) == ("s", "1-0", 2)
     assert event.time is not None and event.time.year == 2025
     assert event.partition_key == "7" and event.traceparent == "00-abc-def-01"
