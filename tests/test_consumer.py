@@ -22,6 +22,7 @@ from consumer.consumer_event import ConsumedEvent, decode_entry, encode_entry
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound, UndecodableEntry
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
+from outbox.runtime import Backoff
 
 TOPIC = "quote.approved"
 
@@ -656,3 +657,49 @@ def test_handler_enqueues_jobs_in_the_inbox_transaction(
         rows = conn.execute(sa.text("SELECT action, payload FROM outbox_jobs")).all()
     assert [row[0] for row in rows] == ["send-evt-0"]
     consumer.engine.dispose()
+
+
+# -- outages -----------------------------------------------------------------------------------
+
+
+def test_redis_outage_waits_and_recovers(db_url: str) -> None:
+    import threading
+
+    from services import PrivateRedis
+
+    with PrivateRedis(persistent=True) as server:
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        stream = "outage.outbox.quote.approved"
+        consumer = Consumer(
+            db_url,
+            redis.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=1),
+            group="billing",
+            streams=[stream],
+            config=ConsumerConfig(block_ms=50, backoff=Backoff(0.05, 0.2)),
+        )
+        md.create_all(consumer.engine, checkfirst=True)
+        consumer.add_handler(
+            TOPIC,
+            lambda e, tx: tx.session.execute(
+                insert(jobs).values(identity=e.identity, event_id=e.id)
+            ),
+        )
+        stop = threading.Event()
+        runner = threading.Thread(target=consumer.run, kwargs={"stop": stop})
+        runner.start()
+        try:
+            publish(client, stream, "before", "evt-1")
+            wait_for(lambda: job_identities(consumer.engine) == ["before"], "first job")
+            server.stop(kill=True)
+            assert runner.is_alive()
+            server.start()
+            client = redis.Redis.from_url(server.url)
+            publish(client, stream, "after", "evt-2")
+            wait_for(lambda: job_identities(consumer.engine) == ["before", "after"], "recovery")
+            assert runner.is_alive()
+        finally:
+            stop.set()
+            runner.join(timeout=30)
+        assert not runner.is_alive()
+        consumer.engine.dispose()
