@@ -194,18 +194,21 @@ def _run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, batch_size=batch_size)
     if args.schema:
         config = dataclasses.replace(config, schema=args.schema)
-    hooks = None
-    if port >= 0:
-        from metrics import start_metrics  # imported only when asked for
-
-        hooks = start_metrics(port, args.metrics_host)
     consumer = consumer.with_overrides(
         database=args.database_url,
         redis=args.redis_url,
         group=args.group,
         config=config,
-        hooks=hooks,
     )
+    if port >= 0:
+        from metrics import start_metrics  # imported only when asked for
+
+        # With the engine, the exporter also serves the dead-letter gauges (the collector
+        # leaves out the tables this database does not have, such as the outbox's).
+        hooks = start_metrics(
+            port, args.metrics_host, engine=consumer.engine, consumer_schema=config.schema
+        )
+        consumer.hooks = hooks
     log.info(
         "outbox-consumer starting",
         extra=fields(

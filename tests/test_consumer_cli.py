@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,27 @@ def jobs_by(engine: sa.Engine, pid: int) -> int:
     with engine.connect() as conn:
         query = sa.select(sa.func.count()).where(table.c.worker == str(pid))
         return int(conn.execute(query).scalar_one())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Sample name with labels -> value, from the exporter's text format."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 class App:
@@ -233,13 +256,21 @@ def test_run_drains_and_exits_zero_on_sigterm(
     app = app_factory(
         pg_url, stream, CONSUMER_APP_FAIL_IDENTITY="poison", CONSUMER_APP_MAX_DELIVERIES="1"
     )
-    proc = app.start("--batch-size", "50", "--group", "app")
+    port = free_port()
+    proc = app.start("--batch-size", "50", "--group", "app", "--metrics-port", str(port))
     specs = [(f"id-{n}", f"evt-{n}") for n in range(300)] + [("poison", "evt-poison")]
     publish_many(redis_client, stream, specs)
     engine = sa.create_engine(pg_url)
     try:
         wait_for(lambda: count_jobs(engine)[0] >= 300, "jobs")
         wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks")
+        # The exporter serves the process counters and the dead-letter gauge of its database.
+        wait_for(
+            lambda: scrape(port).get('outbox_dead_letters{group="app",reason="poison"}') == 1.0,
+            "dead-letter gauge",
+        )
+        handled = f'outbox_consumer_handled_total{{group="app",stream="{stream}"}}'
+        assert scrape(port)[handled] >= 300
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, app.logs_text()
         assert count_jobs(engine) == (300, 300)
