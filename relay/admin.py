@@ -81,8 +81,9 @@ def requeue(
     *,
     all_quarantined: bool = False,
 ) -> RequeueResult:
-    """Put quarantined events back to pending (attempts reset, available now, intent
-    cleared; ``last_error`` kept as history). By id, or every quarantined one."""
+    """Put quarantined events back to pending, available now, intent cleared. ``attempts``
+    and ``last_error`` are kept as history (a requeued row keeps holding back the later
+    events of its key until it is published). By id, or every quarantined one."""
     t = _quoted(schema)
     now = (
         "now()" if engine.dialect.name == "postgresql" else ("strftime('%Y-%m-%d %H:%M:%f', 'now')")
@@ -119,11 +120,14 @@ def requeue(
         if ids:
             conn.execute(
                 text(
-                    f"UPDATE {t} SET state = 'pending', attempts = 0, available_at = {now}, "
+                    f"UPDATE {t} SET state = 'pending', available_at = {now}, "
                     "claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
                     "WHERE event_id = :id AND state = 'quarantined'"
                 ),
                 [{"id": i} for i in ids],
             )
+            if engine.dialect.name == "postgresql":
+                # Relays claim from a floor above old rows; ask them for a full sweep.
+                conn.execute(text("SELECT pg_notify(:c, 'sweep')"), {"c": schema.notify_channel})
         result.requeued = ids
     return result

@@ -51,8 +51,10 @@ class RelayConfig:
     - ``outage_backoff``: the loop's own waits while the database or Redis is down.
     - ``progress_interval``: seconds between structured progress log lines.
     - ``rebalance_interval``: seconds between partition ownership checks.
-    - ``sweep_interval``: seconds between claims that scan pending rows from the very first
-      one (ordinary claims start near where the last one ended; see :mod:`relay.store`).
+    - ``sweep_interval``: PostgreSQL: the longest time between claims that scan pending
+      rows from the very first one. Ordinary claims start near where the last one ended (see
+      :mod:`relay.store`); a sweep also runs at once after a failure, a reconciliation, a
+      partition take-over, or a ``requeue`` (which notifies the relays).
     """
 
     batch_size: int = DEFAULT_BATCH_SIZE
@@ -69,7 +71,7 @@ class RelayConfig:
     outage_backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 10.0))
     progress_interval: float = 10.0
     rebalance_interval: float = 1.0
-    sweep_interval: float = 1.0
+    sweep_interval: float = 30.0
     name_prefix: str = "relay"
 
     def __post_init__(self) -> None:

@@ -170,6 +170,8 @@ class Relay:
         if started - self._last_orphan_check >= 0.5:
             self._last_orphan_check = started
             published += self._reconcile()
+            if self.store.retry_ready():
+                self._sweep_due = True
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
         self._epoch += 1
         epoch = self._epoch
@@ -453,7 +455,8 @@ class Relay:
                     break
                 # Wake on a NOTIFY, a stop request, or the polling interval.
                 if self.store.supports_notify and cfg.listen:
-                    self.store.wait_for_notify(min(interval, 0.25))
+                    if self.store.wait_for_notify(min(interval, 0.25)) == 2:
+                        self._sweep_due = True
                 else:
                     event.wait(interval)
         finally:

@@ -48,8 +48,9 @@ claims from walking the dead index entries of published rows, an ordinary claim 
 *floor*: the highest sequence value allocated at a moment since which every transaction
 then in progress has finished (``pg_snapshot_xmin`` of the current snapshot has passed that
 moment's ``xmax``, as watermill-sql reasons). Nothing below the floor can still appear. A
-full sweep from the first row runs every ``sweep_interval`` and after any retry, and picks up
-rows that waited behind a blocked key.
+full sweep from the first row picks up rows that waited behind a blocked key: it runs when
+a failing key may have become free (after a retry, a reconciliation, a take-over, a
+``requeue``, which sends a ``sweep`` notification) and at least every ``sweep_interval``.
 
 SQLite
 ------
@@ -102,10 +103,11 @@ class Store(Protocol):
     def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None: ...
     def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None: ...
     def orphans(self, limit: int) -> list[Orphan]: ...
+    def retry_ready(self) -> bool: ...
     def resolve_orphans(
         self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
     ) -> None: ...
-    def wait_for_notify(self, timeout: float) -> bool: ...
+    def wait_for_notify(self, timeout: float) -> int: ...
     def delete_published(self, older_than_seconds: float, limit: int) -> int: ...
     def backlog(self) -> tuple[int, float | None]: ...
 
@@ -210,6 +212,13 @@ WHERE t.state = 'pending' AND t.attempts > 0 AND t.claimed_by IS NOT NULL
 ORDER BY t.seq
 LIMIT %(limit)s"""
 
+# Rows whose backoff is over (or that were requeued): they may sit below the claim floor,
+# so their presence asks for a sweep. Reads the small blocked index only.
+PG_RETRY_READY = """
+SELECT EXISTS (SELECT 1 FROM {t} t
+    WHERE t.state = 'pending' AND t.attempts > 0 AND t.claimed_by IS NULL
+      AND t.available_at <= now() AND (t.key_hash %% %(nparts)s) = ANY(%(parts)s))"""
+
 PG_RESOLVE_FOUND = """
 UPDATE {t} t SET state = 'published', stream = u.stream, stream_id = u.sid,
     published_at = now()
@@ -290,8 +299,8 @@ class PostgresStore:
         self._member_id = random.randrange(1, 2**31 - 1)
         self._sequence = ""
         self._samples: list[tuple[float, int, int]] = []  # (monotonic, xmax, last_value)
-        self._floor = 0
-        self._cursor = 0
+        self._floor = 0  # highest sequence value that can no longer appear
+        self._low = 0  # where ordinary claims start (see claim)
         self._last_rebalance = -math.inf
         self._last_sample = -math.inf
 
@@ -334,6 +343,7 @@ class PostgresStore:
                     "release": PG_RELEASE,
                     "mark_orphans": PG_MARK_ORPHANS,
                     "orphans": PG_ORPHANS,
+                    "retry_ready": PG_RETRY_READY,
                     "resolve_found": PG_RESOLVE_FOUND,
                     "resolve_missing": PG_RESOLVE_MISSING,
                     "retention": PG_RETENTION,
@@ -355,7 +365,7 @@ class PostgresStore:
         self._owned = frozenset()
         self._samples.clear()
         self._floor = 0
-        self._cursor = 0
+        self._low = 0
         self._last_rebalance = -math.inf
 
     def close(self) -> None:
@@ -487,10 +497,11 @@ class PostgresStore:
             return []
         if not sweep:
             self._advance_floor()
-        # An ordinary claim starts where the previous one ended, but never above the safe
-        # floor: rows below the cursor that were not claimed are blocked or locked (the
-        # sweep takes them) or were invisible then, and those lie above the safe floor.
-        start = 0 if sweep else min(self._floor, self._cursor + 1)
+        # Where an ordinary claim starts (``_low``): every row below it has been examined by
+        # an earlier claim (claimed, or left behind a blocked key: a sweep takes those) and
+        # no new row can appear below it. After a claim that examined [start, end], the
+        # rows up to min(end, safe floor) were all visible and examined, so _low moves there.
+        start = 0 if sweep else self._low
         cur = self._execute(
             "claim",
             {
@@ -504,8 +515,9 @@ class PostgresStore:
         )
         records = [Record(*row) for row in cur.fetchall()]
         records.sort(key=lambda r: r.seq)
-        if records:
-            self._cursor = max(self._cursor, records[-1].seq) if not sweep else records[-1].seq
+        examined_to = records[-1].seq if len(records) >= limit else math.inf
+        if start <= self._low:
+            self._low = int(max(self._low, min(examined_to, self._floor) + 1))
         return records
 
     def mark_published(
@@ -573,6 +585,15 @@ class PostgresStore:
         )
         return [Orphan(*row) for row in cur.fetchall()]
 
+    def retry_ready(self) -> bool:
+        if not self._owned:
+            return False
+        cur = self._execute(
+            "retry_ready", {"nparts": self.partitions, "parts": sorted(self._owned)}
+        )
+        row = cur.fetchone()
+        return bool(row and row[0])
+
     def resolve_orphans(
         self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
     ) -> None:
@@ -599,23 +620,24 @@ class PostgresStore:
 
     # -- wake-up ----------------------------------------------------------------------------
 
-    def wait_for_notify(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for a NOTIFY from the insert trigger; True if one came.
-        Without LISTEN (or if the listening connection fails) this is a plain sleep."""
+    def wait_for_notify(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for a NOTIFY: 0 if none came, 1 for new rows, 2 when a
+        ``requeue`` asked for a sweep. Without LISTEN (or if the listening connection
+        fails) this is a plain sleep."""
         if not self.listen:
             time.sleep(timeout)
-            return False
+            return 0
         try:
             if self._listen_conn is None or self._listen_conn.closed:
                 conn = self._new_connection()
                 conn.execute(f'LISTEN "{self.schema.notify_channel}"')
                 self._listen_conn = conn
-            got = False
-            for _n in self._listen_conn.notifies(timeout=timeout, stop_after=1):
-                got = True
+            got = 0
+            for n in self._listen_conn.notifies(timeout=timeout, stop_after=1):
+                got = max(got, 2 if n.payload == "sweep" else 1)
             if got:  # drain what else is queued: one wake-up is enough
-                for _n in self._listen_conn.notifies(timeout=0.0001):
-                    pass
+                for n in self._listen_conn.notifies(timeout=0.0001):
+                    got = max(got, 2 if n.payload == "sweep" else 1)
             return got
         except Exception as exc:
             log.warning(
@@ -627,7 +649,7 @@ class PostgresStore:
                     self._listen_conn.close()
             self._listen_conn = None
             time.sleep(timeout)
-            return False
+            return 0
 
     # -- retention and progress -------------------------------------------------------------
 
@@ -886,9 +908,12 @@ class SqliteStore:
             [{"seq": o.seq, "owner": o.claimed_by, "epoch": o.claim_epoch} for o in missing],
         )
 
-    def wait_for_notify(self, timeout: float) -> bool:
+    def retry_ready(self) -> bool:
+        return False  # SQLite claims always scan from the first pending row
+
+    def wait_for_notify(self, timeout: float) -> int:
         time.sleep(timeout)
-        return False
+        return 0
 
     def delete_published(self, older_than_seconds: float, limit: int) -> int:
         with self.engine.begin() as conn:
