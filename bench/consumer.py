@@ -13,7 +13,10 @@ records each identity in the inbox and inserts one job row per new identity:
 - ``batched+batch-handler``: the same with ``handler(..., batch=True)`` and
   ``tx.insert_many``: one statement for the batch's jobs. This is the figure the issue's
   target (>= 20,000/s for one process) refers to.
-- ``batched+store``: a plain handler calling ``Store.enqueue(..., session=tx.session)``.
+- ``batched+store-many``: a batch handler creating real jobs in the job store with
+  ``Store.enqueue_many(..., session=tx.session)``: one statement per batch.
+- ``batched+store``: a plain handler calling ``Store.enqueue(..., session=tx.session)``
+  (a round trip per job).
 
 Figures are noisy on a shared 2-core machine; the ratios come from the same run.
 """
@@ -147,11 +150,29 @@ def main(argv: list[str] | None = None) -> int:
                     session=tx.session,
                 )
 
+        def store_many_mode(consumer: Consumer) -> None:
+            from consumer import Store
+
+            store = Store(consumer.engine)
+
+            @consumer.handler(TOPIC, batch=True)
+            def on_events(events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+                store.enqueue_many(
+                    [
+                        {"tenant": e.tenant or "-", "action": e.identity, "subject": e.subject}
+                        for e in events
+                    ],
+                    session=tx.session,
+                )
+
         rates: dict[str, float] = {}
         rates["per-message"] = measure("per-message", url, stream, args.baseline_messages, 1, plain)
         rates["batched"] = measure("batched", url, stream, args.messages, args.batch_size, plain)
         rates["batched+batch-handler"] = measure(
             "batched+batch-handler", url, stream, args.messages, args.batch_size, batch
+        )
+        rates["batched+store-many"] = measure(
+            "batched+store-many", url, stream, args.messages, args.batch_size, store_many_mode
         )
         if not args.skip_store:
             rates["batched+store"] = measure(

@@ -42,6 +42,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer import inbox as q
+from consumer.bulk import bulk_insert
 from consumer.consumer_event import ConsumedEvent, decode_entry, text_fields
 from consumer.errors import UndecodableEntry
 from outbox.db import make_engine
@@ -174,7 +175,7 @@ class ConsumerTx:
         ``unnest`` arrays on PostgreSQL): the fast path for a batch handler that creates a
         job per event. ``conflict`` columns skip colliding rows; ``returning`` names a
         column to return for the inserted rows."""
-        return q.bulk_insert(self.connection, table, rows, conflict=conflict, returning=returning)
+        return bulk_insert(self.connection, table, rows, conflict=conflict, returning=returning)
 
 
 @dataclass

@@ -47,7 +47,7 @@ Metrics read ``count(*) ... WHERE state = 'needs_attention'`` (index
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -74,6 +74,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
+from consumer.bulk import bulk_insert
 from outbox.schema import check_identifier, db_now
 
 INBOX_TABLE = "consumer_inbox"
@@ -191,64 +192,6 @@ def insert_inbox_rows(conn: Connection, table: Table, rows: Sequence[dict[str, A
         returning=table.c.identity.name,
     )
     return set(returned)
-
-
-def bulk_insert(
-    conn: Connection,
-    table: Table,
-    rows: Sequence[Mapping[str, Any]],
-    *,
-    conflict: Sequence[str] | None = None,
-    returning: str | None = None,
-) -> list[Any]:
-    """Insert ``rows`` (same keys in each) in ONE statement; with ``conflict``, skip rows
-    that collide on those columns; with ``returning``, return that column of inserted rows.
-
-    PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)``, one binary array per
-    column, on the Connection's own psycopg connection (same transaction). The statement
-    text is the same for every batch size, so psycopg prepares it once; a multi-row VALUES
-    with thousands of parameters costs more to build and parse than to run, and a list
-    bound as ``%s`` goes as a text array (40-50 ms per 500 elements, measured).
-    SQLite: SQLAlchemy's insertmanyvalues (multi-row VALUES) with the same semantics.
-    """
-    if not rows:
-        return []
-    columns = list(rows[0].keys())
-    if conn.dialect.name != "postgresql":
-        stmt: Any = sqlite.insert(table)
-        if conflict:
-            stmt = stmt.on_conflict_do_nothing(index_elements=list(conflict))
-        if returning:
-            stmt = stmt.returning(table.c[returning])
-            return [row[0] for row in conn.execute(stmt, [dict(r) for r in rows])]
-        conn.execute(stmt, [dict(r) for r in rows])
-        return []
-    from psycopg.types.json import Jsonb
-
-    prep = conn.dialect.identifier_preparer
-    arrays: list[list[Any]] = []
-    casts: list[str] = []
-    for name in columns:
-        column = table.c[name]
-        sql_type = column.type.compile(dialect=conn.dialect)
-        values = [row[name] for row in rows]
-        if "JSON" in sql_type.upper():
-            values = [Jsonb(v) if v is not None else None for v in values]
-        arrays.append(values)
-        casts.append(f"%b::{sql_type}[]")
-    sql = (
-        f"INSERT INTO {prep.format_table(table)} "
-        f"({', '.join(prep.quote(c) for c in columns)}) "
-        f"SELECT * FROM unnest({', '.join(casts)})"
-    )
-    if conflict:
-        sql += f" ON CONFLICT ({', '.join(prep.quote(c) for c in conflict)}) DO NOTHING"
-    if returning:
-        sql += f" RETURNING {prep.quote(returning)}"
-    raw: Any = conn.connection.dbapi_connection
-    with raw.cursor() as cursor:
-        cursor.execute(sql, arrays)
-        return [row[0] for row in cursor.fetchall()] if returning else []
 
 
 def delete_inbox_row(conn: Connection, table: Table, group: str, identity: str) -> None:

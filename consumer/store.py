@@ -37,11 +37,11 @@ import json
 import math
 import random
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     ColumnElement,
@@ -49,8 +49,8 @@ from sqlalchemy import (
     and_,
     create_engine,
     insert,
-    literal,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -60,6 +60,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
 from consumer import jobs_queries as q
+from consumer.bulk import bulk_insert
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
 from consumer.jobs_schema import NAME_LENGTH, attempts, db_epoch, jobs
 from consumer.jobs_schema import create_schema as _create_schema
@@ -80,6 +81,7 @@ from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.errors import ConfigError
 
 Time = float | int | datetime
+_T = TypeVar("_T")
 
 
 # -- rows ------------------------------------------------------------------------------------
@@ -290,47 +292,72 @@ class Store:
         ``run_after`` delays eligibility; ``kind`` names the handler (default: routed by the
         action's prefix); ``provider`` selects a per-provider backoff ceiling.
         """
-        _name("tenant", tenant)
-        _name("action", action)
-        _name("subject", subject, optional=True)
-        version = _version("subject_version", subject_version)
-        _name("kind", kind, optional=True)
-        _name("provider", provider, optional=True)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise JobError("priority", f"must be an integer, got {priority!r}")
-        _check_json("payload", payload)
-        when = _time("now", now)
-        after = _time("run_after", run_after)
-        stamp: Any = literal(when) if when is not None else db_epoch()
-        values = {
-            "tenant": tenant,
-            "action": action,
-            "kind": kind,
-            "subject": subject,
-            "subject_version": version,
-            "payload": payload,
-            "provider": provider,
-            "state": READY,
-            "priority": priority,
-            "run_after": after,
-            "created_at": stamp,
-            "updated_at": stamp,
-        }
+        values = _job_values(
+            tenant,
+            action,
+            subject=subject,
+            subject_version=subject_version,
+            payload=payload,
+            priority=priority,
+            run_after=run_after,
+            kind=kind,
+            provider=provider,
+            now=now,
+        )
+        return self._in_session(session, lambda conn: self._enqueue(conn, values))
+
+    def enqueue_many(
+        self,
+        specs: Iterable[Mapping[str, Any]],
+        *,
+        session: Session | Connection | None = None,
+        now: Time | None = None,
+    ) -> list[EnqueueResult]:
+        """Enqueue many jobs in one statement per 500; results in the order given.
+
+        Each spec is a mapping of ``enqueue``'s arguments (``tenant`` and ``action``
+        required). Every spec is validated before anything is written. An identity that
+        already existed, or that appears earlier in the same list, comes back with
+        ``duplicate=True``. ``session`` joins the caller's transaction as in ``enqueue``:
+        a consumer's batch handler creates a whole batch of jobs in one round trip.
+        """
+        if isinstance(specs, Mapping):
+            raise JobError("specs", "enqueue_many takes a list of job specs, not one mapping")
+        rows: list[dict[str, Any]] = []
+        for index, spec in enumerate(specs):
+            if not isinstance(spec, Mapping):
+                raise JobError("specs", f"item {index} is {type(spec).__name__}, not a mapping")
+            unknown = set(spec) - _SPEC_FIELDS
+            if unknown:
+                raise JobError("specs", f"item {index} has unknown fields {sorted(unknown)}")
+            if "tenant" not in spec or "action" not in spec:
+                raise JobError("specs", f"item {index} needs tenant and action")
+            rows.append(_job_values(**spec, now=now))
+        if not rows:
+            return []
+        return self._in_session(session, lambda conn: self._enqueue_many(conn, rows))
+
+    def _in_session(
+        self, session: Session | Connection | None, work: Callable[[Connection], _T]
+    ) -> _T:
         if session is None:
             with self._tx() as conn:
-                return self._enqueue(conn, values)
+                return work(conn)
         if isinstance(session, Session):
-            return self._enqueue(session.connection(), values)
+            return work(session.connection())
         if isinstance(session, Connection):
-            return self._enqueue(session, values)
+            return work(session)
         raise JobError("session", f"must be a Session or Connection, got {type(session).__name__}")
+
+    def _insert(self, conn: Connection) -> Any:
+        return pg_insert(jobs) if conn.dialect.name == "postgresql" else sqlite_insert(jobs)
 
     def _enqueue(self, conn: Connection, values: dict[str, Any]) -> EnqueueResult:
         # ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
         # inserts, so RETURNING is how we learn whether this call created the row.
-        ins = pg_insert(jobs) if conn.dialect.name == "postgresql" else sqlite_insert(jobs)
         stmt = (
-            ins.values(**values)
+            self._insert(conn)
+            .values(**values)
             .on_conflict_do_nothing(index_elements=["tenant", "action"])
             .returning(jobs.c.id)
         )
@@ -345,6 +372,52 @@ class Store:
         if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
             raise Conflict(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
         return EnqueueResult(int(existing), True)
+
+    def _enqueue_many(self, conn: Connection, rows: list[dict[str, Any]]) -> list[EnqueueResult]:
+        # Every row of one call shares its timestamp (``now``, else the database clock read
+        # once), and the batch goes as ONE statement: binary ``unnest`` arrays on PostgreSQL
+        # (a multi-row VALUES of thousands of parameters costs psycopg more to parse than the
+        # server to run), insertmanyvalues on SQLite. ON CONFLICT DO NOTHING skips identities
+        # that exist and the second of two equal ones in the batch; RETURNING names the rows
+        # that were created.
+        stamp = rows[0]["created_at"]
+        if not isinstance(stamp, (int, float)):
+            stamp = float(conn.execute(select(db_epoch())).scalar_one())
+        params = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
+        created: dict[tuple[str, str], int] = {}
+        for start in range(0, len(params), _ENQUEUE_CHUNK):
+            returned = bulk_insert(
+                conn,
+                jobs,
+                params[start : start + _ENQUEUE_CHUNK],
+                conflict=("tenant", "action"),
+                returning=("id", "tenant", "action"),
+            )
+            for job_id, tenant, action in returned:
+                created[(tenant, action)] = int(job_id)
+        keys = [(row["tenant"], row["action"]) for row in rows]
+        missing = sorted({key for key in keys if key not in created})
+        existing: dict[tuple[str, str], int] = {}
+        for start in range(0, len(missing), _ENQUEUE_CHUNK):
+            chunk_keys = missing[start : start + _ENQUEUE_CHUNK]
+            query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
+                tuple_(jobs.c.tenant, jobs.c.action).in_(chunk_keys)
+            )
+            for job_id, tenant, action in conn.execute(query):
+                existing[(tenant, action)] = int(job_id)
+        results: list[EnqueueResult] = []
+        seen: set[tuple[str, str]] = set()
+        for key in keys:
+            if key in created and key not in seen:
+                results.append(EnqueueResult(created[key], False))
+            elif key in created:
+                results.append(EnqueueResult(created[key], True))
+            elif key in existing:
+                results.append(EnqueueResult(existing[key], True))
+            else:  # pragma: no cover - the conflicting row vanished (deleted)
+                raise Conflict(f"job {key[0]}/{key[1]} was deleted meanwhile")
+            seen.add(key)
+        return results
 
     # -- reading -------------------------------------------------------------------------
 
@@ -1143,6 +1216,65 @@ def _memory_engine() -> Engine:
     )
     configure_sqlite(engine)
     return engine
+
+
+_SPEC_FIELDS = frozenset(
+    {
+        "tenant",
+        "action",
+        "subject",
+        "subject_version",
+        "payload",
+        "priority",
+        "run_after",
+        "kind",
+        "provider",
+    }
+)
+_ENQUEUE_CHUNK = 500
+
+
+def _job_values(
+    tenant: str,
+    action: str,
+    *,
+    subject: str | None = None,
+    subject_version: str | int | None = None,
+    payload: Any = None,
+    priority: int = 0,
+    run_after: Time | None = None,
+    kind: str | None = None,
+    provider: str | None = None,
+    now: Time | None = None,
+) -> dict[str, Any]:
+    """Validate one job's fields (raising JobError naming the field); its row values."""
+    _name("tenant", tenant)
+    _name("action", action)
+    _name("subject", subject, optional=True)
+    version = _version("subject_version", subject_version)
+    _name("kind", kind, optional=True)
+    _name("provider", provider, optional=True)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise JobError("priority", f"must be an integer, got {priority!r}")
+    _check_json("payload", payload)
+    when = _time("now", now)
+    after = _time("run_after", run_after)
+    # A number when ``now`` was given; else the database clock as a SQL expression.
+    stamp: Any = when if when is not None else db_epoch()
+    return {
+        "tenant": tenant,
+        "action": action,
+        "kind": kind,
+        "subject": subject,
+        "subject_version": version,
+        "payload": payload,
+        "provider": provider,
+        "state": READY,
+        "priority": priority,
+        "run_after": after,
+        "created_at": stamp,
+        "updated_at": stamp,
+    }
 
 
 def _name(field_name: str, value: object, *, optional: bool = False) -> None:

@@ -659,6 +659,46 @@ def test_handler_enqueues_jobs_in_the_inbox_transaction(
     consumer.engine.dispose()
 
 
+def test_batch_handler_enqueues_a_batch_of_jobs_in_one_call(
+    db_url: str, redis_url: str, redis_client: redis.Redis, stream: str
+) -> None:
+    from consumer import Store
+
+    consumer = Consumer(
+        db_url,
+        redis_url,
+        group="billing",
+        streams=[stream],
+        config=ConsumerConfig(block_ms=50, batch_size=100),
+    )
+    store = Store(consumer.engine)
+    batches: list[int] = []
+
+    @consumer.handler(TOPIC, batch=True)
+    def on_quotes(events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        batches.append(len(events))
+        results = store.enqueue_many(
+            [
+                # Per EVENT id on purpose: only the inbox stands between a duplicate
+                # event of one business identity and a second job.
+                {"tenant": e.tenant or "-", "action": f"send-{e.id}", "subject": e.subject}
+                for e in events
+            ],
+            session=tx.session,
+        )
+        assert not any(result.duplicate for result in results)
+
+    for n in range(250):
+        publish(redis_client, stream, f"studio:send-quote-{n % 200}", f"evt-{n}")
+    drain(consumer)
+    with consumer.engine.connect() as conn:
+        actions = conn.execute(sa.text("SELECT action FROM outbox_jobs")).scalars().all()
+    assert len(actions) == 200  # 250 events, 200 business identities: one job each
+    assert sorted(actions) == sorted(f"send-evt-{n}" for n in range(200))
+    assert sum(batches) == 200 and max(batches) > 1
+    consumer.engine.dispose()
+
+
 # -- outages -----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -97,6 +98,62 @@ def test_enqueue_joins_the_callers_transaction(db_url: str) -> None:
         store.enqueue("studio", "committed", session=conn)
     assert store.get("studio", "committed").state == READY
     engine.dispose()
+
+
+def test_enqueue_many_one_statement_results_in_order(store: Store) -> None:
+    existing = store.enqueue("studio", "send-2", payload={"n": "first"})
+    results = store.enqueue_many(
+        [
+            {"tenant": "studio", "action": "send-1", "subject": "quote-1", "payload": {"n": 1}},
+            {"tenant": "studio", "action": "send-2", "payload": {"n": 2}},  # exists already
+            {"tenant": "atelier", "action": "send-1", "priority": 5},
+            {"tenant": "studio", "action": "send-1"},  # repeated within the list
+        ]
+    )
+    assert [r.duplicate for r in results] == [False, True, False, True]
+    assert results[1].job_id == existing.job_id
+    assert results[3].job_id == results[0].job_id
+    assert len({r.job_id for r in results}) == 3
+    assert store.get(results[0].job_id).payload == {"n": 1}
+    assert store.get(results[1].job_id).payload == {"n": "first"}  # the existing job wins
+    assert store.get(results[2].job_id).priority == 5
+    assert store.get(results[0].job_id).state == READY
+    assert store.enqueue_many([]) == []
+
+
+def test_enqueue_many_large_batches_and_caller_transaction(db_url: str) -> None:
+    engine = make_engine(db_url)
+    store = Store(engine)
+    specs = [{"tenant": f"t{i % 3}", "action": f"a-{i}"} for i in range(1200)]
+    with Session(engine) as session:
+        session.begin()
+        assert len(store.enqueue_many(specs, session=session)) == 1200
+        session.rollback()
+    with pytest.raises(JobNotFound):
+        store.get("t0", "a-0")
+    with engine.connect() as conn, conn.begin():
+        first = store.enqueue_many(specs, session=conn)
+    again = store.enqueue_many(specs)
+    assert not any(r.duplicate for r in first)
+    assert all(r.duplicate for r in again)
+    assert [r.job_id for r in again] == [r.job_id for r in first]
+    engine.dispose()
+
+
+def test_enqueue_many_validates_every_spec_before_writing(store: Store) -> None:
+    bad_specs: list[Any] = [
+        [{"tenant": "t", "action": "ok"}, {"tenant": "", "action": "x"}],
+        [{"tenant": "t", "action": "ok"}, {"tenant": "t", "action": "x", "payload": {1, 2}}],
+        [{"tenant": "t", "action": "ok"}, {"tenant": "t"}],
+        [{"tenant": "t", "action": "ok"}, {"tenant": "t", "action": "x", "colour": "red"}],
+        [{"tenant": "t", "action": "ok"}, "not a mapping"],
+        {"tenant": "t", "action": "ok"},
+    ]
+    for specs in bad_specs:
+        with pytest.raises(JobError):
+            store.enqueue_many(specs)
+    with pytest.raises(JobNotFound):
+        store.get("t", "ok")
 
 
 def test_every_holder_move_with_a_stale_epoch_raises_conflict(store: Store) -> None:
