@@ -73,6 +73,10 @@ class TransientError(Exception):
     """A per-entry reply that retrying may fix (OOM, BUSY, ...); the entry was not added."""
 
 
+class FencedOut(Exception):
+    """The batch's intent was taken over by a reconciling relay: nothing was added."""
+
+
 class HeldBack(Exception):
     """An entry not attempted because an earlier entry of its key failed in the batch."""
 
@@ -157,10 +161,15 @@ class Prepared:
     nfields: int
 
 
-# One batch, atomically, in order. KEYS: the distinct streams. ARGV: entry count, MAXLEN (0:
-# none), then per entry: stream index, key group, field count, fields. An entry whose key
-# already failed in this batch is not attempted ("HELD"); an error reply is "!<message>".
+# One batch, atomically, in order. KEYS[1]: the batch's fence key; KEYS[2..]: the distinct
+# streams. ARGV: entry count, MAXLEN (0: none), then per entry: stream index, key group,
+# field count, fields. If the fence key exists (a reconciler has taken this intent over) the
+# batch is refused whole ("FENCED"). An entry whose key already failed in this batch is not
+# attempted ("HELD"); an error reply is "!<message>".
 PUBLISH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 'FENCED'
+end
 local n = tonumber(ARGV[1])
 local maxlen = tonumber(ARGV[2])
 local out = {}
@@ -312,7 +321,9 @@ class RedisStreamPublisher:
 
     # -- sending ----------------------------------------------------------------------------
 
-    def publish(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
+    def publish(
+        self, prepared: Sequence[Prepared], fence: str | None = None
+    ) -> list[str | Exception]:
         """XADD every prepared record in one round trip; one result per record, in order.
 
         A result is the new entry id, or the exception the server replied for that entry
@@ -322,9 +333,11 @@ class RedisStreamPublisher:
         prefix of the batch may have been added (the caller reconciles before publishing
         again).
 
-        On a single Redis server the batch is one ``EVAL`` of :data:`PUBLISH_SCRIPT`: atomic,
-        in ``seq`` order, and a failing entry holds back the later entries of its key (per-key
-        order even when one key's events go to several streams and one of them fails).
+        On a single Redis server the batch is one ``EVAL`` of :data:`PUBLISH_LUA`: atomic, in
+        ``seq`` order, and a failing entry holds back the later entries of its key (per-key
+        order even when one key's events go to several streams and one of them fails). With
+        ``fence`` (a key name) the batch is refused whole, every result :class:`FencedOut`,
+        if that key exists: see :meth:`set_fences`.
         """
         if not prepared:
             return []
@@ -332,9 +345,10 @@ class RedisStreamPublisher:
             return self._publish_cluster(prepared)
         streams: dict[str, int] = {}
         groups: dict[str, int] = {}
+        fence_key = fence or "outbox:fence:-"
         body: list[bytes] = []
         for p in prepared:
-            index = streams.setdefault(p.stream, len(streams) + 1)
+            index = streams.setdefault(p.stream, len(streams) + 2)
             group = groups.setdefault(p.record.key, len(groups) + 1)
             body.append(b"$%d\r\n%d\r\n" % (len(str(index)), index))
             body.append(b"$%d\r\n%d\r\n" % (len(str(group)), group))
@@ -342,10 +356,11 @@ class RedisStreamPublisher:
             body.append(p.fields)
         head = [
             b"*%d\r\n"
-            % (3 + len(streams) + 2 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
+            % (4 + len(streams) + 2 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
             _EVAL,
             _SCRIPT,
-            _bulk(str(len(streams)).encode()),
+            _bulk(str(len(streams) + 1).encode()),
+            _bulk(fence_key.encode()),
         ]
         head.extend(_bulk(name.encode()) for name in streams)
         head.append(_bulk(str(len(prepared)).encode()))
@@ -365,6 +380,9 @@ class RedisStreamPublisher:
             raise
         finally:
             pool.release(conn)
+        if not isinstance(replies, list):
+            fenced = FencedOut(f"fenced out by a reconciling relay ({fence_key})")
+            return [fenced for _ in prepared]
         results: list[str | Exception] = []
         for reply in replies:
             text_reply = reply.decode() if isinstance(reply, bytes) else str(reply)
@@ -397,14 +415,15 @@ class RedisStreamPublisher:
     # -- reconciliation ---------------------------------------------------------------------
 
     def find_published(
-        self, stream: str, event_ids: Iterable[str], start_ms: int, end_ms: int
+        self, stream: str, event_ids: Iterable[str], start_ms: int, end_ms: int | None
     ) -> dict[str, str]:
         """Which of ``event_ids`` are in ``stream`` between the two Redis-clock times
-        (milliseconds); returns event id -> entry id. Reads the range in pages."""
+        (milliseconds; ``None``: the end of the stream); returns event id -> entry id.
+        Reads the range in pages of 1,000 entries."""
         wanted = set(event_ids)
         found: dict[str, str] = {}
         start = f"{max(0, start_ms)}-0"
-        end = f"{max(0, end_ms)}-18446744073709551615"
+        end = "+" if end_ms is None else f"{max(0, end_ms)}-18446744073709551615"
         while wanted:
             page = self.client.xrange(stream, min=start, max=end, count=1000)
             if not page:
@@ -426,6 +445,17 @@ class RedisStreamPublisher:
             last = last.decode() if isinstance(last, bytes) else str(last)
             start = "(" + last
         return found
+
+    def set_fences(self, keys: Sequence[str], ttl_seconds: int = 7 * 24 * 3600) -> None:
+        """Fence intents before reconciling them: a batch that checks one of these keys is
+        refused, so after this call nothing more can be added for those intents, and what
+        the stream holds for them is final."""
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, b"1", ex=ttl_seconds)
+        pipe.execute()
 
     def ping(self) -> None:
         self.client.ping()

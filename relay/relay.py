@@ -39,6 +39,7 @@ from relay.config import RelayConfig
 from relay.errors import ConfigError, PermanentPublishError, RoutingError
 from relay.publisher import (
     INFRASTRUCTURE_ERRORS,
+    FencedOut,
     HeldBack,
     Prepared,
     RedisStreamPublisher,
@@ -175,18 +176,18 @@ class Relay:
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
         self._epoch += 1
         epoch = self._epoch
+        claim_started = time.monotonic()
         records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
         if sweep:
             self._sweep_due = False
             self._last_sweep = started
         if records:
-            published += self._publish(records, epoch, started)
+            published += self._publish(records, epoch, started, claim_started)
         self.stats.cycles += 1
         self._hook("relay_cycle_ok", time.time())
         return published
 
-    def _publish(self, records: list[Record], epoch: int, started: float) -> int:
-        claimed_at = time.monotonic()
+    def _publish(self, records: list[Record], epoch: int, started: float, claimed_at: float) -> int:
         prepared: list[Prepared] = []
         quarantine: list[tuple[int, str]] = []
         release: list[int] = []
@@ -212,7 +213,7 @@ class Relay:
             self.store.quarantine(self.name, epoch, quarantine)
             return 0
         try:
-            results = self.publisher.publish(prepared)
+            results = self.publisher.publish(prepared, fence_key(self.name, epoch))
         except Exception as exc:
             # Any prefix of the batch may be in the stream: keep the intents (they are
             # reconciled before the next attempt) and count the attempt on every record.
@@ -237,6 +238,13 @@ class Relay:
             self.store.quarantine(self.name, epoch, quarantine)
             self._hook("relay_publish_error", "transient", None)
             raise
+        if results and isinstance(results[0], FencedOut):
+            # Another relay took this batch over (our claim was older than its window):
+            # nothing was added; give back whatever it has not resolved yet.
+            log.warning("batch fenced out by a reconciling relay", extra=fields(epoch=epoch))
+            self.store.release(self.name, epoch, [p.record.seq for p in prepared] + release)
+            self.store.quarantine(self.name, epoch, quarantine)
+            return 0
         receipts: list[tuple[int, str, str]] = []
         failed: list[tuple[int, float, str, bool]] = []
         by_topic: dict[str, list[float]] = {}
@@ -324,13 +332,17 @@ class Relay:
                 missing.append(orphan)  # never routable, so never published
                 continue
             groups.setdefault(stream, []).append(orphan)
+        # Fence first: once the fences are set no batch of these intents can still be added
+        # (the publish script checks its fence atomically), so what the stream holds is final.
+        self.publisher.set_fences(sorted({fence_key(o.claimed_by, o.claim_epoch) for o in orphans}))
         found: list[tuple[Orphan, str, str]] = []
         for stream, members in groups.items():
+            # An entry of an intent was added after its claim committed: search from the
+            # earliest claim (less the clock margin) to the end of the stream.
             start = min(o.claimed_epoch_s for o in members) - margin
-            end = max(o.claimed_epoch_s for o in members) + self.config.publish_deadline + margin
             try:
                 hits = self.publisher.find_published(
-                    stream, [o.event_id for o in members], int(start * 1000), int(end * 1000) + 1
+                    stream, [o.event_id for o in members], int(start * 1000), None
                 )
             except redis.ResponseError as exc:
                 if "WRONGTYPE" not in str(exc):
@@ -482,6 +494,11 @@ class Relay:
                 partitions=sorted(self.store.owned),
             ),
         )
+
+
+def fence_key(owner: str, epoch: int) -> str:
+    """The Redis key that fences the intent ``(owner, epoch)`` (see ``set_fences``)."""
+    return f"outbox:fence:{owner}:{epoch}"
 
 
 def _check_json(payload: str) -> None:

@@ -34,9 +34,11 @@ compare-and-set on ``(claimed_by, claim_epoch)``. A relay does not send a batch 
 between ``claimed_at - clock_margin`` and ``claimed_at + publish_deadline + clock_margin``.
 When a relay takes over a partition it marks the pending intents it finds there as an
 attempt (``attempts + 1``, which blocks their keys) available for reconciliation once that
-window has passed; reconciliation reads the window of the stream (XRANGE), records receipts
-for the events it finds and clears the intent of the others, which are then claimed and
-published as usual. A batch whose XADD failed with a connection error is left the same way.
+window has passed; reconciliation first fences the intents in Redis (the publish script
+refuses a batch whose fence key exists, atomically, so nothing more can be added for them),
+then reads the stream from the claim time on (XRANGE), records receipts for the events it
+finds and clears the intent of the others, which are then claimed and published as usual. A
+batch whose XADD failed with a connection error is left the same way.
 
 Late commits
 ------------
