@@ -206,3 +206,48 @@ def test_help(flag: str) -> None:
     assert result.returncode == 0 and "run" in result.stdout and "demo" in result.stdout
     for command in ("run", "status", "requeue", "init-db", "demo"):
         assert cli(command, "--help").returncode == 0
+
+
+def test_run_serves_metrics(
+    pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OUTBOX_DATABASE_URL=pg_url,
+        OUTBOX_REDIS_URL=redis_url,
+        OUTBOX_STREAM=f"{stream_prefix}.{{topic}}",
+        OUTBOX_METRICS_PORT=str(port),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "run"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with outbox.transaction() as tx:
+            tx.emit_many([{"topic": "t", "key": f"k{i}", "payload": {}} for i in range(10)])
+        deadline = time.monotonic() + 30
+        body = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    body = r.read().decode()
+            except OSError:
+                body = ""
+            if 'outbox_relay_published_total{topic="t"} 10.0' in body:
+                break
+            time.sleep(0.1)
+        assert 'outbox_relay_published_total{topic="t"} 10.0' in body
+        assert "outbox_relay_commit_to_stream_seconds_count" in body
+        assert "outbox_relay_last_success_timestamp_seconds" in body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
