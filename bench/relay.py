@@ -41,10 +41,11 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 import redis
@@ -187,7 +188,7 @@ def naive_loop(where: Place, r: redis.Redis, batch: int) -> int:
                 return done
             for row in rows:
                 stream = where.stream(str(row[2]))
-                entry_id = r.xadd(stream, entry(row))  # type: ignore[arg-type]
+                entry_id: bytes = r.xadd(stream, entry(row))  # type: ignore[arg-type,assignment]
                 cur.execute(
                     f"UPDATE {TABLE} SET state = 'published', stream = %s, stream_id = %s, "
                     "published_at = now() WHERE seq = %s",
@@ -229,9 +230,15 @@ def batched_loop(where: Place, r: redis.Redis, batch: int) -> int:
             done += len(rows)
 
 
-def time_loop(name: str, loop: object, where: Place, r: redis.Redis, batch: int) -> float:
+def time_loop(
+    name: str,
+    loop: Callable[[Place, redis.Redis, int], int],
+    where: Place,
+    r: redis.Redis,
+    batch: int,
+) -> float:
     start = time.perf_counter()
-    n = loop(where, r, batch)  # type: ignore[operator]
+    n = loop(where, r, batch)
     elapsed = time.perf_counter() - start
     rate = n / elapsed
     print(f"  {name:<34} {n:>8} events in {elapsed:6.2f} s = {rate:>9,.0f} events/s", flush=True)
@@ -490,7 +497,7 @@ def arrivals(r: redis.Redis, where: Place) -> dict[str, float]:
     for topic in TOPICS:
         start = "-"
         while True:
-            page = r.xrange(where.stream(topic), min=start, max="+", count=5000)
+            page: list[Any] = r.xrange(where.stream(topic), min=start, max="+", count=5000)  # type: ignore[assignment]
             for entry_id, fields in page:
                 out[fields[b"id"].decode()] = int(entry_id.split(b"-")[0]) / 1000
             if len(page) < 5000:
