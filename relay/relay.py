@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,92 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
         DBAPIError,
         ConnectionError,
     )
+
+
+@dataclass
+class Outcome:
+    """What one batch's publish needs written back: receipts, backoffs, quarantines and
+    releases (all compare-and-set on ``(owner, epoch)``)."""
+
+    owner: str
+    epoch: int
+    receipts: list[tuple[int, str, str]] = field(default_factory=list)
+    failed: list[tuple[int, float, str, bool]] = field(default_factory=list)
+    quarantine: list[tuple[int, str]] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+    failed_keys: frozenset[str] = frozenset()
+
+
+def record_outcome(store: Store, outcome: Outcome) -> None:
+    recorded = store.mark_published(outcome.owner, outcome.epoch, outcome.receipts)
+    if recorded != len(outcome.receipts):
+        log.warning(
+            "some receipts were fenced out (their intent was reconciled by another relay)",
+            extra=fields(expected=len(outcome.receipts), recorded=recorded, epoch=outcome.epoch),
+        )
+    store.mark_failed(outcome.owner, outcome.epoch, outcome.failed)
+    store.quarantine(outcome.owner, outcome.epoch, outcome.quarantine)
+    store.release(outcome.owner, outcome.epoch, outcome.release)
+
+
+class Recorder:
+    """Writes batch outcomes on its own database connection while the relay claims and
+    publishes the next batch (PostgreSQL, in :meth:`Relay.run`): the receipt round trip
+    overlaps the next claim and XADD instead of adding to them.
+
+    Order is kept without waiting for it: keys that failed in a batch whose outcome is not
+    yet committed are held back in memory (:meth:`Relay._publish`) until a claim that
+    started after the commit could see them in the blocked index. A failure of this
+    connection is handed to the relay loop, which drops its partitions; whatever was not
+    recorded keeps its intent and is reconciled.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.recorded_epoch = 0
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[Outcome | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="relay-recorder", daemon=True)
+        self._thread.start()
+
+    def submit(self, outcome: Outcome) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put(outcome)
+
+    def _run(self) -> None:
+        while True:
+            outcome = self._queue.get()
+            if outcome is None:
+                return
+            try:
+                if self.error is None:
+                    self.store.connect()
+                    record_outcome(self.store, outcome)
+                    self.recorded_epoch = outcome.epoch
+            except BaseException as exc:
+                self.error = exc
+                self.store.close()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.set()
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until every submitted outcome is written (or dropped after an error)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self.store.close()
 
 
 @dataclass
@@ -145,6 +232,9 @@ class Relay:
         self._last_orphan_check = -1e9
         self._last_retention = -1e9
         self._infra = infrastructure_errors()
+        self._recorder: Recorder | None = None
+        self._held: dict[int, frozenset[str]] = {}  # epoch -> keys failed, not yet recorded
+        self._seen_at_claim: dict[int, int] = {}
         self.on_progress: Callable[[Relay], None] | None = None
 
     # -- hooks ------------------------------------------------------------------------------
@@ -164,6 +254,10 @@ class Relay:
         """
         started = time.monotonic()
         self.store.connect()
+        if self._recorder is not None and self.store.rebalance_due():
+            # Partitions are given back only with every receipt written, so the next owner
+            # does not take this relay's last batch for an orphan.
+            self._recorder.drain()
         if self.store.rebalance():
             self._sweep_due = True
             self._last_orphan_check = -1e9
@@ -177,6 +271,11 @@ class Relay:
         self._epoch += 1
         epoch = self._epoch
         claim_started = time.monotonic()
+        if self._recorder is not None:
+            if self._recorder.error is not None:
+                error, self._recorder.error = self._recorder.error, None
+                raise error
+            self._seen_at_claim = {epoch: self._recorder.recorded_epoch}
         records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
         if sweep:
             self._sweep_due = False
@@ -188,29 +287,35 @@ class Relay:
         return published
 
     def _publish(self, records: list[Record], epoch: int, started: float, claimed_at: float) -> int:
-        prepared: list[Prepared] = []
-        quarantine: list[tuple[int, str]] = []
-        release: list[int] = []
-        held: set[str] = set()  # keys with an earlier record failing in this batch
+        outcome = Outcome(self.name, epoch)
+        # Keys whose failure in an earlier batch is not yet committed: the claim could not
+        # see it, so hold them back here.
+        held: set[str] = self._unrecorded_failures(claimed_by_epoch=epoch)
         quarantined_topics: dict[str, int] = {}
+        prepared: list[Prepared] = []
         for record in records:
             if record.key in held:
-                release.append(record.seq)
+                outcome.release.append(record.seq)
                 continue
             try:
                 if not self.store.payload_is_json:
                     _check_json(record.payload)
                 prepared.append(self.publisher.prepare(record))
             except (RoutingError, PermanentPublishError) as exc:
-                quarantine.append((record.seq, str(exc)))
+                outcome.quarantine.append((record.seq, str(exc)))
                 quarantined_topics[record.topic] = quarantined_topics.get(record.topic, 0) + 1
                 held.add(record.key)
         # The intent is committed; the entries must reach Redis within the deadline, or not
         # at all (another replica may reconcile this intent once the window has passed).
         if time.monotonic() - claimed_at > self.config.publish_deadline:
             log.warning("publish deadline passed before sending; leaving the batch to retry")
-            self.store.release(self.name, epoch, [p.record.seq for p in prepared] + release)
-            self.store.quarantine(self.name, epoch, quarantine)
+            # Counted as an attempt (available at once): the rows then hold back their keys
+            # until they are published, wherever the claim floor is.
+            outcome.failed.extend(
+                (p.record.seq, 0.0, "publish deadline passed before sending", False)
+                for p in prepared
+            )
+            self._record(outcome, held | {p.record.key for p in prepared})
             return 0
         try:
             results = self.publisher.publish(prepared, fence_key(self.name, epoch))
@@ -218,75 +323,48 @@ class Relay:
             # Any prefix of the batch may be in the stream: keep the intents (they are
             # reconciled before the next attempt) and count the attempt on every record.
             error = f"{type(exc).__name__}: {exc}"
-            self.store.mark_failed(
-                self.name,
-                epoch,
-                [
-                    (
-                        p.record.seq,
-                        max(
-                            self.config.reconcile_after,
-                            self.config.record_backoff.delay(p.record.attempts),
-                        ),
-                        error,
-                        True,
-                    )
-                    for p in prepared
-                ],
-            )
-            self.store.release(self.name, epoch, release)
-            self.store.quarantine(self.name, epoch, quarantine)
+            for p in prepared:
+                delay = max(
+                    self.config.reconcile_after,
+                    self.config.record_backoff.delay(p.record.attempts),
+                )
+                outcome.failed.append((p.record.seq, delay, error, True))
+                held.add(p.record.key)
+            self._record(outcome, held)
             self._hook("relay_publish_error", "transient", None)
             raise
         if results and isinstance(results[0], FencedOut):
             # Another relay took this batch over (our claim was older than its window):
             # nothing was added; give back whatever it has not resolved yet.
             log.warning("batch fenced out by a reconciling relay", extra=fields(epoch=epoch))
-            self.store.release(self.name, epoch, [p.record.seq for p in prepared] + release)
-            self.store.quarantine(self.name, epoch, quarantine)
+            outcome.failed.extend(
+                (p.record.seq, 0.0, "fenced out by a reconciling relay", False) for p in prepared
+            )
+            self._record(outcome, held | {p.record.key for p in prepared})
             return 0
-        receipts: list[tuple[int, str, str]] = []
-        failed: list[tuple[int, float, str, bool]] = []
         by_topic: dict[str, list[float]] = {}
         now = time.time()
         for p, result in zip(prepared, results, strict=True):
             record = p.record
             if isinstance(result, HeldBack):
-                release.append(record.seq)
+                outcome.release.append(record.seq)
                 held.add(record.key)
                 continue
-            if record.key in held:
-                if isinstance(result, str):
-                    # Sent before we knew an earlier record of its key failed in the same
-                    # pipeline: it is in the stream, so record it honestly.
-                    receipts.append((record.seq, p.stream, result))
-                    by_topic.setdefault(record.topic, []).append(now - record.created_epoch)
-                else:
-                    release.append(record.seq)
-                continue
             if isinstance(result, str):
-                receipts.append((record.seq, p.stream, result))
+                outcome.receipts.append((record.seq, p.stream, result))
                 by_topic.setdefault(record.topic, []).append(now - record.created_epoch)
             elif isinstance(result, TransientError):
                 delay = self.config.record_backoff.delay(record.attempts)
-                failed.append((record.seq, delay, str(result), False))
+                outcome.failed.append((record.seq, delay, str(result), False))
                 held.add(record.key)
                 self._hook("relay_publish_error", "transient", record.topic)
             else:
-                quarantine.append((record.seq, str(result)))
+                outcome.quarantine.append((record.seq, str(result)))
                 quarantined_topics[record.topic] = quarantined_topics.get(record.topic, 0) + 1
                 held.add(record.key)
                 self._hook("relay_publish_error", "permanent", record.topic)
-        recorded = self.store.mark_published(self.name, epoch, receipts)
-        if recorded != len(receipts):
-            log.warning(
-                "some receipts were fenced out (their intent was reconciled by another relay)",
-                extra=fields(expected=len(receipts), recorded=recorded, epoch=epoch),
-            )
-        self.store.mark_failed(self.name, epoch, failed)
-        self.store.quarantine(self.name, epoch, quarantine)
-        self.store.release(self.name, epoch, release)
-        if failed or quarantine or any(r.attempts for r in records):
+        self._record(outcome, held)
+        if outcome.failed or outcome.quarantine or any(r.attempts for r in records):
             # Rows behind a failing or recovered key sit below the claim floor.
             self._sweep_due = True
         for topic, latencies in by_topic.items():
@@ -295,13 +373,36 @@ class Relay:
             self._hook("relay_quarantined", topic, count)
             log.error(
                 "quarantined records",
-                extra=fields(topic=topic, count=count, error=quarantine[0][1][:300]),
+                extra=fields(topic=topic, count=count, error=outcome.quarantine[0][1][:300]),
             )
-        self.stats.published += len(receipts)
-        self.stats.quarantined += len(quarantine)
-        self.stats.retried += len(failed)
+        self.stats.published += len(outcome.receipts)
+        self.stats.quarantined += len(outcome.quarantine)
+        self.stats.retried += len(outcome.failed)
         self._hook("relay_batch", time.monotonic() - started, len(records))
-        return len(receipts)
+        return len(outcome.receipts)
+
+    def _record(self, outcome: Outcome, held: set[str]) -> None:
+        """Write the outcome now (run_once), or hand it to the recorder thread (run)."""
+        if self._recorder is None:
+            record_outcome(self.store, outcome)
+            return
+        outcome.failed_keys = frozenset(held)
+        if held:
+            self._held[outcome.epoch] = outcome.failed_keys
+        self._recorder.submit(outcome)
+
+    def _unrecorded_failures(self, claimed_by_epoch: int) -> set[str]:
+        """Keys that failed in batches whose outcome was not committed before this batch's
+        claim started (see :class:`Recorder`)."""
+        if not self._held:
+            return set()
+        seen = self._seen_at_claim.get(claimed_by_epoch, 0)
+        for old in [e for e in self._held if e <= seen]:
+            del self._held[old]
+        keys: set[str] = set()
+        for failed in self._held.values():
+            keys |= failed
+        return keys
 
     def _reconcile(self) -> int:
         """Resolve intents without receipts whose publish window has passed."""
@@ -407,6 +508,19 @@ class Relay:
                 retention_seconds=cfg.retention_seconds,
             ),
         )
+        if isinstance(self.store, PostgresStore):
+            self._recorder = Recorder(
+                PostgresStore(
+                    self.engine,
+                    self.schema,
+                    partitions=cfg.partitions,
+                    reconcile_after=cfg.reconcile_after,
+                    listen=False,
+                    rebalance_interval=cfg.rebalance_interval,
+                    sweep_interval=cfg.sweep_interval,
+                    member=False,
+                )
+            )
         interval = cfg.poll_interval
         outage_attempt = 0
         last_progress = time.monotonic()
@@ -443,6 +557,13 @@ class Relay:
                         ),
                     )
                     self._hook("relay_publish_error", type(exc).__name__, None)
+                    if self._recorder is not None:
+                        # Outcomes not written keep their intents; dropping the partitions
+                        # (closing the claim connection) makes the next owner, maybe this
+                        # relay again, mark and reconcile them before claiming.
+                        self._recorder.drain()
+                        self._recorder.error = None
+                        self._held.clear()
                     self.store.close()
                     event.wait(delay)
                     continue
@@ -472,6 +593,10 @@ class Relay:
                 else:
                     event.wait(interval)
         finally:
+            if self._recorder is not None:
+                self._recorder.close()  # the batch in hand gets its receipts first
+                self._recorder = None
+                self._held.clear()
             self.store.close()
             log.info(
                 "relay stopped",

@@ -92,6 +92,7 @@ class Store(Protocol):
 
     def connect(self) -> None: ...
     def close(self) -> None: ...
+    def rebalance_due(self) -> bool: ...
     def rebalance(self) -> bool: ...
     @property
     def owned(self) -> frozenset[int]: ...
@@ -284,7 +285,9 @@ class PostgresStore:
         listen: bool,
         rebalance_interval: float,
         sweep_interval: float,
+        member: bool = True,
     ) -> None:
+        self.member = member  # False: a helper connection (receipts), not a replica
         self.engine = engine
         self.schema = schema
         self.partitions = partitions
@@ -359,7 +362,10 @@ class PostgresStore:
             self._sequence = seq_row[0] if seq_row and seq_row[0] else ""
             self._lock_class = zlib.crc32(f"outbox-relay:{qualified}".encode()) & 0x7FFFFFFF
             self._member_class = (self._lock_class ^ 0x2B5A5A5A) & 0x7FFFFFFF
-            conn.execute("SELECT pg_advisory_lock(%s, %s)", (self._member_class, self._member_id))
+            if self.member:
+                conn.execute(
+                    "SELECT pg_advisory_lock(%s, %s)", (self._member_class, self._member_id)
+                )
         except BaseException:
             conn.close()
             raise
@@ -399,12 +405,15 @@ class PostgresStore:
     def owned(self) -> frozenset[int]:
         return self._owned
 
+    def rebalance_due(self) -> bool:
+        return time.monotonic() - self._last_rebalance >= self.rebalance_interval or not self._owned
+
     def rebalance(self) -> bool:
         """Take or give back partitions toward a fair share; True if any were taken (their
         orphaned intents were marked, and the caller should sweep)."""
-        now = time.monotonic()
-        if now - self._last_rebalance < self.rebalance_interval and self._owned:
+        if not self.rebalance_due():
             return False
+        now = time.monotonic()
         self._last_rebalance = now
         self.connect()
         assert self._conn is not None
@@ -727,6 +736,9 @@ class SqliteStore:
     @property
     def owned(self) -> frozenset[int]:
         return self._owned
+
+    def rebalance_due(self) -> bool:
+        return not self._owned
 
     def rebalance(self) -> bool:
         if self._owned:
