@@ -233,6 +233,7 @@ class Relay:
         self._last_retention = -1e9
         self._infra = infrastructure_errors()
         self._recorder: Recorder | None = None
+        self._redis_suspect = False
         self._held: dict[int, frozenset[str]] = {}  # epoch -> keys failed, not yet recorded
         self._seen_at_claim: dict[int, int] = {}
         self.on_progress: Callable[[Relay], None] | None = None
@@ -270,6 +271,11 @@ class Relay:
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
         self._epoch += 1
         epoch = self._epoch
+        if self._redis_suspect:
+            # The last batch failed on Redis: check it answers before claiming (and counting
+            # an attempt on) another batch.
+            self.publisher.ping()
+            self._redis_suspect = False
         claim_started = time.monotonic()
         if self._recorder is not None:
             if self._recorder.error is not None:
@@ -332,6 +338,7 @@ class Relay:
                 held.add(p.record.key)
             self._record(outcome, held)
             self._hook("relay_publish_error", "transient", None)
+            self._redis_suspect = True
             raise
         if results and isinstance(results[0], FencedOut):
             # Another relay took this batch over (our claim was older than its window):

@@ -306,6 +306,7 @@ class PostgresStore:
         self._samples: list[tuple[float, int, int]] = []  # (monotonic, xmax, last_value)
         self._floor = 0  # highest sequence value that can no longer appear
         self._low = 0  # where ordinary claims start (see claim)
+        self._sweep_pos: int | None = None  # where the sweep in progress goes on
         self._last_rebalance = -math.inf
         self._last_sample = -math.inf
 
@@ -374,6 +375,7 @@ class PostgresStore:
         self._samples.clear()
         self._floor = 0
         self._low = 0
+        self._sweep_pos = None
         self._last_rebalance = -math.inf
 
     def close(self) -> None:
@@ -506,13 +508,15 @@ class PostgresStore:
     def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
         if not self._owned:
             return []
-        if not sweep:
-            self._advance_floor()
+        self._advance_floor()
         # Where an ordinary claim starts (``_low``): every row below it has been examined by
         # an earlier claim (claimed, or left behind a blocked key: a sweep takes those) and
         # no new row can appear below it. After a claim that examined [start, end], the
         # rows up to min(end, safe floor) were all visible and examined, so _low moves there.
-        start = 0 if sweep else self._low
+        # A sweep walks from the first pending row up to _low, one batch per claim.
+        if sweep:
+            self._sweep_pos = 0
+        start = self._low if self._sweep_pos is None else self._sweep_pos
         cur = self._execute(
             "claim",
             {
@@ -527,9 +531,15 @@ class PostgresStore:
         records = [Record(*row) for row in cur.fetchall()]
         records.sort(key=lambda r: r.seq)
         examined_to = records[-1].seq if len(records) >= limit else math.inf
+        if self._sweep_pos is not None:
+            self._sweep_pos = None if examined_to + 1 >= self._low else int(examined_to + 1)
         if start <= self._low:
             self._low = int(max(self._low, min(examined_to, self._floor) + 1))
         return records
+
+    @property
+    def sweeping(self) -> bool:
+        return self._sweep_pos is not None
 
     def mark_published(
         self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
