@@ -276,6 +276,11 @@ class Relay:
             # an attempt on) another batch.
             self.publisher.ping()
             self._redis_suspect = False
+        if sweep and self._recorder is not None:
+            # A sweep exists to pick up rows that waited behind a key whose head has just
+            # been published; it must see that receipt, or it skips the waiting rows while
+            # the key's later rows above the claim start go out before them.
+            self._recorder.drain()
         claim_started = time.monotonic()
         if self._recorder is not None:
             if self._recorder.error is not None:
