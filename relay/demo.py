@@ -1,5 +1,10 @@
-"""``outbox-relay demo``: quotes approved in transactions, each emitting an event, while a
-relay publishes them to a Redis Stream; a live view of what happens.
+"""``outbox-relay demo``: the whole loop on one screen.
+
+Quotes are approved in transactions, each emitting an event (one in ten is approved twice,
+as a retrying client would, with the same business identity); a relay publishes the events
+to a Redis Stream; a consumer group reads them, deduplicates by identity in its inbox and
+enqueues one "send the quote" job per quote in the same transaction; a worker claims the
+jobs under fenced leases and finishes them. The live view shows each step.
 
 On the embedded default it needs nothing installed: a SQLite file (``outbox.db``) and an
 embedded Redis server (``outbox-redis.db``) in the working directory. Ctrl-C (or
@@ -19,7 +24,12 @@ from typing import Any
 
 from sqlalchemy import text
 
+from consumer.consumer import Consumer, ConsumerConfig
+from consumer.consumer_event import ConsumedEvent
+from consumer.store import Store
+from consumer.worker import JobContext, Worker, WorkerConfig
 from outbox.core import Outbox
+from outbox.hooks import Hooks
 from outbox.runtime import GracefulStop, redis_client, setup_logging
 from relay.admin import status
 from relay.config import RelayConfig
@@ -42,6 +52,55 @@ def _setup_domain(outbox: Outbox) -> int:
         return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM demo_quotes")).scalar() or 0)
 
 
+class _Counts(Hooks):
+    """Counts what the consumer reports (the demo's view of deduplication)."""
+
+    def __init__(self) -> None:
+        self.handled = 0
+        self.duplicates = 0
+
+    def consumer_handled(self, group: str, stream: str, count: int) -> None:
+        self.handled += count
+
+    def consumer_duplicate(self, group: str, count: int) -> None:
+        self.duplicates += count
+
+
+def _consumer_and_worker(
+    outbox: Outbox, client: Any, counts: _Counts
+) -> tuple[Consumer, Store, Worker]:
+    consumer = Consumer(
+        outbox.engine,
+        client,
+        group="billing",
+        topics=["quote.approved"],
+        stream=STREAM,
+        config=ConsumerConfig(block_ms=100, batch_size=100),
+        hooks=counts,
+    )
+    store = Store(outbox.engine)
+
+    @consumer.handler("quote.approved")
+    def on_quote_approved(event: ConsumedEvent, tx: Any) -> None:
+        # Same transaction as the inbox row of event.identity: one job per quote, however
+        # often the event arrives.
+        store.enqueue(
+            event.tenant or "-",
+            f"send-quote-{event.data['quote']}",
+            subject=event.subject,
+            payload=event.data,
+            session=tx.session,
+        )
+
+    worker = Worker(store, config=WorkerConfig(poll_interval=0.1, batch_size=20))
+
+    @worker.handler("send-quote")
+    def send_quote(job: JobContext) -> None:
+        pass  # a real worker would call the mail provider through consumer.operations
+
+    return consumer, store, worker
+
+
 def _writer(
     outbox: Outbox, rate: float, start_id: int, stop: threading.Event, counter: list[int]
 ) -> None:
@@ -55,6 +114,12 @@ def _writer(
         tenant = rng.choice(TENANTS)
         total = rng.randrange(50, 5000)
         try:
+            event = {
+                "key": f"quote-{quote_id:05d}",
+                "payload": {"quote": quote_id, "total": total, "currency": "EUR"},
+                "tenant": tenant,
+                "identity": f"{tenant}:send-quote-{quote_id}",
+            }
             with outbox.transaction() as tx:
                 tx.session.execute(
                     text(
@@ -63,14 +128,13 @@ def _writer(
                     ),
                     {"id": quote_id, "tenant": tenant, "total": total},
                 )
-                tx.emit(
-                    "quote.approved",
-                    key=f"quote-{quote_id:05d}",
-                    payload={"quote": quote_id, "total": total, "currency": "EUR"},
-                    tenant=tenant,
-                    identity=f"{tenant}:send-quote-{quote_id}",
-                )
+                tx.emit("quote.approved", **event)
             counter[0] += 1
+            if quote_id % 10 == 0:
+                # A client retried the approval: a second event, same business identity.
+                with outbox.transaction() as tx:
+                    tx.emit("quote.approved", **event)
+                counter[1] += 1
         except Exception as exc:  # keep the demo going; show the problem
             print(f"\nwriter: {type(exc).__name__}: {exc}", file=sys.stderr)
             stop.wait(1.0)
@@ -78,7 +142,15 @@ def _writer(
         stop.wait(max(0.0, next_at - time.monotonic()))
 
 
-def _view(outbox: Outbox, client: Any, relay: Relay, written: int, elapsed: float) -> str:
+def _view(
+    outbox: Outbox,
+    client: Any,
+    relay: Relay,
+    written: list[int],
+    counts: _Counts,
+    store: Store,
+    elapsed: float,
+) -> str:
     report = status(outbox.engine, outbox.schema)
     stream = "outbox.quote.approved"
     try:
@@ -87,9 +159,10 @@ def _view(outbox: Outbox, client: Any, relay: Relay, written: int, elapsed: floa
     except Exception as exc:
         length, sample = -1, []
         print(f"redis: {exc}", file=sys.stderr)
+    jobs = store.counts()
     lines = [
         f"outbox demo  {elapsed:6.1f}s   (Ctrl-C to stop)",
-        f"  written (committed quotes):  {written}",
+        f"  quotes approved:             {written[0]}  (+{written[1]} retried: duplicate events)",
         f"  published by the relay:      {relay.stats.published}",
         f"  backlog:                     {report['pending']}",
         f"  oldest unpublished age:      {report['oldest_unpublished_age_seconds']:.3f}s",
@@ -102,6 +175,12 @@ def _view(outbox: Outbox, client: Any, relay: Relay, written: int, elapsed: floa
             f"    {entry_id.decode()}  {f.get('subject')}  tenant={f.get('tenant')}  "
             f"data={f.get('data')}"
         )
+    lines += [
+        f"  consumer group billing:      {counts.handled} handled, "
+        f"{counts.duplicates} duplicates skipped by the inbox",
+        f"  jobs: {jobs['DONE']} sent (DONE), {jobs['READY']} ready, {jobs['LEASED']} leased, "
+        f"{jobs['NEEDS_ATTENTION']} need attention",
+    ]
     return "\n".join(lines)
 
 
@@ -116,16 +195,21 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     publisher = RedisStreamPublisher(client, STREAM)
     relay = Relay(outbox, publisher, RelayConfig(poll_interval=0.02, max_poll_interval=0.2))
+    counts = _Counts()
+    consumer, store, worker = _consumer_and_worker(outbox, client, counts)
     stop = GracefulStop().install()
     writer_stop = threading.Event()
     relay_stop = threading.Event()
-    counter = [0]
+    consumer_stop = threading.Event()
+    counter = [0, 0]
     writer = threading.Thread(
         target=_writer, args=(outbox, args.rate, start_id, writer_stop, counter), daemon=True
     )
     relayer = threading.Thread(target=relay.run, args=(relay_stop,), daemon=True)
-    relayer.start()
-    writer.start()
+    reader = threading.Thread(target=consumer.run, args=(consumer_stop,), daemon=True)
+    working = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    for thread in (relayer, reader, working, writer):
+        thread.start()
     tty = sys.stdout.isatty()
     started = time.monotonic()
     try:
@@ -133,7 +217,7 @@ def run_demo(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - started
             if args.duration is not None and elapsed >= args.duration:
                 break
-            view = _view(outbox, client, relay, counter[0], elapsed)
+            view = _view(outbox, client, relay, counter, counts, store, elapsed)
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + view + "\n")
             else:
@@ -149,11 +233,22 @@ def run_demo(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         relay_stop.set()
         relayer.join(timeout=10)
+        # Then the consumer and the worker catch up with what was published.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and store.counts()["DONE"] < counter[0]:
+            time.sleep(0.1)
+        consumer_stop.set()
+        worker.stop()
+        reader.join(timeout=10)
+        working.join(timeout=10)
     report = status(outbox.engine, outbox.schema)
+    jobs = store.counts()
     print(
-        f"stopped: {counter[0]} quotes approved, {relay.stats.published} events published, "
-        f"{report['pending']} pending, {report['quarantined']} quarantined; "
-        f"stream outbox.quote.approved has {client.xlen('outbox.quote.approved')} entries"
+        f"stopped: {counter[0]} quotes approved (+{counter[1]} duplicate events), "
+        f"{relay.stats.published} events published, {report['pending']} pending, "
+        f"{report['quarantined']} quarantined; stream outbox.quote.approved has "
+        f"{client.xlen('outbox.quote.approved')} entries; consumer handled {counts.handled}, "
+        f"skipped {counts.duplicates} duplicates; {jobs['DONE']} quotes sent, one job each"
     )
     logging.shutdown()
     return 0

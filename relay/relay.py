@@ -153,6 +153,57 @@ class Recorder:
         self.store.close()
 
 
+class Sender:
+    """Publishes claimed batches on its own thread while the relay claims the next one
+    (PostgreSQL, in :meth:`Relay.run`), so the claim's round trip overlaps the XADD.
+
+    One batch waits at most while another is being published; batches go out in claim order.
+    An exception from a batch (Redis down) is kept for the relay loop, which backs off.
+    """
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[list[Record], int, float, float] | None] = queue.Queue(
+            maxsize=1
+        )
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="relay-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: tuple[list[Record], int, float, float]) -> None:
+        with self._lock:
+            self._inflight += 1
+            self._idle.clear()
+        self._queue.put(batch)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            try:
+                self.relay._publish(*batch)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.set()
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self.wait_idle()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+
 @dataclass
 class RelayStats:
     """Counters for progress lines and the live view (this process only)."""
@@ -235,7 +286,8 @@ class Relay:
         self._recorder: Recorder | None = None
         self._redis_suspect = False
         self._held: dict[int, frozenset[str]] = {}  # epoch -> keys failed, not yet recorded
-        self._seen_at_claim: dict[int, int] = {}
+        self._seen_at_claim: dict[int, int] = {}  # epoch -> recorder's epoch at its claim
+        self._sender: Sender | None = None
         self.on_progress: Callable[[Relay], None] | None = None
 
     # -- hooks ------------------------------------------------------------------------------
@@ -253,12 +305,24 @@ class Relay:
 
         Raises the infrastructure error if the database or Redis is unavailable.
         """
+        published, batch = self._cycle()
+        if batch is not None:
+            published += self._publish(*batch)
+        return published
+
+    def _cycle(
+        self, quiesce: Callable[[], None] | None = None
+    ) -> tuple[int, tuple[list[Record], int, float, float] | None]:
+        """Maintenance and the claim: rebalance, reconcile, claim. Returns how many events
+        reconciliation found published, and the claimed batch (records, epoch, cycle start,
+        claim start) if any. ``quiesce`` waits until every batch already claimed is
+        published and its outcome written (pipelined ``run``)."""
         started = time.monotonic()
         self.store.connect()
-        if self._recorder is not None and self.store.rebalance_due():
+        if quiesce is not None and self.store.rebalance_due():
             # Partitions are given back only with every receipt written, so the next owner
             # does not take this relay's last batch for an orphan.
-            self._recorder.drain()
+            quiesce()
         if self.store.rebalance():
             self._sweep_due = True
             self._last_orphan_check = -1e9
@@ -269,33 +333,34 @@ class Relay:
             if self.store.retry_ready():
                 self._sweep_due = True
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
-        self._epoch += 1
-        epoch = self._epoch
         if self._redis_suspect:
             # The last batch failed on Redis: check it answers before claiming (and counting
             # an attempt on) another batch.
             self.publisher.ping()
             self._redis_suspect = False
-        if sweep and self._recorder is not None:
+        if sweep and quiesce is not None:
             # A sweep exists to pick up rows that waited behind a key whose head has just
             # been published; it must see that receipt, or it skips the waiting rows while
             # the key's later rows above the claim start go out before them.
-            self._recorder.drain()
+            quiesce()
+        if sweep:
+            self._sweep_due = False
+            self._last_sweep = started
+        self._epoch += 1
+        epoch = self._epoch
         claim_started = time.monotonic()
         if self._recorder is not None:
             if self._recorder.error is not None:
                 error, self._recorder.error = self._recorder.error, None
                 raise error
-            self._seen_at_claim = {epoch: self._recorder.recorded_epoch}
+            self._seen_at_claim[epoch] = self._recorder.recorded_epoch
         records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
-        if sweep:
-            self._sweep_due = False
-            self._last_sweep = started
-        if records:
-            published += self._publish(records, epoch, started, claim_started)
         self.stats.cycles += 1
         self._hook("relay_cycle_ok", time.time())
-        return published
+        if not records:
+            self._seen_at_claim.pop(epoch, None)
+            return published, None
+        return published, (records, epoch, started, claim_started)
 
     def _publish(self, records: list[Record], epoch: int, started: float, claimed_at: float) -> int:
         outcome = Outcome(self.name, epoch)
@@ -406,9 +471,9 @@ class Relay:
     def _unrecorded_failures(self, claimed_by_epoch: int) -> set[str]:
         """Keys that failed in batches whose outcome was not committed before this batch's
         claim started (see :class:`Recorder`)."""
+        seen = self._seen_at_claim.pop(claimed_by_epoch, 0)
         if not self._held:
             return set()
-        seen = self._seen_at_claim.get(claimed_by_epoch, 0)
         for old in [e for e in self._held if e <= seen]:
             del self._held[old]
         keys: set[str] = set()
@@ -533,6 +598,15 @@ class Relay:
                     member=False,
                 )
             )
+            self._sender = Sender(self)
+
+        def quiesce() -> None:
+            if self._sender is not None:
+                self._sender.wait_idle()
+            if self._recorder is not None:
+                self._recorder.drain()
+
+        pipelined = self._sender is not None
         interval = cfg.poll_interval
         outage_attempt = 0
         last_progress = time.monotonic()
@@ -540,7 +614,18 @@ class Relay:
         try:
             while not event.is_set():
                 try:
-                    published = self.run_once()
+                    if self._sender is not None and self._sender.error is not None:
+                        error, self._sender.error = self._sender.error, None
+                        raise error
+                    published, batch = self._cycle(quiesce if pipelined else None)
+                    claimed = 0
+                    if batch is not None:
+                        claimed = len(batch[0])
+                        if self._sender is not None:
+                            self._sender.submit(batch)
+                        else:
+                            published += self._publish(*batch)
+                    published = max(published, claimed)
                     now = time.monotonic()
                     if now - self._last_retention >= cfg.retention_interval and (
                         0 in self.store.owned
@@ -569,13 +654,17 @@ class Relay:
                         ),
                     )
                     self._hook("relay_publish_error", type(exc).__name__, None)
-                    if self._recorder is not None:
+                    if pipelined:
                         # Outcomes not written keep their intents; dropping the partitions
                         # (closing the claim connection) makes the next owner, maybe this
                         # relay again, mark and reconcile them before claiming.
-                        self._recorder.drain()
-                        self._recorder.error = None
+                        quiesce()
+                        if self._sender is not None:
+                            self._sender.error = None
+                        if self._recorder is not None:
+                            self._recorder.error = None
                         self._held.clear()
+                        self._seen_at_claim.clear()
                     self.store.close()
                     event.wait(delay)
                     continue
@@ -605,8 +694,11 @@ class Relay:
                 else:
                     event.wait(interval)
         finally:
+            if self._sender is not None:
+                self._sender.close()  # the batches in hand are published first
+                self._sender = None
             if self._recorder is not None:
-                self._recorder.close()  # the batch in hand gets its receipts first
+                self._recorder.close()  # and get their receipts
                 self._recorder = None
                 self._held.clear()
             self.store.close()
