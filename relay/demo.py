@@ -114,12 +114,9 @@ def _writer(
         tenant = rng.choice(TENANTS)
         total = rng.randrange(50, 5000)
         try:
-            event = {
-                "key": f"quote-{quote_id:05d}",
-                "payload": {"quote": quote_id, "total": total, "currency": "EUR"},
-                "tenant": tenant,
-                "identity": f"{tenant}:send-quote-{quote_id}",
-            }
+            key = f"quote-{quote_id:05d}"
+            payload = {"quote": quote_id, "total": total, "currency": "EUR"}
+            identity = f"{tenant}:send-quote-{quote_id}"
             with outbox.transaction() as tx:
                 tx.session.execute(
                     text(
@@ -128,12 +125,16 @@ def _writer(
                     ),
                     {"id": quote_id, "tenant": tenant, "total": total},
                 )
-                tx.emit("quote.approved", **event)
+                tx.emit(
+                    "quote.approved", key=key, payload=payload, tenant=tenant, identity=identity
+                )
             counter[0] += 1
             if quote_id % 10 == 0:
                 # A client retried the approval: a second event, same business identity.
                 with outbox.transaction() as tx:
-                    tx.emit("quote.approved", **event)
+                    tx.emit(
+                        "quote.approved", key=key, payload=payload, tenant=tenant, identity=identity
+                    )
                 counter[1] += 1
         except Exception as exc:  # keep the demo going; show the problem
             print(f"\nwriter: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,11 +193,17 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "published by the relay" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("stopped:")
-    written = int(last.split("stopped: ")[1].split(" quotes")[0])
-    published = int(last.split("approved, ")[1].split(" events")[0])
-    assert written > 0 and published == written
-    assert "0 pending" in last
+    summary = re.fullmatch(
+        r"stopped: (\d+) quotes approved \(\+(\d+) duplicate events\), (\d+) events published,"
+        r" 0 pending, 0 quarantined; stream outbox.quote.approved has (\d+) entries;"
+        r" consumer handled (\d+), skipped (\d+) duplicates; (\d+) quotes sent, one job each",
+        last,
+    )
+    assert summary, last
+    quotes, duplicates, published, entries, handled, skipped, sent = map(int, summary.groups())
+    assert quotes > 0 and published == entries == quotes + duplicates
+    # The whole loop: every quote's job sent once, every duplicate event skipped by the inbox.
+    assert (handled, skipped, sent) == (quotes, duplicates, quotes)
     assert (tmp_path / "outbox.db").exists()
 
 
