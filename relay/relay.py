@@ -355,6 +355,11 @@ class Relay:
                 raise error
             self._seen_at_claim[epoch] = self._recorder.recorded_epoch
         records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
+        if any(r.attempts for r in records):
+            # Retried heads: once published, the rows waiting behind them (some below the
+            # claim start) are claimable. The next claim must be a sweep, and (pipelined) it
+            # waits for this batch's receipts, so no later row of those keys goes first.
+            self._sweep_due = True
         self.stats.cycles += 1
         self._hook("relay_cycle_ok", time.time())
         if not records:
