@@ -156,14 +156,17 @@ RETURNING """
     + _PG_RECORD_COLUMNS
 )
 
-# Receipts: one statement for the whole batch, arrays bound in binary (%b): psycopg would
-# otherwise send Python lists as text arrays, which costs tens of milliseconds per batch.
-# Compare-and-set on (claimed_by, claim_epoch): a relay whose intent was reconciled away
-# records nothing.
+# Receipts: one statement for the whole batch. Adapting Python lists into arrays costs
+# psycopg milliseconds of CPU per batch (and a text-mode list tens of milliseconds), so the
+# sequence numbers and entry ids travel as one comma-joined string each (neither can hold a
+# comma), split by the server; streams, usually one or a few per batch, as a small array
+# indexed per row. Compare-and-set on (claimed_by, claim_epoch): a relay whose intent was
+# reconciled away records nothing.
 PG_PUBLISHED = """
-UPDATE {t} t SET state = 'published', stream = u.stream, stream_id = u.sid,
-    published_at = now()
-FROM unnest(%(seqs)b::bigint[], %(streams)b::text[], %(sids)b::text[]) AS u(seq, stream, sid)
+UPDATE {t} t SET state = 'published', stream = (%(streams)b::text[])[u.sidx],
+    stream_id = u.sid, published_at = now()
+FROM unnest(string_to_array(%(seqs)s, ',')::bigint[], string_to_array(%(sids)s, ','),
+            string_to_array(%(sidxs)s, ',')::int[]) AS u(seq, sid, sidx)
 WHERE t.seq = u.seq AND t.claimed_by = %(owner)s AND t.claim_epoch = %(epoch)s
   AND t.state = 'pending'"""
 
@@ -546,12 +549,15 @@ class PostgresStore:
     ) -> int:
         if not receipts:
             return 0
+        streams: dict[str, int] = {}
+        indexes = [streams.setdefault(r[1], len(streams) + 1) for r in receipts]
         cur = self._execute(
             "published",
             {
-                "seqs": [r[0] for r in receipts],
-                "streams": [r[1] for r in receipts],
-                "sids": [r[2] for r in receipts],
+                "seqs": ",".join([str(r[0]) for r in receipts]),
+                "sids": ",".join([r[2] for r in receipts]),
+                "sidxs": ",".join(map(str, indexes)),
+                "streams": list(streams),
                 "owner": owner,
                 "epoch": epoch,
             },
