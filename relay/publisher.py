@@ -183,16 +183,12 @@ for e = 1, n do
   if failed[g] then
     out[e] = 'HELD'
   else
-    local args
+    local ok
     if maxlen > 0 then
-      args = {'XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*'}
+      ok = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, i, i + nf - 1))
     else
-      args = {'XADD', KEYS[k], '*'}
+      ok = redis.pcall('XADD', KEYS[k], '*', unpack(ARGV, i, i + nf - 1))
     end
-    for f = 0, nf - 1 do
-      args[#args + 1] = ARGV[i + f]
-    end
-    local ok = redis.pcall(unpack(args))
     if type(ok) == 'table' and ok.err then
       failed[g] = true
       out[e] = '!' .. ok.err
