@@ -49,6 +49,10 @@ class RelayConfig:
       long another replica waits before reconciling it.
     - ``record_backoff``: per-record retry delays after transient failures (full jitter).
     - ``outage_backoff``: the loop's own waits while the database or Redis is down.
+    - ``vacuum_interval``: PostgreSQL, only when the server runs without autovacuum
+      (``autovacuum = off``): the relay owning partition 0 vacuums the table this often, on
+      its own connection, so the dead tuples that receipts leave do not pile up. ``0``
+      never. With autovacuum on, the table's own autovacuum settings do this job.
     - ``progress_interval``: seconds between structured progress log lines.
     - ``rebalance_interval``: seconds between partition ownership checks.
     - ``sweep_interval``: PostgreSQL: the longest time between claims that scan pending
@@ -69,6 +73,7 @@ class RelayConfig:
     clock_margin: float = 1.0
     record_backoff: Backoff = field(default_factory=lambda: Backoff(0.25, 60.0))
     outage_backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 10.0))
+    vacuum_interval: float = 30.0
     progress_interval: float = 10.0
     rebalance_interval: float = 1.0
     sweep_interval: float = 30.0
@@ -90,6 +95,7 @@ class RelayConfig:
         _positive("retention_interval", self.retention_interval)
         _positive("publish_deadline", self.publish_deadline)
         _positive("clock_margin", self.clock_margin, zero=True)
+        _positive("vacuum_interval", self.vacuum_interval, zero=True)
         _positive("progress_interval", self.progress_interval)
         _positive("rebalance_interval", self.rebalance_interval)
         _positive("sweep_interval", self.sweep_interval)

@@ -282,6 +282,8 @@ class Relay:
         self._last_sweep = 0.0
         self._last_orphan_check = -1e9
         self._last_retention = -1e9
+        self._last_vacuum = time.monotonic()
+        self._vacuum: threading.Thread | None = None
         self._infra = infrastructure_errors()
         self._recorder: Recorder | None = None
         self._redis_suspect = False
@@ -637,6 +639,14 @@ class Relay:
                     ):
                         self._last_retention = now
                         self.delete_expired()
+                    if (
+                        cfg.vacuum_interval > 0
+                        and now - self._last_vacuum >= cfg.vacuum_interval
+                        and 0 in self.store.owned
+                        and isinstance(self.store, PostgresStore)
+                    ):
+                        self._last_vacuum = now
+                        self._start_vacuum(self.store)
                     if outage_attempt:
                         log.info("recovered", extra=fields(after_attempts=outage_attempt))
                     outage_attempt = 0
@@ -711,6 +721,28 @@ class Relay:
                 "relay stopped",
                 extra=fields(relay=self.name, published=self.stats.published),
             )
+
+    def _start_vacuum(self, store: PostgresStore) -> None:
+        """Vacuum in the background (autovacuum off only); one at a time."""
+        if self._vacuum is not None and self._vacuum.is_alive():
+            return
+
+        def vacuum() -> None:
+            try:
+                took = store.vacuum_if_no_autovacuum()
+            except Exception as exc:
+                log.warning(
+                    "vacuum failed", extra=fields(error=f"{type(exc).__name__}: {exc}"[:300])
+                )
+                return
+            if took is not None:
+                log.info(
+                    "vacuumed the outbox table (autovacuum is off)",
+                    extra=fields(seconds=round(took, 3)),
+                )
+
+        self._vacuum = threading.Thread(target=vacuum, name="relay-vacuum", daemon=True)
+        self._vacuum.start()
 
     def _log_progress(self, elapsed: float, before: int) -> None:
         try:

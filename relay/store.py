@@ -359,6 +359,7 @@ class PostgresStore:
                     "backlog": PG_BACKLOG,
                 }.items()
             }
+            self._sql["table"] = t
             seq_row = conn.execute(
                 "SELECT pg_get_serial_sequence(%s, 'seq')",
                 (f'"{schema_name}"."{self.schema.table_name}"',),
@@ -677,6 +678,22 @@ class PostgresStore:
             self._listen_conn = None
             time.sleep(timeout)
             return 0
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def vacuum_if_no_autovacuum(self) -> float | None:
+        """VACUUM the table when the server runs without autovacuum; seconds it took, or
+        None when autovacuum is on (nothing done). Runs on a connection of its own."""
+        conn = self._new_connection()
+        try:
+            row = conn.execute("SELECT current_setting('autovacuum')").fetchone()
+            if row and row[0] == "on":
+                return None
+            started = time.monotonic()
+            conn.execute(f"VACUUM (SKIP_LOCKED) {self._sql['table']}")
+            return time.monotonic() - started
+        finally:
+            conn.close()
 
     # -- retention and progress -------------------------------------------------------------
 
