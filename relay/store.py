@@ -240,10 +240,17 @@ FROM unnest(%(seqs)b::bigint[], %(owners)b::text[], %(epochs)b::bigint[])
 WHERE t.seq = u.seq AND t.claimed_by = u.owner AND t.claim_epoch = u.epoch
   AND t.state = 'pending'"""
 
+# Retention walks the table from its oldest rows and stops at the first row created after
+# the cutoff (rows are created in about seq order), so a round costs what it deletes, not a
+# scan of the whole table. A row committed late with an old created_at is deleted in a later
+# round, once the rows before it are old too.
 PG_RETENTION = """
 DELETE FROM {t} WHERE seq IN (
     SELECT seq FROM {t}
-    WHERE state = 'published' AND published_at < now() - make_interval(secs => %(age)s)
+    WHERE seq < coalesce((SELECT y.seq FROM {t} y
+                          WHERE y.created_at >= now() - make_interval(secs => %(age)s)
+                          ORDER BY y.seq LIMIT 1), 9223372036854775807)
+      AND state = 'published' AND published_at < now() - make_interval(secs => %(age)s)
     ORDER BY seq LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED)"""
 
@@ -487,7 +494,15 @@ class PostgresStore:
         except Exception as exc:
             if _is_connection_error(exc):
                 self._lost()
-            raise
+                raise
+            # Most likely no privilege to read the sequence: claims then start from the
+            # first pending row (correct, slower while dead index entries pile up).
+            log.warning(
+                "cannot read the sequence for the claim floor; claiming from the first row",
+                extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+            )
+            self._sequence = ""
+            return
         xmin, xmax, last_value = int(row[0]), int(row[1]), int(row[2])
         self._samples.append((now, xmax, last_value))
         # The sequence value of sample i is safe once every transaction that could hold a

@@ -369,7 +369,7 @@ def test_retention_deletes_only_old_published_rows(
         conn.execute(
             sa.text(
                 "UPDATE outbox_events SET state = 'published', published_at = "
-                f"{long_ago} WHERE event_id = :old"
+                f"{long_ago}, created_at = {long_ago} WHERE event_id = :old"
             ),
             {"old": old},
         )
