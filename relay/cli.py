@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_init_db)
 
     demo = sub.add_parser(
-        "demo", help="a small domain writing events while a relay publishes them (embedded)"
+        "demo",
+        help="the whole loop on the embedded default: writes, relay, consumer dedup, jobs",
     )
     _common(demo)
     demo.add_argument("--redis-url", default=env("redis_url"))
