@@ -85,10 +85,6 @@ def configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql(f"BEGIN {mode}" if mode in ("IMMEDIATE", "EXCLUSIVE") else "BEGIN")
 
 
-def is_postgres(bind: Engine | Connection) -> bool:
-    return bind.dialect.name == "postgresql"
-
-
 def describe_url(url: str | URL) -> str:
     """The URL with any password hidden, for logs and error messages."""
     try:
