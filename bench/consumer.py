@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Column, MetaData, String, Table, insert
 
 from consumer.consumer import Consumer, ConsumerConfig, ConsumerTx
-from consumer.consumer_event import ConsumedEvent, encode_entry
+from consumer.event import ConsumedEvent, encode_entry
 
 PG = os.environ.get("OUTBOX_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS = os.environ.get("OUTBOX_BENCH_REDIS", "redis://127.0.0.1:6379/0")

@@ -32,7 +32,7 @@ def _schema_url(base: str, schema: str) -> str:
 
 
 def _seed(engine: sa.Engine, count: int, tag: str) -> None:
-    from consumer.jobs_schema import jobs
+    from consumer.jobs.schema import jobs
 
     rows = [
         {"tenant": "bench", "action": f"noop-{tag}-{i}", "created_at": 0.0, "updated_at": 0.0}
@@ -46,8 +46,8 @@ def _seed(engine: sa.Engine, count: int, tag: str) -> None:
 
 
 def run_ours(url: str, count: int, concurrency: int, batch_size: int, tag: str) -> float:
-    from consumer.store import Store
-    from consumer.worker import Worker
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
 
     store = Store(url)
     _seed(store.engine, count, tag)

@@ -1,48 +1,50 @@
 """The consumer side: consumers with an inbox that deduplicates by business identity, the
 durable job store (leases fenced by epochs, waiting states, timers), workers and operation
-intents for external effects."""
+intents for external effects (``consumer.jobs``).
+
+Every public name is imported eagerly, so a type checker sees the real classes.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from consumer.errors import Conflict, ConsumerError
-
-# Filled in as the parts land; resolved lazily so each part imports on its own.
-_LAZY = {
-    "Store": "consumer.store",
-    "Consumer": "consumer.consumer",
-    # the job store's public names (consumer/store.py, worker.py, retry.py, operations.py)
-    "EnqueueResult": "consumer.store",
-    "Lease": "consumer.store",
-    "Timer": "consumer.store",
-    "StoreConfig": "consumer.store",
-    "RetryPolicy": "consumer.retry",
-    "Worker": "consumer.worker",
-    "WorkerConfig": "consumer.worker",
-    "JobContext": "consumer.worker",
-}
+from consumer.consumer import Consumer, ConsumerConfig, ConsumerTx
+from consumer.errors import (
+    AuthFailure,
+    Conflict,
+    ConsumerError,
+    OperationUnresolved,
+    PermanentFailure,
+    ProviderTimeout,
+    TransientFailure,
+)
+from consumer.event import ConsumedEvent
+from consumer.jobs.operations import Operations, Provider, Receipt
+from consumer.jobs.retry import RetryPolicy
+from consumer.jobs.store import EnqueueResult, Lease, Store, StoreConfig, Timer
+from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 
 __all__ = [
+    "AuthFailure",
     "Conflict",
+    "ConsumedEvent",
     "Consumer",
+    "ConsumerConfig",
     "ConsumerError",
+    "ConsumerTx",
     "EnqueueResult",
     "JobContext",
     "Lease",
+    "OperationUnresolved",
+    "Operations",
+    "PermanentFailure",
+    "Provider",
+    "ProviderTimeout",
+    "Receipt",
     "RetryPolicy",
     "Store",
     "StoreConfig",
     "Timer",
+    "TransientFailure",
     "Worker",
     "WorkerConfig",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'consumer' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)

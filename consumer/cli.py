@@ -30,12 +30,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from consumer import inbox as q
+from consumer.admin import list_dead_letters, replay_dead_letter
 from consumer.consumer import Consumer, ConsumerConfig
-from consumer.consumer_admin import list_dead_letters, replay_dead_letter
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound
 from outbox.db import describe_url, make_engine
+from outbox.env import env, env_int
 from outbox.errors import ConfigError
-from outbox.runtime import GracefulStop, env, env_int, fields, redis_client, setup_logging
+from outbox.lifecycle import GracefulStop
+from outbox.logs import fields, setup_logging
+from outbox.redis_client import redis_client
 
 log = logging.getLogger("outbox.consumer.cli")
 

@@ -43,12 +43,15 @@ from sqlalchemy.orm import Session
 
 from consumer import inbox as q
 from consumer.bulk import bulk_insert
-from consumer.consumer_event import ConsumedEvent, decode_entry, text_fields
 from consumer.errors import UndecodableEntry
+from consumer.event import ConsumedEvent, decode_entry, text_fields
+from outbox.backoff import Backoff
 from outbox.db import make_engine
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks
-from outbox.runtime import Backoff, GracefulStop, fields, incarnation_name, redis_client
+from outbox.lifecycle import GracefulStop, incarnation_name
+from outbox.logs import fields
+from outbox.redis_client import redis_client
 from outbox.schema import check_identifier
 
 log = logging.getLogger("outbox.consumer")
@@ -145,7 +148,7 @@ class ConsumerConfig:
                 f"{self.dead_letter_stream!r}: use only {{stream}} and {{group}} ({exc})",
             ) from None
         if not isinstance(self.backoff, Backoff):
-            raise ConfigError("backoff", "must be an outbox.runtime.Backoff")
+            raise ConfigError("backoff", "must be an outbox.backoff.Backoff")
         check_identifier("schema", self.schema, optional=True)
 
 

@@ -37,7 +37,7 @@ class AlreadyReplayed(ConsumerError):
     """``replay`` was given a dead-letter record that was re-injected before."""
 
 
-# -- job store (consumer/store.py, consumer/worker.py, consumer/operations.py) ----------------
+# -- job store (consumer/jobs/: store, worker, operations) -------------------------------
 
 
 class JobError(ConsumerError, ValueError):
@@ -57,7 +57,7 @@ class JobNotFound(ConsumerError, LookupError):
 class IllegalTransition(ConsumerError):
     """The job's current state does not allow the requested move (``resume`` of a DONE job,
     ``cancel`` of a finished one, ...). ``current`` and ``target`` name the two states; the
-    allowed moves live in one table, ``consumer.jobs_states.TRANSITIONS``."""
+    allowed moves live in one table, ``consumer.jobs.states.TRANSITIONS``."""
 
     def __init__(self, job: str, current: str, target: str) -> None:
         super().__init__(f"job {job}: illegal transition {current} -> {target}")

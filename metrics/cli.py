@@ -29,8 +29,10 @@ from typing import Any
 from metrics.collector import DEFAULT_CACHE_SECONDS, DEFAULT_STATEMENT_TIMEOUT_MS, DEFAULT_TOP_N
 from metrics.exporter import DEFAULT_HOST, DEFAULT_PORT, serve_forever
 from outbox.db import describe_url, make_engine
+from outbox.env import env
 from outbox.errors import ConfigError
-from outbox.runtime import GracefulStop, env, fields, setup_logging
+from outbox.lifecycle import GracefulStop
+from outbox.logs import fields, setup_logging
 from outbox.schema import DEFAULT_TABLE, build_schema
 
 log = logging.getLogger("outbox.metrics.cli")

@@ -132,7 +132,7 @@ class DatabaseCollector(Collector):
             self._outbox_source(),
             self._dead_letter_source(),
             self._jobs_source(),
-            # Operation receipts of the job store (consumer/operations.py): an UNKNOWN receipt
+            # Operation receipts of the job store (consumer/jobs/operations.py): an UNKNOWN receipt
             # ages from when it became UNKNOWN (updated_at), not from the intent's creation.
             unknown_receipts_source(
                 queries.OPERATIONS_TABLE, self.jobs_schema, since_column="updated_at"

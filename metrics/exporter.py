@@ -27,7 +27,8 @@ from metrics.collector import (
 )
 from metrics.hooks import PrometheusHooks
 from outbox.errors import ConfigError
-from outbox.runtime import GracefulStop, fields
+from outbox.lifecycle import GracefulStop
+from outbox.logs import fields
 from outbox.schema import OutboxSchema
 
 log = logging.getLogger("outbox.metrics")

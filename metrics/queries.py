@@ -124,7 +124,7 @@ def dead_letters(table: str) -> TextualSelect:
     )
 
 
-# -- jobs (tables of consumer/jobs_schema.py; times there are unix seconds) ----------------------
+# -- jobs (tables of consumer/jobs/schema.py; times there are unix seconds) ----------------------
 
 OPERATIONS_TABLE = "outbox_operations"
 JOBS_TABLE = "outbox_jobs"

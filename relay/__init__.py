@@ -10,7 +10,7 @@
 See :mod:`relay.store` for how replicas share the work and keep per-key order.
 """
 
-from outbox.runtime import GracefulStop
+from outbox.lifecycle import GracefulStop
 from relay.admin import RequeueResult, requeue, status
 from relay.config import RelayConfig
 from relay.errors import ConfigError, PermanentPublishError, RelayError, RoutingError

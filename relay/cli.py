@@ -16,19 +16,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from outbox.backoff import Backoff, retry_forever
 from outbox.db import describe_url, make_engine
+from outbox.env import env, env_float, env_int
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
-from outbox.runtime import (
-    Backoff,
-    GracefulStop,
-    env,
-    env_float,
-    env_int,
-    redis_client,
-    retry_forever,
-    setup_logging,
-)
+from outbox.lifecycle import GracefulStop
+from outbox.logs import setup_logging
+from outbox.redis_client import redis_client
 from outbox.schema import DEFAULT_TABLE, build_schema, create_schema
 from relay.admin import requeue, status
 from relay.config import (

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from outbox.backoff import Backoff
 from outbox.errors import ConfigError
-from outbox.runtime import Backoff
 
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_RETENTION_SECONDS = 24 * 3600.0
@@ -101,7 +101,7 @@ class RelayConfig:
         _positive("sweep_interval", self.sweep_interval)
         for name in ("record_backoff", "outage_backoff"):
             if not isinstance(getattr(self, name), Backoff):
-                raise ConfigError(name, "must be an outbox.runtime.Backoff")
+                raise ConfigError(name, "must be an outbox.backoff.Backoff")
         if not isinstance(self.listen, bool):
             raise ConfigError("listen", "must be a bool")
 

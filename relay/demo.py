@@ -25,12 +25,14 @@ from typing import Any
 from sqlalchemy import text
 
 from consumer.consumer import Consumer, ConsumerConfig
-from consumer.consumer_event import ConsumedEvent
-from consumer.store import Store
-from consumer.worker import JobContext, Worker, WorkerConfig
+from consumer.event import ConsumedEvent
+from consumer.jobs.store import Store
+from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 from outbox.core import Outbox
 from outbox.hooks import Hooks
-from outbox.runtime import GracefulStop, redis_client, setup_logging
+from outbox.lifecycle import GracefulStop
+from outbox.logs import setup_logging
+from outbox.redis_client import redis_client
 from relay.admin import status
 from relay.config import RelayConfig
 from relay.publisher import RedisStreamPublisher
@@ -96,7 +98,7 @@ def _consumer_and_worker(
 
     @worker.handler("send-quote")
     def send_quote(job: JobContext) -> None:
-        pass  # a real worker would call the mail provider through consumer.operations
+        pass  # a real worker would call the mail provider through consumer.jobs.operations
 
     return consumer, store, worker
 

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from outbox.runtime import fields
+from outbox.logs import fields
 from relay.records import Record
 from relay.store import Store
 

@@ -38,7 +38,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from outbox.core import Outbox
 from outbox.db import make_engine
 from outbox.hooks import NO_HOOKS, Hooks
-from outbox.runtime import GracefulStop, fields, incarnation_name
+from outbox.lifecycle import GracefulStop, incarnation_name
+from outbox.logs import fields
 from outbox.schema import OutboxSchema, build_schema
 from relay.config import RelayConfig
 from relay.errors import ConfigError, PermanentPublishError, RoutingError

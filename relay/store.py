@@ -77,7 +77,7 @@ from typing import Any, Protocol
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from outbox.runtime import fields
+from outbox.logs import fields
 from outbox.schema import OutboxSchema
 from relay.records import Orphan, Record
 

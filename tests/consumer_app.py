@@ -18,7 +18,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
 from consumer import Consumer
 from consumer.consumer import ConsumerConfig, ConsumerTx
-from consumer.consumer_event import ConsumedEvent
+from consumer.event import ConsumedEvent
 
 metadata = MetaData()
 jobs = Table(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from consumer.worker import JobContext, Worker
+from consumer.jobs.worker import JobContext, Worker
 
 
 def build() -> Worker:
@@ -26,8 +26,8 @@ not_a_worker = 42
 
 def build_dispatching() -> Worker:
     """A worker whose ``email`` handler sends through an operation intent to the simulator
-    configured by SIM_* variables (see consumer.operations.simulator_from_env)."""
-    from consumer.operations import Operations, simulator_from_env
+    configured by SIM_* variables (see consumer.jobs.operations.simulator_from_env)."""
+    from consumer.jobs.operations import Operations, simulator_from_env
 
     provider = simulator_from_env()
     worker = Worker(

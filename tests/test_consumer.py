@@ -16,13 +16,13 @@ import sqlalchemy as sa
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 
 from consumer import Consumer
+from consumer.admin import replay_dead_letter
 from consumer.consumer import ConsumerConfig, ConsumerTx
-from consumer.consumer_admin import replay_dead_letter
-from consumer.consumer_event import ConsumedEvent, decode_entry, encode_entry
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound, UndecodableEntry
+from consumer.event import ConsumedEvent, decode_entry, encode_entry
+from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
-from outbox.runtime import Backoff
 
 TOPIC = "quote.approved"
 

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from consumer import Consumer
 from consumer.cli import main
 from consumer.consumer import ConsumerConfig
-from consumer.consumer_event import encode_entry
+from consumer.event import encode_entry
 
 sys.path.insert(0, str(Path(__file__).parent))
 import consumer_app

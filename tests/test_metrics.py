@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 import consumer.inbox
-import consumer.jobs_schema
+import consumer.jobs.schema
 from metrics import (
     DatabaseCollector,
     PrometheusHooks,
@@ -243,7 +243,7 @@ def test_dead_letter_gauges(engine: sa.Engine) -> None:
 
 
 def test_job_gauges(engine: sa.Engine) -> None:
-    consumer.jobs_schema.create_schema(engine)
+    consumer.jobs.schema.create_schema(engine)
     with engine.connect() as conn:
         now = float(
             conn.execute(sa.text("SELECT " + queries.epoch_sql(conn.dialect.name))).scalar_one()
@@ -266,7 +266,7 @@ def test_job_gauges(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         for i, job in enumerate(jobs):
             conn.execute(
-                consumer.jobs_schema.jobs.insert().values(
+                consumer.jobs.schema.jobs.insert().values(
                     tenant="studio", action=f"send-{i}", updated_at=now, **job
                 )
             )
@@ -284,7 +284,7 @@ def test_job_gauges(engine: sa.Engine) -> None:
 
 
 def test_table_names_match_the_job_store_and_consumer() -> None:
-    assert queries.JOBS_TABLE == consumer.jobs_schema.JOBS_TABLE
+    assert queries.JOBS_TABLE == consumer.jobs.schema.JOBS_TABLE
     assert queries.DEAD_LETTER_TABLE == consumer.inbox.DEAD_LETTER_TABLE
     assert queries.NEEDS_ATTENTION_LETTER == consumer.inbox.NEEDS_ATTENTION
 
@@ -484,8 +484,8 @@ def test_unknown_receipts_source_rejects_unsafe_names() -> None:
 
 
 def test_unknown_receipts_of_the_job_store_are_exported_by_default(engine: sa.Engine) -> None:
-    from consumer.jobs_schema import create_schema as create_job_tables
-    from consumer.jobs_schema import db_epoch, operations
+    from consumer.jobs.schema import create_schema as create_job_tables
+    from consumer.jobs.schema import db_epoch, operations
 
     collector_registry = CollectorRegistry()
     collector_registry.register(DatabaseCollector(engine, cache_seconds=0, table_recheck_seconds=0))

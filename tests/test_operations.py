@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from consumer.errors import OperationError, OperationUnresolved, PermanentFailure, ProviderTimeout
-from consumer.jobs_states import DONE, READY, WAITING_REVIEW
-from consumer.operations import ACCEPTED, FAILED, UNKNOWN, Operations, SimulatedProvider
-from consumer.store import Store
+from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, Operations, SimulatedProvider
+from consumer.jobs.states import DONE, READY, WAITING_REVIEW
+from consumer.jobs.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,7 @@ def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
         [
             sys.executable,
             "-m",
-            "consumer.worker_cli",
+            "consumer.jobs.cli",
             "run",
             "tests.jobs_support:build_dispatching",
         ],

@@ -17,7 +17,7 @@ import redis
 import sqlalchemy as sa
 
 from outbox import Outbox
-from outbox.runtime import Backoff
+from outbox.backoff import Backoff
 from relay import (
     ConfigError,
     RedisStreamPublisher,

@@ -20,7 +20,8 @@ from consumer.errors import (
     JobError,
     JobNotFound,
 )
-from consumer.jobs_states import (
+from consumer.jobs.retry import RetryPolicy
+from consumer.jobs.states import (
     CANCELLED,
     DONE,
     LEASED,
@@ -30,8 +31,7 @@ from consumer.jobs_states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
-from consumer.retry import RetryPolicy
-from consumer.store import Store, StoreConfig
+from consumer.jobs.store import Store, StoreConfig
 from outbox.db import make_engine
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import sqlalchemy as sa
 
-from consumer.jobs_schema import attempts, jobs
-from consumer.store import Store
+from consumer.jobs.schema import attempts, jobs
+from consumer.jobs.store import Store
 
 
 def _bulk_enqueue(store: Store, tenant: str, count: int, prefix: str = "job") -> None:

@@ -15,7 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from consumer.errors import AuthFailure, PermanentFailure
-from consumer.jobs_states import (
+from consumer.jobs.retry import RetryPolicy
+from consumer.jobs.states import (
     CANCELLED,
     DONE,
     LEASED,
@@ -24,9 +25,8 @@ from consumer.jobs_states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
-from consumer.retry import RetryPolicy
-from consumer.store import Store, StoreConfig
-from consumer.worker import JobContext, Worker
+from consumer.jobs.store import Store, StoreConfig
+from consumer.jobs.worker import JobContext, Worker
 from outbox.hooks import Hooks
 
 DAY = 86400.0
@@ -256,7 +256,7 @@ def test_heartbeat_renews_only_while_the_handler_progresses(pg_url: str) -> None
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "consumer.worker_cli", *args],
+        [sys.executable, "-m", "consumer.jobs.cli", *args],
         cwd=ROOT,
         env=full_env,
         stdout=subprocess.PIPE,
@@ -294,7 +294,7 @@ def test_cli_runs_a_worker_and_exits_zero_on_sigterm(db_url: str, tmp_path: Path
 
 
 def test_cli_usage_errors_exit_two_and_help_exits_zero() -> None:
-    from consumer.worker_cli import main
+    from consumer.jobs.cli import main
 
     assert main(["--help"]) == 0
     assert main([]) == 2

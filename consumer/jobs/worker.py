@@ -49,12 +49,14 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved
-from consumer.store import Lease, Store, Time, Timer, _time
+from consumer.jobs.store import Lease, Store, Time, Timer, _time
+from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks
-from outbox.runtime import Backoff, GracefulStop, fields, incarnation_name
+from outbox.lifecycle import GracefulStop, incarnation_name
+from outbox.logs import fields
 
-log = logging.getLogger("consumer.worker")
+log = logging.getLogger("consumer.jobs.worker")
 
 Handler = Callable[["JobContext"], Any]
 _SEPARATORS = "-:/.#_"

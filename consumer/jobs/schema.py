@@ -3,7 +3,7 @@
 Times are **unix seconds as double precision** (``now`` may be given as a number in every
 call, and lease arithmetic ``now + ttl`` is the same SQL on PostgreSQL and SQLite). The
 database clock in that unit is :class:`db_epoch` (PostgreSQL ``extract(epoch from now())``,
-SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs_states``.
+SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs.states``.
 
 ``outbox_jobs`` - one row per job (metrics read these names; do not rename):
 
@@ -38,7 +38,7 @@ waiting_review, needs_attention, expired, cancelled, scheduled, conflict-free mo
 ``error``, ``at``.
 
 ``outbox_operations`` - operation intents and receipts for external effects (guarantee 8;
-see ``consumer.operations``): ``operation_id`` (stable), ``job_id``, ``provider``,
+see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``provider``,
 ``request_digest``, ``state`` (PENDING, ACCEPTED, UNKNOWN, FAILED), ``provider_ref``,
 ``attempts``, ``last_error``, ``created_at``, ``updated_at``. Unknown receipts:
 ``count(*), db_epoch - min(updated_at) WHERE state = 'UNKNOWN'`` (``ix_outbox_operations_unknown``).
@@ -67,7 +67,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-from consumer.jobs_states import (
+from consumer.jobs.states import (
     LEASED,
     NEEDS_ATTENTION,
     READY,
@@ -195,7 +195,7 @@ Index("ix_outbox_job_attempts_job", attempts.c.job_id)
 
 OPERATIONS_TABLE = "outbox_operations"
 
-# Operation intents and their receipts (consumer/operations.py documents the columns).
+# Operation intents and their receipts (consumer/jobs/operations.py documents the columns).
 operations = Table(
     OPERATIONS_TABLE,
     metadata,

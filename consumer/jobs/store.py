@@ -1,7 +1,7 @@
 """The durable job store: leases fenced by epochs, waiting states, timers, tenant fairness.
 
 A job is an obligation with a lifecycle, not a sleeping process: a row in ``outbox_jobs``
-(see ``consumer.jobs_schema``) that moves between the states of ``consumer.jobs_states``.
+(see ``consumer.jobs.schema``) that moves between the states of ``consumer.jobs.states``.
 
 Contract:
 
@@ -18,7 +18,7 @@ Contract:
   READY (or not yet eligible), returns ``None``; an unknown job raises ``JobNotFound``.
 - **Time.** ``now`` (unix seconds, or a datetime; naive means UTC) replaces the database
   clock in a call; without it every comparison uses the database server's clock.
-- **Transitions** are checked against ``consumer.jobs_states.TRANSITIONS`` (one table); a
+- **Transitions** are checked against ``consumer.jobs.states.TRANSITIONS`` (one table); a
   disallowed one raises ``IllegalTransition``.
 - **Fairness** (``claim_batch`` / ``claim_next``): round robin over the tenants that have
   READY work. Each claim splits its batch into equal shares per tenant (a tenant with fewer
@@ -59,12 +59,13 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
-from consumer import jobs_queries as q
 from consumer.bulk import bulk_insert
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
-from consumer.jobs_schema import NAME_LENGTH, attempts, db_epoch, jobs
-from consumer.jobs_schema import create_schema as _create_schema
-from consumer.jobs_states import (
+from consumer.jobs import queries as q
+from consumer.jobs.retry import RetryPolicy
+from consumer.jobs.schema import NAME_LENGTH, attempts, db_epoch, jobs
+from consumer.jobs.schema import create_schema as _create_schema
+from consumer.jobs.states import (
     CANCELLED,
     DONE,
     LEASED,
@@ -76,7 +77,6 @@ from consumer.jobs_states import (
     check_transition,
     sources,
 )
-from consumer.retry import RetryPolicy
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.errors import ConfigError
 
@@ -738,7 +738,7 @@ class Store:
         now: Time | None = None,
         rng: random.Random | None = None,
     ) -> str:
-        """Record a failed attempt; returns the job's new state (see ``consumer.retry``):
+        """Record a failed attempt; returns the job's new state (see ``consumer.jobs.retry``):
         transient -> READY after a jittered backoff (NEEDS_ATTENTION when spent), permanent
         -> WAITING_REVIEW, auth -> READY then NEEDS_ATTENTION after a few."""
         if kind not in ("transient", "permanent", "auth"):

@@ -1,7 +1,7 @@
 """Retry policy of jobs: what a failed attempt turns into, and when it may run again.
 
 - ``transient``: back to READY after ``uniform(0, min(ceiling, base * 2**(attempt-1)))``
-  seconds (exponential backoff with full jitter, ``outbox.runtime.Backoff``); the ceiling may
+  seconds (exponential backoff with full jitter, ``outbox.backoff.Backoff``); the ceiling may
   be lower or higher per provider. When the attempts are spent (``max_attempts``) or the
   failure streak has lasted longer than the recovery window (``max_elapsed`` seconds since
   its first failure), NEEDS_ATTENTION instead: nothing retries for ever.
@@ -17,9 +17,9 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from consumer.jobs_states import NEEDS_ATTENTION, READY, WAITING_REVIEW
+from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_REVIEW
+from outbox.backoff import Backoff
 from outbox.errors import ConfigError
-from outbox.runtime import Backoff
 
 KINDS = ("transient", "permanent", "auth")
 

@@ -27,10 +27,11 @@ from dataclasses import replace
 from typing import Any
 
 from outbox.db import default_database_url, describe_url
+from outbox.env import env, env_float, env_int
 from outbox.errors import OutboxError
-from outbox.runtime import env, env_float, env_int, fields, setup_logging
+from outbox.logs import fields, setup_logging
 
-log = logging.getLogger("consumer.worker")
+log = logging.getLogger("consumer.jobs.worker")
 
 
 class UsageError(Exception):
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_worker(target: str) -> Any:
     """Import ``MODULE:ATTRIBUTE`` and return the Worker (calling a factory if needed)."""
-    from consumer.worker import Worker
+    from consumer.jobs.worker import Worker
 
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
         url = args.database_url or env("DATABASE_URL") or default_database_url()
         if args.command == "init-db":
-            from consumer.store import Store
+            from consumer.jobs.store import Store
 
             Store(url).dispose()
             log.info("job tables ready", extra=fields(database=describe_url(url)))
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, url: str) -> int:
-    from consumer.store import Store
+    from consumer.jobs.store import Store
 
     worker = load_worker(args.target)
     options: dict[str, Any] = {}

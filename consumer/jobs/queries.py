@@ -1,9 +1,9 @@
 """The job store's SQL that is not a plain compare-and-set: the fair batch claim and the
 batch finish (PostgreSQL and SQLite variants side by side). Plain moves are SQLAlchemy Core
-in ``consumer.store``; every statement here names its reason.
+in ``consumer.jobs.store``; every statement here names its reason.
 
 ``{now}`` in these templates is replaced by ``:now`` when the caller passes a time, or by the
-database clock (``consumer.jobs_schema.clock_sql``) otherwise.
+database clock (``consumer.jobs.schema.clock_sql``) otherwise.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from functools import lru_cache
 from sqlalchemy import TextClause, text
 from sqlalchemy.sql.selectable import TextualSelect
 
-from consumer.jobs_schema import ATTEMPTS_TABLE, JOBS_TABLE, clock_sql, jobs
-from consumer.jobs_states import DONE, LEASED, READY
+from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, clock_sql, jobs
+from consumer.jobs.states import DONE, LEASED, READY
 
 # What a claim returns, in this order (a Lease is built from it).
 LEASE_COLUMNS = (

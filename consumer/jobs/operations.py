@@ -21,7 +21,7 @@ A provider with neither cannot be reconciled: the job goes to WAITING_REVIEW and
 :class:`~consumer.errors.OperationUnresolved` stops the handler. An ACCEPTED receipt is
 returned as is: a retried job never repeats an effect.
 
-Table ``outbox_operations`` (``consumer.jobs_schema.operations``; the metrics export the
+Table ``outbox_operations`` (``consumer.jobs.schema.operations``; the metrics export the
 count and age of UNKNOWN receipts): ``operation_id`` (primary key), ``job_id``,
 ``provider``, ``request_digest``, ``state`` (PENDING / ACCEPTED / UNKNOWN / FAILED),
 ``provider_ref``, ``attempts`` (provider calls), ``last_error``, ``created_at``,
@@ -56,9 +56,9 @@ from consumer.errors import (
     PermanentFailure,
     ProviderTimeout,
 )
-from consumer.jobs_schema import db_epoch, jobs, operations
-from consumer.jobs_states import LEASED
-from consumer.store import Lease, Store
+from consumer.jobs.schema import db_epoch, jobs, operations
+from consumer.jobs.states import LEASED
+from consumer.jobs.store import Lease, Store
 
 PENDING = "PENDING"
 ACCEPTED = "ACCEPTED"
@@ -119,7 +119,7 @@ class Operations:
 
     def dispatch(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
         """Persist the intent, reconcile an earlier attempt if any, call the provider once,
-        record the receipt. ``job`` is a Lease or a ``consumer.worker.JobContext``."""
+        record the receipt. ``job`` is a Lease or a ``consumer.jobs.worker.JobContext``."""
         lease: Lease = getattr(job, "lease", job)
         if not isinstance(lease, Lease):
             raise JobError("job", "must be a Lease or a JobContext")
