@@ -48,7 +48,7 @@ from consumer.event import ConsumedEvent, decode_entry, text_fields
 from outbox.backoff import Backoff
 from outbox.db import make_engine
 from outbox.errors import ConfigError
-from outbox.hooks import NO_HOOKS, Hooks
+from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.redis_client import redis_client
@@ -857,10 +857,7 @@ class Consumer:
             self._hook("consumer_dead_lettered", self.group, stream_name, count)
 
     def _hook(self, name: str, *args: Any) -> None:
-        try:
-            getattr(self.hooks, name)(*args)
-        except Exception:
-            log.exception("hook failed", extra=fields(hook=name))
+        call_hook(self.hooks, name, *args)
 
     # -- maintenance ------------------------------------------------------------------------
 

@@ -3,11 +3,17 @@
 The core never imports prometheus-client. Each long-running part takes a ``hooks`` object
 (default: this no-op base) and calls these methods at the points named below;
 ``metrics.PrometheusHooks`` implements them with an injected registry. A hook must be cheap
-and must not raise (the parts guard the calls anyway).
+and must not raise; the parts call hooks through :func:`call_hook`, the one guard that keeps a
+failing hook from breaking a relay, consumer or worker.
 Label values passed here are bounded (topics, groups, error classes, outcomes), never ids.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("outbox.hooks")
 
 
 class Hooks:
@@ -61,3 +67,12 @@ class Hooks:
 
 
 NO_HOOKS = Hooks()
+
+
+def call_hook(hooks: Hooks, name: str, *args: Any) -> None:
+    """Call ``hooks.<name>(*args)``; a hook that raises is logged (warning, with the
+    traceback) and otherwise ignored: observing must never break the observed loop."""
+    try:
+        getattr(hooks, name)(*args)
+    except Exception:
+        log.warning("hook %s failed", name, exc_info=True, extra={"fields": {"hook": name}})

@@ -37,7 +37,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.core import Outbox
 from outbox.db import make_engine
-from outbox.hooks import NO_HOOKS, Hooks
+from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.schema import OutboxSchema, build_schema
@@ -164,10 +164,7 @@ class Relay:
     # -- hooks ------------------------------------------------------------------------------
 
     def _hook(self, method: str, *args: Any) -> None:
-        try:
-            getattr(self.hooks, method)(*args)
-        except Exception:  # a hook must never break the relay
-            log.debug("hook %s failed", method, exc_info=True)
+        call_hook(self.hooks, method, *args)
 
     # -- one cycle --------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from consumer.errors import Conflict, JobFailure, OperationUnresolved
 from consumer.jobs.store import Lease, Store, Time, Timer, _time
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
-from outbox.hooks import NO_HOOKS, Hooks
+from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 
@@ -468,10 +468,7 @@ class Worker:
                 self.stop_flag.wait(idle.cap(empty))
 
     def _hook(self, name: str, *args: Any) -> None:
-        try:
-            getattr(self.hooks, name)(*args)
-        except Exception:  # hooks must never break the worker
-            log.exception("hook failed", extra=fields(hook=name))
+        call_hook(self.hooks, name, *args)
 
 
 def _since(started: float) -> float:
