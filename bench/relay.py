@@ -52,6 +52,7 @@ import redis
 import sqlalchemy as sa
 
 from outbox import Outbox
+from outbox.codec import EntryEncoder
 from outbox.db import make_engine
 from outbox.ids import new_event_id
 
@@ -152,23 +153,22 @@ def stream_total(r: redis.Redis, where: Place) -> int:
     return sum(int(r.xlen(where.stream(t))) for t in TOPICS)
 
 
+_ENCODER = EntryEncoder(SOURCE)
+
+
 def entry(row: tuple[object, ...]) -> dict[str, str]:
-    """The stream entry of a row: the relay's CloudEvents field names."""
+    """The stream entry of a row, in the relay's format (:mod:`outbox.codec`)."""
     _seq, event_id, topic, key, _hash, tenant, identity, payload, created_at = row
     assert isinstance(created_at, datetime)
-    return {
-        "specversion": "1.0",
-        "id": str(event_id),
-        "source": SOURCE,
-        "type": str(topic),
-        "subject": str(key),
-        "time": created_at.astimezone(UTC).isoformat(),
-        "datacontenttype": "application/json",
-        "data": str(payload),
-        "tenant": str(tenant),
-        "identity": str(identity),
-        "partitionkey": str(key),
-    }
+    return _ENCODER.fields(
+        event_id=str(event_id),
+        topic=str(topic),
+        data=str(payload),
+        key=str(key),
+        time=created_at.astimezone(UTC).isoformat(),
+        tenant=str(tenant),
+        identity=str(identity),
+    )
 
 
 # -- (a) and (b): the hand-written loops -----------------------------------------------------

@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox import validate
 from outbox.errors import InvalidEvent
 from outbox.ids import new_event_id
 
-MAX_NAME_LENGTH = 200
-"""Longest topic, key, tenant or identity accepted (characters). The columns are this wide."""
+MAX_NAME_LENGTH = validate.MAX_NAME_LENGTH
+"""Longest topic, key, tenant or identity accepted (characters): the shared name limit."""
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 """Default ceiling of an encoded payload: 1 MiB (Redis handles more, consumers rarely should)."""
@@ -34,19 +35,7 @@ def _encode(value: Any) -> str:
 
 def check_name(field_name: str, value: object, *, required: bool = True) -> str | None:
     """Validate a topic, key, tenant or identity; return it (or None when optional and absent)."""
-    if value is None:
-        if required:
-            raise InvalidEvent(field_name, "is required")
-        return None
-    if not isinstance(value, str):
-        raise InvalidEvent(field_name, f"must be a string, got {type(value).__name__}")
-    if not value or not value.strip():
-        raise InvalidEvent(field_name, "must not be empty")
-    if len(value) > MAX_NAME_LENGTH:
-        raise InvalidEvent(field_name, f"is {len(value)} characters, longer than {MAX_NAME_LENGTH}")
-    if "\x00" in value:
-        raise InvalidEvent(field_name, "must not contain NUL characters")
-    return value
+    return validate.check_name(field_name, value, InvalidEvent, required=required)
 
 
 def encode_payload(payload: object, max_bytes: int) -> str:

@@ -1,22 +1,7 @@
 """Publishing to Redis Streams: entry format, stream routing, pipelined XADD, lookups.
 
-Entry format (one flat hash per event, CloudEvents attribute names):
-
-=================  =============================================================
-``specversion``    ``1.0``
-``id``             the event id (UUIDv7 string), stable across republishing
-``source``         the publisher's ``source`` (default ``outbox``)
-``type``           the topic
-``subject``        the key
-``time``           ``created_at``, ISO-8601 UTC (``2024-05-01T12:00:00.123456Z``)
-``datacontenttype`` ``application/json``
-``data``           the payload, JSON text exactly as stored
-``tenant``         the tenant, when set
-``identity``       the business identity consumers deduplicate on
-``partitionkey``   the key (CloudEvents partitioning extension)
-``traceparent``    the ``traceparent`` header, when set
-``header.<name>``  every other header
-=================  =============================================================
+The entry format is :mod:`outbox.codec`'s (one flat hash per event, CloudEvents attribute
+names); this module routes entries to streams and sends them.
 
 Stream names come from a template with ``{topic}``, ``{tenant}`` and ``{partition}``
 (``key_hash % partitions``); ``{{`` and ``}}`` are literal braces, which is how a Redis
@@ -40,6 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record
@@ -137,20 +123,6 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-_SPECVERSION = _bulk(b"specversion") + _bulk(b"1.0")
-_CONTENTTYPE = _bulk(b"datacontenttype") + _bulk(b"application/json")
-_F_ID = _bulk(b"id")
-_F_SOURCE = _bulk(b"source")
-_F_TYPE = _bulk(b"type")
-_F_SUBJECT = _bulk(b"subject")
-_F_TIME = _bulk(b"time")
-_F_DATA = _bulk(b"data")
-_F_TENANT = _bulk(b"tenant")
-_F_IDENTITY = _bulk(b"identity")
-_F_PARTITIONKEY = _bulk(b"partitionkey")
-_F_TRACEPARENT = _bulk(b"traceparent")
-
-
 @dataclass(frozen=True)
 class Prepared:
     """One record ready to send: its stream and its packed field/value pairs."""
@@ -234,7 +206,7 @@ class RedisStreamPublisher:
         self.template = StreamTemplate.parse(stream_template, partitions)
         self.maxlen = maxlen
         self.source = source
-        self._source = _F_SOURCE + _bulk(source.encode())
+        self._encoder = EntryEncoder(source)
         self._trim = (
             b"" if maxlen is None else _bulk(b"MAXLEN") + _bulk(b"~") + _bulk(str(maxlen).encode())
         )
@@ -261,59 +233,31 @@ class RedisStreamPublisher:
 
     def entry(self, record: Record) -> dict[str, str]:
         """The stream entry of ``record`` as a dict (for tests, tools and the cluster path)."""
-        fields = {
-            "specversion": "1.0",
-            "id": record.event_id,
-            "source": self.source,
-            "type": record.topic,
-            "subject": record.key,
-            "time": record.time,
-            "datacontenttype": "application/json",
-            "data": record.payload,
-        }
-        if record.tenant is not None:
-            fields["tenant"] = record.tenant
-        fields["identity"] = record.identity
-        fields["partitionkey"] = record.key
-        for name, value in _headers(record).items():
-            fields["traceparent" if name == "traceparent" else "header." + name] = value
-        return fields
+        return self._encoder.fields(
+            event_id=record.event_id,
+            topic=record.topic,
+            data=record.payload,
+            key=record.key,
+            time=record.time,
+            tenant=record.tenant,
+            identity=record.identity,
+            headers=_headers(record),
+        )
 
     def prepare(self, record: Record) -> Prepared:
         """Route and pack one record's fields (raises RoutingError or PermanentPublishError)."""
         stream = self.stream_for(record)
-        headers = _headers(record)
-        parts = [
-            _SPECVERSION,
-            _F_ID,
-            _bulk(record.event_id.encode()),
-            self._source,
-            _F_TYPE,
-            _bulk(record.topic.encode()),
-            _F_SUBJECT,
-            _bulk(record.key.encode()),
-            _F_TIME,
-            _bulk(record.time.encode()),
-            _CONTENTTYPE,
-            _F_DATA,
-            _bulk(record.payload.encode()),
-        ]
-        count = 16
-        if record.tenant is not None:
-            parts.append(_F_TENANT)
-            parts.append(_bulk(record.tenant.encode()))
-            count += 2
-        parts.append(_F_IDENTITY)
-        parts.append(_bulk(record.identity.encode()))
-        parts.append(_F_PARTITIONKEY)
-        parts.append(_bulk(record.key.encode()))
-        count += 4
-        for name, value in headers.items():
-            field = _F_TRACEPARENT if name == "traceparent" else _bulk(("header." + name).encode())
-            parts.append(field)
-            parts.append(_bulk(value.encode()))
-            count += 2
-        return Prepared(record, stream, b"".join(parts), count)
+        packed, count = self._encoder.pack(
+            event_id=record.event_id,
+            topic=record.topic,
+            key=record.key,
+            time=record.time,
+            data=record.payload,
+            tenant=record.tenant,
+            identity=record.identity,
+            headers=_headers(record),
+        )
+        return Prepared(record, stream, packed, count)
 
     # -- sending ----------------------------------------------------------------------------
 
