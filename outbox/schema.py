@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -41,9 +40,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
 
+from outbox.dialect import (
+    db_now as db_now,
+)  # re-exported: the column default lives in outbox.dialect
 from outbox.errors import ConfigError
 from outbox.event import MAX_NAME_LENGTH
 
@@ -55,29 +55,6 @@ STATES = (PENDING, PUBLISHED, QUARANTINED)
 DEFAULT_TABLE = "outbox_events"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-
-class db_now(FunctionElement[datetime]):
-    """The database clock, as a column default or in queries.
-
-    PostgreSQL: ``now()`` (the transaction's start, the same for every row it writes).
-    SQLite's CURRENT_TIMESTAMP has one-second resolution while ages and latencies want
-    milliseconds, so there it is ``strftime(... %f)``: UTC text that SQLAlchemy reads back.
-    """
-
-    type = DateTime(timezone=True)
-    inherit_cache = True
-    name = "db_now"
-
-
-@compiles(db_now)
-def _db_now_default(element: db_now, compiler: Any, **kw: Any) -> str:
-    return "now()"
-
-
-@compiles(db_now, "sqlite")
-def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
-    return "(strftime('%Y-%m-%d %H:%M:%f', 'now'))"
 
 
 def check_identifier(setting: str, value: str | None, *, optional: bool = False) -> str | None:
