@@ -1,5 +1,6 @@
 """The transactional outbox: write a state change and its events in one transaction."""
 
+from outbox.aio import AsyncOutbox, AsyncTransaction
 from outbox.core import EventSpec, Outbox, Transaction
 from outbox.db import make_engine
 from outbox.errors import ConfigError, InvalidEvent, OutboxError
@@ -13,6 +14,8 @@ __all__ = [
     "PENDING",
     "PUBLISHED",
     "QUARANTINED",
+    "AsyncOutbox",
+    "AsyncTransaction",
     "ConfigError",
     "EventSpec",
     "Hooks",

@@ -204,34 +204,61 @@ PG_STORAGE_PARAMETERS = {
 }
 
 
-def create_schema(bind: Engine | Connection, outbox_schema: OutboxSchema) -> None:
-    """Create the table and indexes if missing (idempotent, safe to call at every start)."""
+def create_schema(
+    bind: Engine | Connection, outbox_schema: OutboxSchema, *, notify: bool | None = None
+) -> None:
+    """Create the table and indexes if missing (idempotent, safe to call at every start).
+
+    ``notify`` chooses the relay's wake-up on PostgreSQL (see :func:`create_extras`): True
+    adds the NOTIFY trigger, False drops it, None (the default) gives a table created now the
+    trigger and leaves an existing table as it is, so a relay starting with the default does
+    not undo ``outbox-relay init-db --no-notify``.
+    """
     if isinstance(bind, Engine):
         with bind.begin() as conn:
-            _create(conn, outbox_schema)
+            _create(conn, outbox_schema, notify)
     else:
-        _create(bind, outbox_schema)
+        _create(bind, outbox_schema, notify)
 
 
-def _create(conn: Connection, outbox_schema: OutboxSchema) -> None:
+def _create(conn: Connection, outbox_schema: OutboxSchema, notify: bool | None) -> None:
+    existed = False
     if conn.dialect.name == "postgresql":
         # Several processes may call create_schema at once (relay replicas starting together);
         # CREATE TABLE IF NOT EXISTS is not race-free in PostgreSQL, so serialise on a lock.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-ddl"})
         if outbox_schema.schema:
             conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{outbox_schema.schema}"'))
+        existed = (
+            conn.execute(text("SELECT to_regclass(:q)"), {"q": _qualified(outbox_schema)}).scalar()
+            is not None
+        )
     outbox_schema.metadata.create_all(conn, checkfirst=True)
-    _create_relay_extras(conn, outbox_schema)
+    create_extras(conn, outbox_schema, notify=(not existed) if notify is None else notify)
 
 
-def _create_relay_extras(conn: Connection, outbox_schema: OutboxSchema) -> None:
-    """What the relay needs beyond the table, added when missing (so a table created by an
-    earlier version gets them too): the blocked-key index, and on PostgreSQL the NOTIFY
-    trigger and the storage parameters. Each is checked first, so a user who does not own
-    the table can still call this once they are in place."""
+def _qualified(outbox_schema: OutboxSchema) -> str:
+    name = outbox_schema.table_name
+    return f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
+
+
+def create_extras(
+    conn: Connection, outbox_schema: OutboxSchema, *, notify: bool | None = True
+) -> None:
+    """What the relay needs beyond the table metadata, added when missing (so a table made
+    by an earlier version, or by an Alembic migration, gets them too): the blocked-key index,
+    and on PostgreSQL the storage parameters and the NOTIFY trigger. Each is checked first,
+    so a user who does not own the table can still call this once they are in place.
+
+    ``notify``: True adds the trigger if missing, False drops it if present, None leaves it.
+    With the trigger, each inserting statement sends one NOTIFY and a LISTENing relay claims
+    at once; but a transaction that has sent NOTIFY takes a global lock at commit, which
+    serialises the commits of many concurrent writers. Without it the relay's adaptive
+    polling finds new rows.
+    """
     table = outbox_schema.table
     name = outbox_schema.table_name
-    qualified = f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
+    qualified = _qualified(outbox_schema)
     blocked = next(i for i in table.indexes if i.name == f"ix_{name}_blocked")
     blocked.create(conn, checkfirst=True)
     if conn.dialect.name != "postgresql":
@@ -245,14 +272,18 @@ def _create_relay_extras(conn: Connection, outbox_schema: OutboxSchema) -> None:
     if missing:
         settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
         conn.execute(text(f"ALTER TABLE {qualified} SET ({settings})"))
+    if notify is None:
+        return
     # LISTEN/NOTIFY wake-up: one notification per inserting statement (not per row), on the
     # channel OutboxSchema.notify_channel; a relay LISTENing on it claims at once.
-    trigger = f"{name}_notify"[:63]
+    trigger = notify_trigger_name(outbox_schema)
     exists = conn.execute(
         text("SELECT 1 FROM pg_trigger WHERE tgrelid = :oid AND tgname = :n"),
         {"oid": oid, "n": trigger},
     ).scalar()
-    if not exists:
+    if exists and not notify:
+        conn.execute(text(f'DROP TRIGGER "{trigger}" ON {qualified}'))
+    elif notify and not exists:
         function = (
             f'"{outbox_schema.schema}"."{trigger}"' if outbox_schema.schema else f'"{trigger}"'
         )
@@ -269,3 +300,19 @@ def _create_relay_extras(conn: Connection, outbox_schema: OutboxSchema) -> None:
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
             )
         )
+
+
+def notify_trigger_name(outbox_schema: OutboxSchema) -> str:
+    """The NOTIFY trigger's name (and its function's) on this outbox table."""
+    return f"{outbox_schema.table_name}_notify"[:63]
+
+
+def has_notify_trigger(conn: Connection, outbox_schema: OutboxSchema) -> bool:
+    """Whether the table has the NOTIFY trigger (always False off PostgreSQL)."""
+    if conn.dialect.name != "postgresql":
+        return False
+    found = conn.execute(
+        text("SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass(:q) AND tgname = :n"),
+        {"q": _qualified(outbox_schema), "n": notify_trigger_name(outbox_schema)},
+    ).scalar()
+    return bool(found)

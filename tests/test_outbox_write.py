@@ -1,42 +1,294 @@
-"""Guarantee 1 (atomic write) and the write path's validation, on PostgreSQL and SQLite.
+"""Guarantee 1 (atomic write) and the write path's validation: ONE contract suite for every
+way in, sync and async, on PostgreSQL and SQLite.
 
-The same contract suite runs on both backends through the ``db_url`` fixture.
+The ``writer`` fixture is parametrised twice: ``db_url`` (PostgreSQL / SQLite) and the API
+(``sync``: :class:`outbox.Outbox`; ``async``: :class:`outbox.AsyncOutbox` on psycopg's
+async mode or aiosqlite). A test talks to a small facade with a sync surface; the async
+facade runs each call on one event loop (``asyncio.Runner``), and inside a decorated
+``async def`` it awaits through SQLAlchemy's greenlet bridge, so the same test body checks
+both paths. Reads for the assertions go through a separate sync engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.util import await_only, greenlet_spawn
 
-from outbox import ConfigError, InvalidEvent, Outbox
+from outbox import AsyncOutbox, ConfigError, InvalidEvent, Outbox
 from outbox.schema import PENDING
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+class Tx:
+    """``tx`` of a transaction we own, sync surface over either path."""
+
+    def __init__(self, tx: Any, run: Run | None) -> None:
+        self.tx = tx
+        self.run = run  # None: the sync path
+
+    def _do(self, value: Any) -> Any:
+        return value if self.run is None else self.run(value)
+
+    def execute(self, statement: Any, params: Any = None) -> Any:
+        return self._do(self.tx.session.execute(statement, params))
+
+    def emit(self, topic: Any, **kwargs: Any) -> str:
+        return str(self.tx.emit(topic, **kwargs))  # a plain call on both paths
+
+    def emit_many(self, events: Any) -> list[str]:
+        return list(self.tx.emit_many(events))
+
+    def flush(self) -> None:
+        self._do(self.tx.flush())
+
+    def add(self, obj: Any) -> None:
+        self.tx.session.add(obj)
+
+    def commit_by_hand(self) -> None:
+        self._do(self.tx.session.commit())
+
+
+class Caller:
+    """A Session or Connection the caller owns (sync surface)."""
+
+    def __init__(self, target: Any, run: Run | None) -> None:
+        self.target = target
+        self.run = run
+
+    def _do(self, value: Any) -> Any:
+        return value if self.run is None else self.run(value)
+
+    def execute(self, statement: Any) -> Any:
+        return self._do(self.target.execute(statement))
+
+    def commit(self) -> None:
+        self._do(self.target.commit())
+
+    def rollback(self) -> None:
+        self._do(self.target.rollback())
+
+    def in_transaction(self) -> bool:
+        return bool(self.target.in_transaction())
+
+
+class Writer:
+    """The outbox under test, sync or async, behind one sync surface."""
+
+    kind = "sync"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        self.box = Outbox(url, **kwargs)
+        self.engine: sa.Engine = self.box.engine  # for reads and listeners
+
+    @property
+    def table(self) -> sa.Table:
+        return self.box.table
+
+    @property
+    def metadata(self) -> sa.MetaData:
+        return self.table.metadata
+
+    @property
+    def write_engine(self) -> sa.Engine:
+        """The (sync facade of the) engine the events are written through, for listeners."""
+        return self.box.engine
+
+    def create_schema(self) -> None:
+        self.box.create_schema()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        with self.box.transaction() as tx:
+            yield Tx(tx, None)
+
+    def transactional(self, fn: Any = None, *, parentheses: bool = False) -> Any:
+        def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
+            def domain(tx: Any, *args: Any, **kwargs: Any) -> Any:
+                return body(Tx(tx, None), *args, **kwargs)
+
+            domain.__name__ = body.__name__
+            return (
+                self.box.transactional()(domain) if parentheses else self.box.transactional(domain)
+            )
+
+        return wrap if fn is None else wrap(fn)
+
+    @contextmanager
+    def session(self) -> Iterator[Caller]:
+        with Session(self.engine) as session:
+            yield Caller(session, None)
+
+    @contextmanager
+    def begin(self) -> Iterator[Caller]:
+        with self.engine.begin() as conn:
+            yield Caller(conn, None)
+
+    @contextmanager
+    def connect(self) -> Iterator[Caller]:
+        with self.engine.connect() as conn:
+            yield Caller(conn, None)
+
+    def begin_on(self, caller: Caller) -> Any:
+        return caller.target.begin()
+
+    def emit(self, caller: Any, topic: Any, **kwargs: Any) -> str:
+        target = caller.target if isinstance(caller, Caller) else caller
+        return self.box.emit(target, topic, **kwargs)
+
+    def emit_many(self, caller: Caller, events: Any) -> list[str]:
+        return self.box.emit_many(caller.target, events)
+
+    def close(self) -> None:
+        self.box.engine.dispose()
+
+
+class AsyncWriter(Writer):
+    kind = "async"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        self.runner = asyncio.Runner()
+        self.abox = AsyncOutbox(url, **kwargs)
+        self.box = Outbox(url, **kwargs)  # reads only; never writes events here
+        self.engine = self.box.engine
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.runner.run(coro)
+
+    @property
+    def table(self) -> sa.Table:
+        return self.abox.table
+
+    @property
+    def write_engine(self) -> sa.Engine:
+        return self.abox.engine.sync_engine
+
+    def create_schema(self) -> None:
+        self.run(self.abox.create_schema())
+
+    @contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        manager = self.abox.transaction()
+        tx = self.run(manager.__aenter__())
+        try:
+            yield Tx(tx, self.run)
+        except BaseException as exc:
+            if not self.run(manager.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self.run(manager.__aexit__(None, None, None))
+
+    def transactional(self, fn: Any = None, *, parentheses: bool = False) -> Any:
+        def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
+            # The body is sync test code: inside the decorated coroutine it runs in a
+            # greenlet, where each session call is awaited by await_only.
+            async def domain(tx: Any, *args: Any, **kwargs: Any) -> Any:
+                return await greenlet_spawn(body, Tx(tx, await_only), *args, **kwargs)
+
+            domain.__name__ = body.__name__
+            decorated = (
+                self.abox.transactional()(domain)
+                if parentheses
+                else self.abox.transactional(domain)
+            )
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return self.run(decorated(*args, **kwargs))
+
+            call.__name__ = decorated.__name__
+            return call
+
+        return wrap if fn is None else wrap(fn)
+
+    @contextmanager
+    def session(self) -> Iterator[Caller]:
+        session = AsyncSession(self.abox.engine)
+        try:
+            yield Caller(session, self.run)
+        finally:
+            self.run(session.close())
+
+    @contextmanager
+    def begin(self) -> Iterator[Caller]:
+        manager = self.abox.engine.begin()
+        conn = self.run(manager.__aenter__())
+        try:
+            yield Caller(conn, self.run)
+        except BaseException as exc:
+            self.run(manager.__aexit__(type(exc), exc, exc.__traceback__))
+            raise
+        else:
+            self.run(manager.__aexit__(None, None, None))
+
+    @contextmanager
+    def connect(self) -> Iterator[Caller]:
+        conn: AsyncConnection = self.run(self.abox.engine.connect().start())
+        try:
+            yield Caller(conn, self.run)
+        finally:
+            self.run(conn.close())
+
+    def begin_on(self, caller: Caller) -> Any:
+        trans = self.run(caller.target.begin().start())
+
+        class Trans:
+            is_active = property(lambda _self: trans.is_active)
+
+            def rollback(_self) -> None:
+                self.run(trans.rollback())
+
+        return Trans()
+
+    def emit(self, caller: Any, topic: Any, **kwargs: Any) -> str:
+        target = caller.target if isinstance(caller, Caller) else caller
+        return str(self.run(self.abox.emit(target, topic, **kwargs)))
+
+    def emit_many(self, caller: Caller, events: Any) -> list[str]:
+        return list(self.run(self.abox.emit_many(caller.target, events)))
+
+    def close(self) -> None:
+        self.run(self.abox.dispose())
+        self.runner.close()
+        self.box.engine.dispose()
+
+
+WRITERS: dict[str, type[Writer]] = {"sync": Writer, "async": AsyncWriter}
+
+
+@pytest.fixture(params=["sync", "async"])
+def api(request: pytest.FixtureRequest) -> type[Writer]:
+    return WRITERS[request.param]
 
 
 @pytest.fixture
-def outbox(db_url: str) -> Iterator[Outbox]:
-    box = Outbox(db_url)
-    box.create_schema()
-    with box.engine.begin() as conn:
+def outbox(db_url: str, api: type[Writer]) -> Iterator[Writer]:
+    writer = api(db_url)
+    writer.create_schema()
+    with writer.engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE quotes (id INTEGER PRIMARY KEY, state VARCHAR(20))"))
         conn.execute(sa.text("INSERT INTO quotes (id, state) VALUES (17, 'draft')"))
-    yield box
-    box.engine.dispose()
+    yield writer
+    writer.close()
 
 
-def events(box: Outbox) -> list[sa.Row[Any]]:
+def events(box: Writer) -> list[sa.Row[Any]]:
     table = box.table
     with box.engine.connect() as conn:
         return list(conn.execute(sa.select(table).order_by(table.c.seq)).all())
 
 
-def quote_state(box: Outbox) -> str:
+def quote_state(box: Writer) -> str:
     with box.engine.connect() as conn:
         return str(conn.execute(sa.text("SELECT state FROM quotes WHERE id = 17")).scalar_one())
 
@@ -61,9 +313,9 @@ class Note(Base):
 # -- atomic write ------------------------------------------------------------------------------
 
 
-def test_commit_makes_event_visible_with_state_change(outbox: Outbox) -> None:
+def test_commit_makes_event_visible_with_state_change(outbox: Writer) -> None:
     with outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         event_id = tx.emit(
             "quote.approved",
             key="quote-017",
@@ -90,7 +342,7 @@ def test_commit_makes_event_visible_with_state_change(outbox: Outbox) -> None:
     assert row.stream_id is None
 
 
-def test_identity_defaults_to_event_id(outbox: Outbox) -> None:
+def test_identity_defaults_to_event_id(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         event_id = tx.emit("quote.approved", key="quote-017", payload={})
     [row] = events(outbox)
@@ -98,17 +350,17 @@ def test_identity_defaults_to_event_id(outbox: Outbox) -> None:
     assert row.tenant is None
 
 
-def test_exception_in_with_block_rolls_back_both(outbox: Outbox) -> None:
+def test_exception_in_with_block_rolls_back_both(outbox: Writer) -> None:
     with pytest.raises(Boom), outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         tx.emit("quote.approved", key="quote-017", payload={"total": 120})
         raise Boom
     assert quote_state(outbox) == "draft"
     assert events(outbox) == []
 
 
-def test_explicit_rollback_leaves_neither(outbox: Outbox) -> None:
-    with Session(outbox.engine) as session:
+def test_explicit_rollback_leaves_neither(outbox: Writer) -> None:
+    with outbox.session() as session:
         session.execute(APPROVE)
         outbox.emit(session, "quote.approved", key="quote-017", payload={"total": 120})
         session.rollback()
@@ -116,12 +368,10 @@ def test_explicit_rollback_leaves_neither(outbox: Outbox) -> None:
     assert events(outbox) == []
 
 
-def test_transactional_decorator_commits_and_passes_arguments(outbox: Outbox) -> None:
+def test_transactional_decorator_commits_and_passes_arguments(outbox: Writer) -> None:
     @outbox.transactional
     def approve(tx: Any, quote_id: int, *, total: int) -> str:
-        tx.session.execute(
-            sa.text("UPDATE quotes SET state = 'approved' WHERE id = :id"), {"id": quote_id}
-        )
+        tx.execute(sa.text("UPDATE quotes SET state = 'approved' WHERE id = :id"), {"id": quote_id})
         return str(tx.emit("quote.approved", key=f"quote-{quote_id}", payload={"total": total}))
 
     event_id = approve(17, total=5)
@@ -130,8 +380,8 @@ def test_transactional_decorator_commits_and_passes_arguments(outbox: Outbox) ->
     assert [row.event_id for row in events(outbox)] == [event_id]
 
 
-def test_transactional_decorator_with_parentheses(outbox: Outbox) -> None:
-    @outbox.transactional()
+def test_transactional_decorator_with_parentheses(outbox: Writer) -> None:
+    @outbox.transactional(parentheses=True)
     def approve(tx: Any) -> None:
         tx.emit("quote.approved", key="quote-017", payload=1)
 
@@ -139,10 +389,10 @@ def test_transactional_decorator_with_parentheses(outbox: Outbox) -> None:
     assert len(events(outbox)) == 1
 
 
-def test_exception_in_decorated_function_rolls_back_and_propagates(outbox: Outbox) -> None:
+def test_exception_in_decorated_function_rolls_back_and_propagates(outbox: Writer) -> None:
     @outbox.transactional
     def approve(tx: Any) -> None:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         tx.emit("quote.approved", key="quote-017", payload={"total": 120})
         raise Boom("domain said no")
 
@@ -155,8 +405,8 @@ def test_exception_in_decorated_function_rolls_back_and_propagates(outbox: Outbo
 # -- joining the caller's transaction ---------------------------------------------------------
 
 
-def test_emit_joins_callers_session_and_never_commits(outbox: Outbox) -> None:
-    with Session(outbox.engine) as session:
+def test_emit_joins_callers_session_and_never_commits(outbox: Writer) -> None:
+    with outbox.session() as session:
         session.execute(APPROVE)
         outbox.emit(session, "quote.approved", key="quote-017", payload={"n": 1})
         assert session.in_transaction()
@@ -166,23 +416,23 @@ def test_emit_joins_callers_session_and_never_commits(outbox: Outbox) -> None:
     assert len(events(outbox)) == 1
 
 
-def test_emit_on_callers_connection_joins_and_rollback_removes(outbox: Outbox) -> None:
-    with outbox.engine.connect() as conn:
-        trans = conn.begin()
+def test_emit_on_callers_connection_joins_and_rollback_removes(outbox: Writer) -> None:
+    with outbox.connect() as conn:
+        trans = outbox.begin_on(conn)
         conn.execute(APPROVE)
         outbox.emit(conn, "quote.approved", key="quote-017", payload={"n": 1})
         assert trans.is_active
         trans.rollback()
     assert quote_state(outbox) == "draft"
     assert events(outbox) == []
-    with outbox.engine.begin() as conn:
+    with outbox.begin() as conn:
         conn.execute(APPROVE)
         outbox.emit(conn, "quote.approved", key="quote-017", payload={"n": 2})
     assert quote_state(outbox) == "approved"
     assert [row.payload for row in events(outbox)] == [{"n": 2}]
 
 
-def test_emit_many_writes_a_list_in_one_statement(outbox: Outbox) -> None:
+def test_emit_many_writes_a_list_in_one_statement(outbox: Writer) -> None:
     calls: list[bool] = []
 
     def count(
@@ -191,27 +441,27 @@ def test_emit_many_writes_a_list_in_one_statement(outbox: Outbox) -> None:
         if "INSERT" in statement.upper():
             calls.append(many)
 
-    sa.event.listen(outbox.engine, "before_cursor_execute", count)
+    sa.event.listen(outbox.write_engine, "before_cursor_execute", count)
     try:
-        with Session(outbox.engine) as session, session.begin():
+        with outbox.begin() as conn:
             ids = outbox.emit_many(
-                session,
+                conn,
                 [
                     {"topic": "line.added", "key": "quote-017", "payload": {"line": i}}
                     for i in range(250)
                 ],
             )
     finally:
-        sa.event.remove(outbox.engine, "before_cursor_execute", count)
+        sa.event.remove(outbox.write_engine, "before_cursor_execute", count)
     assert len(calls) == 1, "a list of events must be written with one statement"
     rows = events(outbox)
     assert [row.event_id for row in rows] == ids
     assert [row.payload["line"] for row in rows] == list(range(250))
 
 
-def test_emit_many_in_our_transaction_writes_all_in_order(outbox: Outbox) -> None:
+def test_emit_many_in_our_transaction_writes_all_in_order(outbox: Writer) -> None:
     with outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         ids = tx.emit_many(
             [{"topic": "line.added", "key": "q", "payload": {"line": i}} for i in range(300)]
         )
@@ -221,54 +471,54 @@ def test_emit_many_in_our_transaction_writes_all_in_order(outbox: Outbox) -> Non
     assert quote_state(outbox) == "approved"
 
 
-def test_manual_commit_inside_transaction_keeps_events_with_state_change(outbox: Outbox) -> None:
+def test_manual_commit_inside_transaction_keeps_events_with_state_change(outbox: Writer) -> None:
     with pytest.raises(sa.exc.InvalidRequestError), outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         tx.emit("quote.approved", key="quote-017", payload={"n": 1})
-        tx.session.commit()  # by hand: the buffered event must go with this commit
+        tx.commit_by_hand()  # by hand: the buffered event must go with this commit
         assert quote_state(outbox) == "approved"
         assert [row.payload for row in events(outbox)] == [{"n": 1}]
         # SQLAlchemy refuses further work in a begin() block after a manual commit.
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
     assert [row.payload for row in events(outbox)] == [{"n": 1}]
 
 
-def test_flush_writes_buffered_events_inside_the_transaction(outbox: Outbox) -> None:
+def test_flush_writes_buffered_events_inside_the_transaction(outbox: Writer) -> None:
     with pytest.raises(Boom), outbox.transaction() as tx:
         tx.emit("t", key="k", payload=1)
         tx.flush()
-        count = tx.session.execute(sa.text("SELECT count(*) FROM outbox_events")).scalar()
+        count = tx.execute(sa.text("SELECT count(*) FROM outbox_events")).scalar()
         assert count == 1
         assert events(outbox) == []  # written, not committed
         raise Boom
     assert events(outbox) == []
 
 
-def test_orm_changes_commit_with_the_events(outbox: Outbox) -> None:
+def test_orm_changes_commit_with_the_events(outbox: Writer) -> None:
     Base.metadata.create_all(outbox.engine)
     with outbox.transaction() as tx:
-        tx.session.add(Note(id=1, text="approved"))
+        tx.add(Note(id=1, text="approved"))
         tx.emit("note.added", key="note-1", payload={"id": 1})
     with outbox.engine.connect() as conn:
         assert conn.execute(sa.text("SELECT text FROM notes")).scalar() == "approved"
     assert len(events(outbox)) == 1
     with pytest.raises(sa.exc.IntegrityError), outbox.transaction() as tx:
         tx.emit("note.added", key="note-1", payload={"id": 1})
-        tx.session.add(Note(id=1, text="duplicate key"))  # flush fails at commit
+        tx.add(Note(id=1, text="duplicate key"))  # flush fails at commit
     assert len(events(outbox)) == 1
 
 
-def test_duplicate_event_id_fails_the_commit_and_rolls_back(outbox: Outbox) -> None:
+def test_duplicate_event_id_fails_the_commit_and_rolls_back(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         tx.emit("t", key="k", payload=1, event_id="fixed-id")
     with pytest.raises(Exception, match=r"fixed-id|UNIQUE|unique"), outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         tx.emit("t", key="k", payload=2, event_id="fixed-id")
     assert quote_state(outbox) == "draft"
     assert [row.payload for row in events(outbox)] == [1]
 
 
-def test_emit_many_validates_every_event_before_writing(outbox: Outbox) -> None:
+def test_emit_many_validates_every_event_before_writing(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         with pytest.raises(InvalidEvent) as info:
             tx.emit_many(
@@ -324,13 +574,13 @@ BAD_EVENTS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("field", "override"), BAD_EVENTS)
 def test_bad_input_raises_invalid_event_naming_the_field(
-    outbox: Outbox, field: str, override: dict[str, Any]
+    outbox: Writer, field: str, override: dict[str, Any]
 ) -> None:
     arguments: dict[str, Any] = {"topic": "quote.approved", "key": "quote-017", "payload": {}}
     arguments.update(override)
     topic = arguments.pop("topic")
     with outbox.transaction() as tx:
-        tx.session.execute(APPROVE)
+        tx.execute(APPROVE)
         with pytest.raises(InvalidEvent) as info:
             tx.emit(topic, **arguments)
         assert info.value.field == field
@@ -343,8 +593,8 @@ def test_bad_input_raises_invalid_event_naming_the_field(
     assert [row.payload for row in events(outbox)] == [{"after": "error"}]
 
 
-def test_payload_size_limit_is_configurable(db_url: str) -> None:
-    box = Outbox(db_url, max_payload_bytes=64)
+def test_payload_size_limit_is_configurable(db_url: str, api: type[Writer]) -> None:
+    box = api(db_url, max_payload_bytes=64)
     box.create_schema()
     with box.transaction() as tx:
         tx.emit("t", key="k", payload="x" * 50)
@@ -352,18 +602,19 @@ def test_payload_size_limit_is_configurable(db_url: str) -> None:
             tx.emit("t", key="k", payload="x" * 70)
     assert len(events(box)) == 1
     with pytest.raises(ConfigError, match="max_payload_bytes"):
-        Outbox(db_url, max_payload_bytes=0)
+        api(db_url, max_payload_bytes=0)
+    box.close()
 
 
-def test_emit_rejects_something_that_is_not_a_session(outbox: Outbox) -> None:
-    with pytest.raises(TypeError, match="Session or Connection"):
+def test_emit_rejects_something_that_is_not_a_session(outbox: Writer) -> None:
+    with pytest.raises(TypeError, match=r"Session or (Async)?Connection"):
         outbox.emit(outbox.engine, "t", key="k", payload=1)  # type: ignore[arg-type]
 
 
 # -- schema and configuration ------------------------------------------------------------------
 
 
-def test_create_schema_is_idempotent_and_metadata_is_exposed(outbox: Outbox) -> None:
+def test_create_schema_is_idempotent_and_metadata_is_exposed(outbox: Writer) -> None:
     outbox.create_schema()
     outbox.create_schema()
     assert "outbox_events" in outbox.metadata.tables
@@ -375,25 +626,28 @@ def test_create_schema_is_idempotent_and_metadata_is_exposed(outbox: Outbox) -> 
 @pytest.mark.parametrize(
     "bad", ["events; DROP TABLE quotes", "1abc", "a-b", "", "x" * 64, 'q"uote', "a b"]
 )
-def test_table_and_schema_names_must_be_identifiers(db_url: str, bad: str) -> None:
+def test_table_and_schema_names_must_be_identifiers(
+    db_url: str, api: type[Writer], bad: str
+) -> None:
     with pytest.raises(ConfigError, match="table"):
-        Outbox(db_url, table=bad)
+        api(db_url, table=bad)
     with pytest.raises(ConfigError, match="schema"):
-        Outbox(db_url, schema=bad)
+        api(db_url, schema=bad)
 
 
-def test_custom_table_name(db_url: str) -> None:
-    box = Outbox(db_url, table="domain_outbox")
+def test_custom_table_name(db_url: str, api: type[Writer]) -> None:
+    box = api(db_url, table="domain_outbox")
     box.create_schema()
     with box.transaction() as tx:
         tx.emit("t", key="k", payload=[1])
     assert sa.inspect(box.engine).has_table("domain_outbox")
     assert len(events(box)) == 1
+    box.close()
 
 
-def test_custom_postgres_schema(pg_admin_engine: sa.Engine) -> None:
+def test_custom_postgres_schema(pg_admin_engine: sa.Engine, api: type[Writer]) -> None:
     name = f"s_{uuid.uuid4().hex[:10]}"
-    box = Outbox("postgresql+psycopg://postgres@127.0.0.1:5432/test", schema=name)
+    box = api("postgresql+psycopg://postgres@127.0.0.1:5432/test", schema=name)
     try:
         box.create_schema()
         box.create_schema()
@@ -403,7 +657,7 @@ def test_custom_postgres_schema(pg_admin_engine: sa.Engine) -> None:
             count = conn.execute(sa.text(f"SELECT count(*) FROM {name}.outbox_events")).scalar()
         assert count == 1
     finally:
-        box.engine.dispose()
+        box.close()
         with pg_admin_engine.connect() as conn:
             conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
 
@@ -415,9 +669,26 @@ def test_bad_database_url_and_argument(tmp_path: Any) -> None:
         Outbox("mysql://localhost/app")
     with pytest.raises(ConfigError, match="url_or_engine"):
         Outbox(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="database_url"):
+        AsyncOutbox("not a url")
+    with pytest.raises(ConfigError, match="unsupported backend"):
+        AsyncOutbox("mysql://localhost/app")
+    with pytest.raises(ConfigError, match="url_or_async_engine"):
+        AsyncOutbox(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="url_or_async_engine"):
+        AsyncOutbox(sa.create_engine("sqlite://"))  # type: ignore[arg-type]
 
 
-def test_event_ids_are_time_ordered_uuid7(outbox: Outbox) -> None:
+def test_async_transactional_refuses_a_plain_function(sqlite_url: str) -> None:
+    box = AsyncOutbox(sqlite_url)
+    with pytest.raises(TypeError, match="async def"):
+
+        @box.transactional
+        def approve(tx: Any) -> None:  # not async
+            pass
+
+
+def test_event_ids_are_time_ordered_uuid7(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         ids = [tx.emit("t", key="k", payload=i) for i in range(50)]
     assert ids == sorted(ids)
@@ -425,7 +696,7 @@ def test_event_ids_are_time_ordered_uuid7(outbox: Outbox) -> None:
     assert len(set(ids)) == 50
 
 
-def test_created_at_comes_from_the_database_clock(outbox: Outbox) -> None:
+def test_created_at_comes_from_the_database_clock(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         tx.emit("t", key="k", payload=1)
     with outbox.engine.connect() as conn:
@@ -486,3 +757,51 @@ def test_eight_threads_every_committed_event_present_exactly_once(pg_url: str) -
     assert sorted(stored) == sorted(expected)  # each committed event exactly once, no others
     assert versions == dict.fromkeys(range(8), 450)
     box.engine.dispose()
+
+
+@pytest.mark.slow
+def test_fifty_async_tasks_every_committed_event_present_exactly_once(db_url: str) -> None:
+    """50 concurrent tasks on one event loop x 200 transactions, one in ten rolled back."""
+    tasks, per_task = 50, 200
+
+    async def scenario() -> tuple[list[str], list[str], dict[int, int]]:
+        box = AsyncOutbox(db_url)
+        await box.create_schema()
+        async with box.engine.begin() as conn:
+            await conn.execute(
+                sa.text("CREATE TABLE aggregates (id INTEGER PRIMARY KEY, version INTEGER)")
+            )
+            for n in range(tasks):
+                await conn.execute(sa.text("INSERT INTO aggregates VALUES (:n, 0)"), {"n": n})
+        committed: list[str] = []
+
+        async def writer(n: int) -> None:
+            for i in range(per_task):
+                try:
+                    async with box.transaction() as tx:
+                        await tx.session.execute(
+                            sa.text("UPDATE aggregates SET version = version + 1 WHERE id = :id"),
+                            {"id": n},
+                        )
+                        event_id = tx.emit("load", key=f"agg-{n}", payload={"i": i})
+                        if i % 10 == 9:
+                            raise Boom  # every tenth transaction rolls back
+                    committed.append(event_id)
+                except Boom:
+                    pass
+
+        await asyncio.gather(*(writer(n) for n in range(tasks)))
+        async with box.engine.connect() as conn:
+            stored = [
+                r[0] for r in await conn.execute(sa.text("SELECT event_id FROM outbox_events"))
+            ]
+            versions = dict(
+                (await conn.execute(sa.text("SELECT id, version FROM aggregates"))).all()
+            )
+        await box.dispose()
+        return committed, stored, versions
+
+    committed, stored, versions = asyncio.run(scenario())
+    assert len(committed) == tasks * per_task * 9 // 10
+    assert sorted(stored) == sorted(committed)  # each committed event exactly once, no others
+    assert versions == dict.fromkeys(range(tasks), per_task * 9 // 10)
