@@ -200,6 +200,10 @@ def run_demo(args: argparse.Namespace) -> int:
     relay = Relay(outbox, publisher, RelayConfig(poll_interval=0.02, max_poll_interval=0.2))
     counts = _Counts()
     consumer, store, worker = _consumer_and_worker(outbox, client, counts)
+    # Every table exists before the threads start: on SQLite, DDL racing the writer's
+    # transactions only meets "database is locked" and retries.
+    consumer.create_schema()
+    store.create_schema()
     stop = GracefulStop().install()
     writer_stop = threading.Event()
     relay_stop = threading.Event()
@@ -253,5 +257,10 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{client.xlen('outbox.quote.approved')} entries; consumer handled {counts.handled}, "
         f"skipped {counts.duplicates} duplicates; {jobs['DONE']} quotes sent, one job each"
     )
+    # Close what the threads opened before exiting: connections to the embedded Redis and the
+    # database pools (the embedded server itself is released at exit, issue 16).
+    client.close()
+    outbox.engine.dispose()
+    store.engine.dispose()
     logging.shutdown()
     return 0
