@@ -234,7 +234,8 @@ def _create(conn: Connection, outbox_schema: OutboxSchema, notify: bool | None) 
             is not None
         )
     outbox_schema.metadata.create_all(conn, checkfirst=True)
-    create_extras(conn, outbox_schema, notify=(not existed) if notify is None else notify)
+    # None: a table created just now gets the trigger; an existing one keeps its choice.
+    create_extras(conn, outbox_schema, notify=True if notify is None and not existed else notify)
 
 
 def _qualified(outbox_schema: OutboxSchema) -> str:

@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init-db", help="create the outbox table, indexes and trigger")
     _common(init)
+    init.add_argument(
+        "--no-notify",
+        dest="notify",
+        action="store_false",
+        help="no NOTIFY trigger (PostgreSQL; drops an existing one): relays wake by polling, "
+        "and concurrent writers' commits do not queue on NOTIFY's global lock",
+    )
     init.set_defaults(func=cmd_init_db)
 
     demo = sub.add_parser(
@@ -263,7 +270,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 def cmd_init_db(args: argparse.Namespace) -> int:
     engine, schema = _engine_and_schema(args)
     try:
-        create_schema(engine, schema)
+        create_schema(engine, schema, notify=args.notify)
     except Exception as exc:
         return _fail(_db_problem(exc, args))
     finally:

@@ -805,3 +805,69 @@ def test_fifty_async_tasks_every_committed_event_present_exactly_once(db_url: st
     assert len(committed) == tasks * per_task * 9 // 10
     assert sorted(stored) == sorted(committed)  # each committed event exactly once, no others
     assert versions == dict.fromkeys(range(tasks), per_task * 9 // 10)
+
+
+# -- NOTIFY is a choice (PostgreSQL) -------------------------------------------------------------
+
+
+def test_notify_trigger_is_a_choice_kept_by_later_default_calls(pg_url: str) -> None:
+    from outbox.schema import has_notify_trigger
+
+    box = Outbox(pg_url)
+
+    def trigger() -> bool:
+        with box.engine.connect() as conn:
+            return has_notify_trigger(conn, box.schema)
+
+    box.create_schema(notify=False)  # a new table without the trigger
+    assert not trigger()
+    box.create_schema()  # default (a relay starting): leaves an existing table as it is
+    assert not trigger()
+    box.create_schema(notify=True)
+    assert trigger()
+    box.create_schema()
+    assert trigger()
+    box.create_schema(notify=False)  # dropped again
+    assert not trigger()
+    with box.transaction() as tx:  # writes work without it
+        tx.emit("t", key="k", payload=1)
+    assert len(events_of(box)) == 1
+    box.engine.dispose()
+
+
+def test_new_table_gets_the_trigger_by_default_and_async_create_schema_chooses(
+    pg_url: str,
+) -> None:
+    from outbox.schema import has_notify_trigger
+
+    async def scenario() -> tuple[bool, bool]:
+        box = AsyncOutbox(pg_url)
+        await box.create_schema()
+        async with box.engine.connect() as conn:
+            first = await conn.run_sync(has_notify_trigger, box.schema)
+        await box.create_schema(notify=False)
+        async with box.engine.connect() as conn:
+            second = await conn.run_sync(has_notify_trigger, box.schema)
+        await box.dispose()
+        return first, second
+
+    assert asyncio.run(scenario()) == (True, False)
+
+
+def test_init_db_no_notify(pg_url: str) -> None:
+    from outbox.schema import has_notify_trigger
+    from relay.cli import main
+
+    assert main(["init-db", "--database-url", pg_url, "--no-notify"]) == 0
+    box = Outbox(pg_url)
+    with box.engine.connect() as conn:
+        assert not has_notify_trigger(conn, box.schema)
+    assert main(["init-db", "--database-url", pg_url]) == 0
+    with box.engine.connect() as conn:
+        assert has_notify_trigger(conn, box.schema)
+    box.engine.dispose()
+
+
+def events_of(box: Outbox) -> list[sa.Row[Any]]:
+    with box.engine.connect() as conn:
+        return list(conn.execute(sa.select(box.table)).all())
