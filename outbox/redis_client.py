@@ -14,6 +14,7 @@ from typing import Any, Literal, overload
 
 import redis
 from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from outbox.errors import ConfigError
 
@@ -33,6 +34,59 @@ def is_cluster_url(url: str | None) -> bool:
 def is_cluster_client(client: object) -> bool:
     """Whether ``client`` is a Redis Cluster client (slot-routed, one connection per node)."""
     return isinstance(client, RedisCluster)
+
+
+# -- hash slots: which keys a cluster lets one command (or script) touch together ----------
+
+
+def hash_tag(name: str) -> str | None:
+    """The hash tag of a key: the text between its first ``{`` and the next ``}`` when that
+    is not empty. It alone decides the key's slot; None when the whole name does."""
+    start = name.find("{")
+    if start < 0:
+        return None
+    end = name.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return name[start + 1 : end]
+
+
+def slot_of(name: str) -> int:
+    """The Redis Cluster hash slot (0-16383) of a key."""
+    return int(key_slot(name.encode()))
+
+
+_slot_tags: dict[int, str] = {}
+_next_candidate = [0]
+
+
+def _tag_for_slot(slot: int) -> str:
+    """A short text whose slot is ``slot`` (found by counting, remembered; ~16k CRCs at
+    most over the life of the process)."""
+    while slot not in _slot_tags:
+        candidate = f"s{_next_candidate[0]:x}"
+        _next_candidate[0] += 1
+        _slot_tags.setdefault(slot_of(candidate), candidate)
+    return _slot_tags[slot]
+
+
+def in_slot_of(name: str, anchor: str) -> str:
+    """``name``, hash-tagged if needed so that it lives in ``anchor``'s slot (a dead-letter
+    stream beside its stream, a fence key beside the streams it guards): unchanged when it
+    already does; else ``{<anchor's tag>}`` in front (``{outbox.quote}.dead-letter`` for the
+    anchor ``outbox.quote`` and the name ``outbox.quote.dead-letter``); else, for names
+    whose braces defeat that, a computed tag of the slot."""
+    slot = slot_of(anchor)
+    if slot_of(name) == slot:
+        return name
+    tag = hash_tag(anchor)
+    if tag is None and name.startswith(anchor):
+        candidate = "{" + anchor + "}" + name[len(anchor) :]
+    else:
+        candidate = "{" + (tag if tag is not None else anchor) + "}" + name
+    if slot_of(candidate) == slot:
+        return candidate
+    return "{" + _tag_for_slot(slot) + "}" + name
 
 
 @overload
