@@ -26,8 +26,9 @@ not_a_worker = 42
 
 def build_dispatching() -> Worker:
     """A worker whose ``email`` handler sends through an operation intent to the simulator
-    configured by SIM_* variables (see consumer.jobs.operations.simulator_from_env)."""
-    from consumer.jobs.operations import Operations, simulator_from_env
+    configured by SIM_* variables (see tests.sim_provider.simulator_from_env)."""
+    from consumer.jobs.operations import Operations
+    from tests.sim_provider import simulator_from_env
 
     provider = simulator_from_env()
     worker = Worker(

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from consumer.errors import OperationError, OperationUnresolved, PermanentFailure, ProviderTimeout
-from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, Operations, SimulatedProvider
+from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, Operations
 from consumer.jobs.states import DONE, READY, WAITING_REVIEW
 from consumer.jobs.store import Store
+from tests.sim_provider import SimulatedProvider
 
 ROOT = Path(__file__).resolve().parent.parent
 

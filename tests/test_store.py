@@ -399,3 +399,39 @@ def test_schema_is_created_idempotently(db_url: str) -> None:
     Store(engine).create_schema()
     assert {"outbox_jobs", "outbox_job_attempts"} <= set(sa.inspect(engine).get_table_names())
     engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda s: s.enqueue("stu\x00dio", "a"), "tenant"),
+        (lambda s: s.enqueue("t", "send\x00"), "action"),
+        (lambda s: s.enqueue("t", "a", subject="x" * 201), "subject"),
+        (lambda s: s.enqueue("t", "a", payload={"to": "a\x00b"}), "payload"),
+        (lambda s: s.enqueue_many([{"tenant": "t", "action": "a\x00"}]), "action"),
+        (lambda s: s.claim_next("w\x00"), "worker"),
+    ],
+)
+def test_bad_names_are_typed_errors_on_both_databases(
+    db_url: str, call: object, field: str
+) -> None:
+    """The shared name rules (outbox.validate): PostgreSQL would raise DataError on NUL and
+    SQLite would store it; both refuse it before anything is written."""
+    store = Store(db_url)
+    with pytest.raises(JobError) as info:
+        call(store)  # type: ignore[operator]
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+    assert sum(store.counts().values()) == 0
+    store.dispose()
+
+
+def test_the_store_reaches_the_database_only_through_its_driver(db_url: str) -> None:
+    from consumer.jobs.driver import PostgresJobDriver, SqliteJobDriver
+
+    store = Store(db_url)
+    expected = PostgresJobDriver if db_url.startswith("postgresql") else SqliteJobDriver
+    assert type(store.driver) is expected
+    with store.driver.begin() as conn:
+        assert store.driver.clock_read(conn, None) > 1.6e9
+    store.dispose()

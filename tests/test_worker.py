@@ -307,3 +307,22 @@ def test_cli_usage_errors_exit_two_and_help_exits_zero() -> None:
         )
         == 2
     )
+
+
+def test_run_until_stop_drains_and_returns(db_url: str) -> None:
+    """One lifecycle for every runner: run() until SIGTERM or stop(), run_once() beside it."""
+    store = Store(db_url)
+    worker = Worker(store, poll_interval=0.05)
+    seen: list[str] = []
+    worker.register("noop", lambda job: seen.append(job.action))
+    store.enqueue("t", "noop-1")
+    assert worker.run_once() == 1
+    store.enqueue("t", "noop-2")
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    wait_for(lambda: store.get("t", "noop-2").state == DONE)
+    worker.stop()
+    runner.join(30)
+    assert not runner.is_alive()
+    assert seen == ["noop-1", "noop-2"]
+    store.dispose()

@@ -31,7 +31,7 @@ from outbox.env import env, env_float, env_int
 from outbox.errors import OutboxError
 from outbox.logs import fields, setup_logging
 
-log = logging.getLogger("consumer.jobs.worker")
+log = logging.getLogger("outbox.worker")
 
 
 class UsageError(Exception):

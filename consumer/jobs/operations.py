@@ -26,27 +26,15 @@ count and age of UNKNOWN receipts): ``operation_id`` (primary key), ``job_id``,
 ``provider``, ``request_digest``, ``state`` (PENDING / ACCEPTED / UNKNOWN / FAILED),
 ``provider_ref``, ``attempts`` (provider calls), ``last_error``, ``created_at``,
 ``updated_at`` (unix seconds, database clock).
-
-:class:`SimulatedProvider` is the connector simulator the tests use: its effects live in a
-SQLite file (so they survive a killed worker), it can accept and then time out or hang, and
-lookup and idempotency support are switchable.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sqlite3
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-from sqlalchemy import select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from consumer.errors import (
     Conflict,
@@ -57,7 +45,6 @@ from consumer.errors import (
     ProviderTimeout,
 )
 from consumer.jobs.schema import db_epoch, jobs, operations
-from consumer.jobs.states import LEASED
 from consumer.jobs.store import Lease, Store
 
 PENDING = "PENDING"
@@ -111,10 +98,8 @@ class Operations:
         self.providers[provider.name] = provider
 
     def receipt(self, operation_id: str) -> Receipt | None:
-        with self.store.engine.connect() as conn:
-            row = conn.execute(
-                select(operations).where(operations.c.operation_id == operation_id)
-            ).first()
+        with self.store.driver.connect() as conn:
+            row = self.store.driver.operation_get(conn, operation_id)
         return None if row is None else Receipt(row.operation_id, row.state, row.provider_ref)
 
     def dispatch(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
@@ -173,52 +158,33 @@ class Operations:
         return Receipt(operation_id, ACCEPTED, ref, reconciled=not created and key is not None)
 
     # -- storage ----------------------------------------------------------------------------
-    def _fence(self, lease: Lease) -> Any:
-        # Operation rows only change while the caller's lease is current.
-        return (
-            select(jobs.c.id)
-            .where(
-                jobs.c.id == lease.job_id,
-                jobs.c.lease_epoch == lease.epoch,
-                jobs.c.lease_owner == lease.worker,
-                jobs.c.state == LEASED,
-            )
-            .exists()
-        )
-
     def _intent(
         self, lease: Lease, operation_id: str, provider: str, digest: str
     ) -> tuple[bool, str, str | None]:
-        with self.store._tx() as conn:
-            if not conn.execute(select(self._fence(lease))).scalar():
+        driver = self.store.driver
+        with driver.begin() as conn:
+            # Operation rows only change while the caller's lease is current.
+            held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
+            if held is None:
                 raise Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
-            ins = pg_insert(operations) if self.store._pg else sqlite_insert(operations)
-            created = conn.execute(
-                ins.values(
-                    operation_id=operation_id,
-                    job_id=lease.job_id,
-                    provider=provider,
-                    request_digest=digest,
-                    state=PENDING,
-                    created_at=db_epoch(),
-                    updated_at=db_epoch(),
-                )
-                .on_conflict_do_nothing(index_elements=["operation_id"])
-                .returning(operations.c.operation_id)
-            ).scalar()
-            row = conn.execute(
-                select(
-                    operations.c.state,
-                    operations.c.provider_ref,
-                    operations.c.request_digest,
-                    operations.c.provider,
-                ).where(operations.c.operation_id == operation_id)
-            ).one()
+            created = driver.operation_insert(
+                conn,
+                {
+                    "operation_id": operation_id,
+                    "job_id": lease.job_id,
+                    "provider": provider,
+                    "request_digest": digest,
+                    "state": PENDING,
+                    "created_at": db_epoch(),
+                    "updated_at": db_epoch(),
+                },
+            )
+            row = driver.operation_get(conn, operation_id)
         if row.request_digest != digest or row.provider != provider:
             raise OperationError(
                 f"operation {operation_id} was dispatched before with a different request"
             )
-        return created is not None, str(row.state), row.provider_ref
+        return created, str(row.state), row.provider_ref
 
     def _record(
         self,
@@ -232,107 +198,16 @@ class Operations:
     ) -> None:
         # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
         # about the provider, and losing it would cost a reconciliation later.
-        with self.store._tx() as conn:
-            conn.execute(
-                update(operations)
-                .where(operations.c.operation_id == operation_id, operations.c.state != ACCEPTED)
-                .values(
-                    state=state,
-                    provider_ref=ref,
-                    last_error=error,
-                    attempts=operations.c.attempts + calls,
-                    updated_at=db_epoch(),
-                )
+        with self.store.driver.begin() as conn:
+            self.store.driver.operation_update(
+                conn,
+                operation_id,
+                {
+                    "state": state,
+                    "provider_ref": ref,
+                    "last_error": error,
+                    "attempts": operations.c.attempts + calls,
+                    "updated_at": db_epoch(),
+                },
+                unless_states=(ACCEPTED,),
             )
-
-
-# -- the connector simulator -------------------------------------------------------------------
-
-
-class SimulatedProvider:
-    """A provider whose effects are rows in a SQLite file (visible across processes).
-
-    ``mode``: ``"ok"``; ``"timeout_after_accept"`` (the effect is made, then
-    ``ProviderTimeout``); ``"hang_after_accept"`` (the effect is made, a ``<path>.accepted``
-    marker file is written, then the call blocks: a test SIGKILLs the worker there);
-    ``"reject"`` (``PermanentFailure``). ``lookup`` and ``idempotency`` switch the two
-    reconciliation aids.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        name: str = "sim",
-        *,
-        mode: str = "ok",
-        lookup: bool = True,
-        idempotency: bool = False,
-    ) -> None:
-        if mode not in ("ok", "timeout_after_accept", "hang_after_accept", "reject"):
-            raise JobError("mode", f"unknown simulator mode {mode!r}")
-        self.path = path
-        self.name = name
-        self.mode = mode
-        self.supports_lookup = lookup
-        self.supports_idempotency = idempotency
-        with self._db() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS effects (ref TEXT PRIMARY KEY, operation_id TEXT,"
-                " idempotency_key TEXT UNIQUE, request TEXT)"
-            )
-
-    def _db(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
-
-    def send(
-        self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
-    ) -> str:
-        if self.mode == "reject":
-            raise PermanentFailure("rejected by the simulated provider")
-        with self._db() as db:
-            if idempotency_key is not None:
-                row = db.execute(
-                    "SELECT ref FROM effects WHERE idempotency_key = ?", (idempotency_key,)
-                ).fetchone()
-                if row is not None:
-                    return str(row[0])
-            ref = f"{self.name}-{uuid.uuid4().hex[:12]}"
-            db.execute(
-                "INSERT INTO effects VALUES (?, ?, ?, ?)",
-                (ref, operation_id, idempotency_key, json.dumps(request)),
-            )
-        if self.mode == "timeout_after_accept":
-            raise ProviderTimeout("the simulated provider accepted, then the answer was lost")
-        if self.mode == "hang_after_accept":
-            with open(self.path + ".accepted", "w") as fh:
-                fh.write(ref)
-            while True:  # a worker stuck on a provider call: the test kills it here
-                time.sleep(1)
-        return ref
-
-    def lookup(self, operation_id: str) -> str | None:
-        if not self.supports_lookup:
-            raise NotImplementedError("this provider has no lookup")
-        with self._db() as db:
-            row = db.execute(
-                "SELECT ref FROM effects WHERE operation_id = ?", (operation_id,)
-            ).fetchone()
-        return None if row is None else str(row[0])
-
-    def effects(self) -> list[tuple[str, str]]:
-        """(ref, operation_id) of every effect made, for tests."""
-        with self._db() as db:
-            return [
-                (str(r[0]), str(r[1])) for r in db.execute("SELECT ref, operation_id FROM effects")
-            ]
-
-
-def simulator_from_env() -> SimulatedProvider:
-    """The simulator configured by ``SIM_PATH``, ``SIM_MODE``, ``SIM_LOOKUP``,
-    ``SIM_IDEMPOTENCY`` (for worker subprocesses in tests)."""
-    return SimulatedProvider(
-        os.environ["SIM_PATH"],
-        mode=os.environ.get("SIM_MODE", "ok"),
-        lookup=os.environ.get("SIM_LOOKUP", "1") == "1",
-        idempotency=os.environ.get("SIM_IDEMPOTENCY", "0") == "1",
-    )

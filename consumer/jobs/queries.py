@@ -3,7 +3,7 @@ batch finish (PostgreSQL and SQLite variants side by side). Plain moves are SQLA
 in ``consumer.jobs.store``; every statement here names its reason.
 
 ``{now}`` in these templates is replaced by ``:now`` when the caller passes a time, or by the
-database clock (``consumer.jobs.schema.clock_sql``) otherwise.
+database clock (``outbox.dialect.EPOCH_SQL``) otherwise. ``consumer.jobs.driver`` runs them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from functools import lru_cache
 from sqlalchemy import TextClause, text
 from sqlalchemy.sql.selectable import TextualSelect
 
-from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, clock_sql, jobs
+from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, jobs
 from consumer.jobs.states import DONE, LEASED, READY
+from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE
 
 # What a claim returns, in this order (a Lease is built from it).
 LEASE_COLUMNS = (
@@ -79,7 +80,7 @@ def pg_claim_batch(now_given: bool) -> TextualSelect:
     order when the shares add up to more than :limit (rows locked but not taken are released
     at commit, a moment later). Step 3: the UPDATE leases them and bumps each epoch.
     """
-    now = ":now" if now_given else clock_sql("postgresql")
+    now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
     return _typed(
         f"""
 WITH RECURSIVE {_TENANT_SCAN},
@@ -120,7 +121,7 @@ def sqlite_tenants() -> TextClause:
 
 @lru_cache(maxsize=4)
 def sqlite_pick(now_given: bool) -> TextClause:
-    now = ":now" if now_given else clock_sql("sqlite")
+    now = ":now" if now_given else EPOCH_SQL[SQLITE]
     return text(
         f"""
 SELECT id FROM {JOBS_TABLE}
@@ -133,7 +134,7 @@ ORDER BY priority DESC, id LIMIT :per
 @lru_cache(maxsize=4)
 def sqlite_lease(now_given: bool) -> TextualSelect:
     # The ids were picked under the write lock just now; state = READY is re-checked anyway.
-    now = ":now" if now_given else clock_sql("sqlite")
+    now = ":now" if now_given else EPOCH_SQL[SQLITE]
     return _typed(
         f"""
 UPDATE {JOBS_TABLE}
@@ -154,7 +155,7 @@ def pg_finish_batch(now_given: bool) -> TextClause:
     longer LEASED by :worker, simply does not match: the caller reports it as a conflict.
     The history rows are written by the same statement.
     """
-    now = ":now" if now_given else clock_sql("postgresql")
+    now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
     return text(
         f"""
 WITH input AS (

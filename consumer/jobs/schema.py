@@ -46,8 +46,6 @@ see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``prov
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -64,8 +62,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
 
 from consumer.jobs.states import (
     LEASED,
@@ -74,36 +70,14 @@ from consumer.jobs.states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
+from outbox.dialect import db_epoch
+from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
+
+__all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
+__all__ += ["db_epoch", "jobs", "metadata", "operations"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
-NAME_LENGTH = 200
-
-PG_CLOCK = "CAST(extract(epoch from now()) AS double precision)"
-# julianday('now') has millisecond resolution; 2440587.5 is the julian day of 1970-01-01.
-SQLITE_CLOCK = "((julianday('now') - 2440587.5) * 86400.0)"
-
-
-class db_epoch(FunctionElement[float]):
-    """The database clock in unix seconds (PostgreSQL: the transaction's start)."""
-
-    type = Double()
-    inherit_cache = True
-    name = "db_epoch"
-
-
-@compiles(db_epoch)
-def _db_epoch_pg(element: db_epoch, compiler: Any, **kw: Any) -> str:
-    return PG_CLOCK
-
-
-@compiles(db_epoch, "sqlite")
-def _db_epoch_sqlite(element: db_epoch, compiler: Any, **kw: Any) -> str:
-    return SQLITE_CLOCK
-
-
-def clock_sql(dialect: str) -> str:
-    return SQLITE_CLOCK if dialect == "sqlite" else PG_CLOCK
 
 
 def _json() -> JSON:
@@ -207,6 +181,10 @@ operations = Table(
     Column("provider_ref", String(NAME_LENGTH), nullable=True),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("last_error", Text, nullable=True),
+    Column("call_deadline", Double, nullable=True),
+    Column("settled_by", String(NAME_LENGTH), nullable=True),
+    Column("settled_reason", Text, nullable=True),
+    Column("settled_at", Double, nullable=True),
     Column("created_at", Double, nullable=False),
     Column("updated_at", Double, nullable=False),
 )
@@ -220,16 +198,12 @@ Index(
 
 
 def create_schema(bind: Engine | Connection) -> None:
-    """Create the job tables and indexes if missing (idempotent, safe at every start)."""
+    """Create the job tables and indexes if missing (idempotent, safe at every start).
+    Through the job store's driver, which serialises concurrent DDL on PostgreSQL."""
+    from consumer.jobs.driver import driver_for
+
     if isinstance(bind, Engine):
         with bind.begin() as conn:
-            _create(conn)
+            driver_for(bind).schema_create(conn)
     else:
-        _create(bind)
-
-
-def _create(conn: Connection) -> None:
-    if conn.dialect.name == "postgresql":
-        # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
-        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
-    metadata.create_all(conn, checkfirst=True)
+        driver_for(bind.engine).schema_create(bind)

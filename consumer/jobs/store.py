@@ -37,34 +37,19 @@ import json
 import math
 import random
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import (
-    ColumnElement,
-    Row,
-    and_,
-    create_engine,
-    insert,
-    select,
-    tuple_,
-    update,
-)
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy import ColumnElement, and_
+from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import StaticPool
 
-from consumer.bulk import bulk_insert
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
-from consumer.jobs import queries as q
+from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.retry import RetryPolicy
-from consumer.jobs.schema import NAME_LENGTH, attempts, db_epoch, jobs
-from consumer.jobs.schema import create_schema as _create_schema
+from consumer.jobs.schema import db_epoch, jobs
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
@@ -77,8 +62,8 @@ from consumer.jobs.states import (
     check_transition,
     sources,
 )
-from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.errors import ConfigError
+from outbox.validate import check_name
 
 Time = float | int | datetime
 _T = TypeVar("_T")
@@ -196,9 +181,6 @@ class StoreConfig:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
-JobRef = "int | str | tuple[str, str] | Lease"
-
-
 # -- the store -------------------------------------------------------------------------------
 
 
@@ -209,6 +191,10 @@ class Store:
     as the Store); ``Store(url_or_engine)`` otherwise: a URL or the same Engine the rest of
     the application uses. The schema is created on construction (idempotent) unless
     ``create_schema=False``.
+
+    ``driver`` (:class:`consumer.jobs.driver.JobDriver`) is the storage seam: every statement
+    the store runs goes through it, and the other modules of ``consumer.jobs`` (operation
+    intents) use it too, in transactions from ``driver.begin()``.
     """
 
     def __init__(
@@ -218,23 +204,19 @@ class Store:
         config: StoreConfig | None = None,
         create_schema: bool = True,
     ) -> None:
-        self._lock: AbstractContextManager[Any] = nullcontext()
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine
         elif url_or_engine is None or isinstance(url_or_engine, (str, URL)):
-            self.engine = _engine_for(url_or_engine)
+            self.engine = engine_for(url_or_engine)
         else:
             raise ConfigError(
                 "url_or_engine",
                 f"expected a URL string or an Engine, got {type(url_or_engine).__name__}",
             )
-        if isinstance(self.engine.pool, StaticPool):
-            # One connection shared by every thread: transactions must not interleave on it.
-            self._lock = threading.RLock()
+        self.driver: JobDriver = driver_for(self.engine)
         self.config = config if config is not None else StoreConfig()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError("config", "must be a StoreConfig")
-        self.dialect = self.engine.dialect.name
         self._cursor = ""  # fairness rotation: the tenant served first by the last claim
         self._cursor_lock = threading.Lock()
         if create_schema:
@@ -242,31 +224,16 @@ class Store:
 
     def create_schema(self) -> None:
         """Create the job tables if they do not exist (idempotent)."""
-        with self._lock:
-            _create_schema(self.engine)
+        with self.driver.begin() as conn:
+            self.driver.schema_create(conn)
 
     def dispose(self) -> None:
         self.engine.dispose()
 
     # -- plumbing ------------------------------------------------------------------------
 
-    @contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        """A short transaction we own; on SQLite it takes the write lock up front."""
-        with self._lock, self.engine.connect() as conn:
-            if self.dialect == "sqlite":
-                conn.execution_options(sqlite_begin="IMMEDIATE")
-            with conn.begin():
-                yield conn
-
-    @property
-    def _pg(self) -> bool:
-        return self.dialect == "postgresql"
-
     def _clock(self, conn: Connection, now: float | None) -> float:
-        if now is not None:
-            return now
-        return float(conn.execute(select(db_epoch())).scalar_one())
+        return self.driver.clock_read(conn, now)
 
     # -- enqueue -------------------------------------------------------------------------
 
@@ -341,7 +308,7 @@ class Store:
         self, session: Session | Connection | None, work: Callable[[Connection], _T]
     ) -> _T:
         if session is None:
-            with self._tx() as conn:
+            with self.driver.begin() as conn:
                 return work(conn)
         if isinstance(session, Session):
             return work(session.connection())
@@ -349,62 +316,24 @@ class Store:
             return work(session)
         raise JobError("session", f"must be a Session or Connection, got {type(session).__name__}")
 
-    def _insert(self, conn: Connection) -> Any:
-        return pg_insert(jobs) if conn.dialect.name == "postgresql" else sqlite_insert(jobs)
-
     def _enqueue(self, conn: Connection, values: dict[str, Any]) -> EnqueueResult:
-        # ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
-        # inserts, so RETURNING is how we learn whether this call created the row.
-        stmt = (
-            self._insert(conn)
-            .values(**values)
-            .on_conflict_do_nothing(index_elements=["tenant", "action"])
-            .returning(jobs.c.id)
-        )
-        new_id = conn.execute(stmt).scalar()
-        if new_id is not None:
-            return EnqueueResult(int(new_id), False)
-        existing = conn.execute(
-            select(jobs.c.id).where(
-                jobs.c.tenant == values["tenant"], jobs.c.action == values["action"]
-            )
-        ).scalar()
-        if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
-            raise Conflict(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
-        return EnqueueResult(int(existing), True)
+        try:
+            job_id, created = self.driver.job_insert(conn, values)
+        except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
+            raise Conflict(str(exc)) from None
+        return EnqueueResult(job_id, not created)
 
     def _enqueue_many(self, conn: Connection, rows: list[dict[str, Any]]) -> list[EnqueueResult]:
         # Every row of one call shares its timestamp (``now``, else the database clock read
-        # once), and the batch goes as ONE statement: binary ``unnest`` arrays on PostgreSQL
-        # (a multi-row VALUES of thousands of parameters costs psycopg more to parse than the
-        # server to run), insertmanyvalues on SQLite. ON CONFLICT DO NOTHING skips identities
-        # that exist and the second of two equal ones in the batch; RETURNING names the rows
-        # that were created.
+        # once), and the batch goes as ONE statement per 500 (the driver). ON CONFLICT DO
+        # NOTHING skips identities that exist and the second of two equal ones in the batch;
+        # RETURNING names the rows that were created.
         stamp = rows[0]["created_at"]
         if not isinstance(stamp, (int, float)):
-            stamp = float(conn.execute(select(db_epoch())).scalar_one())
+            stamp = self._clock(conn, None)
         params = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
-        created: dict[tuple[str, str], int] = {}
-        for start in range(0, len(params), _ENQUEUE_CHUNK):
-            returned = bulk_insert(
-                conn,
-                jobs,
-                params[start : start + _ENQUEUE_CHUNK],
-                conflict=("tenant", "action"),
-                returning=("id", "tenant", "action"),
-            )
-            for job_id, tenant, action in returned:
-                created[(tenant, action)] = int(job_id)
+        created, existing = self.driver.job_insert_many(conn, params)
         keys = [(row["tenant"], row["action"]) for row in rows]
-        missing = sorted({key for key in keys if key not in created})
-        existing: dict[tuple[str, str], int] = {}
-        for start in range(0, len(missing), _ENQUEUE_CHUNK):
-            chunk_keys = missing[start : start + _ENQUEUE_CHUNK]
-            query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
-                tuple_(jobs.c.tenant, jobs.c.action).in_(chunk_keys)
-            )
-            for job_id, tenant, action in conn.execute(query):
-                existing[(tenant, action)] = int(job_id)
         results: list[EnqueueResult] = []
         seen: set[tuple[str, str]] = set()
         for key in keys:
@@ -424,8 +353,8 @@ class Store:
     def get(self, job: Any, action: str | None = None) -> Job:
         """The job's current row; ``JobNotFound`` if it does not exist."""
         where, label = _key(job, action)
-        with self._lock, self.engine.connect() as conn:
-            row = conn.execute(select(jobs).where(where)).first()
+        with self.driver.connect() as conn:
+            row = self.driver.job_get(conn, where)
         if row is None:
             raise JobNotFound(f"no job {label}")
         return _job(row)
@@ -433,22 +362,18 @@ class Store:
     def history(self, job: Any, action: str | None = None) -> list[Attempt]:
         """The job's attempt history, oldest first."""
         job_id = self.get(job, action).id
-        with self._lock, self.engine.connect() as conn:
-            rows = conn.execute(
-                select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)
-            ).all()
+        with self.driver.connect() as conn:
+            rows = self.driver.attempt_list(conn, job_id)
         return [Attempt(r.job_id, r.epoch, r.worker, r.outcome, r.error, float(r.at)) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Jobs per state (every state present, zero when none)."""
-        from sqlalchemy import func
-
-        with self._lock, self.engine.connect() as conn:
-            rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
+        with self.driver.connect() as conn:
+            found = self.driver.job_count_by_state(conn)
         result = dict.fromkeys(
             (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED), 0
         )
-        result.update({state: int(n) for state, n in rows})
+        result.update(found)
         return result
 
     # -- claiming ------------------------------------------------------------------------
@@ -474,22 +399,8 @@ class Store:
         seconds = _ttl(ttl)
         when = _time("now", now)
         where, label = _key(tenant, action)
-        with self._tx() as conn:
-            # Lock the row (PostgreSQL) so the check and the move are one step; SQLite holds
-            # its write lock already.
-            row = conn.execute(
-                select(
-                    jobs.c.id,
-                    jobs.c.state,
-                    jobs.c.run_after,
-                    jobs.c.lease_owner,
-                    jobs.c.lease_epoch,
-                    jobs.c.lease_expires_at,
-                    jobs.c.attempts,
-                )
-                .where(where)
-                .with_for_update()
-            ).first()
+        with self.driver.begin() as conn:
+            row = self.driver.job_lock_for_claim(conn, where)
             if row is None:
                 raise JobNotFound(f"no job {label}")
             clock = self._clock(conn, when)
@@ -503,24 +414,10 @@ class Store:
             if takeover and row.attempts >= self.config.retry.max_attempts:
                 return None  # spent: recovery moves it to NEEDS_ATTENTION
             new_epoch = int(row.lease_epoch) + 1
-            moved = conn.execute(
-                update(jobs)
-                .where(
-                    jobs.c.id == row.id,
-                    jobs.c.state == row.state,
-                    jobs.c.lease_epoch == row.lease_epoch,
-                )
-                .values(
-                    state=LEASED,
-                    lease_owner=worker,
-                    lease_epoch=new_epoch,
-                    lease_expires_at=clock + seconds,
-                    attempts=jobs.c.attempts + 1,
-                    updated_at=clock,
-                )
-                .returning(jobs.c.id)
-            ).first()
-            if moved is None:  # pragma: no cover - the row lock makes this unreachable
+            leased = self.driver.job_lease(
+                conn, row.id, row.state, int(row.lease_epoch), worker, clock + seconds, clock
+            )
+            if not leased:  # pragma: no cover - the row lock makes this unreachable
                 return None
             if takeover:
                 self._record(
@@ -560,45 +457,14 @@ class Store:
         }
         if when is not None:
             params["now"] = when
-        with self._tx() as conn:
-            if self._pg:
-                rows = conn.execute(q.pg_claim_batch(when is not None), params).all()
-            else:
-                rows = self._sqlite_claim(conn, params, when is not None)
+        with self.driver.begin() as conn:
+            rows = self.driver.job_claim_batch(conn, params, when is not None)
         leases = [_lease(row) for row in rows]
         leases.sort(key=lambda lease: (lease.tenant <= cursor, lease.tenant, lease.job_id))
         if leases:
             with self._cursor_lock:
                 self._cursor = leases[0].tenant
         return leases
-
-    def _sqlite_claim(
-        self, conn: Connection, params: dict[str, Any], now_given: bool
-    ) -> Sequence[Row[Any]]:
-        tenants = [
-            r[0]
-            for r in conn.execute(
-                q.sqlite_tenants(), {k: params[k] for k in ("cursor", "max_tenants")}
-            )
-        ]
-        if not tenants:
-            return []
-        per = max(1, math.ceil(params["limit"] / len(tenants)))
-        ids: list[int] = []
-        for tenant in tenants:
-            pick = {"tenant": tenant, "per": per}
-            if now_given:
-                pick["now"] = params["now"]
-            ids.extend(int(r[0]) for r in conn.execute(q.sqlite_pick(now_given), pick))
-            if len(ids) >= params["limit"]:
-                break
-        ids = ids[: params["limit"]]
-        if not ids:
-            return []
-        lease_params = {"ids": json.dumps(ids), "worker": params["worker"], "ttl": params["ttl"]}
-        if now_given:
-            lease_params["now"] = params["now"]
-        return conn.execute(q.sqlite_lease(now_given), lease_params).all()
 
     # -- the lease holder's moves (compare-and-set on (job, epoch)) ----------------------
 
@@ -616,7 +482,7 @@ class Store:
         seconds = _ttl(ttl)
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             self._cas(
                 conn,
@@ -642,7 +508,7 @@ class Store:
         """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held."""
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             self._move(conn, where, label, who, epoch_, DONE, {}, "done", None, when)
 
     def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
@@ -659,38 +525,10 @@ class Store:
         by_worker: dict[str, list[Lease]] = {}
         for lease in items:
             by_worker.setdefault(lease.worker, []).append(lease)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             for worker, group in by_worker.items():
-                if self._pg:
-                    params: dict[str, Any] = {
-                        "ids": ",".join(str(x.job_id) for x in group),
-                        "epochs": ",".join(str(x.epoch) for x in group),
-                        "worker": worker,
-                    }
-                    if when is not None:
-                        params["now"] = when
-                    done.extend(
-                        int(r[0]) for r in conn.execute(q.pg_finish_batch(when is not None), params)
-                    )
-                else:
-                    clock = self._clock(conn, when)
-                    for lease in group:
-                        try:
-                            self._move(
-                                conn,
-                                jobs.c.id == lease.job_id,
-                                str(lease.job_id),
-                                worker,
-                                lease.epoch,
-                                DONE,
-                                {},
-                                "done",
-                                None,
-                                clock,
-                            )
-                        except Conflict:
-                            continue
-                        done.append(lease.job_id)
+                pairs = [(lease.job_id, lease.epoch) for lease in group]
+                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
         finished = set(done)
         return BatchResult(
             done=sorted(finished),
@@ -710,7 +548,7 @@ class Store:
         claimed but did not start (the claim is not counted as an attempt)."""
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             self._move(
                 conn,
                 where,
@@ -747,22 +585,8 @@ class Store:
         text_error = _error_text(error)
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
-        with self._tx() as conn:
-            row = conn.execute(
-                select(
-                    jobs.c.attempts,
-                    jobs.c.auth_failures,
-                    jobs.c.first_failed_at,
-                    jobs.c.provider,
-                )
-                .where(
-                    where,
-                    jobs.c.lease_epoch == epoch_,
-                    jobs.c.lease_owner == who,
-                    jobs.c.state == LEASED,
-                )
-                .with_for_update()
-            ).first()
+        with self.driver.begin() as conn:
+            row = self.driver.job_lock_held(conn, where, who, epoch_)
             if row is None:
                 self._diagnose(conn, where, label, who, epoch_)
             assert row is not None
@@ -837,7 +661,7 @@ class Store:
         when = _time("now", now)
         wake = _time("until", until)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             self._move(
                 conn,
                 where,
@@ -885,7 +709,7 @@ class Store:
             "timer_cancellation_condition": cancellation_condition,
         }
         if isinstance(job, Lease):
-            with self._tx() as conn:
+            with self.driver.begin() as conn:
                 self._move(
                     conn,
                     jobs.c.id == job.job_id,
@@ -901,14 +725,11 @@ class Store:
                 )
             return
         where, label = _key(job, None)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            moved = conn.execute(
-                update(jobs)
-                .where(where, jobs.c.state.in_((READY, *WAITING)))
-                .values(**timer_values, updated_at=clock)
-                .returning(jobs.c.id)
-            ).first()
+            moved = self.driver.job_update_from(
+                conn, where, (READY, *WAITING), {**timer_values, "updated_at": clock}
+            )
             if moved is None:
                 state = self._state(conn, where, label)
                 # A timer on a leased, finished or attention-needing job is not ours to set.
@@ -933,7 +754,7 @@ class Store:
         when = _time("now", now)
         if isinstance(job, Lease) or worker is not None or epoch is not None:
             where, label, who, epoch_ = _holder(job, action, worker, epoch)
-            with self._tx() as conn:
+            with self.driver.begin() as conn:
                 self._move(
                     conn,
                     where,
@@ -997,15 +818,15 @@ class Store:
         allowed: tuple[str, ...] | None = None,
     ) -> None:
         from_states = tuple(s for s in (allowed or sources(target)) if s != LEASED)
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            row = conn.execute(
-                update(jobs)
-                .where(where, jobs.c.state.in_(from_states))
-                .values(**values, state=target, updated_at=clock, **_NO_TIMER)
-                .returning(jobs.c.id, jobs.c.lease_epoch)
-            ).first()
-            if row is None:
+            job_id = self.driver.job_update_from(
+                conn,
+                where,
+                from_states,
+                {**values, "state": target, "updated_at": clock, **_NO_TIMER},
+            )
+            if job_id is None:
                 state = self._state(conn, where, label)
                 if state == LEASED and target in (CANCELLED,):
                     raise Conflict(f"job {label} is leased: only its holder may move it")
@@ -1013,7 +834,7 @@ class Store:
                     check_transition(label, state, target)
                     raise IllegalTransition(label, state, target)
                 raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
-            self._record(conn, row.id, None, None, outcome, note, clock)
+            self._record(conn, job_id, None, None, outcome, note, clock)
 
     def _move(
         self,
@@ -1052,28 +873,18 @@ class Store:
         clock: float,
     ) -> int:
         # The fence: one UPDATE matching (job, epoch, owner, LEASED); no row = Conflict.
-        row = conn.execute(
-            update(jobs)
-            .where(
-                where,
-                jobs.c.lease_epoch == epoch,
-                jobs.c.lease_owner == worker,
-                jobs.c.state == LEASED,
-            )
-            .values(**values, updated_at=clock)
-            .returning(jobs.c.id)
-        ).first()
-        if row is None:
+        job_id = self.driver.job_update_fenced(
+            conn, where, worker, epoch, {**values, "updated_at": clock}
+        )
+        if job_id is None:
             self._diagnose(conn, where, label, worker, epoch)
-        assert row is not None
-        return int(row[0])
+        assert job_id is not None
+        return job_id
 
     def _diagnose(
         self, conn: Connection, where: ColumnElement[bool], label: str, worker: str, epoch: int
     ) -> None:
-        row = conn.execute(
-            select(jobs.c.state, jobs.c.lease_epoch, jobs.c.lease_owner).where(where)
-        ).first()
+        row = self.driver.job_lease_state(conn, where)
         if row is None:
             raise JobNotFound(f"no job {label}")
         raise Conflict(
@@ -1082,7 +893,7 @@ class Store:
         )
 
     def _state(self, conn: Connection, where: ColumnElement[bool], label: str) -> str:
-        state = conn.execute(select(jobs.c.state).where(where)).scalar()
+        state = self.driver.job_state(conn, where)
         if state is None:
             raise JobNotFound(f"no job {label}")
         return str(state)
@@ -1097,11 +908,7 @@ class Store:
         error: str | None,
         clock: float,
     ) -> None:
-        conn.execute(
-            insert(attempts).values(
-                job_id=job_id, epoch=epoch, worker=worker, outcome=outcome, error=error, at=clock
-            )
-        )
+        self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, error, clock)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -1118,15 +925,9 @@ class Store:
         when = _time("now", now)
         max_attempts = self.config.retry.max_attempts
         requeued = attention = woken = 0
-        with self._tx() as conn:
+        with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            expired = conn.execute(
-                select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
-                .where(jobs.c.state == LEASED, jobs.c.lease_expires_at <= clock)
-                .order_by(jobs.c.lease_expires_at)
-                .limit(bound)
-                .with_for_update(skip_locked=True)
-            ).all()
+            expired = self.driver.job_expired_list(conn, clock, bound)
             for row in expired:
                 target = NEEDS_ATTENTION if row.attempts >= max_attempts else READY
                 check_transition(str(row.id), LEASED, target)
@@ -1139,18 +940,7 @@ class Store:
                 }
                 if target == NEEDS_ATTENTION:
                     values["wait_reason"] = f"{row.attempts} attempts spent (lease expired)"
-                hit = conn.execute(
-                    update(jobs)
-                    .where(
-                        jobs.c.id == row.id,
-                        jobs.c.lease_epoch == row.lease_epoch,
-                        jobs.c.state == LEASED,
-                        jobs.c.lease_expires_at <= clock,
-                    )
-                    .values(**values)
-                    .returning(jobs.c.id)
-                ).first()
-                if hit is None:
+                if not self.driver.job_expire(conn, row.id, int(row.lease_epoch), clock, values):
                     continue
                 self._record(
                     conn,
@@ -1165,21 +955,15 @@ class Store:
                     requeued += 1
                 else:
                     attention += 1
-            due = conn.execute(
-                select(jobs.c.id, jobs.c.state)
-                .where(jobs.c.state.in_(WAITING), jobs.c.run_after <= clock)
-                .order_by(jobs.c.run_after)
-                .limit(bound)
-                .with_for_update(skip_locked=True)
-            ).all()
+            due = self.driver.job_due_list(conn, clock, bound)
             for waiting in due:
                 check_transition(str(waiting.id), waiting.state, READY)
-                hit = conn.execute(
-                    update(jobs)
-                    .where(jobs.c.id == waiting.id, jobs.c.state == waiting.state)
-                    .values(state=READY, wait_reason=None, updated_at=clock)
-                    .returning(jobs.c.id)
-                ).first()
+                hit = self.driver.job_update_from(
+                    conn,
+                    jobs.c.id == waiting.id,
+                    (waiting.state,),
+                    {"state": READY, "wait_reason": None, "updated_at": clock},
+                )
                 if hit is not None:
                     self._record(conn, waiting.id, None, None, "timer_fired", None, clock)
                     woken += 1
@@ -1197,27 +981,6 @@ _NO_TIMER: dict[str, Any] = {
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _engine_for(url: str | URL | None) -> Engine:
-    if url is None:
-        return _memory_engine()
-    parsed = normalise_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-        return _memory_engine()
-    return make_engine(parsed)
-
-
-def _memory_engine() -> Engine:
-    # One connection for the Store's life (StaticPool): an in-memory database exists only
-    # inside its connection, so a pool of several would give each its own empty database.
-    engine = create_engine(
-        make_url("sqlite://"),
-        poolclass=StaticPool,
-        connect_args={"check_same_thread": False},
-    )
-    configure_sqlite(engine)
-    return engine
-
-
 _SPEC_FIELDS = frozenset(
     {
         "tenant",
@@ -1231,7 +994,6 @@ _SPEC_FIELDS = frozenset(
         "provider",
     }
 )
-_ENQUEUE_CHUNK = 500
 
 
 def _job_values(
@@ -1278,12 +1040,9 @@ def _job_values(
 
 
 def _name(field_name: str, value: object, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise JobError(field_name, f"must be a non-empty string, got {value!r}")
-    if len(value) > NAME_LENGTH:
-        raise JobError(field_name, f"is longer than {NAME_LENGTH} characters")
+    """The shared name rules (``outbox.validate``: non-blank, at most 200 characters, no
+    NUL), checked before anything reaches either database; ``JobError`` names the field."""
+    check_name(field_name, value, JobError, required=not optional)
 
 
 def _version(field_name: str, value: object) -> str | None:
@@ -1320,9 +1079,12 @@ def _time(field_name: str, value: object) -> float | None:
 
 def _check_json(field_name: str, value: object) -> None:
     try:
-        json.dumps(value, allow_nan=False)
+        encoded = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise JobError(field_name, f"is not JSON-serialisable ({exc})") from None
+    if "\\u0000" in encoded:
+        # PostgreSQL's jsonb refuses NUL in strings while SQLite stores it: refuse on both.
+        raise JobError(field_name, "must not contain NUL characters")
 
 
 def _error_text(error: object) -> str:

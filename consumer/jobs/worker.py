@@ -56,7 +56,7 @@ from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 
-log = logging.getLogger("consumer.jobs.worker")
+log = logging.getLogger("outbox.worker")
 
 Handler = Callable[["JobContext"], Any]
 _SEPARATORS = "-:/.#_"

@@ -1,0 +1,508 @@
+"""The job store's storage seam: one driver per database, one method per operation.
+
+In the spirit of River's ``riverdriver``: :class:`consumer.jobs.store.Store` validates, decides
+and keeps the contract; a :class:`JobDriver` runs the SQL. Methods are named noun first
+(``job_claim_batch``, ``job_update_fenced``, ``operation_insert``) and take an open
+:class:`~sqlalchemy.engine.Connection` so that several of them make one transaction
+(:meth:`JobDriver.begin`).
+
+Most statements are SQLAlchemy Core that compiles the same on both databases; they live in
+:class:`JobDriver`. What differs lives in its two subclasses, side by side:
+
+- :class:`PostgresJobDriver`: the fair batch claim and the batch finish as one statement each
+  (``consumer.jobs.queries``), ``FOR UPDATE SKIP LOCKED``, DDL serialised by an advisory lock.
+- :class:`SqliteJobDriver`: transactions take the write lock up front (``BEGIN IMMEDIATE``),
+  so the claim picks its rows in a few statements without row locks, and the batch finish is
+  a loop of fenced updates in that one transaction.
+
+:func:`driver_for` is the one place that asks which database an engine talks to. The other
+modules of ``consumer.jobs`` reach the database only through ``Store.driver``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from sqlalchemy import ColumnElement, create_engine, func, insert, select, text, tuple_, update
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from consumer.bulk import bulk_insert
+from consumer.jobs import queries as q
+from consumer.jobs.schema import attempts, jobs, metadata, operations
+from consumer.jobs.states import DONE, LEASED, WAITING
+from outbox.db import configure_sqlite, make_engine, normalise_url
+from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
+
+INSERT_CHUNK = 500
+"""Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""
+
+_NO_TIMER: dict[str, Any] = {
+    "timer_scheduled_for": None,
+    "timer_reason": None,
+    "timer_subject_version": None,
+    "timer_cancellation_condition": None,
+}
+
+
+class JobDriver:
+    """The SQL both databases share; subclasses override what differs (module docstring)."""
+
+    name = "generic"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # An in-memory SQLite database is ONE connection shared by every thread (StaticPool):
+        # transactions must not interleave on it.
+        self._lock: AbstractContextManager[Any] = (
+            threading.RLock() if isinstance(engine.pool, StaticPool) else nullcontext()
+        )
+
+    # -- connections and schema -----------------------------------------------------------
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A short read-write transaction owned by the store (commits on success)."""
+        with self._lock, self.engine.connect() as conn:
+            self._prepare(conn)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A connection for reads."""
+        with self._lock, self.engine.connect() as conn:
+            yield conn
+
+    def _prepare(self, conn: Connection) -> None:
+        """Per-dialect set-up of a write transaction before it begins."""
+
+    def schema_create(self, conn: Connection) -> None:
+        """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
+        metadata.create_all(conn, checkfirst=True)
+
+    def clock_read(self, conn: Connection, now: float | None) -> float:
+        """``now`` if given, else the database clock in unix seconds."""
+        if now is not None:
+            return now
+        return float(conn.execute(select(db_epoch())).scalar_one())
+
+    # -- jobs: insert ---------------------------------------------------------------------
+
+    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+        """Insert one job or find the existing ``(tenant, action)``: ``(id, created)``.
+
+        ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
+        inserts, so RETURNING is how we learn whether this call created the row."""
+        stmt = (
+            insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
+            .values(**values)
+            .returning(jobs.c.id)
+        )
+        new_id = conn.execute(stmt).scalar()
+        if new_id is not None:
+            return int(new_id), True
+        existing = conn.execute(
+            select(jobs.c.id).where(
+                jobs.c.tenant == values["tenant"], jobs.c.action == values["action"]
+            )
+        ).scalar()
+        if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
+            raise LookupError(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
+        return int(existing), False
+
+    def job_insert_many(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """Insert many jobs, one statement per :data:`INSERT_CHUNK`; returns the ids of the
+        identities created and of those that existed (``consumer.bulk.bulk_insert``: binary
+        ``unnest`` arrays on PostgreSQL, insertmanyvalues on SQLite)."""
+        created: dict[tuple[str, str], int] = {}
+        for start in range(0, len(rows), INSERT_CHUNK):
+            returned = bulk_insert(
+                conn,
+                jobs,
+                rows[start : start + INSERT_CHUNK],
+                conflict=("tenant", "action"),
+                returning=("id", "tenant", "action"),
+            )
+            for job_id, tenant, action in returned:
+                created[(tenant, action)] = int(job_id)
+        missing = sorted({(r["tenant"], r["action"]) for r in rows} - set(created))
+        existing: dict[tuple[str, str], int] = {}
+        for start in range(0, len(missing), INSERT_CHUNK):
+            query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
+                tuple_(jobs.c.tenant, jobs.c.action).in_(missing[start : start + INSERT_CHUNK])
+            )
+            for job_id, tenant, action in conn.execute(query):
+                existing[(tenant, action)] = int(job_id)
+        return created, existing
+
+    # -- jobs: reads ----------------------------------------------------------------------
+
+    def job_get(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        return conn.execute(select(jobs).where(where)).first()
+
+    def job_state(self, conn: Connection, where: ColumnElement[bool]) -> str | None:
+        state = conn.execute(select(jobs.c.state).where(where)).scalar()
+        return None if state is None else str(state)
+
+    def job_lease_state(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        """State, epoch and owner: what a refused fenced move reports."""
+        return conn.execute(
+            select(jobs.c.state, jobs.c.lease_epoch, jobs.c.lease_owner).where(where)
+        ).first()
+
+    def job_count_by_state(self, conn: Connection) -> dict[str, int]:
+        rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
+        return {str(state): int(n) for state, n in rows}
+
+    def attempt_list(self, conn: Connection, job_id: int) -> Sequence[Any]:
+        return conn.execute(
+            select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)
+        ).all()
+
+    # -- jobs: claiming -------------------------------------------------------------------
+
+    def job_lock_for_claim(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        """Lock one job row (PostgreSQL; SQLite holds its write lock already) so a claim's
+        check and move are one step."""
+        return conn.execute(
+            select(
+                jobs.c.id,
+                jobs.c.state,
+                jobs.c.run_after,
+                jobs.c.lease_owner,
+                jobs.c.lease_epoch,
+                jobs.c.lease_expires_at,
+                jobs.c.attempts,
+            )
+            .where(where)
+            .with_for_update()
+        ).first()
+
+    def job_lease(
+        self,
+        conn: Connection,
+        job_id: int,
+        state: str,
+        epoch: int,
+        worker: str,
+        expires_at: float,
+        clock: float,
+    ) -> bool:
+        """Lease the job read as ``(state, epoch)`` to ``worker`` with the next epoch."""
+        moved = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.state == state, jobs.c.lease_epoch == epoch)
+            .values(
+                state=LEASED,
+                lease_owner=worker,
+                lease_epoch=epoch + 1,
+                lease_expires_at=expires_at,
+                attempts=jobs.c.attempts + 1,
+                updated_at=clock,
+            )
+            .returning(jobs.c.id)
+        ).first()
+        return moved is not None
+
+    def job_claim_batch(
+        self, conn: Connection, params: dict[str, Any], now_given: bool
+    ) -> Sequence[Any]:
+        """Lease up to ``params["limit"]`` READY jobs fairly across tenants; rows carry
+        ``consumer.jobs.queries.LEASE_COLUMNS``."""
+        raise NotImplementedError
+
+    # -- jobs: the lease holder's moves ---------------------------------------------------
+
+    def job_update_fenced(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        worker: str,
+        epoch: int,
+        values: Mapping[str, Any],
+    ) -> int | None:
+        """The fence: one UPDATE matching (job, epoch, owner, LEASED). The id, or None when
+        no row matched (the caller raises Conflict or JobNotFound)."""
+        row = conn.execute(
+            update(jobs)
+            .where(
+                where,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return None if row is None else int(row[0])
+
+    def job_lock_held(
+        self, conn: Connection, where: ColumnElement[bool], worker: str, epoch: int
+    ) -> Any:
+        """Lock the job if ``worker`` holds it at ``epoch``: its failure counters."""
+        return conn.execute(
+            select(jobs.c.attempts, jobs.c.auth_failures, jobs.c.first_failed_at, jobs.c.provider)
+            .where(
+                where,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .with_for_update()
+        ).first()
+
+    def job_finish_batch(
+        self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
+    ) -> list[int]:
+        """Finish ``(job_id, epoch)`` leases of ``worker``, each fenced on its own epoch, with
+        their history rows; returns the ids finished (the others lost their lease)."""
+        raise NotImplementedError
+
+    # -- jobs: moves by anyone (operators, timers, recovery) ------------------------------
+
+    def job_update_from(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        from_states: Sequence[str],
+        values: Mapping[str, Any],
+    ) -> int | None:
+        """Move the job if it is in one of ``from_states``: its id, or None."""
+        row = conn.execute(
+            update(jobs)
+            .where(where, jobs.c.state.in_(list(from_states)))
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return None if row is None else int(row[0])
+
+    def job_expired_list(self, conn: Connection, clock: float, limit: int) -> Sequence[Any]:
+        """Expired leases, oldest first, locked with SKIP LOCKED (PostgreSQL)."""
+        return conn.execute(
+            select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+            .where(jobs.c.state == LEASED, jobs.c.lease_expires_at <= clock)
+            .order_by(jobs.c.lease_expires_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+
+    def job_expire(
+        self, conn: Connection, job_id: int, epoch: int, clock: float, values: Mapping[str, Any]
+    ) -> bool:
+        """Take back an expired lease, re-checked against the epoch read: a lease renewed or
+        finished meanwhile is left alone."""
+        hit = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.state == LEASED,
+                jobs.c.lease_expires_at <= clock,
+            )
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return hit is not None
+
+    def job_due_list(self, conn: Connection, clock: float, limit: int) -> Sequence[Any]:
+        """Waiting jobs whose timer is due, locked with SKIP LOCKED (PostgreSQL)."""
+        return conn.execute(
+            select(jobs.c.id, jobs.c.state)
+            .where(jobs.c.state.in_(WAITING), jobs.c.run_after <= clock)
+            .order_by(jobs.c.run_after)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+
+    def attempt_insert(
+        self,
+        conn: Connection,
+        job_id: int,
+        epoch: int | None,
+        worker: str | None,
+        outcome: str,
+        error: str | None,
+        clock: float,
+    ) -> None:
+        conn.execute(
+            insert(attempts).values(
+                job_id=job_id, epoch=epoch, worker=worker, outcome=outcome, error=error, at=clock
+            )
+        )
+
+    # -- operation intents and receipts (consumer.jobs.operations) ------------------------
+
+    def operation_insert(self, conn: Connection, values: Mapping[str, Any]) -> bool:
+        """Insert an intent unless its operation id exists; True when this call created it."""
+        created = conn.execute(
+            insert_or_ignore(operations, ("operation_id",), conn.dialect.name)
+            .values(**values)
+            .returning(operations.c.operation_id)
+        ).scalar()
+        return created is not None
+
+    def operation_get(self, conn: Connection, operation_id: str, *, lock: bool = False) -> Any:
+        query = select(operations).where(operations.c.operation_id == operation_id)
+        if lock:
+            query = query.with_for_update()
+        return conn.execute(query).first()
+
+    def operation_update(
+        self,
+        conn: Connection,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        unless_states: Sequence[str] = (),
+    ) -> bool:
+        """Update one receipt (not when it is in ``unless_states``); True if it matched."""
+        stmt = update(operations).where(operations.c.operation_id == operation_id)
+        if unless_states:
+            stmt = stmt.where(operations.c.state.not_in(list(unless_states)))
+        row = conn.execute(stmt.values(**values).returning(operations.c.operation_id)).first()
+        return row is not None
+
+    def operation_list(
+        self,
+        conn: Connection,
+        *,
+        states: Sequence[str] | None = None,
+        due_before: float | None = None,
+        limit: int = 1000,
+        skip_locked: bool = False,
+    ) -> Sequence[Any]:
+        """Receipts, oldest first; ``due_before``: only those whose call deadline passed
+        (no deadline counts as passed)."""
+        query = select(operations)
+        if states:
+            query = query.where(operations.c.state.in_(list(states)))
+        if due_before is not None:
+            query = query.where(
+                (operations.c.call_deadline.is_(None)) | (operations.c.call_deadline <= due_before)
+            )
+        query = query.order_by(operations.c.updated_at, operations.c.operation_id).limit(limit)
+        if skip_locked:
+            query = query.with_for_update(skip_locked=True)
+        return conn.execute(query).all()
+
+
+class PostgresJobDriver(JobDriver):
+    """PostgreSQL: one statement per batch claim and batch finish, SKIP LOCKED, advisory DDL
+    lock."""
+
+    name = "postgresql"
+
+    def schema_create(self, conn: Connection) -> None:
+        # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+        metadata.create_all(conn, checkfirst=True)
+
+    def job_claim_batch(
+        self, conn: Connection, params: dict[str, Any], now_given: bool
+    ) -> Sequence[Any]:
+        return conn.execute(q.pg_claim_batch(now_given), params).all()
+
+    def job_finish_batch(
+        self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
+    ) -> list[int]:
+        params: dict[str, Any] = {
+            "ids": ",".join(str(job_id) for job_id, _ in leases),
+            "epochs": ",".join(str(epoch) for _, epoch in leases),
+            "worker": worker,
+        }
+        if when is not None:
+            params["now"] = when
+        return [int(r[0]) for r in conn.execute(q.pg_finish_batch(when is not None), params)]
+
+
+class SqliteJobDriver(JobDriver):
+    """SQLite: every write transaction holds the database's write lock from its start
+    (``BEGIN IMMEDIATE``), so picks and moves need no row locks."""
+
+    name = "sqlite"
+
+    def _prepare(self, conn: Connection) -> None:
+        conn.execution_options(sqlite_begin="IMMEDIATE")
+
+    def job_claim_batch(
+        self, conn: Connection, params: dict[str, Any], now_given: bool
+    ) -> Sequence[Any]:
+        # The same rotating tenant scan as PostgreSQL's, then each tenant's share picked in
+        # (priority desc, id) order, then one UPDATE ... RETURNING leasing the picked ids.
+        scan = {k: params[k] for k in ("cursor", "max_tenants")}
+        tenants = [r[0] for r in conn.execute(q.sqlite_tenants(), scan)]
+        if not tenants:
+            return []
+        per = max(1, math.ceil(params["limit"] / len(tenants)))
+        ids: list[int] = []
+        for tenant in tenants:
+            pick: dict[str, Any] = {"tenant": tenant, "per": per}
+            if now_given:
+                pick["now"] = params["now"]
+            ids.extend(int(r[0]) for r in conn.execute(q.sqlite_pick(now_given), pick))
+            if len(ids) >= params["limit"]:
+                break
+        ids = ids[: params["limit"]]
+        if not ids:
+            return []
+        lease: dict[str, Any] = {"ids": json.dumps(ids), "worker": params["worker"]}
+        lease["ttl"] = params["ttl"]
+        if now_given:
+            lease["now"] = params["now"]
+        return conn.execute(q.sqlite_lease(now_given), lease).all()
+
+    def job_finish_batch(
+        self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
+    ) -> list[int]:
+        clock = self.clock_read(conn, when)
+        done: list[int] = []
+        moved = {
+            "state": DONE,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "updated_at": clock,
+            **_NO_TIMER,
+        }
+        for job_id, epoch in leases:
+            if self.job_update_fenced(conn, jobs.c.id == job_id, worker, epoch, moved) is None:
+                continue
+            self.attempt_insert(conn, job_id, epoch, worker, "done", None, clock)
+            done.append(job_id)
+        return done
+
+
+def driver_for(engine: Engine) -> JobDriver:
+    """The driver for ``engine``'s database: the one dialect check of the job store."""
+    if is_postgresql(engine.dialect.name):
+        return PostgresJobDriver(engine)
+    return SqliteJobDriver(engine)
+
+
+def engine_for(url: str | URL | None) -> Engine:
+    """An engine for a URL; ``None`` or ``sqlite://`` is an in-memory database."""
+    if url is None:
+        return _memory_engine()
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        return _memory_engine()
+    return make_engine(parsed)
+
+
+def _memory_engine() -> Engine:
+    # One connection for the Store's life (StaticPool): an in-memory database exists only
+    # inside its connection, so a pool of several would give each its own empty database.
+    engine = create_engine(
+        make_url("sqlite://"),
+        poolclass=StaticPool,
+        connect_args={"check_same_thread": False},
+    )
+    configure_sqlite(engine)
+    return engine
