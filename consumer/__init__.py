@@ -14,10 +14,13 @@ from consumer.errors import (
     ConsumerError,
     OperationUnresolved,
     PermanentFailure,
+    ProviderOutcomeUnknown,
     ProviderTimeout,
+    ProviderUnavailable,
     TransientFailure,
 )
 from consumer.event import ConsumedEvent
+from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import Operations, Provider, Receipt
 from consumer.jobs.retry import RetryPolicy
 from consumer.jobs.store import EnqueueResult, Lease, Store, StoreConfig, Timer
@@ -32,13 +35,16 @@ __all__ = [
     "ConsumerError",
     "ConsumerTx",
     "EnqueueResult",
+    "HttpProvider",
     "JobContext",
     "Lease",
     "OperationUnresolved",
     "Operations",
     "PermanentFailure",
     "Provider",
+    "ProviderOutcomeUnknown",
     "ProviderTimeout",
+    "ProviderUnavailable",
     "Receipt",
     "RetryPolicy",
     "Store",

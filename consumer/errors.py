@@ -71,10 +71,26 @@ class JobFailure(ConsumerError):
     Any other exception from a handler counts as a :class:`TransientFailure`."""
 
     kind = "transient"
+    #: True when the provider certainly did not act on the request (a connection refused
+    #: before anything was sent, HTTP 401/403/429/503): the receipt is NOT_SENT, never
+    #: FAILED, and a retry (or a resume after the credentials are fixed) sends.
+    not_sent = False
 
-    def __init__(self, message: str = "", *, provider: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        provider: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+        not_sent: bool | None = None,
+    ) -> None:
         super().__init__(message or type(self).__name__)
         self.provider = provider
+        self.status = status  # the provider's HTTP status, when there was one
+        self.retry_after = retry_after  # seconds the provider asked us to wait (Retry-After)
+        if not_sent is not None:
+            self.not_sent = not_sent
 
 
 class TransientFailure(JobFailure):
@@ -105,6 +121,21 @@ class OperationError(ConsumerError):
 class ProviderTimeout(TransientFailure):
     """A provider did not answer in time: the request may or may not have taken effect. The
     operation's receipt becomes UNKNOWN (never FAILED) and is reconciled before any resend."""
+
+
+class ProviderUnavailable(TransientFailure):
+    """The provider did not act: the connection was refused before anything was sent, or it
+    answered 429 (rate limited) or 503 (unavailable). ``not_sent`` is True, ``status`` is the
+    HTTP status (None for a connect error) and ``retry_after`` the seconds it asked for
+    (``Retry-After``), which the retry policy honours."""
+
+    not_sent = True
+
+
+class ProviderOutcomeUnknown(ProviderTimeout):
+    """The provider answered in a way that does not say whether it acted (a 5xx other than
+    503, a 2xx without a readable reference): as ambiguous as a timeout, the receipt is
+    UNKNOWN and is reconciled before any resend. ``status`` is the HTTP status."""
 
 
 class OperationUnresolved(ConsumerError):

@@ -1,0 +1,385 @@
+"""``HttpProvider``: the Provider protocol over HTTP (httpx, synchronous).
+
+A real provider (email, payments, CRM) is an HTTP API. ``HttpProvider`` POSTs the request as
+JSON to ``send_url`` and reads the provider's reference from a JSON field of the answer
+(``ref_field``, ``"id"`` by default; a dotted path such as ``"data.id"`` reaches into
+nested objects). Every call carries ``headers`` and the operation id (``Operation-Id``),
+and, when ``idempotency_header`` is not None, the idempotency key in that header: the IETF
+``Idempotency-Key`` draft and Stripe's practice are the convention, and a provider that
+honours it turns a resend into a replay of the first answer.
+
+The capabilities follow from the arguments: ``supports_idempotency`` when
+``idempotency_header`` is set, ``supports_lookup`` when ``lookup_url`` is given.
+``lookup_url`` is a template with ``{operation_id}``; 200 means found (the reference from
+``ref_field``), 404 means not found.
+
+How an answer becomes a receipt (``consumer.jobs.operations`` records it):
+
+====================================================  =======================================
+what happened                                         raised / returned (receipt)
+====================================================  =======================================
+connect error, pool timeout (nothing was sent)        ``ProviderUnavailable`` (NOT_SENT)
+read timeout, connection reset after sending          ``ProviderTimeout`` (UNKNOWN)
+2xx                                                   the reference (ACCEPTED)
+2xx without a readable reference                      ``ProviderOutcomeUnknown`` (UNKNOWN)
+400, 422 (and other 4xx but 408/409/429)              ``PermanentFailure`` (FAILED)
+401, 403                                              ``AuthFailure``, ``not_sent`` (NOT_SENT)
+409 (a reused key with another body)                  ``PermanentFailure`` naming the conflict
+408, 429, 503                                         ``ProviderUnavailable`` + ``retry_after``
+other 5xx (the request may have taken effect)         ``ProviderOutcomeUnknown`` (UNKNOWN)
+====================================================  =======================================
+
+Errors carry ``status`` (the HTTP status), ``provider`` (the name), ``not_sent`` (True when
+the provider certainly did not act: 401/403/408/429/503 and connect errors) and
+``retry_after`` (seconds, from ``Retry-After`` given as seconds or as an HTTP date).
+
+``timeout`` is both what httpx waits in each phase (connect, write, pool, the wait for the
+answer's headers) and a bound on the whole exchange once connected: the body is streamed and
+a call still reading past ``timeout`` seconds is cut off as ``ProviderTimeout``. It is also
+declared to ``Operations`` (``provider.timeout``), which records the call's deadline in the
+intent so that no reconciler looks the operation up while the call may still be in flight.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import math
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from consumer.errors import (
+    AuthFailure,
+    OperationError,
+    PermanentFailure,
+    ProviderOutcomeUnknown,
+    ProviderTimeout,
+    ProviderUnavailable,
+)
+from outbox.errors import ConfigError
+
+#: Statuses after which the provider certainly did not act on the request.
+NOT_SENT_STATUSES = frozenset({401, 403, 408, 429, 503})
+#: The largest answer body read (a reference is small; a provider sending megabytes is broken).
+MAX_BODY_BYTES = 1 << 20
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date
+    (RFC 9110 10.2.3). None when absent or unreadable; never negative."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # an HTTP date is GMT by definition
+            when = when.replace(tzinfo=UTC)
+        current = datetime.now(UTC).timestamp() if now is None else now
+        seconds = when.timestamp() - current
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+class HttpProvider:
+    """A provider reached over HTTP (see the module docstring for the status mapping).
+
+    ``client``: an ``httpx.Client`` of your own (proxies, TLS, transports, mounts); the
+    provider then never closes it. Without one, the provider owns a client with keep-alive
+    connections, shared safely by a worker's threads; ``close()`` (or ``with``) releases it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        send_url: str,
+        *,
+        lookup_url: str | None = None,
+        idempotency_header: str | None = "Idempotency-Key",
+        timeout: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        client: httpx.Client | None = None,
+        ref_field: str = "id",
+        operation_id_header: str = "Operation-Id",
+    ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError("name", "must be a non-empty string")
+        _check_url("send_url", send_url)
+        if lookup_url is not None:
+            _check_url("lookup_url", lookup_url)
+            try:
+                lookup_url.format(operation_id="x")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ConfigError(
+                    "lookup_url", f"must be a template with only {{operation_id}} ({exc!r})"
+                ) from None
+            if "{operation_id}" not in lookup_url:
+                raise ConfigError("lookup_url", "must contain {operation_id}")
+        if idempotency_header is not None:
+            _check_header_name("idempotency_header", idempotency_header)
+        _check_header_name("operation_id_header", operation_id_header)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ConfigError("timeout", f"must be a positive number of seconds, not {timeout!r}")
+        if headers is not None:
+            if not isinstance(headers, Mapping):
+                raise ConfigError("headers", "must be a mapping of header names to values")
+            for key, value in headers.items():
+                _check_header_name("headers", key)
+                if not isinstance(value, str) or "\r" in value or "\n" in value:
+                    raise ConfigError("headers", f"value of {key!r} must be a one-line string")
+        if client is not None and not isinstance(client, httpx.Client):
+            raise ConfigError("client", "must be an httpx.Client (the provider is synchronous)")
+        if not isinstance(ref_field, str) or not ref_field or "" in ref_field.split("."):
+            raise ConfigError("ref_field", "must be a JSON field name or a dotted path")
+
+        self.name = name
+        self.send_url = send_url
+        self.lookup_url = lookup_url
+        self.idempotency_header = idempotency_header
+        self.operation_id_header = operation_id_header
+        self.timeout = float(timeout)
+        self.headers: dict[str, str] = dict(headers or {})
+        self.ref_field = ref_field
+        self.supports_lookup = lookup_url is not None
+        self.supports_idempotency = idempotency_header is not None
+        self._owns_client = client is None
+        self.client = (
+            client
+            if client is not None
+            else httpx.Client(
+                timeout=httpx.Timeout(self.timeout),
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+                headers={"User-Agent": "outbox-toolkit HttpProvider"},
+            )
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HttpProvider({self.name!r}, {self.send_url!r}, lookup={self.supports_lookup}, "
+            f"idempotency={self.supports_idempotency})"
+        )
+
+    # -- the Provider protocol ----------------------------------------------------------------
+    def send(
+        self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
+    ) -> str:
+        """POST the request; return the provider's reference (see the mapping above)."""
+        try:
+            body = json.dumps(request, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise PermanentFailure(
+                f"{self.name}: request is not JSON-serialisable ({exc})", provider=self.name
+            ) from None
+        headers = self._headers(operation_id)
+        headers["Content-Type"] = "application/json"
+        if self.idempotency_header is not None and idempotency_key is not None:
+            headers[self.idempotency_header] = idempotency_key
+        status, payload, retry_after = self._exchange("POST", self.send_url, headers, body)
+        if 200 <= status < 300:
+            ref = self._ref(payload)
+            if ref is None:
+                raise ProviderOutcomeUnknown(
+                    f"{self.name}: accepted with {status} but no {self.ref_field!r} in the answer",
+                    provider=self.name,
+                    status=status,
+                )
+            return ref
+        raise self._error(status, payload, retry_after, "send")
+
+    def lookup(self, operation_id: str) -> str | None:
+        """GET ``lookup_url``: the reference of the effect made for ``operation_id``, or None.
+
+        A lookup sends nothing, so every failure here is one to retry later (or a
+        misconfiguration: ``PermanentFailure`` / ``AuthFailure``); it never makes a receipt
+        UNKNOWN.
+        """
+        if self.lookup_url is None:
+            raise OperationError(f"provider {self.name!r} has no lookup_url")
+        url = self.lookup_url.format(operation_id=quote(operation_id, safe=""))
+        try:
+            status, payload, retry_after = self._exchange(
+                "GET", url, self._headers(operation_id), None
+            )
+        except ProviderTimeout as exc:  # nothing to be unsure about: a lookup acts on nothing
+            raise ProviderUnavailable(
+                f"{self.name}: lookup did not answer ({exc})", provider=self.name
+            ) from None
+        if status == 404:
+            return None
+        if status == 200:
+            ref = self._ref(payload)
+            if ref is None:
+                raise ProviderUnavailable(
+                    f"{self.name}: lookup answered 200 without {self.ref_field!r}",
+                    provider=self.name,
+                    status=status,
+                )
+            return ref
+        error = self._error(status, payload, retry_after, "lookup")
+        if isinstance(error, ProviderOutcomeUnknown):
+            raise ProviderUnavailable(str(error), provider=self.name, status=status)
+        raise error
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the client this provider created (a client passed in stays open)."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> HttpProvider:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _headers(self, operation_id: str) -> dict[str, str]:
+        headers = dict(self.headers)
+        headers[self.operation_id_header] = operation_id
+        return headers
+
+    def _exchange(
+        self, method: str, url: str, headers: dict[str, str], body: bytes | None
+    ) -> tuple[int, Any, float | None]:
+        """One request: (status, the JSON answer or None, Retry-After seconds).
+
+        Transport errors are sorted by whether the request can have left this process: a
+        failure to connect (or to get a pooled connection) happens before any byte is
+        written, everything after may have reached the provider.
+        """
+        started = time.monotonic()
+        try:
+            with self.client.stream(
+                method, url, headers=headers, content=body, timeout=self.timeout
+            ) as response:
+                chunks: list[bytes] = []
+                size = 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > MAX_BODY_BYTES:
+                        break  # the status is what matters; a huge body is not a reference
+                    chunks.append(chunk)
+                    if time.monotonic() - started > self.timeout:
+                        raise ProviderTimeout(
+                            f"{self.name}: {method} {url}: answer still arriving after "
+                            f"{self.timeout:g} s",
+                            provider=self.name,
+                            status=response.status_code,
+                        )
+                status = response.status_code
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ProviderUnavailable(
+                f"{self.name}: {method} {url}: not sent ({type(exc).__name__}: {exc})",
+                provider=self.name,
+            ) from None
+        except httpx.TimeoutException as exc:  # read or write timeout: it may have landed
+            raise ProviderTimeout(
+                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s "
+                f"({type(exc).__name__})",
+                provider=self.name,
+            ) from None
+        except httpx.TransportError as exc:  # reset, closed mid-answer: it may have landed
+            raise ProviderTimeout(
+                f"{self.name}: {method} {url}: connection lost after sending "
+                f"({type(exc).__name__}: {exc})",
+                provider=self.name,
+            ) from None
+        raw = b"".join(chunks)
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        return status, payload, retry_after
+
+    def _ref(self, payload: Any) -> str | None:
+        value = payload
+        for part in self.ref_field.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            return None
+        ref = str(value)
+        return ref or None
+
+    def _error(self, status: int, payload: Any, retry_after: float | None, what: str) -> Exception:
+        detail = _detail(payload)
+        message = f"{self.name}: {what} answered {status}{detail}"
+        if status in (401, 403):
+            return AuthFailure(message, provider=self.name, status=status, not_sent=True)
+        if status in (408, 429, 503):
+            return ProviderUnavailable(
+                message + (f" (retry after {retry_after:g} s)" if retry_after is not None else ""),
+                provider=self.name,
+                status=status,
+                retry_after=retry_after,
+            )
+        if status == 409:
+            return PermanentFailure(
+                f"{self.name}: {what} answered 409: conflict, the idempotency key was used "
+                f"before with another request{detail}",
+                provider=self.name,
+                status=status,
+            )
+        if status >= 500:
+            return ProviderOutcomeUnknown(
+                message + " (it may have acted)", provider=self.name, status=status
+            )
+        # 400, 422 and the other 4xx (404 wrong URL, 405, 413, ...) and a redirect we do not
+        # follow: the provider rejected this request, sending it again cannot help.
+        return PermanentFailure(message, provider=self.name, status=status)
+
+
+def _detail(payload: Any) -> str:
+    if isinstance(payload, dict):
+        for key in ("error", "message", "detail"):
+            if key in payload:
+                text = payload[key]
+                if isinstance(text, dict):
+                    text = text.get("message", text)
+                return f": {str(text)[:200]}"
+    return ""
+
+
+def _check_url(field: str, url: object) -> None:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(field, f"must be an http:// or https:// URL, not {url!r}")
+    try:
+        httpx.URL(url.replace("{operation_id}", "x"))
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ConfigError(field, f"is not a valid URL ({exc})") from None
+
+
+def _check_header_name(field: str, name: object) -> None:
+    # RFC 9110 token characters: letters, digits and !#$%&'*+-.^_`|~
+    allowed = set("!#$%&'*+-.^_`|~")
+    if (
+        not isinstance(name, str)
+        or not name
+        or not all(c.isascii() and (c.isalnum() or c in allowed) for c in name)
+    ):
+        raise ConfigError(field, f"{name!r} is not a valid HTTP header name")
