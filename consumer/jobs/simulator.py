@@ -1,0 +1,710 @@
+"""``outbox-simulator``: a connector simulator, an HTTP service standing in for a provider.
+
+It is a **simulator**, made to script the failures that make external effects hard (a
+provider that accepts and then hangs, answers late, fails after acting, rate-limits, refuses
+credentials), not a promise about how any real provider behaves: read your provider's
+documentation for what its idempotency keys, lookups and status codes really mean.
+
+```
+outbox-simulator serve --port P --data FILE [--host 127.0.0.1]
+                       [--no-idempotency] [--no-lookup] [--log-level LEVEL]
+```
+
+Flags default to ``OUTBOX_SIMULATOR_PORT``, ``OUTBOX_SIMULATOR_DATA``,
+``OUTBOX_SIMULATOR_HOST``, ``OUTBOX_SIMULATOR_IDEMPOTENCY`` / ``OUTBOX_SIMULATOR_LOOKUP``
+(``0`` turns one off) and ``OUTBOX_LOG_LEVEL``. ``--port 0`` takes a free port. The first
+line on stdout is ``listening on http://HOST:PORT``. Exit codes: 0 after SIGTERM/SIGINT,
+1 on failure (the port is taken, the data file cannot be opened), 2 on bad usage.
+
+Every effect is a row in the SQLite file ``--data`` (committed before the answer is
+written), so effects survive the simulator's own restart and ``kill -9``.
+
+Endpoints (JSON in, JSON out):
+
+``POST /send``
+    Makes an effect: ``201 {"id": REF, "operation_id": ..., "replayed": false}``. With
+    idempotency on and an ``Idempotency-Key`` header, the same key with the same body
+    answers ``200`` with the first effect's ``id`` and ``"replayed": true`` (no new
+    effect); the same key with another body answers ``409``. The operation id comes from
+    the ``Operation-Id`` header.
+``GET /lookup/{operation_id}``
+    ``200 {"id": REF, ...}`` for the first effect made for that operation id; ``404`` when
+    there is none or when lookup is off.
+``GET /effects``
+    ``{"effects": [{"seq", "id", "operation_id", "idempotency_key", "body", "time"}, ...]}``
+    in the order they were made (``?operation_id=`` filters). ``DELETE /effects`` forgets
+    them all.
+``GET /config`` / ``POST /config``
+    The capabilities of this run: ``{"idempotency": bool, "lookup": bool}``.
+``GET /faults`` / ``POST /faults`` / ``DELETE /faults``
+    The fault plan: ``{"faults": [RULE, ...], "seed": N}`` replaces it. A rule is
+    ``{"kind": K, "count": N}`` (the next N sends), ``{"kind": K, "probability": P}``
+    (each send with probability P, 0..1) or ``{"kind": K}`` (every send), optionally with
+    ``"operation_id"`` (only that operation), ``"status"``, ``"delay"`` (seconds) and
+    ``"retry_after"``. The first rule that matches a send applies.
+``GET /health``
+    ``{"ok": true, "effects": N}``.
+
+Per request, the headers ``X-Sim-Fault: KIND[;delay=S][;status=N][;retry_after=V]``,
+``X-Sim-Idempotency: on|off`` and ``X-Sim-Lookup: on|off`` override the plan and the
+configuration for that request only.
+
+Fault kinds (what a send meets):
+
+==================  =====================================================================
+``slow``            waits ``delay`` seconds, then acts and answers normally
+``late``            acts, then answers ``delay`` seconds later (accept, answer late)
+``hang``            acts, then never answers (until the client goes away or ``delay``)
+``reset``           acts, then resets the connection without an answer
+``error_before``    answers ``status`` (500) without acting
+``error_after``     acts, then answers ``status`` (500): the client cannot know it acted
+``rate_limit``      answers 429 with ``Retry-After: retry_after`` (1) without acting
+``unavailable``     answers 503 with ``Retry-After: retry_after`` (1) without acting
+``unauthorized``    answers 401 without acting (``forbidden``: 403)
+``bad_request``     answers 400 without acting (``unprocessable``: 422)
+==================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import select
+import signal
+import socket
+import sqlite3
+import struct
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from outbox.env import env
+from outbox.errors import ConfigError
+from outbox.logs import fields, setup_logging
+
+log = logging.getLogger("outbox.simulator")
+
+#: Fault kinds that make no effect, with the status they answer.
+REFUSALS = {
+    "rate_limit": 429,
+    "unavailable": 503,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "bad_request": 400,
+    "unprocessable": 422,
+}
+FAULT_KINDS = frozenset(
+    {"none", "slow", "late", "hang", "reset", "error_before", "error_after", *REFUSALS}
+)
+#: A hang ends at the latest after this long, so a forgotten request cannot hold a thread.
+MAX_HANG_SECONDS = 3600.0
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class Fault:
+    """One rule of the fault plan (see the module docstring)."""
+
+    kind: str
+    count: int | None = None
+    probability: float | None = None
+    operation_id: str | None = None
+    status: int | None = None
+    delay: float = 0.0
+    retry_after: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Fault:
+        if not isinstance(raw, dict):
+            raise ConfigError("faults", f"a rule must be an object, not {raw!r}")
+        unknown = set(raw) - {
+            "kind",
+            "count",
+            "probability",
+            "operation_id",
+            "status",
+            "delay",
+            "retry_after",
+        }
+        if unknown:
+            raise ConfigError("faults", f"unknown rule fields {sorted(unknown)}")
+        kind = raw.get("kind")
+        if kind not in FAULT_KINDS:
+            raise ConfigError("kind", f"{kind!r} is not one of {sorted(FAULT_KINDS)}")
+        fault = cls(kind=kind)
+        if raw.get("count") is not None:
+            fault.count = int(_number(raw["count"], "count", integer=True, minimum=0))
+        if raw.get("probability") is not None:
+            p = _number(raw["probability"], "probability")
+            if not 0 <= p <= 1:
+                raise ConfigError("probability", "must be between 0 and 1")
+            fault.probability = p
+        if raw.get("operation_id") is not None:
+            if not isinstance(raw["operation_id"], str):
+                raise ConfigError("operation_id", "must be a string")
+            fault.operation_id = raw["operation_id"]
+        if raw.get("status") is not None:
+            status = int(_number(raw["status"], "status", integer=True, minimum=100))
+            if status > 599:
+                raise ConfigError("status", "must be an HTTP status (100-599)")
+            fault.status = status
+        if raw.get("delay") is not None:
+            fault.delay = _number(raw["delay"], "delay", minimum=0)
+        if raw.get("retry_after") is not None:
+            value = raw["retry_after"]
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise ConfigError("retry_after", "must be seconds or an HTTP date")
+            fault.retry_after = _format_seconds(value) if not isinstance(value, str) else value
+        return fault
+
+    @classmethod
+    def from_header(cls, header: str) -> Fault:
+        """``KIND[;key=value...]`` from ``X-Sim-Fault``."""
+        kind, *params = [part.strip() for part in header.split(";")]
+        raw: dict[str, Any] = {"kind": kind}
+        for param in params:
+            key, sep, value = param.partition("=")
+            if not sep:
+                raise ConfigError("X-Sim-Fault", f"parameter {param!r} is not key=value")
+            key = key.strip()
+            if key in ("delay", "probability"):
+                raw[key] = _parse_float(value, key)
+            elif key == "status":
+                raw[key] = int(_parse_float(value, key))
+            else:
+                raw[key] = value.strip()
+        return cls.from_json(raw)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "delay": self.delay}
+        for name in ("count", "probability", "operation_id", "status", "retry_after"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass
+class SimulatorConfig:
+    """The capabilities of a run (``POST /config`` changes them while it runs)."""
+
+    idempotency: bool = True
+    lookup: bool = True
+
+
+@dataclass
+class Refusal:
+    """The answer to a send that a fault stops before it acts."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Effects:
+    """The effects made, in a SQLite file (one writer: this process, under a lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode survives the process being killed (not an OS crash): enough
+            # for a simulator whose point is to outlive its clients and its own restarts.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS effects ("
+                " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " ref TEXT NOT NULL UNIQUE,"
+                " operation_id TEXT,"
+                " idempotency_key TEXT,"
+                " body_digest TEXT NOT NULL,"
+                " body TEXT NOT NULL,"
+                " created_at REAL NOT NULL)"
+            )
+            self._db.execute("CREATE INDEX IF NOT EXISTS effects_key ON effects (idempotency_key)")
+            self._db.execute(
+                "CREATE INDEX IF NOT EXISTS effects_operation ON effects (operation_id)"
+            )
+        except sqlite3.Error as exc:
+            raise ConfigError("data", f"cannot open {path!r}: {exc}") from None
+
+    def send(
+        self, operation_id: str | None, key: str | None, body: str, *, idempotent: bool
+    ) -> tuple[int, dict[str, Any]]:
+        """Make (or, for a known key, replay) an effect: (HTTP status, answer)."""
+        digest = hashlib.sha256(body.encode()).hexdigest()
+        with self._lock:
+            if idempotent and key is not None:
+                row = self._db.execute(
+                    "SELECT ref, body_digest, operation_id FROM effects"
+                    " WHERE idempotency_key = ? ORDER BY seq LIMIT 1",
+                    (key,),
+                ).fetchone()
+                if row is not None:
+                    if row[1] != digest:
+                        return 409, {
+                            "error": "idempotency key reused with another request body",
+                            "idempotency_key": key,
+                            "id": row[0],
+                        }
+                    return 200, {"id": row[0], "operation_id": row[2], "replayed": True}
+            ref = "sim_" + uuid.uuid4().hex[:16]
+            self._db.execute(
+                "INSERT INTO effects (ref, operation_id, idempotency_key, body_digest, body,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (ref, operation_id, key, digest, body, time.time()),
+            )
+        return 201, {"id": ref, "operation_id": operation_id, "replayed": False}
+
+    def lookup(self, operation_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT ref, operation_id, created_at FROM effects WHERE operation_id = ?"
+                " ORDER BY seq LIMIT 1",
+                (operation_id,),
+            ).fetchone()
+        return None if row is None else {"id": row[0], "operation_id": row[1], "time": row[2]}
+
+    def list(self, operation_id: str | None = None) -> list[dict[str, Any]]:
+        query = "SELECT seq, ref, operation_id, idempotency_key, body, created_at FROM effects"
+        args: tuple[Any, ...] = ()
+        if operation_id is not None:
+            query += " WHERE operation_id = ?"
+            args = (operation_id,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY seq", args).fetchall()
+        return [
+            {
+                "seq": r[0],
+                "id": r[1],
+                "operation_id": r[2],
+                "idempotency_key": r[3],
+                "body": json.loads(r[4]),
+                "time": r[5],
+            }
+            for r in rows
+        ]
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM effects").fetchone()[0])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM effects")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class Simulator:
+    """The state behind the HTTP endpoints: effects, capabilities, the fault plan."""
+
+    def __init__(self, data: str, config: SimulatorConfig | None = None) -> None:
+        self.effects = Effects(data)
+        self.config = config or SimulatorConfig()
+        self.stopping = threading.Event()
+        self._faults: list[Fault] = []
+        self._random = random.Random()
+        self._plan_lock = threading.Lock()
+
+    # -- the fault plan -------------------------------------------------------------------------
+    def set_faults(self, raw: Any) -> None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("faults", []), list):
+            raise ConfigError("faults", 'expected {"faults": [RULE, ...], "seed": N}')
+        faults = [Fault.from_json(rule) for rule in raw.get("faults", [])]
+        with self._plan_lock:
+            self._faults = faults
+            if raw.get("seed") is not None:
+                self._random.seed(raw["seed"])
+
+    def faults(self) -> list[dict[str, Any]]:
+        with self._plan_lock:
+            return [f.to_json() for f in self._faults]
+
+    def next_fault(self, operation_id: str | None) -> Fault | None:
+        """The first rule matching this send (a counted rule is used up by it)."""
+        with self._plan_lock:
+            for fault in self._faults:
+                if fault.operation_id is not None and fault.operation_id != operation_id:
+                    continue
+                if fault.count is not None:
+                    if fault.count <= 0:
+                        continue
+                    fault.count -= 1
+                    return fault
+                if fault.probability is not None:
+                    if self._random.random() < fault.probability:
+                        return fault
+                    continue
+                return fault
+        return None
+
+    # -- a send ---------------------------------------------------------------------------------
+    def refusal(self, fault: Fault | None) -> Refusal | None:
+        """The answer of a send that ``fault`` stops before it acts, or None (it acts)."""
+        if fault is None or fault.kind in ("none", "slow", "late", "hang", "reset", "error_after"):
+            return None
+        if fault.kind == "error_before":
+            status = fault.status or 500
+            return Refusal(status, {"error": f"simulated {status} before acting"})
+        status = fault.status or REFUSALS[fault.kind]
+        headers: dict[str, str] = {}
+        if status in (429, 503):
+            headers["Retry-After"] = fault.retry_after or "1"
+        return Refusal(status, {"error": f"simulated {fault.kind} ({status})"}, headers)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP/1.1 connection (keep-alive) of the simulator."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "outbox-simulator"
+    server: SimulatorServer
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise ConfigError("body", f"larger than {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _json_body(self) -> Any:
+        raw = self._body()
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            raise ConfigError("body", "is not JSON") from None
+
+    def _flag(self, header: str, default: bool) -> bool:
+        value = self.headers.get(header)
+        if value is None:
+            return default
+        return value.strip().lower() not in ("0", "off", "false", "no")
+
+    @property
+    def sim(self) -> Simulator:
+        return self.server.simulator
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        path = url.path.rstrip("/") or "/"
+        query = parse_qs(url.query)
+        try:
+            if method == "POST" and path == "/send":
+                self._send()
+            elif method == "GET" and path.startswith("/lookup/"):
+                self._lookup(unquote(path[len("/lookup/") :]))
+            elif path == "/effects" and method == "GET":
+                operation = query.get("operation_id", [None])[0]
+                self._reply(200, {"effects": self.sim.effects.list(operation)})
+            elif path == "/effects" and method == "DELETE":
+                self.sim.effects.clear()
+                self._reply(200, {"effects": []})
+            elif path == "/config" and method in ("GET", "POST"):
+                if method == "POST":
+                    self._configure(self._json_body())
+                self._reply(200, self._config())
+            elif path == "/faults" and method in ("GET", "POST", "DELETE"):
+                if method == "POST":
+                    self.sim.set_faults(self._json_body())
+                elif method == "DELETE":
+                    self.sim.set_faults({"faults": []})
+                self._reply(200, {"faults": self.sim.faults()})
+            elif path == "/health" and method == "GET":
+                self._reply(200, {"ok": True, "effects": self.sim.effects.count()})
+            else:
+                self._body()  # keep the connection usable
+                self._reply(404, {"error": f"no route {method} {path}"})
+        except ConfigError as exc:
+            self._reply(400, {"error": str(exc)})
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    # -- endpoints ------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return {"idempotency": self.sim.config.idempotency, "lookup": self.sim.config.lookup}
+
+    def _configure(self, raw: Any) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError("config", "must be an object")
+        for name in ("idempotency", "lookup"):
+            if name in raw:
+                if not isinstance(raw[name], bool):
+                    raise ConfigError(name, "must be true or false")
+                setattr(self.sim.config, name, raw[name])
+        unknown = set(raw) - {"idempotency", "lookup"}
+        if unknown:
+            raise ConfigError("config", f"unknown settings {sorted(unknown)}")
+
+    def _send(self) -> None:
+        raw = self._body()
+        try:
+            request = json.loads(raw)
+        except ValueError:
+            self._reply(400, {"error": "the request body is not JSON"})
+            return
+        body = json.dumps(request, sort_keys=True, separators=(",", ":"))
+        operation_id = self.headers.get("Operation-Id")
+        key = self.headers.get("Idempotency-Key")
+        header = self.headers.get("X-Sim-Fault")
+        fault = Fault.from_header(header) if header else self.sim.next_fault(operation_id)
+        refusal = self.sim.refusal(fault)
+        if fault is not None:
+            log.info(
+                "fault",
+                extra=fields(kind=fault.kind, operation_id=operation_id, delay=fault.delay),
+            )
+        if refusal is not None:
+            self._reply(refusal.status, refusal.body, refusal.headers)
+            return
+        if fault is not None and fault.kind == "slow" and self._wait(fault.delay):
+            return
+        idempotent = self._flag("X-Sim-Idempotency", self.sim.config.idempotency)
+        status, answer = self.sim.effects.send(operation_id, key, body, idempotent=idempotent)
+        if fault is None or fault.kind in ("none", "slow") or status == 409:
+            self._reply(status, answer)
+            return
+        # The effect is made (or replayed); now the answer goes wrong.
+        if fault.kind == "late":
+            if self._wait(fault.delay):
+                return
+            self._reply(status, answer)
+        elif fault.kind == "hang":
+            self._wait(fault.delay or MAX_HANG_SECONDS)
+            self.close_connection = True
+        elif fault.kind == "reset":
+            self._reset()
+        elif fault.kind == "error_after":
+            code = fault.status or 500
+            self._reply(code, {"error": f"simulated {code} after acting", "id": answer["id"]})
+
+    def _lookup(self, operation_id: str) -> None:
+        if not self._flag("X-Sim-Lookup", self.sim.config.lookup):
+            self._reply(404, {"error": "lookup is off"})
+            return
+        found = self.sim.effects.lookup(operation_id)
+        if found is None:
+            self._reply(404, {"error": "no effect for this operation id"})
+        else:
+            self._reply(200, found)
+
+    # -- misbehaving ----------------------------------------------------------------------------
+    def _wait(self, seconds: float) -> bool:
+        """Wait ``seconds`` without answering; True when the client went away meanwhile
+        (or the server is stopping), so there is nobody left to answer."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self.sim.stopping.is_set() or self._client_gone(min(left, 0.2)):
+                self.close_connection = True
+                return True
+
+    def _client_gone(self, timeout: float) -> bool:
+        try:
+            readable, _, _ = select.select([self.connection], [], [], timeout)
+            if not readable:
+                return False
+            if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                return True
+            time.sleep(timeout)  # the client sent more bytes (pipelining): still there
+            return False
+        except (OSError, ValueError):
+            return True
+
+    def _reset(self) -> None:
+        # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.close()
+
+
+class SimulatorServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], simulator: Simulator) -> None:
+        self.simulator = simulator
+        super().__init__(address, Handler)
+
+
+def serve(
+    host: str, port: int, data: str, config: SimulatorConfig | None = None
+) -> SimulatorServer:
+    """A bound simulator server (call ``serve_forever()``; tests may run it in a thread)."""
+    return SimulatorServer((host, port), Simulator(data, config))
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-simulator",
+        description="A connector simulator: an HTTP service standing in for a provider, with "
+        "scriptable faults. A simulator, not a promise about real providers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("serve", help="serve the simulator until SIGTERM")
+    run.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port, 0 for a free one [OUTBOX_SIMULATOR_PORT, 8025]",
+    )
+    run.add_argument("--host", default=None, help="bind address [OUTBOX_SIMULATOR_HOST, 127.0.0.1]")
+    run.add_argument(
+        "--data",
+        default=None,
+        help="SQLite file of the effects [OUTBOX_SIMULATOR_DATA, ./simulator.db]",
+    )
+    run.add_argument(
+        "--no-idempotency",
+        action="store_true",
+        default=None,
+        help="ignore Idempotency-Key [OUTBOX_SIMULATOR_IDEMPOTENCY=0]",
+    )
+    run.add_argument(
+        "--no-lookup",
+        action="store_true",
+        default=None,
+        help="answer every lookup 404 [OUTBOX_SIMULATOR_LOOKUP=0]",
+    )
+    run.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+    return parser
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = env(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in ("1", "true", "on", "yes"):
+        return True
+    if raw.strip().lower() in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError("OUTBOX_" + name, f"{raw!r} is not 0 or 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
+        return int(exc.code or 0)
+    try:
+        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
+        port = args.port
+        if port is None:
+            raw_port = env("SIMULATOR_PORT", "8025") or "8025"
+            try:
+                port = int(raw_port)
+            except ValueError:
+                raise ConfigError("OUTBOX_SIMULATOR_PORT", f"{raw_port!r} is not a port") from None
+        if not 0 <= port <= 65535:
+            raise ConfigError("port", f"{port} is not a TCP port")
+        host = args.host or env("SIMULATOR_HOST", "127.0.0.1") or "127.0.0.1"
+        data = args.data or env("SIMULATOR_DATA", "simulator.db") or "simulator.db"
+        config = SimulatorConfig(
+            idempotency=False if args.no_idempotency else _env_flag("SIMULATOR_IDEMPOTENCY", True),
+            lookup=False if args.no_lookup else _env_flag("SIMULATOR_LOOKUP", True),
+        )
+    except ConfigError as exc:
+        print(f"outbox-simulator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = serve(host, port, data, config)
+    except (ConfigError, OSError) as exc:
+        print(f"outbox-simulator: {exc}", file=sys.stderr)
+        return 1
+    bound_host, bound_port = server.server_address[:2]
+
+    def _stop(signum: int, _frame: Any) -> None:
+        server.simulator.stopping.set()
+        # shutdown() waits for serve_forever to return: never call it from its own thread
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"listening on http://{bound_host!s}:{bound_port}", flush=True)
+    log.info(
+        "outbox-simulator serving",
+        extra=fields(
+            url=f"http://{bound_host!s}:{bound_port}",
+            data=data,
+            idempotency=config.idempotency,
+            lookup=config.lookup,
+        ),
+    )
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except Exception as exc:
+        log.exception("simulator failed", extra=fields(error=repr(exc)))
+        return 1
+    finally:
+        server.server_close()
+        server.simulator.effects.close()
+    return 0
+
+
+def _number(value: Any, name: str, *, integer: bool = False, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(name, f"must be a number, not {value!r}")
+    if integer and int(value) != value:
+        raise ConfigError(name, "must be a whole number")
+    if minimum is not None and value < minimum:
+        raise ConfigError(name, f"must be at least {minimum:g}")
+    return int(value) if integer else float(value)
+
+
+def _parse_float(value: str, name: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(name, f"{value!r} is not a number") from None
+
+
+def _format_seconds(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
