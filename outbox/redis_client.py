@@ -31,6 +31,19 @@ def is_cluster_url(url: str | None) -> bool:
     return isinstance(url, str) and url.startswith(CLUSTER_SCHEMES)
 
 
+def as_cluster_url(url: str | None) -> str:
+    """``url`` as a ``redis+cluster://`` seed URL (what ``--redis-cluster`` means for a
+    ``redis://`` URL); a ConfigError for no URL or another scheme."""
+    if url is None:
+        raise ConfigError("redis_url", "a Redis Cluster needs --redis-url naming a seed node")
+    if is_cluster_url(url):
+        return url
+    for scheme in ("redis://", "rediss://"):
+        if url.startswith(scheme):
+            return scheme[:-3] + "+cluster://" + url[len(scheme) :]
+    raise ConfigError("redis_url", f"{url!r}: a Redis Cluster seed is a redis:// or rediss:// URL")
+
+
 def is_cluster_client(client: object) -> bool:
     """Whether ``client`` is a Redis Cluster client (slot-routed, one connection per node)."""
     return isinstance(client, RedisCluster)
