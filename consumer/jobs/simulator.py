@@ -31,7 +31,8 @@ Endpoints (JSON in, JSON out):
     ``200 {"id": REF, ...}`` for the first effect made for that operation id; ``404`` when
     there is none or when lookup is off.
 ``GET /effects``
-    ``{"effects": [{"seq", "id", "operation_id", "idempotency_key", "body", "time"}, ...]}``
+    ``{"effects": [{"seq", "id", "operation_id", "idempotency_key", "body", "headers",
+    "time"}, ...]}`` (``headers``: the request's, names in lower case)
     in the order they were made (``?operation_id=`` filters). ``DELETE /effects`` forgets
     them all.
 ``GET /config`` / ``POST /config``
@@ -229,6 +230,7 @@ class Effects:
                 " idempotency_key TEXT,"
                 " body_digest TEXT NOT NULL,"
                 " body TEXT NOT NULL,"
+                " headers TEXT NOT NULL,"
                 " created_at REAL NOT NULL)"
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS effects_key ON effects (idempotency_key)")
@@ -239,7 +241,13 @@ class Effects:
             raise ConfigError("data", f"cannot open {path!r}: {exc}") from None
 
     def send(
-        self, operation_id: str | None, key: str | None, body: str, *, idempotent: bool
+        self,
+        operation_id: str | None,
+        key: str | None,
+        body: str,
+        headers: dict[str, str],
+        *,
+        idempotent: bool,
     ) -> tuple[int, dict[str, Any]]:
         """Make (or, for a known key, replay) an effect: (HTTP status, answer)."""
         digest = hashlib.sha256(body.encode()).hexdigest()
@@ -261,8 +269,8 @@ class Effects:
             ref = "sim_" + uuid.uuid4().hex[:16]
             self._db.execute(
                 "INSERT INTO effects (ref, operation_id, idempotency_key, body_digest, body,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (ref, operation_id, key, digest, body, time.time()),
+                " headers, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (ref, operation_id, key, digest, body, json.dumps(headers), time.time()),
             )
         return 201, {"id": ref, "operation_id": operation_id, "replayed": False}
 
@@ -276,7 +284,9 @@ class Effects:
         return None if row is None else {"id": row[0], "operation_id": row[1], "time": row[2]}
 
     def list(self, operation_id: str | None = None) -> list[dict[str, Any]]:
-        query = "SELECT seq, ref, operation_id, idempotency_key, body, created_at FROM effects"
+        query = (
+            "SELECT seq, ref, operation_id, idempotency_key, body, headers, created_at FROM effects"
+        )
         args: tuple[Any, ...] = ()
         if operation_id is not None:
             query += " WHERE operation_id = ?"
@@ -290,7 +300,8 @@ class Effects:
                 "operation_id": r[2],
                 "idempotency_key": r[3],
                 "body": json.loads(r[4]),
-                "time": r[5],
+                "headers": json.loads(r[5]),
+                "time": r[6],
             }
             for r in rows
         ]
@@ -495,7 +506,10 @@ class Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "slow" and self._wait(fault.delay):
             return
         idempotent = self._flag("X-Sim-Idempotency", self.sim.config.idempotency)
-        status, answer = self.sim.effects.send(operation_id, key, body, idempotent=idempotent)
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        status, answer = self.sim.effects.send(
+            operation_id, key, body, headers, idempotent=idempotent
+        )
         if fault is None or fault.kind in ("none", "slow") or status == 409:
             self._reply(status, answer)
             return
