@@ -38,6 +38,7 @@ class SimulatedProvider:
         mode: str = "ok",
         lookup: bool = True,
         idempotency: bool = False,
+        timeout: float | None = None,
     ) -> None:
         if mode not in ("ok", "timeout_after_accept", "hang_after_accept", "reject"):
             raise JobError("mode", f"unknown simulator mode {mode!r}")
@@ -46,6 +47,8 @@ class SimulatedProvider:
         self.mode = mode
         self.supports_lookup = lookup
         self.supports_idempotency = idempotency
+        if timeout is not None:
+            self.timeout = timeout  # seconds one call may take (Operations' call deadline)
         with self._db() as db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS effects (ref TEXT PRIMARY KEY, operation_id TEXT,"
@@ -100,10 +103,11 @@ class SimulatedProvider:
 
 def simulator_from_env() -> SimulatedProvider:
     """The simulator configured by ``SIM_PATH``, ``SIM_MODE``, ``SIM_LOOKUP``,
-    ``SIM_IDEMPOTENCY`` (for worker subprocesses in tests)."""
+    ``SIM_IDEMPOTENCY``, ``SIM_TIMEOUT`` (for worker subprocesses in tests)."""
     return SimulatedProvider(
         os.environ["SIM_PATH"],
         mode=os.environ.get("SIM_MODE", "ok"),
         lookup=os.environ.get("SIM_LOOKUP", "1") == "1",
         idempotency=os.environ.get("SIM_IDEMPOTENCY", "0") == "1",
+        timeout=float(os.environ["SIM_TIMEOUT"]) if os.environ.get("SIM_TIMEOUT") else None,
     )

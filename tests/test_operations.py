@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from consumer.errors import OperationError, OperationUnresolved, PermanentFailure, ProviderTimeout
-from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, Operations
+from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, OperationInFlight, Operations
 from consumer.jobs.states import DONE, READY, WAITING_REVIEW
 from consumer.jobs.store import Store
 from tests.sim_provider import SimulatedProvider
@@ -29,6 +29,19 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def past_deadline(store: Store, ops: Operations, operation_id: str) -> None:
+    """Wait (observing the database clock) until the receipt's call deadline has passed."""
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None and receipt.call_deadline is not None
+    deadline = receipt.call_deadline
+
+    def passed() -> bool:
+        with store.driver.connect() as conn:
+            return store.driver.clock_read(conn, None) > deadline
+
+    wait_for(passed, timeout=30)
+
+
 def _claim(store: Store, action: str = "email-1"):  # type: ignore[no-untyped-def]
     store.enqueue("t", action, subject="ann@example.com")
     lease = store.claim_next("w", ttl=1)
@@ -40,20 +53,34 @@ def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
     db_url: str, tmp_path: Path
 ) -> None:
     store = Store(db_url)
-    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True)
+    sim = SimulatedProvider(
+        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True, timeout=0.3
+    )
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
         ops.dispatch(lease, "send", "sim", {"to": "ann"})
-    receipt = ops.receipt(f"{lease.job_id}:send")
+    operation_id = f"{lease.job_id}:send"
+    receipt = ops.receipt(operation_id)
     assert receipt is not None and receipt.state == UNKNOWN  # never FAILED
+    assert receipt.attempts == 1 and receipt.call_deadline is not None
     assert store.fail(lease, error="timeout") == READY
     sim.mode = "ok"
+    # Before the call's deadline nobody looks it up: the job is handed back until then.
+    early = store.claim_next("w", now=10**10)
+    assert early is not None
+    with pytest.raises(OperationInFlight) as info:
+        ops.dispatch(early, "send", "sim", {"to": "ann"})
+    assert info.value.deadline == pytest.approx(receipt.call_deadline)
+    job = store.get(lease.job_id)
+    assert job.state == READY and job.run_after == pytest.approx(receipt.call_deadline)
+    past_deadline(store, ops, operation_id)
     again = store.claim_next("w", now=10**10)
     assert again is not None
     result = ops.dispatch(again, "send", "sim", {"to": "ann"})
     assert result.state == ACCEPTED and result.reconciled
     assert [ref for ref, _ in sim.effects()] == [result.provider_ref]
+    assert ops.receipt(operation_id).attempts == 1  # type: ignore[union-attr]  # no lookups
     # a later retry of the same job does not repeat the effect either
     assert ops.dispatch(again, "send", "sim", {"to": "ann"}).provider_ref == result.provider_ref
     assert len(sim.effects()) == 1
@@ -65,15 +92,22 @@ def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
 def test_idempotency_key_reconciles_without_lookup(db_url: str, tmp_path: Path) -> None:
     store = Store(db_url)
     sim = SimulatedProvider(
-        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False, idempotency=True
+        str(tmp_path / "p.db"),
+        mode="timeout_after_accept",
+        lookup=False,
+        idempotency=True,
+        timeout=0.3,
     )
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
         ops.dispatch(lease, "send", "sim", {"to": "ann"})
     sim.mode = "ok"
+    past_deadline(store, ops, f"{lease.job_id}:send")
     result = ops.dispatch(lease, "send", "sim", {"to": "ann"})
     assert result.state == ACCEPTED and len(sim.effects()) == 1
+    assert result.reconciled
+    assert ops.receipt(f"{lease.job_id}:send").attempts == 2  # type: ignore[union-attr]
     store.dispose()
 
 
@@ -81,11 +115,14 @@ def test_a_provider_without_lookup_or_idempotency_sends_the_job_to_review(
     db_url: str, tmp_path: Path
 ) -> None:
     store = Store(db_url)
-    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False)
+    sim = SimulatedProvider(
+        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False, timeout=0.3
+    )
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
         ops.dispatch(lease, "send", "sim", {"to": "ann"})
+    past_deadline(store, ops, f"{lease.job_id}:send")
     with pytest.raises(OperationUnresolved):
         ops.dispatch(lease, "send", "sim", {"to": "ann"})
     assert store.get(lease.job_id).state == WAITING_REVIEW
@@ -124,6 +161,7 @@ def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
         "SIM_PATH": str(sim_path),
         "SIM_MODE": mode,
         "SIM_LOOKUP": "1",
+        "SIM_TIMEOUT": "1",
         "JOBS_TTL": "1",
     }
     return subprocess.Popen(

@@ -28,7 +28,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import ColumnElement, create_engine, func, insert, select, text, tuple_, update
+from sqlalchemy import (
+    ColumnElement,
+    case,
+    create_engine,
+    func,
+    insert,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
@@ -244,6 +254,17 @@ class JobDriver:
         ).first()
         return None if row is None else int(row[0])
 
+    def job_lease_extend(
+        self, conn: Connection, job_id: int, worker: str, epoch: int, until: Any
+    ) -> bool:
+        """Fenced: make the lease last at least until ``until`` (a number or SQL expression),
+        never shorter than it is. False when the lease is not held."""
+        extended = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
+        moved = self.job_update_fenced(
+            conn, jobs.c.id == job_id, worker, epoch, {"lease_expires_at": extended}
+        )
+        return moved is not None
+
     def job_lock_held(
         self, conn: Connection, where: ColumnElement[bool], worker: str, epoch: int
     ) -> Any:
@@ -362,11 +383,19 @@ class JobDriver:
         values: Mapping[str, Any],
         *,
         unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
     ) -> bool:
-        """Update one receipt (not when it is in ``unless_states``); True if it matched."""
+        """Update one receipt; True if it matched. ``unless_states``/``if_states`` filter on
+        its state, ``if_attempts`` on its call count (compare-and-set: no new call was made
+        since it was read)."""
         stmt = update(operations).where(operations.c.operation_id == operation_id)
         if unless_states:
             stmt = stmt.where(operations.c.state.not_in(list(unless_states)))
+        if if_states:
+            stmt = stmt.where(operations.c.state.in_(list(if_states)))
+        if if_attempts is not None:
+            stmt = stmt.where(operations.c.attempts == if_attempts)
         row = conn.execute(stmt.values(**values).returning(operations.c.operation_id)).first()
         return row is not None
 

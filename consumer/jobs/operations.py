@@ -4,60 +4,94 @@ A job that calls an external provider (send an email, charge a card) does it thr
 :meth:`Operations.dispatch`, which
 
 1. persists an **intent** first: a row in ``outbox_operations`` with a stable operation id
-   (``"{job_id}:{name}"``: the same for every attempt and every worker), the provider and
-   the SHA-256 digest of the canonical JSON request, in state PENDING. The write is fenced
-   by the job's lease (it only happens while the caller's epoch is current);
-2. calls the provider, passing the operation id as idempotency key when the provider
-   supports one;
-3. records the **receipt**: ACCEPTED with the provider's reference; UNKNOWN when the call
-   timed out (the request may have taken effect: never FAILED); FAILED only when the
-   provider definitively rejected it (``PermanentFailure``).
+   (``"{job_id}:{name}"``: the same for every attempt and every worker), the provider, the
+   SHA-256 digest of the canonical JSON request and the **call deadline** (database clock +
+   the provider's ``timeout``, else ``default_timeout``), in state PENDING. The same fenced
+   transaction counts the call in ``attempts`` (before it is made: a call cut off by a kill
+   is counted too) and extends the job's lease to the deadline, so nobody else takes the job
+   while the call may be in flight;
+2. calls the provider, passing the operation id as idempotency key when it supports one;
+3. records the **receipt**: ACCEPTED with the provider's reference; UNKNOWN when the
+   outcome is unknown (a timeout, a reset after sending, a 5xx other than 503: the request
+   may have taken effect, never FAILED); NOT_SENT when the provider certainly did not act
+   (credentials refused, 429/503, a connection refused before sending: a retry, or a resume
+   once fixed, sends); FAILED only when the provider definitively rejected it
+   (``PermanentFailure``).
 
 When a dispatch finds an intent left PENDING or UNKNOWN by an earlier attempt (a worker
-SIGKILLed after the provider accepted, a timeout), it **reconciles** before sending again:
+SIGKILLed after the provider accepted, a timeout), it **reconciles** before sending again,
+but never while that attempt's call may still be in flight: before the call deadline it
+hands the job back, eligible again at the deadline (:class:`OperationInFlight`). After it:
 with the provider's ``lookup(operation_id)`` (found: ACCEPTED without a second call; not
 found: safe to send), else by resending with the idempotency key (the provider dedups).
 A provider with neither cannot be reconciled: the job goes to WAITING_REVIEW and
-:class:`~consumer.errors.OperationUnresolved` stops the handler. An ACCEPTED receipt is
-returned as is: a retried job never repeats an effect.
+:class:`~consumer.errors.OperationUnresolved` stops the handler; an operator settles it
+(:meth:`Operations.settle`, ``outbox-worker settle``). An ACCEPTED receipt is returned as
+is: a retried job never repeats an effect.
+
+Only an idempotency key protects against a provider that records an effect after the client
+gave up *and* the deadline passed: a lookup then answers "not found" and the resend makes a
+second effect. Declare a ``timeout`` no shorter than the provider may take.
+
+:meth:`Operations.reconcile` is the sweep (``outbox-worker reconcile``, and periodically in
+``Worker.run``): it settles PENDING and UNKNOWN receipts whose deadline passed without the
+job being claimed (lookup where the provider has it) and moves their jobs on.
 
 Table ``outbox_operations`` (``consumer.jobs.schema.operations``; the metrics export the
 count and age of UNKNOWN receipts): ``operation_id`` (primary key), ``job_id``,
-``provider``, ``request_digest``, ``state`` (PENDING / ACCEPTED / UNKNOWN / FAILED),
-``provider_ref``, ``attempts`` (provider calls), ``last_error``, ``created_at``,
-``updated_at`` (unix seconds, database clock).
+``provider``, ``request_digest``, ``state`` (PENDING / ACCEPTED / UNKNOWN / NOT_SENT /
+FAILED), ``provider_ref``, ``attempts`` (provider calls made), ``last_error``,
+``call_deadline``, ``settled_by`` / ``settled_reason`` / ``settled_at`` (an operator's or
+the sweep's decision), ``created_at``, ``updated_at`` (unix seconds, database clock).
 """
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from consumer.errors import (
+    AuthFailure,
     Conflict,
     JobError,
+    JobFailure,
     OperationError,
     OperationUnresolved,
     PermanentFailure,
     ProviderTimeout,
 )
 from consumer.jobs.schema import db_epoch, jobs, operations
+from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store
+from outbox.logs import fields
+from outbox.validate import check_name
+
+log = logging.getLogger("outbox.worker")
 
 PENDING = "PENDING"
 ACCEPTED = "ACCEPTED"
 UNKNOWN = "UNKNOWN"
+NOT_SENT = "NOT_SENT"
 FAILED = "FAILED"
+RECEIPT_STATES = (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED)
+
+_MAX_RESTARTS = 3  # a dispatch re-reads its intent when the sweep changed it meanwhile
 
 
 class Provider(Protocol):
     """What a connector offers. ``send`` returns the provider's reference for the effect
     and raises ``ProviderTimeout`` when the outcome is unknown, ``PermanentFailure`` when the
-    request is rejected. ``lookup`` returns the reference of the effect made for an
-    operation id, or None (only called when ``supports_lookup``)."""
+    request is rejected, ``AuthFailure`` or a failure with ``not_sent`` when it did not act.
+    ``lookup`` returns the reference of the effect made for an operation id, or None (only
+    called when ``supports_lookup``). A provider may also declare ``timeout``: the seconds
+    one call may take (``Operations(default_timeout=...)`` otherwise)."""
 
     name: str
     supports_lookup: bool
@@ -70,12 +104,51 @@ class Provider(Protocol):
     def lookup(self, operation_id: str) -> str | None: ...
 
 
+class OperationInFlight(OperationUnresolved):
+    """An earlier attempt's provider call may still be in flight (its deadline has not
+    passed): nothing was looked up nor sent, and the job was handed back, eligible again at
+    ``deadline`` (unix seconds)."""
+
+    def __init__(self, message: str, deadline: float) -> None:
+        super().__init__(message)
+        self.deadline = deadline
+
+
 @dataclass(frozen=True)
 class Receipt:
+    """An operation's receipt. ``reconciled``: an earlier attempt's effect was found (or
+    deduplicated by the idempotency key), not made again."""
+
     operation_id: str
     state: str
     provider_ref: str | None
-    reconciled: bool = False  # True when an earlier attempt's effect was found, not re-sent
+    reconciled: bool = False
+    job_id: int | None = None
+    provider: str | None = None
+    attempts: int = 0
+    last_error: str | None = None
+    call_deadline: float | None = None
+    settled_by: str | None = None
+    settled_reason: str | None = None
+    settled_at: float | None = None
+    created_at: float | None = None
+    updated_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    """What a sweep did: receipts found ACCEPTED or NOT_SENT by lookup, jobs made eligible for
+    an idempotent resend, jobs sent to review (no lookup, no key), receipts skipped (provider
+    not registered here, or its lookup failed)."""
+
+    accepted: int = 0
+    not_sent: int = 0
+    resend: int = 0
+    review: int = 0
+    skipped: int = 0
 
 
 def request_digest(request: Mapping[str, Any]) -> str:
@@ -87,20 +160,65 @@ def request_digest(request: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _positive(field_name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise JobError(field_name, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 class Operations:
     """Dispatch external effects through persisted intents (see the module docstring)."""
 
-    def __init__(self, store: Store, providers: Mapping[str, Provider] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        providers: Mapping[str, Provider] | None = None,
+        *,
+        default_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise JobError("store", f"must be a Store, got {type(store).__name__}")
         self.store = store
         self.providers: dict[str, Provider] = dict(providers or {})
+        self.default_timeout = _positive("default_timeout", default_timeout)
 
     def register(self, provider: Provider) -> None:
         self.providers[provider.name] = provider
 
+    def timeout_of(self, connector: Provider) -> float:
+        """The seconds one call to ``connector`` may take: its ``timeout``, else the default."""
+        declared = getattr(connector, "timeout", None)
+        if declared is None:
+            return self.default_timeout
+        return _positive(f"{connector.name}.timeout", declared)
+
+    # -- reading ----------------------------------------------------------------------------
+
     def receipt(self, operation_id: str) -> Receipt | None:
         with self.store.driver.connect() as conn:
             row = self.store.driver.operation_get(conn, operation_id)
-        return None if row is None else Receipt(row.operation_id, row.state, row.provider_ref)
+        return None if row is None else _receipt(row)
+
+    def receipts(
+        self, state: str | Sequence[str] | None = None, *, limit: int = 100
+    ) -> list[Receipt]:
+        """Receipts, oldest change first; ``state`` filters (``"UNKNOWN"`` or several)."""
+        states = [state] if isinstance(state, str) else list(state or [])
+        for one in states:
+            if one not in RECEIPT_STATES:
+                raise JobError("state", f"must be one of {', '.join(RECEIPT_STATES)}, got {one!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        with self.store.driver.connect() as conn:
+            rows = self.store.driver.operation_list(conn, states=states, limit=limit)
+        return [_receipt(row) for row in rows]
+
+    # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
         """Persist the intent, reconcile an earlier attempt if any, call the provider once,
@@ -115,25 +233,61 @@ class Operations:
             raise OperationError(f"provider {provider!r} is not registered")
         digest = request_digest(request)
         operation_id = f"{lease.job_id}:{name}"
-        created, state, ref = self._intent(lease, operation_id, provider, digest)
-        if state == ACCEPTED:
-            return Receipt(operation_id, ACCEPTED, ref)
-        if state == FAILED:
+        timeout = self.timeout_of(connector)
+        for _ in range(_MAX_RESTARTS):
+            receipt = self._dispatch_once(
+                job, lease, connector, operation_id, digest, request, timeout
+            )
+            if receipt is not None:
+                return receipt
+        raise Conflict(f"operation {operation_id} kept changing under this dispatch")
+
+    def _dispatch_once(
+        self,
+        job: Any,
+        lease: Lease,
+        connector: Provider,
+        operation_id: str,
+        digest: str,
+        request: Mapping[str, Any],
+        timeout: float,
+    ) -> Receipt | None:
+        step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
+        if step == ACCEPTED:
+            return _receipt(row)
+        if step == FAILED:
             raise PermanentFailure(f"operation {operation_id} was rejected before")
-        if not created:  # an earlier attempt may have reached the provider: reconcile
+        if step == "in_flight":
+            deadline = float(row.call_deadline)
+            reason = (
+                f"operation {operation_id}: an earlier call may be in flight until {deadline:.3f}"
+            )
+            if hasattr(job, "defer"):
+                job.defer(deadline, reason)
+            else:
+                self.store.defer(lease, until=deadline, reason=reason)
+            raise OperationInFlight(reason, deadline)
+        resend = step == "reconcile"
+        if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
-                found = connector.lookup(operation_id)
+                found = connector.lookup(operation_id)  # lookups are not counted in attempts
                 if found is not None:
-                    self._record(lease, operation_id, ACCEPTED, found, None, calls=0)
+                    if not self._update(
+                        operation_id,
+                        ACCEPTED,
+                        found,
+                        None,
+                        if_attempts=int(row.attempts),
+                    ):
+                        return None
                     return Receipt(operation_id, ACCEPTED, found, reconciled=True)
             elif not connector.supports_idempotency:
-                self._record(
-                    lease,
+                self._update(
                     operation_id,
                     UNKNOWN,
                     None,
                     "cannot reconcile: no lookup, no idempotency key",
-                    calls=0,
+                    if_attempts=int(row.attempts),
                 )
                 reason = f"operation {operation_id} outcome unknown; provider cannot reconcile"
                 if hasattr(job, "wait_review"):
@@ -141,32 +295,181 @@ class Operations:
                 else:
                     self.store.wait_review(lease, reason=reason)
                 raise OperationUnresolved(reason)
+            if not self._call_start(lease, operation_id, timeout, int(row.attempts)):
+                return None
         key = operation_id if connector.supports_idempotency else None
+        calling = getattr(job, "provider_call", None)
+        scope = calling(timeout) if calling is not None else nullcontext()
         try:
-            ref = connector.send(request, operation_id=operation_id, idempotency_key=key)
+            with scope:
+                ref = connector.send(request, operation_id=operation_id, idempotency_key=key)
         except ProviderTimeout as exc:
-            self._record(lease, operation_id, UNKNOWN, None, f"timeout: {exc}", calls=1)
+            self._update(operation_id, UNKNOWN, None, f"{type(exc).__name__}: {exc}")
             raise
         except PermanentFailure as exc:
-            self._record(lease, operation_id, FAILED, None, str(exc), calls=1)
+            self._update(operation_id, FAILED, None, f"{type(exc).__name__}: {exc}")
+            raise
+        except JobFailure as exc:
+            if isinstance(exc, AuthFailure) or getattr(exc, "not_sent", False):
+                # 401/403/429/503, a connection refused: the provider did not act.
+                self._update(operation_id, NOT_SENT, None, _failure_text(exc))
+            else:
+                self._update(operation_id, UNKNOWN, None, _failure_text(exc))
             raise
         except Exception as exc:
             # Anything else is as ambiguous as a timeout: the request may have landed.
-            self._record(lease, operation_id, UNKNOWN, None, repr(exc), calls=1)
+            self._update(operation_id, UNKNOWN, None, repr(exc)[:2000])
             raise
-        self._record(lease, operation_id, ACCEPTED, ref, None, calls=1)
-        return Receipt(operation_id, ACCEPTED, ref, reconciled=not created and key is not None)
+        if not isinstance(ref, str) or not ref:
+            self._update(operation_id, UNKNOWN, None, f"provider returned no reference: {ref!r}")
+            raise ProviderTimeout(f"operation {operation_id}: the provider returned no reference")
+        self._update(operation_id, ACCEPTED, ref, None)
+        return Receipt(operation_id, ACCEPTED, ref, reconciled=resend and key is not None)
+
+    # -- the sweep and the operator's path --------------------------------------------------
+
+    def reconcile(self, *, limit: int = 100, now: float | None = None) -> ReconcileResult:
+        """Settle PENDING and UNKNOWN receipts whose call deadline passed, without claiming
+        their jobs: by lookup where the provider has one (found: ACCEPTED; not found:
+        NOT_SENT), and move their jobs on: a waiting job whose receipt is settled becomes
+        READY (its handler then finds the receipt, or sends once); with only an idempotency
+        key the job becomes READY to resend under the key; with neither it goes to
+        WAITING_REVIEW for an operator. A job leased to a live worker is left to it."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        driver = self.store.driver
+        with driver.connect() as conn:
+            clock = driver.clock_read(conn, now)
+            rows = driver.operation_list(
+                conn, states=(PENDING, UNKNOWN), due_before=clock, limit=limit
+            )
+        counts = dict.fromkeys(("accepted", "not_sent", "resend", "review", "skipped"), 0)
+        for row in rows:
+            connector = self.providers.get(row.provider)
+            if connector is None:
+                counts["skipped"] += 1
+                continue
+            job_id = int(row.job_id)
+            if connector.supports_lookup:
+                try:
+                    found = connector.lookup(row.operation_id)
+                except Exception as exc:
+                    log.warning(
+                        "receipt lookup failed",
+                        extra=fields(operation_id=row.operation_id, error=repr(exc)[:500]),
+                    )
+                    counts["skipped"] += 1
+                    continue
+                state = ACCEPTED if found is not None else NOT_SENT
+                note = "lookup found the effect" if found else "lookup: no effect by the deadline"
+                if self._update(
+                    row.operation_id,
+                    state,
+                    found,
+                    None if found else note,
+                    if_attempts=int(row.attempts),
+                    if_states=(PENDING, UNKNOWN),
+                    settled=("reconciler", note),
+                ):
+                    counts["accepted" if found else "not_sent"] += 1
+                    self._wake(job_id, f"operation {row.operation_id} reconciled: {state}")
+            elif connector.supports_idempotency:
+                if self._wake(job_id, f"operation {row.operation_id}: resend under its key"):
+                    counts["resend"] += 1
+            else:
+                if row.state == PENDING:
+                    self._update(
+                        row.operation_id,
+                        UNKNOWN,
+                        None,
+                        "cannot reconcile: no lookup, no idempotency key",
+                        if_attempts=int(row.attempts),
+                        if_states=(PENDING,),
+                    )
+                if self._park(job_id, f"operation {row.operation_id} outcome unknown; settle it"):
+                    counts["review"] += 1
+        result = ReconcileResult(**counts)
+        if any(counts.values()):
+            log.info("receipts reconciled", extra=fields(**counts))
+        return result
+
+    def settle(
+        self,
+        operation_id: str,
+        *,
+        accepted: str | None = None,
+        not_sent: bool = False,
+        reason: str | None = None,
+        by: str | None = None,
+    ) -> Receipt:
+        """An operator's decision on an operation whose outcome the system cannot know.
+
+        ``accepted=REF``: it happened (ACCEPTED with that reference; the job, made READY if it
+        waits, finds the receipt and finishes without a resend). ``not_sent=True``: it did not
+        happen (NOT_SENT; the job becomes READY and sends once). ``reason`` and ``by`` (default:
+        the OS user) are kept with the time. Refused (``OperationError``) for an unknown
+        operation, an ACCEPTED receipt, and a call that may still be in flight."""
+        if (accepted is None) == (not not_sent):
+            raise JobError("accepted", "give exactly one of accepted=REF or not_sent=True")
+        if accepted is not None:
+            check_name("accepted", accepted, JobError)
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        who = by if by is not None else _os_user()
+        check_name("by", who, JobError)
+        driver = self.store.driver
+        state = ACCEPTED if accepted is not None else NOT_SENT
+        with driver.begin() as conn:
+            row = driver.operation_get(conn, operation_id, lock=True)
+            if row is None:
+                raise OperationError(f"no operation {operation_id!r}")
+            if row.state == ACCEPTED:
+                raise OperationError(
+                    f"operation {operation_id} is ACCEPTED already "
+                    f"(ref {row.provider_ref}): refusing to settle it again"
+                )
+            clock = driver.clock_read(conn, None)
+            if row.state == PENDING and row.call_deadline is not None and row.call_deadline > clock:
+                raise OperationError(
+                    f"operation {operation_id}: a call may be in flight for another "
+                    f"{row.call_deadline - clock:.1f} s; settle it after its deadline"
+                )
+            driver.operation_update(
+                conn,
+                operation_id,
+                {
+                    "state": state,
+                    "provider_ref": accepted,
+                    "settled_by": who,
+                    "settled_reason": reason,
+                    "settled_at": clock,
+                    "updated_at": clock,
+                },
+            )
+            settled = driver.operation_get(conn, operation_id)
+        log.info(
+            "operation settled",
+            extra=fields(operation_id=operation_id, state=state, by=who, reason=reason),
+        )
+        self._wake(int(row.job_id), f"operation {operation_id} settled {state} by {who}")
+        return _receipt(settled)
 
     # -- storage ----------------------------------------------------------------------------
+
     def _intent(
-        self, lease: Lease, operation_id: str, provider: str, digest: str
-    ) -> tuple[bool, str, str | None]:
+        self, lease: Lease, operation_id: str, provider: str, digest: str, timeout: float
+    ) -> tuple[str, Any]:
+        """In one fenced transaction: create the intent with its deadline (the call counted,
+        the lease extended to the deadline), or read the earlier one and say what to do:
+        ACCEPTED, FAILED, ``send`` (a new call was started), ``in_flight`` or
+        ``reconcile``."""
         driver = self.store.driver
         with driver.begin() as conn:
-            # Operation rows only change while the caller's lease is current.
             held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
             if held is None:
                 raise Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
+            clock = driver.clock_read(conn, None)
+            deadline = clock + timeout
             created = driver.operation_insert(
                 conn,
                 {
@@ -175,39 +478,155 @@ class Operations:
                     "provider": provider,
                     "request_digest": digest,
                     "state": PENDING,
-                    "created_at": db_epoch(),
-                    "updated_at": db_epoch(),
+                    "attempts": 1,
+                    "call_deadline": deadline,
+                    "created_at": clock,
+                    "updated_at": clock,
                 },
             )
-            row = driver.operation_get(conn, operation_id)
-        if row.request_digest != digest or row.provider != provider:
-            raise OperationError(
-                f"operation {operation_id} was dispatched before with a different request"
-            )
-        return created, str(row.state), row.provider_ref
+            if created:
+                driver.job_lease_extend(conn, lease.job_id, lease.worker, lease.epoch, deadline)
+                return "send", None
+            row = driver.operation_get(conn, operation_id, lock=True)
+            if row.request_digest != digest or row.provider != provider:
+                raise OperationError(
+                    f"operation {operation_id} was dispatched before with a different request"
+                )
+            if row.state in (ACCEPTED, FAILED):
+                return str(row.state), row
+            if row.state in (PENDING, UNKNOWN):
+                if row.call_deadline is not None and row.call_deadline > clock:
+                    return "in_flight", row
+                return "reconcile", row
+            # NOT_SENT: the provider did not act; a new call starts now.
+            self._start(conn, lease, operation_id, deadline, None)
+            return "send", row
 
-    def _record(
+    def _call_start(self, lease: Lease, operation_id: str, timeout: float, attempts: int) -> bool:
+        """Fenced: count the call and set its deadline before making it (False: the receipt
+        changed since it was read, re-read it)."""
+        driver = self.store.driver
+        with driver.begin() as conn:
+            if (
+                driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
+                is None
+            ):
+                raise Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
+            deadline = driver.clock_read(conn, None) + timeout
+            return self._start(conn, lease, operation_id, deadline, attempts)
+
+    def _start(
+        self, conn: Any, lease: Lease, operation_id: str, deadline: float, attempts: int | None
+    ) -> bool:
+        driver = self.store.driver
+        started = driver.operation_update(
+            conn,
+            operation_id,
+            {
+                "state": PENDING,
+                "attempts": operations.c.attempts + 1,
+                "call_deadline": deadline,
+                "last_error": None,
+                "updated_at": db_epoch(),
+            },
+            if_states=(PENDING, UNKNOWN, NOT_SENT),
+            if_attempts=attempts,
+        )
+        if started:
+            driver.job_lease_extend(conn, lease.job_id, lease.worker, lease.epoch, deadline)
+        return started
+
+    def _update(
         self,
-        lease: Lease,
         operation_id: str,
         state: str,
         ref: str | None,
         error: str | None,
         *,
-        calls: int,
-    ) -> None:
+        if_attempts: int | None = None,
+        if_states: Sequence[str] = (),
+        settled: tuple[str, str] | None = None,
+    ) -> bool:
         # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
-        # about the provider, and losing it would cost a reconciliation later.
+        # about the provider, and losing it would cost a reconciliation later. An ACCEPTED
+        # receipt never changes again.
+        values: dict[str, Any] = {
+            "state": state,
+            "provider_ref": ref,
+            "last_error": error,
+            "updated_at": db_epoch(),
+        }
+        if settled is not None:
+            values.update(settled_by=settled[0], settled_reason=settled[1], settled_at=db_epoch())
         with self.store.driver.begin() as conn:
-            self.store.driver.operation_update(
+            return self.store.driver.operation_update(
                 conn,
                 operation_id,
-                {
-                    "state": state,
-                    "provider_ref": ref,
-                    "last_error": error,
-                    "attempts": operations.c.attempts + calls,
-                    "updated_at": db_epoch(),
-                },
+                values,
                 unless_states=(ACCEPTED,),
+                if_states=if_states,
+                if_attempts=if_attempts,
             )
+
+    def _wake(self, job_id: int, reason: str) -> bool:
+        """Make a waiting job READY (its receipt was settled); True if it moved."""
+        try:
+            state = self.store.get(job_id).state
+            if state not in (WAITING_REVIEW, WAITING_EXTERNAL, NEEDS_ATTENTION):
+                return state == READY
+            self.store.resume(job_id, reason=reason)
+        except (LookupError, Conflict, OperationError) as exc:
+            log.info("job not moved", extra=fields(job_id=job_id, error=str(exc)))
+            return False
+        except Exception as exc:  # IllegalTransition: it moved meanwhile
+            log.info("job not moved", extra=fields(job_id=job_id, error=repr(exc)))
+            return False
+        return True
+
+    def _park(self, job_id: int, reason: str) -> bool:
+        """Send a READY job whose receipt nobody can settle to WAITING_REVIEW."""
+        try:
+            state = self.store.get(job_id).state
+            if state == WAITING_REVIEW:
+                return False
+            if state != READY:
+                return False
+            self.store.park(job_id, reason=reason)
+        except Exception as exc:  # it moved meanwhile (claimed, cancelled)
+            log.info("job not parked", extra=fields(job_id=job_id, error=repr(exc)))
+            return False
+        return True
+
+
+def _failure_text(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    text = f"{type(exc).__name__}: {exc}"
+    return (f"HTTP {status}: {text}" if status else text)[:2000]
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in this environment
+        return "unknown"
+
+
+def _receipt(row: Any) -> Receipt:
+    def number(value: Any) -> float | None:
+        return None if value is None else float(value)
+
+    return Receipt(
+        operation_id=row.operation_id,
+        state=row.state,
+        provider_ref=row.provider_ref,
+        job_id=int(row.job_id),
+        provider=row.provider,
+        attempts=int(row.attempts),
+        last_error=row.last_error,
+        call_deadline=number(row.call_deadline),
+        settled_by=row.settled_by,
+        settled_reason=row.settled_reason,
+        settled_at=number(row.settled_at),
+        created_at=number(row.created_at),
+        updated_at=number(row.updated_at),
+    )

@@ -546,8 +546,44 @@ class Store:
     ) -> None:
         """LEASED -> READY without counting a failure: a draining worker hands back a job it
         claimed but did not start (the claim is not counted as an attempt)."""
+        self._hand_back(job, action, worker, epoch, None, "released", None, now)
+
+    def defer(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        until: Time,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> READY at ``until`` without counting a failure: the job cannot act yet
+        (an earlier provider call may still be in flight until its deadline)."""
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        at = _time("until", until)
+        if at is None:
+            raise JobError("until", "is required")
+        self._hand_back(job, action, worker, epoch, at, "deferred", reason, now)
+
+    def _hand_back(
+        self,
+        job: Any,
+        action: str | None,
+        worker: str | None,
+        epoch: int | None,
+        run_after: float | None,
+        outcome: str,
+        note: str | None,
+        now: Time | None,
+    ) -> None:
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        values: dict[str, Any] = {"attempts": jobs.c.attempts - 1}
+        if run_after is not None:
+            values["run_after"] = run_after
         with self.driver.begin() as conn:
             self._move(
                 conn,
@@ -556,9 +592,9 @@ class Store:
                 who,
                 epoch_,
                 READY,
-                {"attempts": jobs.c.attempts - 1},
-                "released",
-                None,
+                values,
+                outcome,
+                note,
                 when,
                 clear_timer=False,
             )
@@ -575,12 +611,21 @@ class Store:
         provider: str | None = None,
         now: Time | None = None,
         rng: random.Random | None = None,
+        retry_after: float | None = None,
     ) -> str:
         """Record a failed attempt; returns the job's new state (see ``consumer.jobs.retry``):
         transient -> READY after a jittered backoff (NEEDS_ATTENTION when spent), permanent
-        -> WAITING_REVIEW, auth -> READY then NEEDS_ATTENTION after a few."""
+        -> WAITING_REVIEW, auth -> READY then NEEDS_ATTENTION after a few. ``retry_after``
+        (seconds, a provider's ``Retry-After``) is the shortest delay before the retry."""
         if kind not in ("transient", "permanent", "auth"):
             raise JobError("kind", f"must be transient, permanent or auth, got {kind!r}")
+        if retry_after is not None and (
+            isinstance(retry_after, bool)
+            or not isinstance(retry_after, (int, float))
+            or not math.isfinite(retry_after)
+            or retry_after < 0
+        ):
+            raise JobError("retry_after", f"must be a non-negative number, got {retry_after!r}")
         _name("provider", provider, optional=True)
         text_error = _error_text(error)
         when = _time("now", now)
@@ -607,7 +652,7 @@ class Store:
                 "last_error": text_error,
             }
             if decision.state == READY:
-                values["run_after"] = clock + decision.delay
+                values["run_after"] = clock + max(decision.delay, retry_after or 0.0)
             else:
                 values["wait_reason"] = decision.reason
             outcome = {READY: "retry"}.get(decision.state, decision.state.lower())
@@ -804,6 +849,31 @@ class Store:
             reason,
             when,
             allowed=(WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION),
+        )
+
+    def park(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """An operator's (or the reconciliation sweep's) READY or WAITING_EXTERNAL ->
+        WAITING_REVIEW: a person must decide before the job runs again."""
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        when = _time("now", now)
+        where, label = _key(job, action)
+        self._operator_move(
+            where,
+            label,
+            WAITING_REVIEW,
+            {"wait_reason": reason},
+            "waiting_review",
+            reason,
+            when,
+            allowed=(READY, WAITING_EXTERNAL),
         )
 
     def _operator_move(

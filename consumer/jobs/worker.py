@@ -31,7 +31,15 @@ cancellation condition holds, re-plans it (a new timer) when the version changed
 Heartbeat: one thread renews the leases of running jobs every ``ttl / 3`` seconds, but only
 for handlers that reported progress (``job.progress()``) since the last renewal; starting
 counts as progress. A stuck handler therefore loses its lease after about one ttl and
-another worker takes the job over; its late moves get ``Conflict`` (fenced).
+another worker takes the job over; its late moves get ``Conflict`` (fenced). While a
+provider call is in flight (``job.dispatch``), the lease already lasts until the call's
+deadline (the intent's transaction extended it) and the heartbeat leaves it alone; the call's
+end counts as progress.
+
+External effects: ``Worker(store, providers={"mail": provider})`` gives handlers
+``job.dispatch(name, provider, request)`` (``consumer.jobs.operations``), and ``run`` sweeps
+receipts whose call deadline passed every ``reconcile_interval`` seconds
+(``Operations.reconcile``).
 
 Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
 the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
@@ -42,9 +50,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -55,6 +64,9 @@ from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
+
+if TYPE_CHECKING:
+    from consumer.jobs.operations import Operations, Provider, Receipt
 
 log = logging.getLogger("outbox.worker")
 
@@ -72,6 +84,7 @@ class WorkerConfig:
     ttl: float = 30.0
     poll_interval: float = 0.5
     recover_interval: float = 5.0
+    reconcile_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -80,7 +93,7 @@ class WorkerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        for name in ("ttl", "poll_interval", "recover_interval"):
+        for name in ("ttl", "poll_interval", "recover_interval", "reconcile_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(name, f"must be a positive number, got {value!r}")
@@ -89,9 +102,11 @@ class WorkerConfig:
 class JobContext:
     """What a handler gets: the lease's facts and the moves it may make on its job."""
 
-    def __init__(self, store: Store, lease: Lease) -> None:
+    def __init__(self, store: Store, lease: Lease, operations: Operations | None = None) -> None:
         self.store = store
         self.lease = lease
+        self.operations = operations
+        self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
         self.outcome: str | None = None  # set when the handler moved the job itself
         self.lost = False  # set by the heartbeat when the lease was lost (fenced)
         self._progress = 1
@@ -137,8 +152,23 @@ class JobContext:
         with self._lock:
             self._progress += 1
 
+    @contextmanager
+    def provider_call(self, timeout: float) -> Iterator[None]:
+        """Around one provider call (``Operations.dispatch``): its intent extended the lease
+        to the call's deadline, so renewals pause; the call's end counts as progress."""
+        with self._lock:
+            self._call_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._call_depth -= 1
+                self._progress += 1
+
     def _due_for_renewal(self) -> bool:
         with self._lock:
+            if self._call_depth:
+                return False
             if self._progress > self._renewed and self.outcome is None and not self.lost:
                 self._renewed = self._progress
                 return True
@@ -153,6 +183,17 @@ class JobContext:
     def wait_review(self, reason: str | None = None) -> None:
         self.store.wait_review(self.lease, reason=reason)
         self.outcome = "waiting_review"
+
+    def defer(self, until: Time, reason: str | None = None) -> None:
+        """Hand the job back, READY again at ``until``, without counting a failure."""
+        self.store.defer(self.lease, until=until, reason=reason)
+        self.outcome = "deferred"
+
+    def dispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
+        """``Operations.dispatch`` for this job, through the worker's providers."""
+        if self.operations is None:
+            raise ConfigError("providers", "this worker has no providers: Worker(providers=...)")
+        return self.operations.dispatch(self, name, provider, request)
 
     def schedule(
         self,
@@ -214,6 +255,8 @@ class Worker:
         *,
         config: WorkerConfig | None = None,
         hooks: Hooks | None = None,
+        providers: Mapping[str, Provider] | None = None,
+        default_timeout: float = 30.0,
         **options: Any,
     ) -> None:
         if store is not None and not isinstance(store, Store):
@@ -231,6 +274,18 @@ class Worker:
         self._heartbeat: threading.Thread | None = None
         self._last_recover = 0.0
         self._recover_lock = threading.Lock()
+        if (
+            isinstance(default_timeout, bool)
+            or not isinstance(default_timeout, (int, float))
+            or not default_timeout > 0
+        ):
+            raise ConfigError(
+                "default_timeout", f"must be positive seconds, got {default_timeout!r}"
+            )
+        self.providers: dict[str, Provider] = dict(providers or {})
+        self.default_timeout = float(default_timeout)
+        self._operations: Operations | None = None
+        self._last_reconcile = time.monotonic()  # the first sweep after one interval
 
     # -- registry -------------------------------------------------------------------------
     def handler(self, name: str) -> Callable[[Handler], Handler]:
@@ -267,6 +322,20 @@ class Worker:
                 best = name
         return (best, self.handlers[best]) if best is not None else None
 
+    @property
+    def operations(self) -> Operations | None:
+        """Operation intents through this worker's providers (None without providers)."""
+        if not self.providers:
+            return None
+        store = self._store()
+        if self._operations is None or self._operations.store is not store:
+            from consumer.jobs.operations import Operations
+
+            self._operations = Operations(
+                store, self.providers, default_timeout=self.default_timeout
+            )
+        return self._operations
+
     def _store(self) -> Store:
         if self.store is None:
             raise ConfigError("store", "the worker has no Store: pass one or bind worker.store")
@@ -278,12 +347,14 @@ class Worker:
         jobs were handled (0: nothing eligible). Database errors propagate (``run`` retries)."""
         store = self._store()
         self._maybe_recover(store, now)
+        self._maybe_reconcile()
         leases = store.claim_batch(
             self.config.name, self.config.batch_size, self.config.ttl, now=now
         )
         if not leases:
             return 0
-        contexts = [JobContext(store, lease) for lease in leases]
+        operations = self.operations
+        contexts = [JobContext(store, lease, operations) for lease in leases]
         with self._active_lock:
             for ctx in contexts:
                 self._active[ctx.job_id] = ctx
@@ -338,12 +409,14 @@ class Worker:
                 except OperationUnresolved:
                     outcome = ctx.outcome or "waiting_review"  # dispatch moved the job
                 except JobFailure as failure:
-                    outcome = (
-                        "failed_"
-                        + store.fail(
-                            ctx.lease, error=failure, kind=failure.kind, provider=failure.provider
-                        ).lower()
+                    state = store.fail(
+                        ctx.lease,
+                        error=failure,
+                        kind=failure.kind,
+                        provider=failure.provider,
+                        retry_after=_retry_after(failure),
                     )
+                    outcome = "failed_" + state.lower()
                 except Exception as exc:  # any other handler error: transient
                     log.warning(
                         "job handler failed",
@@ -377,6 +450,17 @@ class Worker:
             result = store.recover(now=now)
             if result.requeued or result.needs_attention or result.woken:
                 log.info("recovered jobs", extra=fields(**result.__dict__))
+
+    def _maybe_reconcile(self) -> None:
+        operations = self.operations
+        if operations is None:
+            return
+        with self._recover_lock:
+            due = time.monotonic() - self._last_reconcile >= self.config.reconcile_interval
+            if due:
+                self._last_reconcile = time.monotonic()
+        if due:
+            operations.reconcile()
 
     # -- heartbeat ------------------------------------------------------------------------
     def _ensure_heartbeat(self) -> None:
@@ -469,6 +553,14 @@ class Worker:
 
     def _hook(self, name: str, *args: Any) -> None:
         call_hook(self.hooks, name, *args)
+
+
+def _retry_after(failure: JobFailure) -> float | None:
+    """A provider's ``Retry-After`` (seconds) carried by the failure, if any."""
+    value = getattr(failure, "retry_after", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
 
 
 def _since(started: float) -> float:
