@@ -1,73 +1,329 @@
-"""Writer-side figures for the outbox (issue 2), on PostgreSQL.
+"""Writer-side figures for the outbox, on PostgreSQL: every way in against a hand-written
+INSERT of the same row on the same path (issues 2, 10 and 14).
 
-1. Writer overhead: a minimal domain transaction (UPDATE one row, COMMIT) with and without
-   one ``emit``, alternating short rounds of each so drift and noise hit both alike; the
-   ratio of medians is the figure (target: at most 1.15).
-2. Events written per second by 4 writer threads: one event per transaction, and batches of
-   100 per transaction (``emit_many``: one statement).
+Each domain transaction updates one row and writes its event(s). For each path the
+baseline is the same transaction with a hand-written ``INSERT`` of the same row (the same
+event id, key hash, JSON payload) through ``text()``, as a user would write it:
 
-    python -m bench outbox_write [--database-url URL] [--rounds N] [--per-round N]
+- ``session``   ``with outbox.transaction() as tx: tx.emit(...)``   vs Session + INSERT
+- ``decorator`` ``@outbox.transactional``                          vs Session + INSERT
+- ``connection`` ``with engine.begin() as c: outbox.emit(c, ...)``  vs Connection + INSERT
+- ``emit_many`` ``tx.emit_many`` of 10 events                       vs Session + executemany
+
+Ways are run in alternating short rounds so that drift hits all alike; each figure is the
+median of the rounds, the ratio is time per transaction of the way / of its baseline (target:
+at most 1.05). It runs at 1 and 16 threads, on the schema ``create_schema()`` makes by
+default (with the NOTIFY trigger) and with ``notify=False``.
+
+``--async`` measures AsyncOutbox instead: one event loop, 16 concurrent tasks, a bare
+transaction, one ``tx.emit``, and a hand-written async INSERT on the same AsyncSession path.
+
+    python -m bench outbox_write [--threads 1,16] [--notify both|on|off] [--seconds S]
+    python -m bench outbox_write --async [--tasks 16]
+    python -m bench outbox_write --throughput     # events/s of 4 writers, 1 and 100 per tx
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import statistics
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import AsyncOutbox, Outbox, make_engine
+from outbox.aio import make_async_engine
+from outbox.event import key_hash
+from outbox.ids import new_event_id
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 UPDATE = sa.text("UPDATE bench_quotes SET version = version + 1 WHERE id = :id")
+HAND_INSERT = sa.text(
+    "INSERT INTO outbox_events (event_id, topic, key, key_hash, tenant, identity, payload, "
+    "headers) VALUES (:event_id, :topic, :key, :key_hash, :tenant, :identity, "
+    "CAST(:payload AS jsonb), CAST(:headers AS jsonb))"
+)
+PAYLOAD_PAD = "x" * 200
 
 
-def _setup(url: str) -> tuple[Outbox, str, sa.Engine]:
+def hand_row(i: int, key: str) -> dict[str, Any]:
+    """The row a hand-written INSERT writes: what emit writes, built by hand."""
+    event_id = new_event_id()
+    return {
+        "event_id": event_id,
+        "topic": "quote.approved",
+        "key": key,
+        "key_hash": key_hash(key),
+        "tenant": None,
+        "identity": event_id,
+        "payload": json.dumps({"total": i, "n": PAYLOAD_PAD}),
+        "headers": None,
+    }
+
+
+def _setup(url: str, notify: bool) -> tuple[str, str, sa.Engine]:
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    box = Outbox(f"{url}?options=-csearch_path%3D{schema}")
-    box.create_schema()
+    schema_url = f"{url}?options=-csearch_path%3D{schema}"
+    box = Outbox(schema_url)
+    box.create_schema(notify=notify)
     with box.engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE bench_quotes (id INTEGER PRIMARY KEY, version INTEGER)"))
         conn.execute(sa.text("INSERT INTO bench_quotes SELECT g, 0 FROM generate_series(0, 63) g"))
-    return box, schema, admin
+    box.engine.dispose()
+    return schema_url, schema, admin
 
 
-def _rate(count: int, seconds: float) -> float:
-    return count / seconds if seconds > 0 else float("inf")
+def _drop(admin: sa.Engine, schema: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
 
 
-def overhead(box: Outbox, rounds: int, per_round: int) -> tuple[float, float]:
-    def plain(i: int) -> None:
+Way = Callable[[int, int], None]  # (thread number, iteration) -> one domain transaction
+
+
+def sync_ways(box: Outbox) -> dict[str, Way]:
+    engine = box.engine
+
+    def bare(n: int, i: int) -> None:
+        with Session(engine) as s, s.begin():
+            s.execute(UPDATE, {"id": n})
+
+    def session_hand(n: int, i: int) -> None:
+        with Session(engine) as s, s.begin():
+            s.execute(UPDATE, {"id": n})
+            s.execute(HAND_INSERT, hand_row(i, f"quote-{n}"))
+
+    def session_emit(n: int, i: int) -> None:
         with box.transaction() as tx:
-            tx.session.execute(UPDATE, {"id": i % 64})
+            tx.session.execute(UPDATE, {"id": n})
+            tx.emit("quote.approved", key=f"quote-{n}", payload={"total": i, "n": PAYLOAD_PAD})
 
-    def with_emit(i: int) -> None:
+    @box.transactional
+    def decorated(tx: Any, n: int, i: int) -> None:
+        tx.session.execute(UPDATE, {"id": n})
+        tx.emit("quote.approved", key=f"quote-{n}", payload={"total": i, "n": PAYLOAD_PAD})
+
+    def connection_bare(n: int, i: int) -> None:
+        with engine.begin() as c:
+            c.execute(UPDATE, {"id": n})
+
+    def connection_hand(n: int, i: int) -> None:
+        with engine.begin() as c:
+            c.execute(UPDATE, {"id": n})
+            c.execute(HAND_INSERT, hand_row(i, f"quote-{n}"))
+
+    def connection_emit(n: int, i: int) -> None:
+        with engine.begin() as c:
+            c.execute(UPDATE, {"id": n})
+            box.emit(c, "quote.approved", key=f"quote-{n}", payload={"total": i, "n": PAYLOAD_PAD})
+
+    def many_hand(n: int, i: int) -> None:
+        with Session(engine) as s, s.begin():
+            s.execute(UPDATE, {"id": n})
+            s.execute(HAND_INSERT, [hand_row(i + j, f"quote-{n}") for j in range(10)])
+
+    def many_emit(n: int, i: int) -> None:
         with box.transaction() as tx:
-            tx.session.execute(UPDATE, {"id": i % 64})
-            tx.emit("quote.approved", key=f"quote-{i % 64}", payload={"total": i, "n": "x" * 200})
+            tx.session.execute(UPDATE, {"id": n})
+            tx.emit_many(
+                [
+                    {
+                        "topic": "quote.approved",
+                        "key": f"quote-{n}",
+                        "payload": {"total": i + j, "n": PAYLOAD_PAD},
+                    }
+                    for j in range(10)
+                ]
+            )
 
-    def timed(fn: Callable[[int], None]) -> float:
+    return {
+        "session bare": bare,
+        "session + hand INSERT": session_hand,
+        "session (transaction)": session_emit,
+        "decorator": decorated,
+        "connection bare": connection_bare,
+        "connection + hand INSERT": connection_hand,
+        "connection (emit)": connection_emit,
+        "session + hand executemany x10": many_hand,
+        "emit_many x10": many_emit,
+    }
+
+
+# (way, its hand-written baseline)
+COMPARISONS = [
+    ("session (transaction)", "session + hand INSERT"),
+    ("decorator", "session + hand INSERT"),
+    ("connection (emit)", "connection + hand INSERT"),
+    ("emit_many x10", "session + hand executemany x10"),
+]
+
+
+def run_round(way: Way, threads: int, seconds: float, per_round: int) -> float:
+    """Transactions per second of ``way``: one thread runs ``per_round`` transactions;
+    several run for ``seconds``."""
+    if threads == 1:
         start = time.perf_counter()
         for i in range(per_round):
-            fn(i)
-        return _rate(per_round, time.perf_counter() - start)
+            way(0, i)
+        return per_round / (time.perf_counter() - start)
+    stop = threading.Event()
+    counts = [0] * threads
 
-    timed(plain), timed(with_emit)  # warm up the pool and plan caches
-    plain_rates, emit_rates = [], []
+    def loop(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            way(n, i)
+            i += 1
+        counts[n] = i
+
+    pool = [threading.Thread(target=loop, args=(n,)) for n in range(threads)]
+    start = time.perf_counter()
+    for thread in pool:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in pool:
+        thread.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def measure(
+    ways: dict[str, Way], threads: int, rounds: int, seconds: float, per_round: int
+) -> dict[str, float]:
+    for way in ways.values():  # warm up pools, prepared statements, plan caches
+        run_round(way, 1, 0, 30)
+    rates: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
-        plain_rates.append(timed(plain))
-        emit_rates.append(timed(with_emit))
-    return statistics.median(plain_rates), statistics.median(emit_rates)
+        for name, way in ways.items():
+            rates[name].append(run_round(way, threads, seconds, per_round))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def writers(box: Outbox, threads: int, seconds: float, batch: int) -> float:
+def print_table(title: str, rates: dict[str, float]) -> None:
+    print(title)
+    for name, rate in rates.items():
+        print(f"  {name:34s} {rate:8.0f} tx/s")
+    for way, base in COMPARISONS:
+        ratio = rates[base] / rates[way]
+        print(f"  ratio {way:28s} / {base:32s} {ratio:5.3f}  (target <= 1.05)")
+    print(
+        f"  hand INSERT cost over a bare session transaction: "
+        f"{rates['session bare'] / rates['session + hand INSERT']:5.3f}"
+    )
+
+
+def sync_bench(args: argparse.Namespace) -> None:
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.notify]
+    threads_list = [int(t) for t in args.threads.split(",")]
+    for notify in modes:
+        url, schema, admin = _setup(args.database_url, notify)
+        box = Outbox(make_engine(url, pool_size=max(threads_list) + 2))
+        try:
+            for threads in threads_list:
+                rates = measure(sync_ways(box), threads, args.rounds, args.seconds, args.per_round)
+                label = "with NOTIFY trigger" if notify else "notify=False"
+                print_table(f"{threads} thread(s), {label}:", rates)
+        finally:
+            box.engine.dispose()
+            _drop(admin, schema)
+
+
+async def async_rates(url: str, tasks: int, rounds: int, seconds: float) -> dict[str, float]:
+    box = AsyncOutbox(make_async_engine(url, pool_size=tasks + 2))
+
+    async def bare(n: int, i: int) -> None:
+        async with AsyncSession(box.engine) as s, s.begin():
+            await s.execute(UPDATE, {"id": n})
+
+    async def hand(n: int, i: int) -> None:
+        async with AsyncSession(box.engine) as s, s.begin():
+            await s.execute(UPDATE, {"id": n})
+            await s.execute(HAND_INSERT, hand_row(i, f"quote-{n}"))
+
+    async def emit(n: int, i: int) -> None:
+        async with box.transaction() as tx:
+            await tx.session.execute(UPDATE, {"id": n})
+            tx.emit("quote.approved", key=f"quote-{n}", payload={"total": i, "n": PAYLOAD_PAD})
+
+    async def connection_hand(n: int, i: int) -> None:
+        async with box.engine.begin() as c:
+            await c.execute(UPDATE, {"id": n})
+            await c.execute(HAND_INSERT, hand_row(i, f"quote-{n}"))
+
+    async def connection_emit(n: int, i: int) -> None:
+        async with box.engine.begin() as c:
+            await c.execute(UPDATE, {"id": n})
+            await box.emit(
+                c, "quote.approved", key=f"quote-{n}", payload={"total": i, "n": PAYLOAD_PAD}
+            )
+
+    ways = {
+        "async session bare": bare,
+        "async session + hand INSERT": hand,
+        "async transaction + emit": emit,
+        "async connection + hand INSERT": connection_hand,
+        "async connection (emit)": connection_emit,
+    }
+
+    async def run(way: Any, duration: float) -> float:
+        count = 0
+        deadline = time.perf_counter() + duration
+
+        async def task(n: int) -> None:
+            nonlocal count
+            i = 0
+            while time.perf_counter() < deadline:
+                await way(n, i)
+                i += 1
+                count += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(task(n) for n in range(tasks)))
+        return count / (time.perf_counter() - start)
+
+    for way in ways.values():
+        await run(way, 0.3)
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            rates[name].append(await run(way, seconds))
+    await box.dispose()
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def async_bench(args: argparse.Namespace) -> None:
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.notify]
+    for notify in modes:
+        url, schema, admin = _setup(args.database_url, notify)
+        try:
+            rates = asyncio.run(async_rates(url, args.tasks, args.rounds, args.seconds))
+        finally:
+            _drop(admin, schema)
+        label = "with NOTIFY trigger" if notify else "notify=False"
+        print(f"AsyncOutbox, one event loop, {args.tasks} concurrent tasks, {label}:")
+        for name, rate in rates.items():
+            print(f"  {name:34s} {rate:8.0f} tx/s")
+        for way, base in [
+            ("async transaction + emit", "async session + hand INSERT"),
+            ("async connection (emit)", "async connection + hand INSERT"),
+            ("async transaction + emit", "async session bare"),
+        ]:
+            print(f"  ratio {way:28s} / {base:32s} {rates[base] / rates[way]:5.3f}")
+
+
+def throughput(box: Outbox, threads: int, seconds: float, batch: int) -> float:
     stop = threading.Event()
     counts = [0] * threads
 
@@ -76,19 +332,12 @@ def writers(box: Outbox, threads: int, seconds: float, batch: int) -> float:
         while not stop.is_set():
             with box.transaction() as tx:
                 tx.session.execute(UPDATE, {"id": n})
-                if batch == 1:
-                    tx.emit("quote.approved", key=f"quote-{n}", payload={"i": i})
-                else:
-                    tx.emit_many(
-                        [
-                            {
-                                "topic": "quote.approved",
-                                "key": f"quote-{n}",
-                                "payload": {"i": i + j},
-                            }
-                            for j in range(batch)
-                        ]
-                    )
+                tx.emit_many(
+                    [
+                        {"topic": "quote.approved", "key": f"quote-{n}", "payload": {"i": i + j}}
+                        for j in range(batch)
+                    ]
+                )
             counts[n] += batch
             i += batch
 
@@ -100,7 +349,21 @@ def writers(box: Outbox, threads: int, seconds: float, batch: int) -> float:
     stop.set()
     for thread in pool:
         thread.join()
-    return _rate(sum(counts), time.perf_counter() - start)
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def throughput_bench(args: argparse.Namespace) -> None:
+    url, schema, admin = _setup(args.database_url, True)
+    box = Outbox(url)
+    try:
+        single = throughput(box, 4, args.seconds, 1)
+        batched = throughput(box, 4, args.seconds, 100)
+        print("events written per second, 4 writer threads:")
+        print(f"  one event per transaction : {single:9.0f} events/s")
+        print(f"  100 events per transaction: {batched:9.0f} events/s ({batched / single:.1f}x)")
+    finally:
+        box.engine.dispose()
+        _drop(admin, schema)
 
 
 def main(argv: list[str]) -> int:
@@ -110,28 +373,21 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--database-url", default=DEFAULT_URL)
-    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds (default 9)")
-    parser.add_argument("--per-round", type=int, default=300, help="transactions per round")
-    parser.add_argument("--seconds", type=float, default=8.0, help="duration of each writer run")
+    parser.add_argument("--async", dest="use_async", action="store_true")
+    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--threads", default="1,16", help="thread counts (default 1,16)")
+    parser.add_argument("--tasks", type=int, default=16, help="async tasks (default 16)")
+    parser.add_argument("--notify", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument(
+        "--per-round", type=int, default=300, help="transactions per round (1 thread)"
+    )
+    parser.add_argument("--seconds", type=float, default=1.5, help="round length (threads/tasks)")
     args = parser.parse_args(argv)
-    box, schema, admin = _setup(args.database_url)
-    try:
-        plain, emitted = overhead(box, args.rounds, args.per_round)
-        print("writer overhead (1 thread, UPDATE one row + COMMIT):")
-        print(f"  without emit : {plain:8.0f} tx/s")
-        print(f"  with one emit: {emitted:8.0f} tx/s")
-        print(f"  ratio (time with / time without): {plain / emitted:.3f}   (target <= 1.15)")
-        single = writers(box, 4, args.seconds, 1)
-        batched = writers(box, 4, args.seconds, 100)
-        print("events written per second, 4 writer threads:")
-        print(f"  one event per transaction : {single:9.0f} events/s")
-        print(
-            f"  100 events per transaction: {batched:9.0f} events/s  "
-            f"({batched / single:.1f}x single)"
-        )
-    finally:
-        box.engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    if args.use_async:
+        async_bench(args)
+    elif args.throughput:
+        throughput_bench(args)
+    else:
+        sync_bench(args)
     return 0

@@ -4,10 +4,10 @@
    back on an exception (which propagates). ``tx.session`` is the domain's Session and
    ``tx.emit`` writes in the same transaction.
 
-   ``tx.emit`` validates at once but writes when the transaction commits: on PostgreSQL
-   with psycopg the INSERT and the COMMIT travel in one round trip, so an emit costs the
-   domain transaction almost nothing beyond the row itself. The ORM's pending changes are
-   flushed first, and a ``tx.session.commit()`` made by hand writes the buffered events
+   ``tx.emit`` validates at once but writes when the transaction commits, all the
+   transaction's events in one statement just before the COMMIT, so an emit costs the
+   domain transaction what a hand-written INSERT of the row costs. The ORM's pending
+   changes are flushed first, and a ``tx.session.commit()`` made by hand writes the buffered events
    before that commit (a ``before_commit`` hook), so they are never separated from the
    state change. ``tx.flush()`` writes them immediately, for code that reads them back.
 2. ``@outbox.transactional`` wraps a domain function in (1) and passes it ``tx`` first.
@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
-import psycopg
 from sqlalchemy import MetaData, Table, event, insert
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -260,12 +259,13 @@ class Outbox:
                 # executemany: SQLite runs it in-process; one statement.
                 connection.execute(statement, [event.row() for event in events])
             return
-        # psycopg: a hand-written INSERT sent straight to the driver. Going through
-        # insert(table) cost ~x2 over a bare Connection transaction (measured, issue 10):
-        # SQLAlchemy's bind processing re-encodes the payload we already encoded while
-        # validating, and builds the parameter dict column by column. Here the payload text
-        # from validation is cast to jsonb by the server; psycopg prepares the statement
-        # after a few executions, like any hand-written INSERT.
+        # psycopg: a hand-written INSERT sent straight to the driver. Through insert(table)
+        # a Connection transaction spent more client CPU on the INSERT than a hand-written
+        # text() INSERT did (per transaction: bare 441 us, + text() INSERT 732, +
+        # insert(table) 1075, this 691; issue 10): SQLAlchemy's bind processing re-encodes
+        # the payload we already encoded while validating, and builds the parameters column
+        # by column. Here the payload text from validation is cast to jsonb by the server,
+        # and psycopg prepares the statement after a few executions like any other.
         for start in range(0, len(events), _MAX_ROWS_PER_STATEMENT):
             chunk = events[start : start + _MAX_ROWS_PER_STATEMENT]
             connection.exec_driver_sql(self._values_sql(len(chunk)), tuple(_row_params(chunk)))
@@ -301,44 +301,28 @@ class Outbox:
             self.write(session, events)
 
     def _write_with_commit(self, session: Session, pending: list[NewEvent]) -> None:
-        """Write the buffered events; on PostgreSQL/psycopg, together with the COMMIT.
+        """Write the buffered events just before the COMMIT of a transaction we own.
 
-        The ORM flush comes first so the state change precedes the COMMIT. The statement
-        ``INSERT ...; COMMIT`` is sent as one simple query with client-side binding
-        (psycopg's ClientCursor quotes every value; nothing is spliced by hand): one round
-        trip where a separate INSERT would take two. If the INSERT fails, PostgreSQL skips
-        the COMMIT and the error propagates, and ``session.begin()`` rolls back. Afterwards
-        the Session's own commit finds the connection idle, and psycopg's commit is a no-op.
+        The ORM flush comes first, so the state change precedes the events. The events go
+        in with the same prepared INSERT as ``emit`` (one statement for all of them), then
+        the Session commits: a domain transaction with ``tx.emit`` costs what the same
+        transaction with a hand-written INSERT costs.
 
-        The async path runs this same method through ``AsyncSession.run_sync``: there the
-        driver connection is psycopg's AsyncConnection, whose client cursor quotes alike
-        (``mogrify`` does no I/O), and the text goes through SQLAlchemy's adapted cursor.
+        Measured and dropped (issue 10): sending ``INSERT ...; COMMIT`` as one simple query
+        with client-side binding saves a round trip, but the server then parses and plans
+        the INSERT every time (a simple query cannot use a prepared statement). Alternating
+        rounds of one writer (UPDATE + INSERT + COMMIT, psycopg, loopback): 830/837/510/453
+        us per transaction for the one-message form against 784/761/433/355 for INSERT then
+        COMMIT; pipeline mode (prepared INSERT and COMMIT in one flush) 803/941/417/431, no
+        better and psycopg-specific. The async path (``outbox.aio``) runs this same method
+        through ``AsyncSession.run_sync``.
         """
         if not pending:
             return
+        session.flush()
         events = list(pending)
         pending.clear()
-        connection = session.connection()
-        driver = connection.connection.driver_connection
-        quoting: type[psycopg.ClientCursor[Any]] | type[psycopg.AsyncClientCursor[Any]]
-        if isinstance(driver, psycopg.Connection):
-            quoting = psycopg.ClientCursor
-        elif isinstance(driver, psycopg.AsyncConnection):
-            quoting = psycopg.AsyncClientCursor
-        else:
-            self.write(session, events)
-            return
-        if session.in_nested_transaction() or self._insert_head is None:
-            self.write(session, events)
-            return
-        session.flush()
-        statement = quoting(driver).mogrify(  # type: ignore[arg-type]
-            f"{self._values_sql(len(events))}; COMMIT", _row_params(events)
-        )
-        # no_parameters: the text is final (psycopg must not look for placeholders in it),
-        # and a query without parameters is sent with the simple protocol, which is what
-        # allows two statements in one message.
-        connection.exec_driver_sql(statement, execution_options={"no_parameters": True})
+        self.write(session, events)
 
     def _build_fast_insert_head(self) -> str | None:
         dialect = self.engine.dialect
