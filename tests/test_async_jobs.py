@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 
-from consumer import JobNotFound, Store
+from consumer import Store
+from consumer.errors import JobNotFound
 from consumer.jobs.aio import enqueue_async, enqueue_many_async
 from outbox import AsyncOutbox
 
