@@ -1,0 +1,64 @@
+"""Alembic: what autogenerate cannot see of the outbox table, as operations to call.
+
+Include the tables in your ``env.py`` (``target_metadata`` may be a list)::
+
+    from outbox import build_schema
+    from consumer.inbox import build_inbox_schema
+    from consumer.jobs.schema import metadata as jobs_metadata
+
+    target_metadata = [
+        Base.metadata,                     # your models
+        build_schema().metadata,           # outbox_events (table=..., schema=... if you set them)
+        build_inbox_schema().metadata,     # the consumers' inbox and dead letters
+        jobs_metadata,                     # jobs, attempts, operations
+    ]
+
+``alembic revision --autogenerate`` then writes the tables, their columns and every index,
+the partial ones included (``postgresql_where``). Three things are not in any MetaData and
+autogenerate never emits them: the NOTIFY trigger and its function, and the outbox table's
+storage parameters (per-table autovacuum, fillfactor). Add one line at the end of the
+migration that creates the outbox table::
+
+    from outbox.migrations import create_extras
+
+    def upgrade() -> None:
+        ...                                 # the generated create_table / create_index
+        create_extras(op)                   # or create_extras(op, notify=False)
+
+``create_extras`` is idempotent (each piece is checked first) and is what
+``Outbox.create_schema()`` runs, so a database migrated by Alembic and one made by
+``create_schema()`` end up the same (tests/test_alembic.py checks exactly that). A second
+autogenerate finds no differences: Alembic compares neither triggers nor storage parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+
+from outbox.schema import DEFAULT_TABLE, build_schema, notify_trigger_name
+from outbox.schema import create_extras as _create_extras
+
+
+def create_extras(
+    op: Any, *, table: str = DEFAULT_TABLE, schema: str | None = None, notify: bool = True
+) -> None:
+    """In a migration: the outbox table's NOTIFY trigger (unless ``notify=False``), storage
+    parameters and blocked-key index, each added only if missing. ``op`` is
+    ``alembic.op``; on SQLite only the index applies."""
+    _create_extras(op.get_bind(), build_schema(table, schema), notify=notify)
+
+
+def drop_extras(op: Any, *, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
+    """In a downgrade, before dropping the table: the NOTIFY trigger and its function."""
+    bind = op.get_bind()
+    if bind.dialect.name != "postgresql":
+        return
+    outbox_schema = build_schema(table, schema)
+    trigger = notify_trigger_name(outbox_schema)
+    prefix = f'"{outbox_schema.schema}".' if outbox_schema.schema else ""
+    bind.execute(
+        text(f'DROP TRIGGER IF EXISTS "{trigger}" ON {prefix}"{outbox_schema.table_name}"')
+    )
+    bind.execute(text(f'DROP FUNCTION IF EXISTS {prefix}"{trigger}"()'))
