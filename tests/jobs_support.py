@@ -46,3 +46,35 @@ def build_dispatching() -> Worker:
         operations["ops"].dispatch(job, "send", provider.name, {"to": job.subject})
 
     return worker
+
+
+def build_http() -> Worker:
+    """A worker whose ``email`` handler dispatches through ``HttpProvider`` to the connector
+    simulator at $SIM_URL, with the capabilities $SIM_LOOKUP / $SIM_IDEMPOTENCY (1 or 0) and
+    the call timeout $SIM_TIMEOUT; lease ttl $JOBS_TTL."""
+    from consumer.jobs.http import HttpProvider
+
+    url = os.environ["SIM_URL"]
+    provider = HttpProvider(
+        "mail",
+        f"{url}/send",
+        lookup_url=f"{url}/lookup/{{operation_id}}"
+        if os.environ.get("SIM_LOOKUP") == "1"
+        else None,
+        idempotency_header="Idempotency-Key" if os.environ.get("SIM_IDEMPOTENCY") == "1" else None,
+        timeout=float(os.environ.get("SIM_TIMEOUT", "3")),
+    )
+    worker = Worker(
+        providers={"mail": provider},
+        batch_size=1,
+        ttl=float(os.environ.get("JOBS_TTL", "1")),
+        recover_interval=0.2,
+        poll_interval=0.05,
+        reconcile_interval=0.5,
+    )
+
+    @worker.handler("email")
+    def email(job: JobContext) -> None:
+        job.dispatch("send", "mail", {"to": job.subject})
+
+    return worker

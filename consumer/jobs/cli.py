@@ -5,7 +5,18 @@ outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--bat
                                    [--ttl SECONDS] [--metrics-port PORT] [--metrics-host HOST]
                                    [--log-level LEVEL]
 outbox-worker init-db [--database-url URL]
+outbox-worker receipts [--state STATE] [--limit N] [--json]
+outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
+outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 ```
+
+``receipts`` lists operation receipts (oldest change first; ``--state UNKNOWN`` filters).
+``settle`` records an operator's decision on an operation the system cannot settle itself:
+``--accepted REF`` (it happened: the job finishes without a resend) or ``--not-sent`` (it did
+not: the job becomes READY and sends once), with ``--reason`` and who (``--by``, default the
+OS user) and when; settling an ACCEPTED receipt is refused (exit 1). ``reconcile`` sweeps
+PENDING/UNKNOWN receipts whose call deadline passed, with the providers of the Worker named
+by ``MODULE:ATTRIBUTE`` (lookups need them; without one it settles nothing).
 
 ``MODULE:ATTRIBUTE`` names a :class:`consumer.Worker` or a zero-argument factory returning
 one. A worker built without a Store gets ``Store(--database-url)``; flags override its
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
@@ -62,7 +74,30 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-host", default=None, help="metrics bind address [OUTBOX_METRICS_HOST, 127.0.0.1]"
     )
     init = sub.add_parser("init-db", help="create the job tables")
-    for p in (run, init):
+    receipts = sub.add_parser("receipts", help="list operation receipts")
+    receipts.add_argument(
+        "--state",
+        default=None,
+        help="only receipts in this state (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED)",
+    )
+    receipts.add_argument("--limit", type=int, default=100, help="at most this many [100]")
+    receipts.add_argument("--json", action="store_true", help="one JSON array")
+    settle = sub.add_parser("settle", help="record an operator's decision on an operation")
+    settle.add_argument("operation_id", help="the operation id (see receipts)")
+    decision = settle.add_mutually_exclusive_group(required=True)
+    decision.add_argument("--accepted", metavar="REF", help="it happened: the provider's ref")
+    decision.add_argument("--not-sent", action="store_true", help="it did not happen: send once")
+    settle.add_argument("--reason", default=None, help="why (kept with the receipt)")
+    settle.add_argument("--by", default=None, help="who decides [the OS user]")
+    sweep = sub.add_parser(
+        "reconcile", help="settle PENDING/UNKNOWN receipts whose call deadline passed"
+    )
+    sweep.add_argument(
+        "target", nargs="?", default=None, help="MODULE:ATTRIBUTE: the Worker with the providers"
+    )
+    sweep.add_argument("--limit", type=int, default=100, help="receipts per sweep [100]")
+    sweep.add_argument("--json", action="store_true", help="the result as JSON")
+    for p in (run, init, receipts, settle, sweep):
         p.add_argument(
             "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
         )
@@ -110,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             Store(url).dispose()
             log.info("job tables ready", extra=fields(database=describe_url(url)))
             return 0
+        if args.command in ("receipts", "settle", "reconcile"):
+            return _operations_command(args, url)
         return _run(args, url)
     except UsageError as exc:
         print(f"outbox-worker: {exc}", file=sys.stderr)
@@ -156,6 +193,73 @@ def _run(args: argparse.Namespace, url: str) -> int:
     )
     worker.run()
     return 0
+
+
+def _operations_command(args: argparse.Namespace, url: str) -> int:
+    from consumer.jobs.operations import Operations
+    from consumer.jobs.store import Store
+
+    providers: dict[str, Any] = {}
+    timeout = 30.0
+    if args.command == "reconcile" and args.target:
+        worker = load_worker(args.target)
+        providers = dict(worker.providers)
+        timeout = worker.default_timeout
+    store = Store(url)
+    try:
+        ops = Operations(store, providers, default_timeout=timeout)
+        if args.command == "receipts":
+            found = ops.receipts(args.state, limit=args.limit)
+            if args.json:
+                print(json.dumps([r.as_dict() for r in found], indent=2))
+            else:
+                _print_receipts(found)
+            return 0
+        if args.command == "settle":
+            receipt = ops.settle(
+                args.operation_id,
+                accepted=args.accepted,
+                not_sent=args.not_sent,
+                reason=args.reason,
+                by=args.by,
+            )
+            print(f"{receipt.operation_id}: {receipt.state} (settled by {receipt.settled_by})")
+            return 0
+        if not providers:
+            print(
+                "outbox-worker: no providers (name the Worker): nothing looked up", file=sys.stderr
+            )
+        result = ops.reconcile(limit=args.limit)
+        if args.json:
+            print(json.dumps(result.__dict__))
+        else:
+            print(" ".join(f"{k}={v}" for k, v in result.__dict__.items()))
+        return 0
+    finally:
+        for provider in providers.values():
+            close = getattr(provider, "close", None)
+            if callable(close):
+                close()
+        store.dispose()
+
+
+def _print_receipts(receipts: list[Any]) -> None:
+    header = ("OPERATION", "STATE", "JOB", "PROVIDER", "CALLS", "REF", "NOTE")
+    rows = [
+        (
+            r.operation_id,
+            r.state,
+            str(r.job_id),
+            r.provider or "",
+            str(r.attempts),
+            r.provider_ref or "",
+            (r.settled_reason or r.last_error or "")[:60],
+        )
+        for r in receipts
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _env_opt_int(name: str) -> int | None:
