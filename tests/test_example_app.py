@@ -1,0 +1,102 @@
+"""examples/fastapi_quotes end to end: the one command (run.py) starts uvicorn, the relay
+and billing as real processes; the test drives the app over HTTP on a free port, against
+PostgreSQL and Redis, and sees the approved quote become a finished job."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from consumer import Store
+
+RUN = Path(__file__).resolve().parents[1] / "examples" / "fastapi_quotes" / "run.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll an observable condition (not a sleep standing in for one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except httpx.TransportError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_quote_approved_over_http_becomes_a_job(
+    pg_url: str, redis_url: str, stream_prefix: str, redis_client: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(RUN),
+            "--port",
+            str(port),
+            "--database-url",
+            pg_url,
+            "--redis-url",
+            redis_url,
+            "--stream",
+            f"{stream_prefix}.{{topic}}",
+            "--group",
+            f"{stream_prefix}-billing",
+        ],
+        cwd=tmp_path,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=10) as http:
+            wait_for(lambda: http.get("/quotes/1").status_code == 404, "the app to answer")
+            created = http.post("/quotes", json={"tenant": "studio", "total": 120})
+            assert created.status_code == 201, created.text
+            quote_id = created.json()["id"]
+            approved = http.post(f"/quotes/{quote_id}/approve")
+            assert approved.status_code == 200, approved.text
+            assert approved.json()["state"] == "approved"
+            again = http.post(f"/quotes/{quote_id}/approve")  # rolled back: no second event
+            assert again.status_code == 409
+            assert http.post("/quotes/999/approve").status_code == 404
+            assert http.post("/quotes", json={"tenant": "", "total": 1}).status_code == 422
+
+            def job_done() -> Any:
+                job = http.get(f"/quotes/{quote_id}").json()["job"]
+                return job if job and job["state"] == "DONE" else None
+
+            job = wait_for(job_done, "the job to be created and run")
+            assert job["action"] == f"send-quote-{quote_id}"
+        store = Store(pg_url, create_schema=False)
+        try:
+            assert store.get("studio", f"send-quote-{quote_id}").state == "DONE"
+        finally:
+            store.dispose()
+        # Exactly one event reached the stream (the refused second approval wrote none).
+        assert redis_client.xlen(f"{stream_prefix}.quote.approved") == 1
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - surfaced by the assert
+            process.kill()
+            returncode = process.wait()
+    assert returncode == 0
