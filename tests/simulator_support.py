@@ -49,7 +49,7 @@ class SimulatorProcess:
         self.url = ""
         self.proc: subprocess.Popen[str] | None = None
         self.output: list[str] = []
-        self._client = httpx.Client(timeout=10.0)
+        self.client = httpx.Client(timeout=10.0)
 
     # -- the process ----------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -140,8 +140,8 @@ class SimulatorProcess:
             self.kill()
         else:
             self.stop()
-        self._client.close()
-        self._client = httpx.Client(timeout=10.0)
+        self.client.close()
+        self.client = httpx.Client(timeout=10.0)
         deadline = time.monotonic() + 10
         while True:  # the port is free again as soon as the old process is gone
             try:
@@ -157,7 +157,7 @@ class SimulatorProcess:
             if self.proc is not None:
                 self.stop()
         finally:
-            self._client.close()
+            self.client.close()
 
     def __enter__(self) -> SimulatorProcess:
         return self.start()
@@ -181,7 +181,7 @@ class SimulatorProcess:
 
     def effects(self, operation_id: str | None = None) -> list[dict[str, Any]]:
         params = {"operation_id": operation_id} if operation_id is not None else None
-        response = self._client.get(f"{self.url}/effects", params=params)
+        response = self.client.get(f"{self.url}/effects", params=params)
         response.raise_for_status()
         return list(response.json()["effects"])
 
@@ -190,17 +190,17 @@ class SimulatorProcess:
         body: dict[str, Any] = {"faults": list(rules)}
         if seed is not None:
             body["seed"] = seed
-        response = self._client.post(f"{self.url}/faults", json=body)
+        response = self.client.post(f"{self.url}/faults", json=body)
         response.raise_for_status()
         return list(response.json()["faults"])
 
     def configure(self, **settings: bool) -> dict[str, bool]:
-        response = self._client.post(f"{self.url}/config", json=settings)
+        response = self.client.post(f"{self.url}/config", json=settings)
         response.raise_for_status()
         return dict(response.json())
 
     def health(self) -> dict[str, Any]:
-        response = self._client.get(f"{self.url}/health")
+        response = self.client.get(f"{self.url}/health")
         response.raise_for_status()
         return dict(response.json())
 
