@@ -16,42 +16,28 @@ import json
 from typing import Any
 
 import redis as redislib
-from sqlalchemy.engine import Engine
 
-from consumer import inbox as q
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound
+from consumer.inbox import REPLAYED, Inbox
 
 
 def list_dead_letters(
-    engine: Engine,
-    tables: q.InboxSchema,
-    *,
-    group: str | None = None,
-    include_replayed: bool = False,
-    limit: int = 100,
+    inbox: Inbox, *, group: str | None = None, include_replayed: bool = False, limit: int = 100
 ) -> list[dict[str, Any]]:
-    with engine.connect() as conn:
-        return q.list_dead_letters(
-            conn,
-            tables.dead_letters,
-            group=group,
-            include_replayed=include_replayed,
-            limit=limit,
-        )
+    """NEEDS_ATTENTION records, oldest first (with ``include_replayed``, replayed ones too)."""
+    return inbox.dead_letter_list(group=group, include_replayed=include_replayed, limit=limit)
 
 
-def replay_dead_letter(
-    engine: Engine, tables: q.InboxSchema, client: redislib.Redis, record_id: int
-) -> str:
+def replay_dead_letter(inbox: Inbox, client: redislib.Redis, record_id: int) -> str:
     """Re-inject dead-letter record ``record_id`` into its stream; return the new entry id.
 
     Raises DeadLetterNotFound for an unknown id, AlreadyReplayed for a record replayed
     before (its ``replayed_entry_id`` says where)."""
-    with engine.begin() as conn:
-        row = q.get_dead_letter(conn, tables.dead_letters, record_id, lock=True)
+    with inbox.engine.begin() as conn:
+        row = inbox.dead_letter_get_for_update(conn, record_id)
         if row is None:
             raise DeadLetterNotFound(f"no dead-letter record with id {record_id}")
-        if row["state"] == q.REPLAYED:
+        if row["state"] == REPLAYED:
             raise AlreadyReplayed(
                 f"dead-letter record {record_id} was replayed at {row['replayed_at']} "
                 f"as entry {row['replayed_entry_id']} of {row['stream']}"
@@ -61,5 +47,5 @@ def replay_dead_letter(
             fields = {"dl.empty": "1"}
         new_id = client.xadd(row["stream"], {str(k): str(v) for k, v in fields.items()})
         entry_id = new_id.decode() if isinstance(new_id, bytes) else str(new_id)
-        q.mark_replayed(conn, tables.dead_letters, record_id, entry_id)
+        inbox.dead_letter_mark_replayed(conn, record_id, entry_id)
     return entry_id

@@ -10,6 +10,8 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection
 
+from outbox.dialect import is_postgresql
+
 
 def bulk_insert(
     conn: Connection,
@@ -32,21 +34,46 @@ def bulk_insert(
     """
     if not rows:
         return []
+    if is_postgresql(conn.dialect.name):
+        return _insert_unnest(conn, table, rows, conflict, returning)
+    return _insert_values(conn, table, rows, conflict, returning)
+
+
+def _insert_values(
+    conn: Connection,
+    table: Table,
+    rows: Sequence[Mapping[str, Any]],
+    conflict: Sequence[str] | None,
+    returning: str | Sequence[str] | None,
+) -> list[Any]:
+    """SQLite: SQLAlchemy's insertmanyvalues (multi-row VALUES)."""
+    names = [returning] if isinstance(returning, str) else list(returning or ())
+    stmt: Any = sqlite.insert(table)
+    if conflict:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(conflict))
+    if not names:
+        conn.execute(stmt, [dict(r) for r in rows])
+        return []
+    stmt = stmt.returning(*(table.c[name] for name in names))
+    result = conn.execute(stmt, [dict(r) for r in rows])
+    single = isinstance(returning, str)
+    return [row[0] if single else tuple(row) for row in result]
+
+
+def _insert_unnest(
+    conn: Connection,
+    table: Table,
+    rows: Sequence[Mapping[str, Any]],
+    conflict: Sequence[str] | None,
+    returning: str | Sequence[str] | None,
+) -> list[Any]:
+    """PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)`` on the Connection's
+    own psycopg connection (same transaction)."""
+    from psycopg.types.json import Jsonb
+
     columns = list(rows[0].keys())
     names = [returning] if isinstance(returning, str) else list(returning or ())
     single = isinstance(returning, str)
-    if conn.dialect.name != "postgresql":
-        stmt: Any = sqlite.insert(table)
-        if conflict:
-            stmt = stmt.on_conflict_do_nothing(index_elements=list(conflict))
-        if names:
-            stmt = stmt.returning(*(table.c[name] for name in names))
-            result = conn.execute(stmt, [dict(r) for r in rows])
-            return [row[0] if single else tuple(row) for row in result]
-        conn.execute(stmt, [dict(r) for r in rows])
-        return []
-    from psycopg.types.json import Jsonb
-
     prep = conn.dialect.identifier_preparer
     arrays: list[list[Any]] = []
     casts: list[str] = []

@@ -29,10 +29,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from consumer import inbox as q
 from consumer.admin import list_dead_letters, replay_dead_letter
 from consumer.consumer import Consumer, ConsumerConfig
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound
+from consumer.inbox import Inbox, build_inbox_schema, inbox_for
 from outbox.db import describe_url, make_engine
 from outbox.env import env, env_int
 from outbox.errors import ConfigError
@@ -230,18 +230,18 @@ def _run(args: argparse.Namespace) -> int:
 # -- dead letters ------------------------------------------------------------------------------
 
 
-def _tables(config: ConsumerConfig) -> q.InboxSchema:
-    return q.build_inbox_schema(config.schema)
+def _inbox(args: argparse.Namespace, config: ConsumerConfig) -> Inbox:
+    """The consumer tables of ``--database-url``, created if missing."""
+    inbox = inbox_for(make_engine(args.database_url), build_inbox_schema(config.schema))
+    inbox.schema_create()
+    return inbox
 
 
 def _dead_letters(args: argparse.Namespace, config: ConsumerConfig) -> int:
     if args.limit <= 0:
         raise ConfigError("--limit", "must be positive")
-    engine = make_engine(args.database_url)
-    tables = _tables(config)
-    q.create_inbox_schema(engine, tables)
     rows = list_dead_letters(
-        engine, tables, group=args.group, include_replayed=args.all, limit=args.limit
+        _inbox(args, config), group=args.group, include_replayed=args.all, limit=args.limit
     )
     if args.json:
         print(json.dumps([_jsonable(row) for row in rows], indent=2, default=str))
@@ -285,18 +285,16 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replay(args: argparse.Namespace, config: ConsumerConfig) -> int:
-    engine = make_engine(args.database_url)
-    tables = _tables(config)
-    q.create_inbox_schema(engine, tables)
-    entry_id = replay_dead_letter(engine, tables, redis_client(args.redis_url), args.record_id)
+    entry_id = replay_dead_letter(
+        _inbox(args, config), redis_client(args.redis_url), args.record_id
+    )
     print(f"replayed dead-letter record {args.record_id} as entry {entry_id}")
     return 0
 
 
 def _init_db(args: argparse.Namespace, config: ConsumerConfig) -> int:
-    engine = make_engine(args.database_url)
-    q.create_inbox_schema(engine, _tables(config))
-    print(f"consumer tables ready in {describe_url(engine.url)}")
+    inbox = _inbox(args, config)
+    print(f"consumer tables ready in {describe_url(inbox.engine.url)}")
     return 0
 
 

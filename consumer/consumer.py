@@ -53,6 +53,7 @@ from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.redis_client import redis_client
 from outbox.schema import check_identifier
+from outbox.validate import check_name
 
 log = logging.getLogger("outbox.consumer")
 
@@ -218,11 +219,9 @@ def _text(value: Any) -> str:
 
 
 def _check_name(setting: str, value: object) -> str:
-    if not isinstance(value, str) or not value.strip() or "\x00" in value:
-        raise ConfigError(setting, f"must be a non-empty string, got {value!r}")
-    if len(value) > q.NAME_WIDTH:
-        raise ConfigError(setting, f"is longer than {q.NAME_WIDTH} characters")
-    return value
+    name = check_name(setting, value, ConfigError)
+    assert name is not None
+    return name
 
 
 class Consumer:
@@ -274,6 +273,7 @@ class Consumer:
         if isinstance(redis, str):
             redis_client(redis)  # validates the URL now; the client is made on first use
         self.tables = q.build_inbox_schema(self.config.schema)
+        self.inbox = q.inbox_for(self.engine, self.tables)
         self.name = incarnation_name(self.config.name_prefix)
         self._handlers: dict[str, tuple[Callable[..., Any], bool]] = {}
         self._stop = threading.Event()
@@ -396,7 +396,7 @@ class Consumer:
 
     def create_schema(self) -> None:
         """Create the inbox and dead-letter tables if missing (idempotent)."""
-        q.create_inbox_schema(self.engine, self.tables)
+        self.inbox.schema_create()
         self._schema_ready = True
 
     def dead_letter_stream_for(self, stream: str) -> str:
@@ -489,9 +489,7 @@ class Consumer:
     def purge_inbox(self, *, now: datetime | None = None, max_batches: int = 10) -> int:
         """Delete this group's inbox rows older than the retention (the dedup window), in
         bounded batches; ``now`` defaults to the database clock. Returns rows deleted."""
-        return q.purge_inbox(
-            self.engine,
-            self.tables.inbox,
+        return self.inbox.inbox_purge(
             self.group,
             self.config.inbox_retention_seconds,
             batch=self.config.purge_batch,
@@ -503,14 +501,9 @@ class Consumer:
         self, *, include_replayed: bool = False, limit: int = 100
     ) -> list[dict[str, Any]]:
         """This group's NEEDS_ATTENTION records (oldest first)."""
-        with self.engine.connect() as conn:
-            return q.list_dead_letters(
-                conn,
-                self.tables.dead_letters,
-                group=self.group,
-                include_replayed=include_replayed,
-                limit=limit,
-            )
+        return self.inbox.dead_letter_list(
+            group=self.group, include_replayed=include_replayed, limit=limit
+        )
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -630,14 +623,14 @@ class Consumer:
                 continue
             events.append((entry, event))
 
-        session = Session(self.engine.execution_options(sqlite_begin="IMMEDIATE"))
+        session = self.inbox.session()
         try:
             with session.begin():
                 conn = session.connection()
                 self._deduplicate_and_handle(session, conn, events, outcome)
                 if outcome.dead:
-                    outcome.dead_ids = q.insert_dead_letters(
-                        conn, self.tables.dead_letters, [self._dead_row(d) for d in outcome.dead]
+                    outcome.dead_ids = self.inbox.dead_letter_insert(
+                        conn, [self._dead_row(d) for d in outcome.dead]
                     )
         finally:
             session.close()
@@ -667,7 +660,7 @@ class Consumer:
         # them again (unless already handled: then they are mere duplicates).
         worn = {i: p for i, p in first.items() if p[1].deliveries > self.config.max_deliveries}
         if worn:
-            seen = q.seen_identities(conn, self.tables.inbox, self.group, list(worn))
+            seen = self.inbox.inbox_seen(conn, self.group, list(worn))
             for identity, (entry, event) in worn.items():
                 del first[identity]
                 if identity in seen:
@@ -690,7 +683,7 @@ class Consumer:
             }
             for identity, (entry, event) in sorted(first.items())
         ]
-        new = q.insert_inbox_rows(conn, self.tables.inbox, rows)
+        new = self.inbox.inbox_insert(conn, rows)
         fresh: list[tuple[_Entry, ConsumedEvent]] = []
         for identity, (entry, event) in first.items():
             if identity in new:
@@ -707,7 +700,7 @@ class Consumer:
                 outcome.handled[entry.stream] = outcome.handled.get(entry.stream, 0) + 1
                 continue
             failed_identities.add(event.identity)
-            q.delete_inbox_row(conn, self.tables.inbox, self.group, event.identity)
+            self.inbox.inbox_delete(conn, self.group, [event.identity])
             error = f"{type(exc).__name__}: {exc}"
             if entry.deliveries >= self.config.max_deliveries:
                 outcome.dead.append(_Dead(entry, q.POISON, error, event))

@@ -1,4 +1,12 @@
-"""The consumer's tables and every query on them: the inbox and the dead letters.
+"""The consumer's storage seam: its tables and every query on them (the inbox and the dead
+letters), PostgreSQL and SQLite side by side.
+
+In the spirit of ``relay/store.py`` and ``consumer/jobs/driver.py``: :class:`Inbox` holds the
+SQL both databases share, one method per operation named noun first (``inbox_insert``,
+``dead_letter_insert``); :class:`PostgresInbox` and :class:`SqliteInbox` hold what differs
+(DDL serialised by an advisory lock and ``FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE``
+and naive UTC clocks on SQLite). :func:`inbox_for` is the one place that asks which database
+an engine talks to: the consumer, its admin actions and its CLI never do.
 
 Tables (names fixed, in the database's default schema or ``schema=``):
 
@@ -49,7 +57,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -71,11 +79,13 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
 
 from consumer.bulk import bulk_insert
-from outbox.schema import check_identifier, db_now
+from outbox.dialect import db_now, insert_or_ignore, is_postgresql
+from outbox.schema import check_identifier
+from outbox.validate import MAX_EVENT_ID_LENGTH, MAX_NAME_LENGTH
 
 INBOX_TABLE = "consumer_inbox"
 DEAD_LETTER_TABLE = "consumer_dead_letters"
@@ -88,9 +98,9 @@ UNDECODABLE = "undecodable"
 UNKNOWN_TYPE = "unknown_type"
 REASONS = (POISON, UNDECODABLE, UNKNOWN_TYPE)
 
-NAME_WIDTH = 200
+NAME_WIDTH = MAX_NAME_LENGTH
 STREAM_WIDTH = 512
-ID_WIDTH = 64
+ID_WIDTH = MAX_EVENT_ID_LENGTH
 MAX_ERROR_CHARS = 4000
 
 
@@ -151,18 +161,6 @@ def build_inbox_schema(schema: str | None = None, metadata: MetaData | None = No
     return InboxSchema(metadata=md, inbox=inbox, dead_letters=dead)
 
 
-def create_inbox_schema(engine: Engine, inbox_schema: InboxSchema) -> None:
-    """Create the tables if missing; safe from several processes starting at once."""
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            # CREATE TABLE IF NOT EXISTS races in PostgreSQL: serialise on a lock.
-            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "consumer-ddl"})
-            schema = inbox_schema.inbox.schema
-            if schema:
-                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-        inbox_schema.metadata.create_all(conn, checkfirst=True)
-
-
 def clip(value: str | None, width: int) -> str | None:
     """Fit a value into its column: PostgreSQL refuses NUL and over-long varchars."""
     if value is None:
@@ -170,180 +168,257 @@ def clip(value: str | None, width: int) -> str | None:
     return value.replace("\x00", "\ufffd")[:width]
 
 
-# -- inbox -----------------------------------------------------------------------------------
-
-
-def insert_inbox_rows(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> set[str]:
-    """Insert-or-skip the inbox rows of a batch; return the identities that were NEW.
-
-    One statement for the whole batch, ``ON CONFLICT DO NOTHING RETURNING identity``:
-    RETURNING, not rowcount, tells which rows went in (SQLAlchemy 2.1 reports rowcount -1
-    for such inserts). The caller passes distinct identities sorted, so two consumers
-    inserting overlapping batches take the unique-index locks in the same order and cannot
-    deadlock on them. A row another transaction inserted but has not committed makes this
-    statement wait for it: a commit turns ours into a duplicate, a rollback lets ours in, so
-    the same identity is never handled twice concurrently.
-    """
-    returned = bulk_insert(
-        conn,
-        table,
-        rows,
-        conflict=(table.c.group_name.name, table.c.identity.name),
-        returning=table.c.identity.name,
-    )
-    return set(returned)
-
-
-def delete_inbox_row(conn: Connection, table: Table, group: str, identity: str) -> None:
-    """Undo the insert of one identity whose handler failed (same, uncommitted transaction)."""
-    conn.execute(delete(table).where(table.c.group_name == group, table.c.identity == identity))
-
-
-def seen_identities(
-    conn: Connection, table: Table, group: str, identities: Sequence[str]
-) -> set[str]:
-    if not identities:
-        return set()
-    result = conn.execute(
-        select(table.c.identity).where(
-            table.c.group_name == group, table.c.identity.in_(list(identities))
-        )
-    )
-    return {row[0] for row in result}
-
-
-def database_now(conn: Connection) -> datetime:
-    value = conn.execute(select(db_now())).scalar_one()
-    if isinstance(value, str):  # pragma: no cover - SQLite type processing returns datetime
-        value = datetime.fromisoformat(value)
-    assert isinstance(value, datetime)
-    return value
-
-
-def purge_inbox(
-    engine: Engine,
-    table: Table,
-    group: str,
-    retention_seconds: float,
-    *,
-    batch: int,
-    max_batches: int,
-    now: datetime | None = None,
-) -> int:
-    """Delete this group's inbox rows older than the retention, ``batch`` rows per
-    transaction and at most ``max_batches`` transactions per call (bounded work, short
-    locks). ``now`` defaults to the database clock. Returns how many rows went."""
-    total = 0
-    for _ in range(max_batches):
-        with engine.begin() as conn:
-            clock = now if now is not None else database_now(conn)
-            if conn.dialect.name == "sqlite" and clock.tzinfo is not None:
-                # SQLite stores UTC text without an offset: compare like with like.
-                clock = clock.astimezone(tz=None).replace(tzinfo=None)
-            cutoff = clock - timedelta(seconds=retention_seconds)
-            oldest = (
-                select(table.c.group_name, table.c.identity)
-                .where(table.c.group_name == group, table.c.processed_at < cutoff)
-                .order_by(table.c.processed_at)
-                .limit(batch)
-            )
-            result = conn.execute(
-                delete(table)
-                .where(tuple_(table.c.group_name, table.c.identity).in_(oldest.scalar_subquery()))
-                .returning(table.c.identity)
-            )
-            removed = len(result.fetchall())
-        total += removed
-        if removed < batch:
-            break
-    return total
-
-
-# -- dead letters ----------------------------------------------------------------------------
-
-
 def encode_fields(fields: dict[str, str]) -> str:
+    """An entry's fields as the JSON text of a dead letter's ``payload``."""
     return json.dumps(fields, ensure_ascii=False, sort_keys=True).replace("\\u0000", "\\ufffd")
 
 
-def insert_dead_letters(
-    conn: Connection, table: Table, rows: Sequence[dict[str, Any]]
-) -> dict[tuple[str, str], int]:
-    """Record NEEDS_ATTENTION rows (skip entries already recorded); return (stream, entry_id)
-    -> id
-    for every row of ``rows`` (new or recorded before by a consumer that died before XACK)."""
-    if not rows:
-        return {}
-    clean = [
-        {
-            **row,
-            "group_name": clip(row["group_name"], NAME_WIDTH),
-            "stream": clip(row["stream"], STREAM_WIDTH),
-            "entry_id": clip(row["entry_id"], ID_WIDTH),
-            "event_id": clip(row.get("event_id"), ID_WIDTH),
-            "topic": clip(row.get("topic"), NAME_WIDTH),
-            "identity": clip(row.get("identity"), NAME_WIDTH),
-            "error": clip(row["error"], MAX_ERROR_CHARS),
-            "dead_letter_stream": clip(row["dead_letter_stream"], STREAM_WIDTH),
-        }
-        for row in rows
-    ]
-    dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    conn.execute(
-        dialect_insert(table).on_conflict_do_nothing(
-            index_elements=[table.c.group_name, table.c.stream, table.c.entry_id]
-        ),
-        clean,
-    )
-    keys = [(row["stream"], row["entry_id"]) for row in clean]
-    result = conn.execute(
-        select(table.c.stream, table.c.entry_id, table.c.id).where(
-            table.c.group_name == clean[0]["group_name"],
-            tuple_(table.c.stream, table.c.entry_id).in_(keys),
+class Inbox:
+    """The consumer's SQL both databases share; subclasses override what differs.
+
+    Methods that belong to a caller's transaction take its open ``Connection``; the others
+    (schema, purge, operator reads) open their own from :attr:`engine`.
+    """
+
+    def __init__(self, engine: Engine, tables: InboxSchema) -> None:
+        self.engine = engine
+        self.tables = tables
+
+    # -- transactions and schema ------------------------------------------------------------
+
+    def session(self) -> Session:
+        """A Session for one batch's read-write transaction (the caller begins it)."""
+        return Session(self.engine)
+
+    def schema_create(self) -> None:
+        """Create the tables if missing (idempotent, safe from several processes at once)."""
+        with self.engine.begin() as conn:
+            self._before_ddl(conn)
+            self.tables.metadata.create_all(conn, checkfirst=True)
+
+    def _before_ddl(self, conn: Connection) -> None:
+        """Per-dialect preparation of the DDL transaction."""
+
+    def clock_read(self, conn: Connection) -> datetime:
+        """The database clock, comparable with the tables' timestamps."""
+        value = conn.execute(select(db_now())).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+
+    def _comparable(self, moment: datetime) -> datetime:
+        """``moment`` as the tables store timestamps."""
+        return moment
+
+    # -- inbox ------------------------------------------------------------------------------
+
+    def inbox_insert(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> set[str]:
+        """Insert-or-skip the inbox rows of a batch; return the identities that were NEW.
+
+        One statement for the whole batch, ``ON CONFLICT DO NOTHING RETURNING identity``:
+        RETURNING, not rowcount, tells which rows went in (SQLAlchemy 2.1 reports rowcount -1
+        for such inserts). The caller passes distinct identities sorted, so two consumers
+        inserting overlapping batches take the unique-index locks in the same order and
+        cannot deadlock on them. A row another transaction inserted but has not committed
+        makes this statement wait for it: a commit turns ours into a duplicate, a rollback
+        lets ours in, so the same identity is never handled twice concurrently.
+        """
+        table = self.tables.inbox
+        returned = bulk_insert(
+            conn,
+            table,
+            rows,
+            conflict=(table.c.group_name.name, table.c.identity.name),
+            returning=table.c.identity.name,
         )
-    )
-    return {(stream, entry_id): ident for stream, entry_id, ident in result}
+        return set(returned)
+
+    def inbox_delete(self, conn: Connection, group: str, identities: Sequence[str]) -> None:
+        """Undo the insert of identities whose handler failed (same, uncommitted transaction)."""
+        if not identities:
+            return
+        table = self.tables.inbox
+        conn.execute(
+            delete(table).where(table.c.group_name == group, table.c.identity.in_(identities))
+        )
+
+    def inbox_seen(self, conn: Connection, group: str, identities: Sequence[str]) -> set[str]:
+        """Which of ``identities`` this group has handled already."""
+        if not identities:
+            return set()
+        table = self.tables.inbox
+        result = conn.execute(
+            select(table.c.identity).where(
+                table.c.group_name == group, table.c.identity.in_(list(identities))
+            )
+        )
+        return {row[0] for row in result}
+
+    def inbox_purge(
+        self,
+        group: str,
+        retention_seconds: float,
+        *,
+        batch: int,
+        max_batches: int,
+        now: datetime | None = None,
+    ) -> int:
+        """Delete this group's inbox rows older than the retention, ``batch`` rows per
+        transaction and at most ``max_batches`` transactions per call (bounded work, short
+        locks). ``now`` defaults to the database clock. Returns how many rows went."""
+        table = self.tables.inbox
+        total = 0
+        for _ in range(max_batches):
+            with self.engine.begin() as conn:
+                clock = self._comparable(now if now is not None else self.clock_read(conn))
+                cutoff = clock - timedelta(seconds=retention_seconds)
+                oldest = (
+                    select(table.c.group_name, table.c.identity)
+                    .where(table.c.group_name == group, table.c.processed_at < cutoff)
+                    .order_by(table.c.processed_at)
+                    .limit(batch)
+                )
+                result = conn.execute(
+                    delete(table)
+                    .where(
+                        tuple_(table.c.group_name, table.c.identity).in_(oldest.scalar_subquery())
+                    )
+                    .returning(table.c.identity)
+                )
+                removed = len(result.fetchall())
+            total += removed
+            if removed < batch:
+                break
+        return total
+
+    # -- dead letters -----------------------------------------------------------------------
+
+    def dead_letter_insert(
+        self, conn: Connection, rows: Sequence[dict[str, Any]]
+    ) -> dict[tuple[str, str], int]:
+        """Record NEEDS_ATTENTION rows (skip entries already recorded); return (stream,
+        entry_id) -> id for every row of ``rows`` (new, or recorded before by a consumer
+        that died before XACK)."""
+        if not rows:
+            return {}
+        table = self.tables.dead_letters
+        clean = [
+            {
+                **row,
+                "group_name": clip(row["group_name"], NAME_WIDTH),
+                "stream": clip(row["stream"], STREAM_WIDTH),
+                "entry_id": clip(row["entry_id"], ID_WIDTH),
+                "event_id": clip(row.get("event_id"), ID_WIDTH),
+                "topic": clip(row.get("topic"), NAME_WIDTH),
+                "identity": clip(row.get("identity"), NAME_WIDTH),
+                "error": clip(row["error"], MAX_ERROR_CHARS),
+                "dead_letter_stream": clip(row["dead_letter_stream"], STREAM_WIDTH),
+            }
+            for row in rows
+        ]
+        conn.execute(
+            insert_or_ignore(
+                table,
+                [table.c.group_name, table.c.stream, table.c.entry_id],
+                conn.dialect.name,
+            ),
+            clean,
+        )
+        keys = [(row["stream"], row["entry_id"]) for row in clean]
+        result = conn.execute(
+            select(table.c.stream, table.c.entry_id, table.c.id).where(
+                table.c.group_name == clean[0]["group_name"],
+                tuple_(table.c.stream, table.c.entry_id).in_(keys),
+            )
+        )
+        return {(stream, entry_id): ident for stream, entry_id, ident in result}
+
+    def dead_letter_list(
+        self,
+        *,
+        group: str | None = None,
+        include_replayed: bool = False,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """NEEDS_ATTENTION records (with ``include_replayed``, all), oldest first."""
+        table = self.tables.dead_letters
+        query = select(table).order_by(table.c.id).limit(limit)
+        conditions = []
+        if group is not None:
+            conditions.append(table.c.group_name == group)
+        if not include_replayed:
+            conditions.append(table.c.state == NEEDS_ATTENTION)
+        if conditions:
+            query = query.where(and_(*conditions))
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    def dead_letter_get_for_update(self, conn: Connection, record_id: int) -> dict[str, Any] | None:
+        """One record, locked against a concurrent replay until ``conn``'s transaction ends."""
+        table = self.tables.dead_letters
+        row = conn.execute(self._lock_rows(select(table).where(table.c.id == record_id))).first()
+        return dict(row._mapping) if row is not None else None
+
+    def _lock_rows(self, query: Any) -> Any:
+        """``query`` taking row locks where the database has them."""
+        return query
+
+    def dead_letter_mark_replayed(
+        self, conn: Connection, record_id: int, new_entry_id: str
+    ) -> None:
+        table = self.tables.dead_letters
+        conn.execute(
+            update(table)
+            .where(table.c.id == record_id)
+            .values(state=REPLAYED, replayed_at=db_now(), replayed_entry_id=new_entry_id)
+        )
+
+    def dead_letter_count(self, group: str | None = None) -> int:
+        """How many records need attention (this group's, or all)."""
+        table = self.tables.dead_letters
+        query = select(func.count()).select_from(table).where(table.c.state == NEEDS_ATTENTION)
+        if group is not None:
+            query = query.where(table.c.group_name == group)
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
 
 
-def list_dead_letters(
-    conn: Connection,
-    table: Table,
-    *,
-    group: str | None = None,
-    include_replayed: bool = False,
-    limit: int = 100,
-) -> list[dict[str, Any]]:
-    query = select(table).order_by(table.c.id).limit(limit)
-    conditions = []
-    if group is not None:
-        conditions.append(table.c.group_name == group)
-    if not include_replayed:
-        conditions.append(table.c.state == NEEDS_ATTENTION)
-    if conditions:
-        query = query.where(and_(*conditions))
-    return [dict(row._mapping) for row in conn.execute(query)]
+class PostgresInbox(Inbox):
+    """PostgreSQL: DDL serialised by an advisory lock, replay locks its record."""
+
+    def _before_ddl(self, conn: Connection) -> None:
+        # CREATE TABLE IF NOT EXISTS races in PostgreSQL: serialise on a lock.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "consumer-ddl"})
+        schema = self.tables.inbox.schema
+        if schema:
+            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+
+    def _lock_rows(self, query: Any) -> Any:
+        return query.with_for_update()
 
 
-def get_dead_letter(
-    conn: Connection, table: Table, record_id: int, *, lock: bool = False
-) -> dict[str, Any] | None:
-    query = select(table).where(table.c.id == record_id)
-    if lock and conn.dialect.name == "postgresql":
-        query = query.with_for_update()
-    row = conn.execute(query).first()
-    return dict(row._mapping) if row is not None else None
+class SqliteInbox(Inbox):
+    """SQLite: a batch takes the write lock up front; timestamps are naive UTC text."""
+
+    def session(self) -> Session:
+        # BEGIN IMMEDIATE (outbox.db): the batch reads the inbox before it writes it; taking
+        # SQLite's single write lock first avoids a busy upgrade between two consumers.
+        return Session(self.engine.execution_options(sqlite_begin="IMMEDIATE"))
+
+    def _comparable(self, moment: datetime) -> datetime:
+        # SQLite stores UTC text without an offset: compare like with like.
+        if moment.tzinfo is not None:
+            return moment.astimezone(UTC).replace(tzinfo=None)
+        return moment
 
 
-def mark_replayed(conn: Connection, table: Table, record_id: int, new_entry_id: str) -> None:
-    conn.execute(
-        update(table)
-        .where(table.c.id == record_id)
-        .values(state=REPLAYED, replayed_at=db_now(), replayed_entry_id=new_entry_id)
-    )
+def inbox_for(engine: Engine, tables: InboxSchema | None = None) -> Inbox:
+    """The inbox seam for ``engine``'s database: the one dialect check of the consumer."""
+    tables = tables if tables is not None else build_inbox_schema()
+    if is_postgresql(engine.dialect.name):
+        return PostgresInbox(engine, tables)
+    return SqliteInbox(engine, tables)
 
 
-def count_needs_attention(conn: Connection, table: Table, group: str | None = None) -> int:
-    query = select(func.count()).select_from(table).where(table.c.state == NEEDS_ATTENTION)
-    if group is not None:
-        query = query.where(table.c.group_name == group)
-    return int(conn.execute(query).scalar_one())
+def create_inbox_schema(engine: Engine, tables: InboxSchema) -> None:
+    """Create the consumer tables in ``engine``'s database if missing (idempotent)."""
+    inbox_for(engine, tables).schema_create()

@@ -407,16 +407,16 @@ def test_replay_reinjects_after_a_fix(
     assert drain(consumer) == 1
     [record] = consumer.dead_letters()
     broken["on"] = False  # the fix
-    new_id = replay_dead_letter(consumer.engine, consumer.tables, redis_client, record["id"])
+    new_id = replay_dead_letter(consumer.inbox, redis_client, record["id"])
     assert drain(consumer) == 1
     assert job_identities(consumer.engine) == ["q-1"]
     assert consumer.dead_letters() == []
     [replayed] = consumer.dead_letters(include_replayed=True)
     assert replayed["state"] == "replayed" and replayed["replayed_entry_id"] == new_id
     with pytest.raises(AlreadyReplayed):
-        replay_dead_letter(consumer.engine, consumer.tables, redis_client, record["id"])
+        replay_dead_letter(consumer.inbox, redis_client, record["id"])
     with pytest.raises(DeadLetterNotFound):
-        replay_dead_letter(consumer.engine, consumer.tables, redis_client, 424242)
+        replay_dead_letter(consumer.inbox, redis_client, 424242)
 
 
 # -- groups, streams, retention ----------------------------------------------------------------
