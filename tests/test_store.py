@@ -435,3 +435,21 @@ def test_the_store_reaches_the_database_only_through_its_driver(db_url: str) -> 
     with store.driver.begin() as conn:
         assert store.driver.clock_read(conn, None) > 1.6e9
     store.dispose()
+
+
+def test_an_operations_table_from_before_call_deadlines_gains_the_new_columns(db_url: str) -> None:
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE TABLE outbox_operations (operation_id VARCHAR(400) PRIMARY KEY,"
+                " job_id BIGINT NOT NULL, provider VARCHAR(200) NOT NULL,"
+                " request_digest VARCHAR(64) NOT NULL, state VARCHAR(16) NOT NULL,"
+                " provider_ref VARCHAR(200), attempts INTEGER NOT NULL DEFAULT 0,"
+                " last_error TEXT, created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL)"
+            )
+        )
+    Store(engine).create_schema()
+    names = {c["name"] for c in sa.inspect(engine).get_columns("outbox_operations")}
+    assert {"call_deadline", "settled_by", "settled_reason", "settled_at"} <= names
+    engine.dispose()

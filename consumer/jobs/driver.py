@@ -34,6 +34,7 @@ from sqlalchemy import (
     create_engine,
     func,
     insert,
+    inspect,
     select,
     text,
     tuple_,
@@ -44,7 +45,7 @@ from sqlalchemy.pool import StaticPool
 
 from consumer.bulk import bulk_insert
 from consumer.jobs import queries as q
-from consumer.jobs.schema import attempts, jobs, metadata, operations
+from consumer.jobs.schema import OPEN_RECEIPTS_INDEX, attempts, jobs, metadata, operations
 from consumer.jobs.states import DONE, LEASED, WAITING
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
@@ -95,6 +96,7 @@ class JobDriver:
     def schema_create(self, conn: Connection) -> None:
         """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
         metadata.create_all(conn, checkfirst=True)
+        _add_missing_columns(conn)
 
     def clock_read(self, conn: Connection, now: float | None) -> float:
         """``now`` if given, else the database clock in unix seconds."""
@@ -433,6 +435,7 @@ class PostgresJobDriver(JobDriver):
         # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
         metadata.create_all(conn, checkfirst=True)
+        _add_missing_columns(conn)
 
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
@@ -506,6 +509,29 @@ class SqliteJobDriver(JobDriver):
             self.attempt_insert(conn, job_id, epoch, worker, "done", None, clock)
             done.append(job_id)
         return done
+
+
+_ADDED_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")
+"""Nullable columns ``outbox_operations`` gained after its first release (issue 11)."""
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    # create_all never alters an existing table: a database created before the call deadline
+    # and the operator's settlement existed gets those nullable columns here (ALTER TABLE ...
+    # ADD COLUMN is the same statement on both databases). Alembic users: include them in a
+    # migration instead.
+    present = {c["name"] for c in inspect(conn).get_columns(operations.name)}
+    prep = conn.dialect.identifier_preparer
+    for name in _ADDED_COLUMNS:
+        if name not in present:
+            column = operations.c[name]
+            conn.execute(
+                text(
+                    f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
+                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                )
+            )
+    OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
 
 
 def driver_for(engine: Engine) -> JobDriver:

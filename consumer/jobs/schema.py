@@ -39,8 +39,11 @@ waiting_review, needs_attention, expired, cancelled, scheduled, conflict-free mo
 
 ``outbox_operations`` - operation intents and receipts for external effects (guarantee 8;
 see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``provider``,
-``request_digest``, ``state`` (PENDING, ACCEPTED, UNKNOWN, FAILED), ``provider_ref``,
-``attempts``, ``last_error``, ``created_at``, ``updated_at``. Unknown receipts:
+``request_digest``, ``state`` (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED), ``provider_ref``,
+``attempts`` (provider calls, counted before each is made), ``last_error``, ``call_deadline``
+(until when the latest call may be in flight: nobody looks it up before), ``settled_by`` /
+``settled_reason`` / ``settled_at`` (an operator's or the sweep's decision), ``created_at``,
+``updated_at``. Open receipts: ``ix_outbox_operations_open``. Unknown receipts:
 ``count(*), db_epoch - min(updated_at) WHERE state = 'UNKNOWN'`` (``ix_outbox_operations_unknown``).
 """
 
@@ -187,6 +190,14 @@ operations = Table(
     Column("settled_at", Double, nullable=True),
     Column("created_at", Double, nullable=False),
     Column("updated_at", Double, nullable=False),
+)
+# The reconciliation sweep reads open receipts (PENDING, UNKNOWN) oldest change first; an
+# ACCEPTED one leaves this index, so it holds only what is in flight or unsettled.
+OPEN_RECEIPTS_INDEX = Index(
+    "ix_outbox_operations_open",
+    operations.c.updated_at,
+    postgresql_where=operations.c.state.in_(["PENDING", "UNKNOWN"]),
+    sqlite_where=operations.c.state.in_(["PENDING", "UNKNOWN"]),
 )
 # The metrics read UNKNOWN receipts (count, oldest age): keep that lookup small.
 Index(
