@@ -141,3 +141,13 @@ class ProviderOutcomeUnknown(ProviderTimeout):
 class OperationUnresolved(ConsumerError):
     """An operation's earlier outcome is unknown and its provider offers neither a lookup nor
     an idempotency key: the job was moved to WAITING_REVIEW and the handler must stop."""
+
+
+class OperationInFlight(OperationUnresolved):
+    """An earlier attempt's provider call may still be in flight (its call deadline has not
+    passed): nothing was looked up nor sent, and the job was handed back, READY again at
+    ``deadline`` (unix seconds). The handler must stop, as for any unresolved operation."""
+
+    def __init__(self, message: str, deadline: float) -> None:
+        super().__init__(message)
+        self.deadline = deadline

@@ -208,7 +208,7 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated(
         store.recover(now=far + 1)
         lease = store.claim_next("second", ttl=30, now=far + 2)
         assert lease is not None and lease.job_id == job_id
-        from consumer.jobs.operations import OperationInFlight
+        from consumer.errors import OperationInFlight
 
         with pytest.raises(OperationInFlight):
             ops.dispatch(lease, "send", "mail", {"to": "ann@example.com"})

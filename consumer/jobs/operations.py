@@ -63,6 +63,7 @@ from consumer.errors import (
     JobError,
     JobFailure,
     OperationError,
+    OperationInFlight,
     OperationUnresolved,
     PermanentFailure,
     ProviderTimeout,
@@ -72,6 +73,10 @@ from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITI
 from consumer.jobs.store import Lease, Store
 from outbox.logs import fields
 from outbox.validate import check_name
+
+__all__ = ["ACCEPTED", "FAILED", "NOT_SENT", "PENDING", "RECEIPT_STATES", "UNKNOWN"]
+__all__ += ["OperationInFlight", "Operations", "Provider", "Receipt", "ReconcileResult"]
+__all__ += ["request_digest"]
 
 log = logging.getLogger("outbox.worker")
 
@@ -102,16 +107,6 @@ class Provider(Protocol):
     ) -> str: ...
 
     def lookup(self, operation_id: str) -> str | None: ...
-
-
-class OperationInFlight(OperationUnresolved):
-    """An earlier attempt's provider call may still be in flight (its deadline has not
-    passed): nothing was looked up nor sent, and the job was handed back, eligible again at
-    ``deadline`` (unix seconds)."""
-
-    def __init__(self, message: str, deadline: float) -> None:
-        super().__init__(message)
-        self.deadline = deadline
 
 
 @dataclass(frozen=True)
