@@ -6,24 +6,22 @@ parts in one process do not collide). Label values are the bounded ones the hook
 topics, groups, streams, error classes, actions and outcomes, never event or job ids.
 
 A hook must be cheap and must not raise: every method clamps its inputs (a negative count
-would make ``Counter.inc`` raise) and swallows what the client library could still throw.
+would make ``Counter.inc`` raise). The parts call hooks through :func:`outbox.hooks.call_hook`,
+the one guard that logs whatever the client library could still throw.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
-from functools import wraps
-from typing import Any, ParamSpec
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox.hooks import Hooks
 
 log = logging.getLogger("outbox.metrics")
-
-P = ParamSpec("P")
 
 # Batches take milliseconds to seconds; commit-to-stream latency spans sub-millisecond
 # (NOTIFY wake-up) to minutes (a backlog after an outage), so its buckets reach an hour.
@@ -49,19 +47,6 @@ LATENCY_BUCKETS = (
 )
 BATCH_SIZE_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-
-
-def _guarded(method: Callable[P, None]) -> Callable[P, None]:
-    """Hooks never raise into the part that calls them."""
-
-    @wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            method(*args, **kwargs)
-        except Exception:  # pragma: no cover - defensive: a metric must not stop a relay
-            log.debug("metrics hook %s failed", method.__name__, exc_info=True)
-
-    return wrapper
 
 
 def _label(value: object, default: str = "unknown") -> str:
@@ -201,7 +186,6 @@ class PrometheusHooks(Hooks):
         )
 
     # -- relay ----------------------------------------------------------------------------
-    @_guarded
     def relay_published(self, topic: str, count: int, latencies_seconds: list[float]) -> None:
         if count > 0:
             self.relay_published_total.labels(_label(topic)).inc(count)
@@ -210,73 +194,60 @@ class PrometheusHooks(Hooks):
             # Clock skew between the database and this host can make a latency negative.
             observe(max(0.0, float(latency)))
 
-    @_guarded
     def relay_publish_error(self, error_class: str, topic: str | None) -> None:
         self.relay_publish_errors_total.labels(_label(error_class)).inc()
 
-    @_guarded
     def relay_batch(self, duration_seconds: float, size: int) -> None:
         self.relay_batch_duration_seconds.observe(max(0.0, float(duration_seconds)))
         self.relay_batch_size.observe(max(0, int(size)))
 
-    @_guarded
     def relay_reconciled(self, found_in_stream: int, republished: int) -> None:
         if found_in_stream > 0:
             self.relay_reconciled_total.labels("found_in_stream").inc(found_in_stream)
         if republished > 0:
             self.relay_reconciled_total.labels("republished").inc(republished)
 
-    @_guarded
     def relay_quarantined(self, topic: str, count: int) -> None:
         if count > 0:
             self.relay_quarantined_total.labels(_label(topic)).inc(count)
 
-    @_guarded
     def relay_cycle_ok(self, timestamp: float) -> None:
         self._register_once(self.relay_last_success)
         self.relay_last_success.set(float(timestamp))
 
     # -- consumer -------------------------------------------------------------------------
-    @_guarded
     def consumer_handled(self, group: str, stream: str, count: int) -> None:
         if count > 0:
             self.consumer_handled_total.labels(_label(group), _label(stream)).inc(count)
 
-    @_guarded
     def consumer_duplicate(self, group: str, count: int) -> None:
         if count > 0:
             self.consumer_duplicates_total.labels(_label(group)).inc(count)
 
-    @_guarded
     def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
         if count > 0:
             self.consumer_dead_lettered_total.labels(_label(group), _label(stream)).inc(count)
 
-    @_guarded
     def consumer_lag(self, group: str, stream: str, lag: int | None, pending: int) -> None:
         labels = (_label(group), _label(stream))
         if lag is not None:
             self.consumer_group_lag.labels(*labels).set(max(0, int(lag)))
         self.consumer_group_pending.labels(*labels).set(max(0, int(pending)))
 
-    @_guarded
     def consumer_cycle_ok(self, timestamp: float) -> None:
         self._register_once(self.consumer_last_success)
         self.consumer_last_success.set(float(timestamp))
 
     # -- worker ---------------------------------------------------------------------------
-    @_guarded
     def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
         self.worker_jobs_finished_total.labels(_label(action), _label(outcome)).inc()
         self.worker_job_duration_seconds.labels(_label(action)).observe(
             max(0.0, float(duration_seconds))
         )
 
-    @_guarded
     def worker_lease_conflict(self, action: str) -> None:
         self.worker_lease_conflicts_total.labels(_label(action)).inc()
 
-    @_guarded
     def worker_cycle_ok(self, timestamp: float) -> None:
         self._register_once(self.worker_last_success)
         self.worker_last_success.set(float(timestamp))

@@ -17,75 +17,27 @@ from sqlalchemy import DateTime, Double, Integer, String, column, text
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 
-from outbox.schema import PENDING, QUARANTINED
+from outbox.dialect import EPOCH_SQL, NOW_SQL, quoted_table
+from relay.store import backlog_by_topic as backlog_by_topic
+from relay.store import most_attempted as most_attempted
+from relay.store import pending_attempts as pending_attempts
+from relay.store import quarantined_count as quarantined_count
 
 
 def qualified(table: str, schema: str | None) -> str:
     """A quoted table reference from names already checked as plain identifiers."""
-    return f'"{schema}"."{table}"' if schema else f'"{table}"'
+    return quoted_table(table, schema)
 
 
 def now_sql(dialect: str) -> TextualSelect:
     """The database clock. SQLite: UTC text with milliseconds (what ``db_now`` writes)."""
-    if dialect == "sqlite":
-        sql = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now') AS now"
-    else:
-        sql = "SELECT now() AS now"
-    return text(sql).columns(column("now", DateTime(timezone=True)))
+    return text(f"SELECT {NOW_SQL[dialect]} AS now").columns(column("now", DateTime(timezone=True)))
 
 
 # -- outbox ----------------------------------------------------------------------------------
-
-
-def backlog_by_topic(table: str) -> TextualSelect:
-    """Backlog and oldest pending row per topic.
-
-    Served by the partial index ``ix_<table>_pending_topic (topic, created_at) WHERE state =
-    'pending'``: PostgreSQL reads it alone (index-only scan, no heap) and its size follows the
-    backlog, not the published history.
-    """
-    return text(
-        f"SELECT topic, count(*) AS backlog, min(created_at) AS oldest "
-        f"FROM {table} WHERE state = '{PENDING}' GROUP BY topic"
-    ).columns(
-        column("topic", String),
-        column("backlog", Integer),
-        column("oldest", DateTime(timezone=True)),
-    )
-
-
-def quarantined_count(table: str) -> TextualSelect:
-    """Quarantined rows: few by nature, counted through the partial index
-    ``ix_<table>_quarantined`` (index-only on PostgreSQL)."""
-    return text(f"SELECT count(*) AS n FROM {table} WHERE state = '{QUARANTINED}'").columns(
-        column("n", Integer)
-    )
-
-
-def pending_attempts(table: str) -> TextualSelect:
-    """How many pending rows have each attempts value (the histogram and the maximum).
-
-    Walks the pending rows through the partial index ``ix_<table>_pending`` (heap fetches for
-    ``attempts``): proportional to the backlog. One row per distinct attempts value, so the
-    result is tiny; the buckets are summed in Python.
-    """
-    return text(
-        f"SELECT attempts, count(*) AS n FROM {table} WHERE state = '{PENDING}' GROUP BY attempts"
-    ).columns(column("attempts", Integer), column("n", Integer))
-
-
-def most_attempted(table: str, limit: int) -> TextualSelect:
-    """The top-N pending rows by attempts, for the labelled stuck-record gauge.
-
-    Same pending partial index as :func:`pending_attempts` plus a bounded top-N sort
-    (``LIMIT``), so the label set never exceeds ``limit`` series. Rows never tried
-    (attempts 0) are not stuck and are left out.
-    """
-    return text(
-        f"SELECT event_id, topic, attempts FROM {table} "
-        f"WHERE state = '{PENDING}' AND attempts > 0 "
-        f"ORDER BY attempts DESC, seq LIMIT {int(limit)}"
-    ).columns(column("event_id", String), column("topic", String), column("attempts", Integer))
+# The backlog statements are the relay store's (relay/store.py), one place for the backlog
+# SQL: backlog_by_topic, quarantined_count, pending_attempts and most_attempted, each with
+# the index that bounds it.
 
 
 # -- naive baselines (bench/scrape.py compares against these; never used by the collector) ----
@@ -135,10 +87,7 @@ OPEN_JOB_STATES = ("READY", "LEASED", "WAITING_EXTERNAL", "WAITING_REVIEW", "NEE
 
 def epoch_sql(dialect: str) -> str:
     """The database clock in unix seconds, as the job store writes its times."""
-    if dialect == "sqlite":
-        # julianday has millisecond resolution; 2440587.5 is the julian day of 1970-01-01.
-        return "((julianday('now') - 2440587.5) * 86400.0)"
-    return "CAST(extract(epoch from now()) AS double precision)"
+    return EPOCH_SQL[dialect]
 
 
 def jobs_per_open_state(table: str) -> TextualSelect:

@@ -207,10 +207,6 @@ class RedisStreamPublisher:
         self.maxlen = maxlen
         self.source = source
         self._encoder = EntryEncoder(source)
-        self._trim = (
-            b"" if maxlen is None else _bulk(b"MAXLEN") + _bulk(b"~") + _bulk(str(maxlen).encode())
-        )
-        self._extra_args = 0 if maxlen is None else 3
         self._topic_streams: dict[str, str] = {}
         self._cluster = not hasattr(redis_client, "connection_pool")
 

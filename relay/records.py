@@ -1,8 +1,9 @@
-"""What the relay moves around: a claimed row, and the outcome of publishing it."""
+"""What the relay moves around: a claimed row, an orphaned intent, and what the operator
+commands report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +44,22 @@ class Orphan:
     claimed_by: str
     claim_epoch: int
     claimed_epoch_s: float
+
+
+@dataclass
+class TopicStatus:
+    """One topic's line of ``outbox-relay status``."""
+
+    pending: int
+    quarantined: int
+    oldest_unpublished_age_seconds: float
+    max_attempts: int
+
+
+@dataclass
+class RequeueResult:
+    """What ``requeue`` did: ids put back, ids not found, ids found in another state."""
+
+    requeued: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    not_quarantined: dict[str, str] = field(default_factory=dict)

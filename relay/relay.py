@@ -53,7 +53,7 @@ from relay.publisher import (
     TransientError,
 )
 from relay.records import Orphan, Record
-from relay.store import PostgresStore, SqliteStore, Store
+from relay.store import Store, open_store
 
 log = logging.getLogger("outbox.relay")
 
@@ -129,23 +129,7 @@ class Relay:
         self.hooks = hooks or NO_HOOKS
         self.name = name or incarnation_name(self.config.name_prefix)
         self.stats = RelayStats()
-        self.store: Store
-        if self.engine.dialect.name == "postgresql":
-            self.store = PostgresStore(
-                self.engine,
-                self.schema,
-                partitions=self.config.partitions,
-                reconcile_after=self.config.reconcile_after,
-                listen=self.config.listen,
-                rebalance_interval=self.config.rebalance_interval,
-                sweep_interval=self.config.sweep_interval,
-            )
-        elif self.engine.dialect.name == "sqlite":
-            self.store = SqliteStore(
-                self.engine, self.schema, reconcile_after=self.config.reconcile_after
-            )
-        else:
-            raise ConfigError("database_url", f"unsupported database {self.engine.dialect.name}")
+        self.store: Store = open_store(self.engine, self.schema, self.config)
         self._epoch = 0
         self._sweep_due = True
         self._last_sweep = 0.0
@@ -160,6 +144,7 @@ class Relay:
         self._seen_at_claim: dict[int, int] = {}  # epoch -> recorder's epoch at its claim
         self._sender: Sender | None = None
         self.on_progress: Callable[[Relay], None] | None = None
+        self._stopping = threading.Event()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -434,17 +419,32 @@ class Relay:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def stop(self) -> None:
+        """Ask ``run()`` to finish the batches in hand, record their receipts and return
+        (from any thread; before ``run()`` starts, it makes ``run()`` return at once)."""
+        self._stopping.set()
+
     def run(self, stop: GracefulStop | threading.Event | None = None) -> None:
-        """Run until SIGTERM/SIGINT or ``stop`` is set. Never exits on an outage."""
+        """Run until SIGTERM/SIGINT, :meth:`stop`, or ``stop`` (an event a caller shares
+        between runners) is set. Never exits on an outage."""
         if stop is None:
-            graceful = GracefulStop().install()
-            event = graceful.event
+            graceful = GracefulStop()
+            graceful.event = self._stopping  # SIGTERM/SIGINT set the relay's own flag
+            graceful.install()
+            external = None
         elif isinstance(stop, GracefulStop):
-            event = stop.event
+            external = stop.event
         elif isinstance(stop, threading.Event):
-            event = stop
+            external = stop
         else:
             raise ConfigError("stop", "must be a GracefulStop or a threading.Event")
+        event = _EitherEvent(self._stopping, external)
+        try:
+            self._run(event)
+        finally:
+            self._stopping.clear()
+
+    def _run(self, event: _EitherEvent) -> None:
         cfg = self.config
         log.info(
             "relay started",
@@ -453,31 +453,21 @@ class Relay:
                 database=self.engine.url.render_as_string(hide_password=True),
                 stream=self.publisher.stream_template,
                 batch_size=cfg.batch_size,
-                partitions=cfg.partitions if self.engine.dialect.name == "postgresql" else 1,
+                partitions=self.store.partitions,
                 listen=cfg.listen and self.store.supports_notify,
                 retention_seconds=cfg.retention_seconds,
             ),
         )
-        if isinstance(self.store, PostgresStore):
-            self._recorder = Recorder(
-                PostgresStore(
-                    self.engine,
-                    self.schema,
-                    partitions=cfg.partitions,
-                    reconcile_after=cfg.reconcile_after,
-                    listen=False,
-                    rebalance_interval=cfg.rebalance_interval,
-                    sweep_interval=cfg.sweep_interval,
-                    member=False,
-                )
-            )
-            self._sender = Sender(self)
+        receipts = self.store.receipt_store()
+        if receipts is not None:
+            self._recorder = Recorder(receipts)
+            self._sender = Sender(self._publish)
 
         def quiesce() -> None:
             if self._sender is not None:
                 self._sender.wait_idle()
             if self._recorder is not None:
-                self._recorder.drain()
+                self._recorder.wait_idle()
 
         pipelined = self._sender is not None
         interval = cfg.poll_interval
@@ -509,7 +499,6 @@ class Relay:
                         cfg.vacuum_interval > 0
                         and now - self._last_vacuum >= cfg.vacuum_interval
                         and 0 in self.store.owned
-                        and isinstance(self.store, PostgresStore)
                     ):
                         self._last_vacuum = now
                         self._start_vacuum(self.store)
@@ -588,8 +577,8 @@ class Relay:
                 extra=fields(relay=self.name, published=self.stats.published),
             )
 
-    def _start_vacuum(self, store: PostgresStore) -> None:
-        """Vacuum in the background (autovacuum off only); one at a time."""
+    def _start_vacuum(self, store: Store) -> None:
+        """Vacuum in the background (a database without autovacuum only); one at a time."""
         if self._vacuum is not None and self._vacuum.is_alive():
             return
 
@@ -626,6 +615,29 @@ class Relay:
                 partitions=sorted(self.store.owned),
             ),
         )
+
+
+class _EitherEvent:
+    """The relay's own stop flag, or a caller's stop event: whichever is set first. Waits
+    wake on the relay's flag at once and look at the caller's every 0.1 s."""
+
+    def __init__(self, own: threading.Event, external: threading.Event | None) -> None:
+        self.own = own
+        self.external = external
+
+    def is_set(self) -> bool:
+        return self.own.is_set() or (self.external is not None and self.external.is_set())
+
+    def wait(self, seconds: float) -> bool:
+        if self.external is None:
+            return self.own.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not self.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.own.wait(min(remaining, 0.1))
+        return True
 
 
 def fence_key(owner: str, epoch: int) -> str:

@@ -71,15 +71,20 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from sqlalchemy import text
-from sqlalchemy.engine import Engine
+from sqlalchemy import DateTime, Integer, String, column, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql.selectable import TextualSelect
 
+from outbox.dialect import NOW_SQL, POSTGRESQL, SQLITE, is_postgresql, quoted_table
+from outbox.errors import ConfigError
 from outbox.logs import fields
-from outbox.schema import OutboxSchema
-from relay.records import Orphan, Record
+from outbox.schema import PENDING, QUARANTINED, OutboxSchema
+from relay.config import RelayConfig
+from relay.records import Orphan, Record, RequeueResult, TopicStatus
 
 log = logging.getLogger("outbox.relay")
 
@@ -89,6 +94,7 @@ class Store(Protocol):
 
     payload_is_json: bool
     supports_notify: bool
+    partitions: int
 
     def connect(self) -> None: ...
     def close(self) -> None: ...
@@ -113,12 +119,201 @@ class Store(Protocol):
     def wait_for_notify(self, timeout: float) -> int: ...
     def delete_published(self, older_than_seconds: float, limit: int) -> int: ...
     def backlog(self) -> tuple[int, float | None]: ...
+    def receipt_store(self) -> Store | None:
+        """A second store on its own connection that writes receipts while this one claims
+        (the pipelined ``run``), or None when the database gains nothing from it."""
+        ...
+
+    def vacuum_if_no_autovacuum(self) -> float | None: ...
+    def status(self) -> dict[str, TopicStatus]:
+        """Pending, quarantined, oldest pending age and max attempts, per topic."""
+        ...
+
+    def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
+        """Quarantined events back to pending (see :func:`relay.admin.requeue`)."""
+        ...
+
+
+def open_store(engine: Engine, schema: OutboxSchema, config: RelayConfig | None = None) -> Store:
+    """The store for ``engine``'s database: the one place that asks which database it is."""
+    config = config or RelayConfig()
+    if is_postgresql(engine.dialect.name):
+        return PostgresStore(
+            engine,
+            schema,
+            partitions=config.partitions,
+            reconcile_after=config.reconcile_after,
+            listen=config.listen,
+            rebalance_interval=config.rebalance_interval,
+            sweep_interval=config.sweep_interval,
+        )
+    if engine.dialect.name == SQLITE:
+        return SqliteStore(engine, schema, reconcile_after=config.reconcile_after)
+    raise ConfigError("database_url", f"unsupported database {engine.dialect.name}")
 
 
 def _quoted(schema: OutboxSchema) -> str:
-    if schema.schema:
-        return f'"{schema.schema}"."{schema.table_name}"'
-    return f'"{schema.table_name}"'
+    return quoted_table(schema.table_name, schema.schema)
+
+
+# -- the backlog, on both databases ------------------------------------------------------------
+# The relay's status and progress and the metrics collector read the backlog with these
+# statements (one place for the backlog SQL). Each is bounded by a partial index whatever the
+# size of the table: the outbox keeps published rows until retention, so a query that touched
+# them would grow with history instead of with the backlog. The states are literals, not
+# bound parameters, so PostgreSQL's planner matches the partial indexes' predicates
+# (``WHERE state = 'pending'``) in every plan mode; ``table`` is a quoted reference built from
+# checked identifiers.
+
+
+def backlog_by_topic(table: str) -> TextualSelect:
+    """Backlog and oldest pending row per topic.
+
+    Served by the partial index ``ix_<table>_pending_topic (topic, created_at) WHERE state =
+    'pending'``: PostgreSQL reads it alone (index-only scan, no heap) and its size follows the
+    backlog, not the published history.
+    """
+    return text(
+        f"SELECT topic, count(*) AS backlog, min(created_at) AS oldest "
+        f"FROM {table} WHERE state = '{PENDING}' GROUP BY topic"
+    ).columns(
+        column("topic", String),
+        column("backlog", Integer),
+        column("oldest", DateTime(timezone=True)),
+    )
+
+
+def quarantined_count(table: str) -> TextualSelect:
+    """Quarantined rows: few by nature, counted through the partial index
+    ``ix_<table>_quarantined`` (index-only on PostgreSQL)."""
+    return text(f"SELECT count(*) AS n FROM {table} WHERE state = '{QUARANTINED}'").columns(
+        column("n", Integer)
+    )
+
+
+def pending_attempts(table: str) -> TextualSelect:
+    """How many pending rows have each attempts value (the histogram and the maximum).
+
+    Walks the pending rows through the partial index ``ix_<table>_pending`` (heap fetches for
+    ``attempts``): proportional to the backlog. One row per distinct attempts value, so the
+    result is tiny.
+    """
+    return text(
+        f"SELECT attempts, count(*) AS n FROM {table} WHERE state = '{PENDING}' GROUP BY attempts"
+    ).columns(column("attempts", Integer), column("n", Integer))
+
+
+def most_attempted(table: str, limit: int) -> TextualSelect:
+    """The top-N pending rows by attempts (rows never tried, attempts 0, are not stuck).
+
+    Same pending partial index as :func:`pending_attempts` plus a bounded top-N sort
+    (``LIMIT``), so a caller labelling by event id never exceeds ``limit`` series.
+    """
+    return text(
+        f"SELECT event_id, topic, attempts FROM {table} "
+        f"WHERE state = '{PENDING}' AND attempts > 0 "
+        f"ORDER BY attempts DESC, seq LIMIT {int(limit)}"
+    ).columns(column("event_id", String), column("topic", String), column("attempts", Integer))
+
+
+def quarantined_by_topic(table: str) -> TextualSelect:
+    """Quarantined rows and their highest attempts, per topic (``ix_<table>_quarantined``)."""
+    return text(
+        f"SELECT topic, count(*) AS n, max(attempts) AS attempts FROM {table} "
+        f"WHERE state = '{QUARANTINED}' GROUP BY topic"
+    ).columns(column("topic", String), column("n", Integer), column("attempts", Integer))
+
+
+def pending_max_attempts_by_topic(table: str) -> TextualSelect:
+    """The highest attempts of pending rows per topic, among rows tried at least once: the
+    small ``ix_<table>_blocked`` index holds exactly those."""
+    return text(
+        f"SELECT topic, max(attempts) AS attempts FROM {table} "
+        f"WHERE state = '{PENDING}' AND attempts > 0 GROUP BY topic"
+    ).columns(column("topic", String), column("attempts", Integer))
+
+
+def _status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus]:
+    """Per-topic status from the backlog statements above; ages on the database clock
+    (``now_sql``), the clock that wrote ``created_at``."""
+    now = conn.execute(
+        text(f"SELECT {now_sql} AS now").columns(column("now", DateTime(timezone=True)))
+    ).scalar_one()
+    out: dict[str, TopicStatus] = {}
+    for topic, count, oldest in conn.execute(backlog_by_topic(table)):
+        out[topic] = TopicStatus(int(count), 0, _age(now, oldest), 0)
+    for topic, attempts in conn.execute(pending_max_attempts_by_topic(table)):
+        out[topic].max_attempts = int(attempts or 0)
+    for topic, count, attempts in conn.execute(quarantined_by_topic(table)):
+        status = out.setdefault(topic, TopicStatus(0, 0, 0.0, 0))
+        status.quarantined = int(count)
+        status.max_attempts = max(status.max_attempts, int(attempts or 0))
+    return dict(sorted(out.items()))
+
+
+def _age(now: datetime, then: datetime | None) -> float:
+    """Seconds from ``then`` to ``now``, both read from the database (naive means UTC)."""
+    if then is None:
+        return 0.0
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=UTC)
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    return max(0.0, (now - then).total_seconds())
+
+
+def _requeue(
+    engine: Engine,
+    t: str,
+    now_sql: str,
+    event_ids: Sequence[str] | None,
+    all_quarantined: bool,
+    after: Callable[[Connection], None] | None = None,
+) -> RequeueResult:
+    """Both databases' requeue; ``after``: one more statement in the same transaction when
+    anything was requeued (PostgreSQL asks the relays for a sweep)."""
+    result = RequeueResult()
+    with engine.begin() as conn:
+        if all_quarantined:
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    text(f"SELECT event_id FROM {t} WHERE state = 'quarantined' ORDER BY seq")
+                )
+            ]
+        else:
+            wanted = list(dict.fromkeys(event_ids or []))
+            states: dict[str, str] = {}
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start : start + 500]
+                params = {f"i{n}": v for n, v in enumerate(chunk)}
+                marks = ", ".join(f":i{n}" for n in range(len(chunk)))
+                for event_id, state in conn.execute(
+                    text(f"SELECT event_id, state FROM {t} WHERE event_id IN ({marks})"), params
+                ):
+                    states[event_id] = state
+            ids = []
+            for event_id in wanted:
+                state = states.get(event_id)
+                if state is None:
+                    result.unknown.append(event_id)
+                elif state != "quarantined":
+                    result.not_quarantined[event_id] = state
+                else:
+                    ids.append(event_id)
+        if ids:
+            conn.execute(
+                text(
+                    f"UPDATE {t} SET state = 'pending', available_at = {now_sql}, "
+                    "claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
+                    "WHERE event_id = :id AND state = 'quarantined'"
+                ),
+                [{"id": i} for i in ids],
+            )
+            if after is not None:
+                after(conn)
+        result.requeued = ids
+    return result
 
 
 # -- PostgreSQL --------------------------------------------------------------------------------
@@ -720,6 +915,40 @@ class PostgresStore:
         row = self._execute("backlog", {}).fetchone()
         return int(row[0]), (float(row[1]) if row[1] is not None else None)
 
+    # -- the pipeline and the operator's commands -------------------------------------------
+
+    def receipt_store(self) -> PostgresStore:
+        return PostgresStore(
+            self.engine,
+            self.schema,
+            partitions=self.partitions,
+            reconcile_after=self.reconcile_after,
+            listen=False,
+            rebalance_interval=self.rebalance_interval,
+            sweep_interval=self.sweep_interval,
+            member=False,
+        )
+
+    def status(self) -> dict[str, TopicStatus]:
+        with self.engine.connect() as conn:
+            return _status(conn, _quoted(self.schema), NOW_SQL[POSTGRESQL])
+
+    def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
+        channel = self.schema.notify_channel
+
+        def ask_for_a_sweep(conn: Connection) -> None:
+            # Relays claim from a floor above old rows; a requeued row needs a full sweep.
+            conn.execute(text("SELECT pg_notify(:c, 'sweep')"), {"c": channel})
+
+        return _requeue(
+            self.engine,
+            _quoted(self.schema),
+            NOW_SQL[POSTGRESQL],
+            event_ids,
+            all_quarantined,
+            ask_for_a_sweep,
+        )
+
 
 def _is_connection_error(exc: BaseException) -> bool:
     import psycopg
@@ -729,7 +958,7 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 # -- SQLite ------------------------------------------------------------------------------------
 
-_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+_SQLITE_NOW = NOW_SQL[SQLITE]
 
 SQLITE_CLAIM = (
     """
@@ -755,6 +984,7 @@ class SqliteStore:
 
     payload_is_json = False
     supports_notify = False
+    partitions = 1
 
     def __init__(self, engine: Engine, schema: OutboxSchema, *, reconcile_after: float) -> None:
         self.engine = engine
@@ -1000,3 +1230,16 @@ class SqliteStore:
             ).fetchone()
         assert row is not None
         return int(row[0]), (float(row[1]) if row[1] is not None else None)
+
+    def receipt_store(self) -> None:
+        return None  # one writer at a time: a second connection would only wait for the lock
+
+    def vacuum_if_no_autovacuum(self) -> None:
+        return None
+
+    def status(self) -> dict[str, TopicStatus]:
+        with self.engine.connect() as conn:
+            return _status(conn, self.t, NOW_SQL[SQLITE])
+
+    def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
+        return _requeue(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)

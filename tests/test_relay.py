@@ -530,3 +530,34 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     got = [e["id"] for e in entries(redis_client, good)]
     assert [i for i in got if i in waiting] == waiting
     assert set(others) <= set(got)
+
+
+def test_run_until_stop_then_run_again(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    """One lifecycle: ``run()`` returns after ``stop()`` with its batches recorded; the same
+    relay can run again, and a caller's stop event still works."""
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    with outbox.transaction() as tx:
+        tx.emit("t", key="k", payload={"n": 1})
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and relay.stats.published < 1:
+        time.sleep(0.02)
+    relay.stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["state"] for r in rows(outbox)] == ["published"]
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,))
+    thread.start()
+    with outbox.transaction() as tx:
+        tx.emit("t", key="k", payload={"n": 2})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and relay.stats.published < 2:
+        time.sleep(0.02)
+    stop.set()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["state"] for r in rows(outbox)] == ["published", "published"]
