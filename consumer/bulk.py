@@ -1,16 +1,77 @@
-"""One-statement bulk inserts for batch paths (the consumer's inbox and batch handlers, the
-job store's ``enqueue_many``)."""
+"""Batch paths: one-statement bulk inserts (the consumer's inbox and batch handlers, the job
+store's ``enqueue_many``), and deferred writes (the consumer's hook that lets a per-event
+call such as ``Store.enqueue(..., session=tx.session)`` be written once per batch).
+
+Deferred writes, the contract between a session's owner and a library writing in it:
+
+- The owner of a transaction that promises to flush before it commits (the consumer, for its
+  batch Session) marks the Session with :func:`defer_writes`.
+- A library called with that Session (``Store.enqueue(..., session=tx.session)``) may, instead
+  of a round trip now, buffer its rows in ``deferred_writes(session)[key]`` (``key``: its own
+  object, e.g. the Store) as an object with ``flush(conn)``. :func:`deferred_writes` returns
+  None for a Session nobody marked: then it writes at once, as before.
+- The owner calls :func:`flush_deferred` after the handlers and before it releases the
+  savepoint they ran in, so a buffered write commits or rolls back with the handler's other
+  work; a flush that raises fails those handlers like an exception of their own.
+  :func:`discard_deferred` drops what a rolled-back handler buffered.
+- A library whose caller needs an answer before the flush (``EnqueueResult.duplicate``) may
+  flush its own buffer early: ``flush`` must leave the buffer empty and be safe to repeat.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 from sqlalchemy import Table
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
 
 from outbox.dialect import is_postgresql
+
+DEFERRED_WRITES = "outbox.deferred_writes"
+"""The ``Session.info`` key of a session's deferred writers."""
+
+
+class DeferredWriter(Protocol):
+    """Rows a library buffered in a marked Session; ``flush`` writes them in ``conn``'s
+    transaction (one statement, ideally) and empties the buffer."""
+
+    def flush(self, conn: Connection) -> None: ...
+
+
+def defer_writes(session: Session) -> None:
+    """Mark ``session``: its owner will call :func:`flush_deferred` before every commit."""
+    session.info[DEFERRED_WRITES] = {}
+
+
+def deferred_writes(session: object) -> dict[Hashable, DeferredWriter] | None:
+    """Where a library may buffer writes made in ``session`` (a dict keyed by the library's
+    own object), or None when the session is not marked (write at once)."""
+    if isinstance(session, Session):
+        writers: dict[Hashable, DeferredWriter] | None = session.info.get(DEFERRED_WRITES)
+        return writers
+    return None
+
+
+def flush_deferred(session: Session) -> None:
+    """Write every buffer of ``session`` now, in its transaction (writers may add more while
+    flushing: loop until none is left)."""
+    writers = deferred_writes(session)
+    while writers:
+        pending = list(writers.values())
+        writers.clear()
+        conn = session.connection()
+        for writer in pending:
+            writer.flush(conn)
+
+
+def discard_deferred(session: Session) -> None:
+    """Drop what was buffered since the last flush (its handler's savepoint rolled back)."""
+    writers = deferred_writes(session)
+    if writers:
+        writers.clear()
 
 
 def bulk_insert(

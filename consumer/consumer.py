@@ -42,7 +42,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer import inbox as q
-from consumer.bulk import bulk_insert
+from consumer.bulk import bulk_insert, defer_writes, discard_deferred, flush_deferred
 from consumer.errors import UndecodableEntry
 from consumer.event import ConsumedEvent, decode_entry, text_fields
 from outbox.backoff import Backoff
@@ -157,7 +157,12 @@ class ConsumerConfig:
 class ConsumerTx:
     """The transaction a handler runs in: ``session`` is the one the inbox row is written in
     (inside a savepoint of the batch's transaction). Never commit or roll it back yourself:
-    raise to roll back your entry, return to keep its work."""
+    raise to roll back your entry, return to keep its work.
+
+    Writes made the natural way are batched for you: ``Store.enqueue(..., session=
+    tx.session)`` is buffered and written in one statement with the rest of the batch's
+    (``consumer.bulk``'s deferred writes), and ``tx.session.add(obj)`` ORM objects are
+    flushed together (SQLAlchemy's insertmanyvalues) at the end of the handlers."""
 
     session: Session
     group: str
@@ -624,6 +629,7 @@ class Consumer:
             events.append((entry, event))
 
         session = self.inbox.session()
+        defer_writes(session)
         try:
             with session.begin():
                 conn = session.connection()
@@ -734,34 +740,44 @@ class Consumer:
     def _handle(self, session: Session, events: list[ConsumedEvent]) -> dict[str, BaseException]:
         """Run the handlers of ``events``; return the failures by entry key.
 
-        Optimistic: all of them in one savepoint (two statements for the lot). If any raises,
-        that savepoint is rolled back and each entry runs again in its own savepoint, so only
-        the failing ones lose their work.
+        Optimistic: all of them in ONE savepoint (two statements for the whole batch), their
+        deferred writes (``consumer.bulk``: ``Store.enqueue(..., session=tx.session)``) and
+        ORM objects (``tx.session.add``: insertmanyvalues) flushed once at its end. Only if a
+        handler or that flush raises is the savepoint rolled back and each entry run again in
+        a savepoint of its own, so only the failing ones lose their work: per-entry
+        savepoints are paid when a handler fails, never on the happy path.
         """
         if not events:
             return {}
         tx = ConsumerTx(session=session, group=self.group)
+        failure = self._attempt(session, events, tx)
+        if failure is None:
+            return {}
+        if len(events) == 1:
+            return {_key(events[0]): failure}
+        failures: dict[str, BaseException] = {}
+        for event in events:
+            failure = self._attempt(session, [event], tx)
+            if failure is not None:
+                failures[_key(event)] = failure
+        return failures
+
+    def _attempt(
+        self, session: Session, events: list[ConsumedEvent], tx: ConsumerTx
+    ) -> Exception | None:
+        """Run ``events``' handlers and write what they buffered, in one savepoint: None if
+        it was released, else the exception that rolled it back."""
         savepoint = session.begin_nested()
         try:
             self._call(events, tx)
+            flush_deferred(session)
+            session.flush()
         except Exception as exc:
+            discard_deferred(session)
             savepoint.rollback()  # raises if the connection itself is gone: batch retried
-            if len(events) == 1:
-                return {_key(events[0]): exc}
-        else:
-            savepoint.commit()
-            return {}
-        failures: dict[str, BaseException] = {}
-        for event in events:
-            savepoint = session.begin_nested()
-            try:
-                self._call([event], tx)
-            except Exception as exc:
-                savepoint.rollback()
-                failures[_key(event)] = exc
-            else:
-                savepoint.commit()
-        return failures
+            return exc
+        savepoint.commit()
+        return None
 
     def _call(self, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
         batch: dict[str, list[ConsumedEvent]] = {}

@@ -360,6 +360,110 @@ def test_malformed_entries_are_dead_lettered_and_never_crash(
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
 
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ('{"total": 1e999999}', "not storable"),  # overflows to inf
+        ('{"total": NaN}', "not storable"),
+        ('{"total": -Infinity}', "not storable"),
+        ('{"note": "a\\u0000b"}', "NUL"),  # jsonb refuses U+0000
+    ],
+)
+def test_data_that_can_never_be_stored_is_dead_lettered_at_decoding(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str, data: str, problem: str
+) -> None:
+    calls: list[str] = []
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        calls.append(event.identity)
+
+    consumer = make(handler=handler, max_deliveries=5)
+    fields = encode_entry(TOPIC, {"ok": True}, event_id="evt-bad", identity="bad")
+    redis_client.xadd(stream, {**fields, "data": data})
+    publish(redis_client, stream, "good", "evt-good")
+    assert drain(consumer) == 2
+    # First delivery, not the fifth: the handler never saw it, and nothing is pending.
+    assert calls == ["good"]
+    [record] = consumer.dead_letters()
+    assert record["reason"] == "undecodable" and record["deliveries"] == 1
+    assert record["event_id"] == "evt-bad"
+    assert "data" in record["error"] and problem in record["error"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+class CountingWriter:
+    """A library's buffer in the consumer's deferred-writes hook (consumer.bulk)."""
+
+    def __init__(self, flushes: list[list[str]]) -> None:
+        self.rows: list[str] = []
+        self.flushes = flushes
+
+    def flush(self, conn: sa.Connection) -> None:
+        if self.rows:
+            conn.execute(insert(jobs), [{"identity": i, "event_id": "-"} for i in self.rows])
+            self.flushes.append(self.rows)
+        self.rows = []
+
+
+def test_deferred_writes_are_flushed_once_per_batch_and_dropped_with_a_failing_entry(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    from consumer.bulk import deferred_writes
+
+    flushes: list[list[str]] = []
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        writers = deferred_writes(tx.session)
+        assert writers is not None  # the consumer marks its batch session
+        writer = writers.setdefault("bench", CountingWriter(flushes))
+        assert isinstance(writer, CountingWriter)
+        writer.rows.append(event.identity)
+        if event.identity == "bad":
+            raise ValueError("after buffering")
+
+    consumer = make(handler=handler)
+    for name in ("a", "b", "c"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    assert consumer.run_once(block=False) == 3
+    assert flushes == [["a", "b", "c"]]  # one write for the batch
+    for name in ("d", "bad", "e"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    flushes.clear()
+    assert consumer.run_once(block=False) == 2
+    # The batch failed as a whole, then ran entry by entry: the failing entry's buffered row
+    # went with its savepoint, the others were written.
+    assert flushes == [["d"], ["e"]]
+    assert sorted(job_identities(consumer.engine)) == ["a", "b", "c", "d", "e"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 1
+
+
+def test_orm_objects_added_by_handlers_commit_with_their_entry(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    from sqlalchemy.orm import registry
+
+    mapper = registry()
+
+    class Job:
+        def __init__(self, identity: str, event_id: str) -> None:
+            self.identity = identity
+            self.event_id = event_id
+
+    mapper.map_imperatively(Job, jobs)
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        tx.session.add(Job(event.identity, event.id))
+        if event.identity == "bad":
+            raise ValueError("after add")
+
+    consumer = make(handler=handler)
+    for name in ("a", "bad", "b"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    assert consumer.run_once(block=False) == 2
+    assert sorted(job_identities(consumer.engine)) == ["a", "b"]
+    mapper.dispose()
+
+
 def test_unknown_types_can_be_skipped(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
