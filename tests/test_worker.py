@@ -326,3 +326,71 @@ def test_run_until_stop_drains_and_returns(db_url: str) -> None:
     assert not runner.is_alive()
     assert seen == ["noop-1", "noop-2"]
     store.dispose()
+
+
+def _listening(engine: sa.Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE query = 'LISTEN \"outbox_jobs_ready\"' AND pid <> pg_backend_pid()"
+                )
+            ).scalar()
+        )
+
+
+def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
+    """PostgreSQL: enqueue, resume and recovery NOTIFY; an idle worker whose poll interval is
+    far away claims at once (polling stays the fallback)."""
+    store = Store(pg_url)
+    other = Store(pg_url)  # another process's store, as a consumer's would be
+    worker = Worker(store, poll_interval=120.0)
+    worker.register("noop", lambda job: None)
+    reviewed: list[int] = []
+
+    def review(job: JobContext) -> None:
+        if not reviewed:
+            reviewed.append(job.job_id)
+            job.wait_review("ask a person")
+
+    worker.register("review", review)
+    assert worker.run_once() == 0  # nothing yet
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        wait_for(lambda: _listening(store.engine))
+        other.enqueue("t", "noop-1")
+        wait_for(lambda: store.get("t", "noop-1").state == DONE, timeout=60)
+        job_id = other.enqueue("t", "review-1").job_id
+        wait_for(lambda: store.get(job_id).state == WAITING_REVIEW, timeout=60)
+        other.resume(job_id)  # an operator's decision wakes the worker too
+        wait_for(lambda: store.get(job_id).state == DONE, timeout=60)
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    store.dispose()
+    other.dispose()
+
+
+def test_notify_is_a_choice_kept_by_later_stores(pg_url: str) -> None:
+    def has_trigger(store: Store) -> bool:
+        with store.engine.connect() as conn:
+            return bool(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_trigger"
+                        " WHERE tgrelid = 'outbox_jobs'::regclass AND tgname = 'outbox_jobs_notify'"
+                    )
+                ).scalar()
+            )
+
+    store = Store(pg_url)
+    assert has_trigger(store)
+    off = Store(pg_url, config=StoreConfig(notify=False))
+    assert not has_trigger(off)
+    again = Store(pg_url)  # the default keeps the table's choice
+    assert not has_trigger(again)
+    for s in (store, off, again):
+        s.dispose()

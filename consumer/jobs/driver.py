@@ -26,7 +26,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import (
     ColumnElement,
@@ -50,6 +50,10 @@ from consumer.jobs.states import DONE, LEASED, WAITING
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 
+READY_CHANNEL = "outbox_jobs_ready"
+"""PostgreSQL NOTIFY channel: jobs became READY (enqueued, resumed, recovered, timers fired).
+Database-wide: a notification from another schema's job table only costs a spurious claim."""
+
 INSERT_CHUNK = 500
 """Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""
 
@@ -59,6 +63,14 @@ _NO_TIMER: dict[str, Any] = {
     "timer_subject_version": None,
     "timer_cancellation_condition": None,
 }
+
+
+class ReadyListener(Protocol):
+    """A wake-up source for idle workers: ``wait`` returns True when jobs became READY."""
+
+    def wait(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class JobDriver:
@@ -93,10 +105,21 @@ class JobDriver:
     def _prepare(self, conn: Connection) -> None:
         """Per-dialect set-up of a write transaction before it begins."""
 
-    def schema_create(self, conn: Connection) -> None:
-        """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
+    def schema_create(self, conn: Connection, *, notify: bool | None = None) -> None:
+        """Create the job tables if missing (idempotent), in ``conn``'s transaction.
+        ``notify`` (PostgreSQL): True adds the wake-up trigger, False drops it, None gives a
+        table created now the trigger and leaves an existing table's choice alone."""
         metadata.create_all(conn, checkfirst=True)
         _add_missing_columns(conn)
+
+    # -- wake-up --------------------------------------------------------------------------
+
+    def job_ready_notify(self, conn: Connection) -> None:
+        """Tell listening workers that jobs became READY (at ``conn``'s commit)."""
+
+    def job_ready_listener(self) -> ReadyListener | None:
+        """A listener for :meth:`job_ready_notify` and enqueues, or None (poll only)."""
+        return None
 
     def clock_read(self, conn: Connection, now: float | None) -> float:
         """``now`` if given, else the database clock in unix seconds."""
@@ -431,11 +454,52 @@ class PostgresJobDriver(JobDriver):
 
     name = "postgresql"
 
-    def schema_create(self, conn: Connection) -> None:
+    def schema_create(self, conn: Connection, *, notify: bool | None = None) -> None:
         # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+        existed = inspect(conn).has_table(jobs.name)
         metadata.create_all(conn, checkfirst=True)
         _add_missing_columns(conn)
+        if notify is None and not existed:
+            notify = True
+        if notify is not None:
+            self._notify_trigger(conn, notify)
+
+    def _notify_trigger(self, conn: Connection, wanted: bool) -> None:
+        # One NOTIFY per inserting statement (not per row) on READY_CHANNEL: an enqueue wakes
+        # LISTENing workers at its commit, with no extra round trip for the enqueuer. The
+        # price is the outbox's: a transaction that sent NOTIFY takes a global lock at commit,
+        # which serialises heavy concurrent enqueuers; ``StoreConfig(notify=False)`` drops the
+        # trigger (workers then poll).
+        prep = conn.dialect.identifier_preparer
+        table = prep.format_table(jobs)
+        name = f"{jobs.name}_notify"
+        exists = conn.execute(
+            text("SELECT 1 FROM pg_trigger WHERE tgrelid = CAST(:t AS regclass) AND tgname = :n"),
+            {"t": table, "n": name},
+        ).scalar()
+        if exists and not wanted:
+            conn.execute(text(f"DROP TRIGGER {prep.quote(name)} ON {table}"))
+        elif wanted and not exists:
+            conn.execute(
+                text(
+                    f"CREATE OR REPLACE FUNCTION {prep.quote(name)}() RETURNS trigger "
+                    f"LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_notify('{READY_CHANNEL}', '');"
+                    " RETURN NULL; END $$"
+                )
+            )
+            conn.execute(
+                text(
+                    f"CREATE TRIGGER {prep.quote(name)} AFTER INSERT ON {table} "
+                    f"FOR EACH STATEMENT EXECUTE FUNCTION {prep.quote(name)}()"
+                )
+            )
+
+    def job_ready_notify(self, conn: Connection) -> None:
+        conn.execute(text("SELECT pg_notify(:c, '')"), {"c": READY_CHANNEL})
+
+    def job_ready_listener(self) -> ReadyListener | None:
+        return _PgReadyListener(self.engine)
 
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
@@ -509,6 +573,32 @@ class SqliteJobDriver(JobDriver):
             self.attempt_insert(conn, job_id, epoch, worker, "done", None, clock)
             done.append(job_id)
         return done
+
+
+class _PgReadyListener:
+    """LISTEN on a connection of its own (taken out of the pool for good: a LISTENing session
+    must not serve transactions)."""
+
+    def __init__(self, engine: Engine) -> None:
+        raw = engine.raw_connection()
+        conn: Any = raw.driver_connection
+        raw.detach()
+        conn.rollback()  # the pool may have begun nothing, but autocommit needs no transaction
+        conn.autocommit = True
+        conn.execute(f'LISTEN "{READY_CHANNEL}"')
+        self._conn = conn
+
+    def wait(self, timeout: float) -> bool:
+        got = False
+        for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+            got = True
+        if got:  # one wake-up is enough: drain what else is queued
+            for _ in self._conn.notifies(timeout=0.0001):
+                pass
+        return got
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 _ADDED_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")

@@ -166,15 +166,24 @@ class BatchResult:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries."""
+    """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries.
+
+    ``notify`` (PostgreSQL): the wake-up trigger on the job table, so LISTENing workers claim
+    an enqueued job at once instead of at their next poll. True adds it, False drops it (a
+    transaction that sent NOTIFY takes a global lock at commit: heavy concurrent enqueuers
+    may prefer polling), None (default) gives a table created now the trigger and keeps an
+    existing table's choice."""
 
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_tenants_scanned: int = 1000
     recover_limit: int = 500
+    notify: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError("retry", "must be a RetryPolicy")
+        if self.notify is not None and not isinstance(self.notify, bool):
+            raise ConfigError("notify", f"must be True, False or None, got {self.notify!r}")
         for name in ("max_tenants_scanned", "recover_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -225,7 +234,7 @@ class Store:
     def create_schema(self) -> None:
         """Create the job tables if they do not exist (idempotent)."""
         with self.driver.begin() as conn:
-            self.driver.schema_create(conn)
+            self.driver.schema_create(conn, notify=self.config.notify)
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -905,6 +914,8 @@ class Store:
                     raise IllegalTransition(label, state, target)
                 raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
             self._record(conn, job_id, None, None, outcome, note, clock)
+            if target == READY:
+                self.driver.job_ready_notify(conn)
 
     def _move(
         self,
@@ -1037,6 +1048,8 @@ class Store:
                 if hit is not None:
                     self._record(conn, waiting.id, None, None, "timer_fired", None, clock)
                     woken += 1
+            if requeued or woken:
+                self.driver.job_ready_notify(conn)
         return RecoveryResult(requeued=requeued, needs_attention=attention, woken=woken)
 
 

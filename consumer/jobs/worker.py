@@ -41,12 +41,17 @@ External effects: ``Worker(store, providers={"mail": provider})`` gives handlers
 receipts whose call deadline passed every ``reconcile_interval`` seconds
 (``Operations.reconcile``).
 
+Wake-up: on PostgreSQL ``run`` LISTENs for jobs that became READY (an enqueue's trigger, a
+resume, a recovery; ``StoreConfig.notify``) and an idle loop claims at once; polling every
+``poll_interval`` stays the fallback (SQLite, ``listen=False``, a lost LISTEN connection).
+
 Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
 the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -85,10 +90,13 @@ class WorkerConfig:
     poll_interval: float = 0.5
     recover_interval: float = 5.0
     reconcile_interval: float = 10.0
+    listen: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError("name", "must be a non-empty string")
+        if not isinstance(self.listen, bool):
+            raise ConfigError("listen", f"must be True or False, got {self.listen!r}")
         for name in ("concurrency", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -286,6 +294,10 @@ class Worker:
         self.default_timeout = float(default_timeout)
         self._operations: Operations | None = None
         self._last_reconcile = time.monotonic()  # the first sweep after one interval
+        # Wake-ups of idle loops: the LISTEN thread (PostgreSQL) counts notifications, an idle
+        # loop sleeps only if none came since its last empty claim (no lost wake-up).
+        self._wake = threading.Condition()
+        self._wakes = 0
 
     # -- registry -------------------------------------------------------------------------
     def handler(self, name: str) -> Callable[[Handler], Handler]:
@@ -513,6 +525,12 @@ class Worker:
             threading.Thread(target=self._loop, name=f"{self.config.name}-{i}", daemon=True)
             for i in range(self.config.concurrency)
         ]
+        if self.config.listen:
+            threads.append(
+                threading.Thread(
+                    target=self._listen, name=f"{self.config.name}-listen", daemon=True
+                )
+            )
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -522,6 +540,47 @@ class Worker:
 
     def stop(self) -> None:
         self.stop_flag.stop()
+        self._notified()
+
+    def _notified(self) -> None:
+        with self._wake:
+            self._wakes += 1
+            self._wake.notify_all()
+
+    def _idle(self, seen: int, seconds: float) -> None:
+        """Sleep up to ``seconds`` unless a wake-up came since ``seen`` was read."""
+        with self._wake:
+            if self._wakes == seen and not self.stop_flag.stopped:
+                self._wake.wait(seconds)
+
+    def _listen(self) -> None:
+        """Wake idle loops on NOTIFY (PostgreSQL); returns at once where there is none."""
+        backoff = Backoff(0.5, 30.0)
+        failures = 0
+        listener = None
+        while not self.stop_flag.stopped:
+            try:
+                if listener is None:
+                    listener = self._store().driver.job_ready_listener()
+                    if listener is None:
+                        return  # this database has no LISTEN: the loops poll
+                    failures = 0
+                if listener.wait(min(1.0, self.config.poll_interval * 2)):
+                    self._notified()
+            except Exception as exc:
+                failures += 1
+                log.warning(
+                    "LISTEN failed; polling meanwhile",
+                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
+                )
+                if listener is not None:
+                    with contextlib.suppress(Exception):
+                        listener.close()
+                listener = None
+                self.stop_flag.wait(backoff.delay(failures))
+        if listener is not None:
+            with contextlib.suppress(Exception):
+                listener.close()
 
     def _loop(self) -> None:
         backoff = Backoff(0.2, 10.0)
@@ -529,6 +588,8 @@ class Worker:
         failures = 0
         empty = 0
         while not self.stop_flag.stopped:
+            with self._wake:
+                seen = self._wakes
             try:
                 handled = self.run_once()
             except SQLAlchemyError as exc:
@@ -549,7 +610,7 @@ class Worker:
                 empty = 0
             else:
                 empty += 1
-                self.stop_flag.wait(idle.cap(empty))
+                self._idle(seen, idle.cap(empty))
 
     def _hook(self, name: str, *args: Any) -> None:
         call_hook(self.hooks, name, *args)
