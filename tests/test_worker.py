@@ -374,23 +374,27 @@ def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
     other.dispose()
 
 
-def test_notify_is_a_choice_kept_by_later_stores(pg_url: str) -> None:
-    def has_trigger(store: Store) -> bool:
-        with store.engine.connect() as conn:
-            return bool(
-                conn.execute(
-                    sa.text(
-                        "SELECT count(*) FROM pg_trigger"
-                        " WHERE tgrelid = 'outbox_jobs'::regclass AND tgname = 'outbox_jobs_notify'"
-                    )
-                ).scalar()
-            )
+def test_notify_is_a_choice(pg_url: str) -> None:
+    """Enqueues NOTIFY only for rows they create; StoreConfig(notify=False) never does."""
+    import psycopg
 
-    store = Store(pg_url)
-    assert has_trigger(store)
-    off = Store(pg_url, config=StoreConfig(notify=False))
-    assert not has_trigger(off)
-    again = Store(pg_url)  # the default keeps the table's choice
-    assert not has_trigger(again)
-    for s in (store, off, again):
-        s.dispose()
+    plain = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as listener:
+        listener.execute('LISTEN "outbox_jobs_ready"')
+
+        def notified() -> int:
+            return len(list(listener.notifies(timeout=0.3)))
+
+        quiet = Store(pg_url, config=StoreConfig(notify=False))
+        quiet.enqueue("t", "a-1")
+        quiet.enqueue_many([{"tenant": "t", "action": "a-2"}])
+        assert notified() == 0
+        loud = Store(pg_url)
+        loud.enqueue("t", "a-3")
+        assert notified() == 1
+        loud.enqueue("t", "a-3")  # a duplicate creates nothing and wakes nobody
+        assert notified() == 0
+        loud.enqueue_many([{"tenant": "t", "action": "a-4"}, {"tenant": "t", "action": "a-5"}])
+        assert notified() == 1
+        quiet.dispose()
+        loud.dispose()

@@ -52,7 +52,9 @@ from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 
 READY_CHANNEL = "outbox_jobs_ready"
 """PostgreSQL NOTIFY channel: jobs became READY (enqueued, resumed, recovered, timers fired).
-Database-wide: a notification from another schema's job table only costs a spurious claim."""
+Database-wide: a notification from another schema's job table only costs a spurious claim.
+A transaction that sent NOTIFY takes a global lock at commit (it serialises heavy concurrent
+enqueuers): ``StoreConfig(notify=False)`` turns it off, and workers poll."""
 
 INSERT_CHUNK = 500
 """Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""
@@ -78,8 +80,9 @@ class JobDriver:
 
     name = "generic"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, notify: bool = True) -> None:
         self.engine = engine
+        self.notify = notify  # PostgreSQL: NOTIFY READY_CHANNEL when jobs become READY
         # An in-memory SQLite database is ONE connection shared by every thread (StaticPool):
         # transactions must not interleave on it.
         self._lock: AbstractContextManager[Any] = (
@@ -105,10 +108,8 @@ class JobDriver:
     def _prepare(self, conn: Connection) -> None:
         """Per-dialect set-up of a write transaction before it begins."""
 
-    def schema_create(self, conn: Connection, *, notify: bool | None = None) -> None:
-        """Create the job tables if missing (idempotent), in ``conn``'s transaction.
-        ``notify`` (PostgreSQL): True adds the wake-up trigger, False drops it, None gives a
-        table created now the trigger and leaves an existing table's choice alone."""
+    def schema_create(self, conn: Connection) -> None:
+        """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
         metadata.create_all(conn, checkfirst=True)
         _add_missing_columns(conn)
 
@@ -454,49 +455,39 @@ class PostgresJobDriver(JobDriver):
 
     name = "postgresql"
 
-    def schema_create(self, conn: Connection, *, notify: bool | None = None) -> None:
+    def schema_create(self, conn: Connection) -> None:
         # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
-        existed = inspect(conn).has_table(jobs.name)
         metadata.create_all(conn, checkfirst=True)
         _add_missing_columns(conn)
-        if notify is None and not existed:
-            notify = True
-        if notify is not None:
-            self._notify_trigger(conn, notify)
 
-    def _notify_trigger(self, conn: Connection, wanted: bool) -> None:
-        # One NOTIFY per inserting statement (not per row) on READY_CHANNEL: an enqueue wakes
-        # LISTENing workers at its commit, with no extra round trip for the enqueuer. The
-        # price is the outbox's: a transaction that sent NOTIFY takes a global lock at commit,
-        # which serialises heavy concurrent enqueuers; ``StoreConfig(notify=False)`` drops the
-        # trigger (workers then poll).
-        prep = conn.dialect.identifier_preparer
-        table = prep.format_table(jobs)
-        name = f"{jobs.name}_notify"
-        exists = conn.execute(
-            text("SELECT 1 FROM pg_trigger WHERE tgrelid = CAST(:t AS regclass) AND tgname = :n"),
-            {"t": table, "n": name},
-        ).scalar()
-        if exists and not wanted:
-            conn.execute(text(f"DROP TRIGGER {prep.quote(name)} ON {table}"))
-        elif wanted and not exists:
-            conn.execute(
-                text(
-                    f"CREATE OR REPLACE FUNCTION {prep.quote(name)}() RETURNS trigger "
-                    f"LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_notify('{READY_CHANNEL}', '');"
-                    " RETURN NULL; END $$"
-                )
-            )
-            conn.execute(
-                text(
-                    f"CREATE TRIGGER {prep.quote(name)} AFTER INSERT ON {table} "
-                    f"FOR EACH STATEMENT EXECUTE FUNCTION {prep.quote(name)}()"
-                )
-            )
+    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+        if not self.notify:
+            return super().job_insert(conn, values)
+        # The wake-up rides on the INSERT itself: RETURNING evaluates pg_notify only for a row
+        # actually inserted (a duplicate notifies nobody), in the same round trip, delivered
+        # at the caller's commit. No trigger, so nothing for migrations to carry.
+        stmt = (
+            insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
+            .values(**values)
+            .returning(jobs.c.id, func.pg_notify(READY_CHANNEL, ""))
+        )
+        new_id = conn.execute(stmt).scalar()
+        if new_id is not None:
+            return int(new_id), True
+        return super().job_insert(conn, values)
+
+    def job_insert_many(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        created, existing = super().job_insert_many(conn, rows)
+        if created:
+            self.job_ready_notify(conn)  # one statement per batch
+        return created, existing
 
     def job_ready_notify(self, conn: Connection) -> None:
-        conn.execute(text("SELECT pg_notify(:c, '')"), {"c": READY_CHANNEL})
+        if self.notify:
+            conn.execute(text("SELECT pg_notify(:c, '')"), {"c": READY_CHANNEL})
 
     def job_ready_listener(self) -> ReadyListener | None:
         return _PgReadyListener(self.engine)
@@ -624,11 +615,11 @@ def _add_missing_columns(conn: Connection) -> None:
     OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
 
 
-def driver_for(engine: Engine) -> JobDriver:
+def driver_for(engine: Engine, *, notify: bool = True) -> JobDriver:
     """The driver for ``engine``'s database: the one dialect check of the job store."""
     if is_postgresql(engine.dialect.name):
-        return PostgresJobDriver(engine)
-    return SqliteJobDriver(engine)
+        return PostgresJobDriver(engine, notify=notify)
+    return SqliteJobDriver(engine, notify=notify)
 
 
 def engine_for(url: str | URL | None) -> Engine:

@@ -168,22 +168,20 @@ class BatchResult:
 class StoreConfig:
     """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries.
 
-    ``notify`` (PostgreSQL): the wake-up trigger on the job table, so LISTENing workers claim
-    an enqueued job at once instead of at their next poll. True adds it, False drops it (a
-    transaction that sent NOTIFY takes a global lock at commit: heavy concurrent enqueuers
-    may prefer polling), None (default) gives a table created now the trigger and keeps an
-    existing table's choice."""
+    ``notify`` (PostgreSQL): enqueues, resumes and recoveries NOTIFY, so LISTENing workers
+    claim at once instead of at their next poll. False turns it off (a transaction that sent
+    NOTIFY takes a global lock at commit: heavy concurrent enqueuers may prefer polling)."""
 
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_tenants_scanned: int = 1000
     recover_limit: int = 500
-    notify: bool | None = None
+    notify: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError("retry", "must be a RetryPolicy")
-        if self.notify is not None and not isinstance(self.notify, bool):
-            raise ConfigError("notify", f"must be True, False or None, got {self.notify!r}")
+        if not isinstance(self.notify, bool):
+            raise ConfigError("notify", f"must be True or False, got {self.notify!r}")
         for name in ("max_tenants_scanned", "recover_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -222,10 +220,10 @@ class Store:
                 "url_or_engine",
                 f"expected a URL string or an Engine, got {type(url_or_engine).__name__}",
             )
-        self.driver: JobDriver = driver_for(self.engine)
         self.config = config if config is not None else StoreConfig()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError("config", "must be a StoreConfig")
+        self.driver: JobDriver = driver_for(self.engine, notify=self.config.notify)
         self._cursor = ""  # fairness rotation: the tenant served first by the last claim
         self._cursor_lock = threading.Lock()
         if create_schema:
@@ -234,7 +232,7 @@ class Store:
     def create_schema(self) -> None:
         """Create the job tables if they do not exist (idempotent)."""
         with self.driver.begin() as conn:
-            self.driver.schema_create(conn, notify=self.config.notify)
+            self.driver.schema_create(conn)
 
     def dispose(self) -> None:
         self.engine.dispose()
