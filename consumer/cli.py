@@ -9,10 +9,12 @@
 
 Flags take their defaults from ``OUTBOX_*`` environment variables (``OUTBOX_DATABASE_URL``,
 ``OUTBOX_REDIS_URL``, ``OUTBOX_GROUP``, ``OUTBOX_BATCH_SIZE``, ``OUTBOX_METRICS_PORT``,
-``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``, ``OUTBOX_CONSUMER_SCHEMA``). For ``run``, a
-flag or variable that is set overrides what the application's Consumer was built with; one
-that is not set leaves it. Without a database URL the tools use the SQLite file in the
-working directory, without a Redis URL the embedded Redis server.
+``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``, ``OUTBOX_CONSUMER_SCHEMA``, and the recovery
+intervals ``OUTBOX_CLAIM_IDLE_MS``, ``OUTBOX_HEARTBEAT_TTL_MS``, ``OUTBOX_HEARTBEAT_INTERVAL_MS``,
+``OUTBOX_BLOCK_MS``, ``OUTBOX_MAX_DELIVERIES``). For ``run``, a flag or variable that is set
+overrides what the application's Consumer was built with; one that is not set leaves it.
+Without a database URL the tools use the SQLite file in the working directory, without a
+Redis URL the embedded Redis server.
 
 Exit codes: 0 success, 1 failure (an unknown dead-letter id, ...), 2 bad usage.
 """
@@ -41,6 +43,18 @@ from outbox.logs import fields, setup_logging
 from outbox.redis_client import redis_client
 
 log = logging.getLogger("outbox.consumer.cli")
+
+
+RECOVERY_SETTINGS = {
+    "claim_idle_ms": "an entry pending this long is claimed back (a failed handler's retry "
+    "delay; the fallback for a hung peer)",
+    "heartbeat_ttl_ms": "TTL of each consumer's heartbeat key: a peer whose key is gone is "
+    "dead and its pending entries are claimed at once",
+    "heartbeat_interval_ms": "how often the heartbeat is refreshed and dead peers looked for",
+    "block_ms": "longest wait of a read for new entries (it returns as soon as one arrives)",
+    "max_deliveries": "deliveries after which a failing entry is dead-lettered",
+}
+"""ConsumerConfig settings that ``run`` takes as ``--flag`` and ``OUTBOX_<SETTING>``."""
 
 
 class UsageError(Exception):
@@ -94,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="entries per batch and transaction (env OUTBOX_BATCH_SIZE)",
     )
+    for setting, text in RECOVERY_SETTINGS.items():
+        run.add_argument(
+            "--" + setting.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{text} (env OUTBOX_{setting.upper()}; default: the application's, "
+            f"else {getattr(ConsumerConfig(), setting)})",
+        )
     run.add_argument(
         "--metrics-port",
         type=int,
@@ -195,6 +217,15 @@ def _run(args: argparse.Namespace) -> int:
     config = consumer.config
     if batch_size:
         config = dataclasses.replace(config, batch_size=batch_size)
+    overrides: dict[str, Any] = {}
+    for setting in RECOVERY_SETTINGS:
+        value = getattr(args, setting)
+        if value is None and env(setting) is not None:
+            value = env_int(setting, 0)
+        if value is not None:
+            overrides[setting] = value
+    if overrides:
+        config = dataclasses.replace(config, **overrides)  # validated: ConfigError, exit 2
     if args.schema:
         config = dataclasses.replace(config, schema=args.schema)
     consumer = consumer.with_overrides(
@@ -220,6 +251,8 @@ def _run(args: argparse.Namespace) -> int:
             streams=consumer.streams,
             database=describe_url(consumer.engine.url),
             batch_size=consumer.config.batch_size,
+            claim_idle_ms=consumer.config.claim_idle_ms,
+            heartbeat_ttl_ms=consumer.config.heartbeat_ttl_ms,
         ),
     )
     stop = GracefulStop().install()

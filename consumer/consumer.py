@@ -4,21 +4,28 @@ identity in an inbox table, in the same transaction as the handler's work.
 One batch (``run_once``), in this order:
 
 1. Acknowledge what a previous batch committed but could not acknowledge (Redis was down).
-2. Claim back entries left pending longer than ``claim_idle_ms`` by any consumer of the
-   group (XAUTOCLAIM): a consumer that died, or this one's own entries whose handler failed
-   (that idle time is the retry delay). Their delivery counts come from XPENDING.
-3. Read new entries (XREADGROUP ``>``), up to ``batch_size`` in all.
-4. Decode; an undecodable entry is dead-lettered at once, an entry of a type without a
+2. Claim a dead peer's pending entries at once (XCLAIM): every consumer keeps a heartbeat key
+   in Redis with a short TTL (``heartbeat_ttl_ms``, refreshed every
+   ``heartbeat_interval_ms`` by a thread of its own, so a long batch does not look like
+   death); a peer whose key is gone and that has not touched the group for as long is dead.
+   Checked every ``heartbeat_interval_ms``. Live peers' entries are never taken early.
+3. Claim back entries left pending longer than ``claim_idle_ms`` by any consumer of the
+   group (XAUTOCLAIM): this one's own entries whose handler failed (that idle time is the
+   retry delay), and the fallback for a peer that hangs while its heartbeat thread lives.
+   Delivery counts come from XPENDING.
+4. Read new entries (XREADGROUP ``>``), up to ``batch_size`` in all. The read blocks (up to
+   ``block_ms``) only when nothing was claimed, and returns as soon as an entry arrives.
+5. Decode; an undecodable entry is dead-lettered at once, an entry of a type without a
    handler is dead-lettered or skipped (``unknown_types``), an entry delivered more than
    ``max_deliveries`` times (its handler keeps killing processes) is dead-lettered.
-5. ONE database transaction for the batch: the inbox rows of the batch in one statement
+6. ONE database transaction for the batch: the inbox rows of the batch in one statement
    (insert-or-skip, RETURNING the new identities); handlers run for new identities only,
    first all together in one savepoint, and if one raises, again one savepoint per entry so
    the failing entry rolls back its own work (and its inbox row) and the others commit. A
    failing entry at its ``max_deliveries``-th delivery is dead-lettered; before that it stays
    pending and is claimed back after ``claim_idle_ms``. Dead-letter records are written in
    the same transaction.
-6. Commit, then copy dead letters to the dead-letter stream and XACK. A crash between
+7. Commit, then copy dead letters to the dead-letter stream and XACK. A crash between
    commit and XACK redelivers entries whose identity is in the inbox: duplicates, skipped.
 
 A handler may therefore run more than once for one entry (redelivery, the per-entry retry
@@ -87,8 +94,14 @@ class ConsumerConfig:
     - ``batch_size``: entries per batch (XREADGROUP COUNT) and per database transaction.
     - ``block_ms``: how long a read waits for new entries; also bounds how long SIGTERM
       waits. Keep it below the Redis client's socket timeout (10 s by default).
-    - ``claim_idle_ms``: an entry pending this long is claimed back (a dead consumer's, or a
-      failed handler's retry delay).
+    - ``claim_idle_ms``: an entry pending this long is claimed back: a failed handler's
+      retry delay, and the fallback for a peer that hangs with its heartbeat alive.
+    - ``heartbeat_ttl_ms``: the TTL of this consumer's heartbeat key; a peer whose key is
+      gone (and idle as long) is dead, and its pending entries are claimed at once. This
+      bounds recovery from a killed consumer: about ``heartbeat_ttl_ms`` +
+      ``heartbeat_interval_ms``.
+    - ``heartbeat_interval_ms``: how often the key is refreshed and dead peers looked for
+      (below ``heartbeat_ttl_ms``).
     - ``max_deliveries``: deliveries after which a failing entry is dead-lettered.
     - ``inbox_retention_seconds``: the deduplication window: inbox rows older than this are
       purged, after which a redelivered identity would be handled again. Default 7 days.
@@ -109,6 +122,8 @@ class ConsumerConfig:
     batch_size: int = 500
     block_ms: int = 1000
     claim_idle_ms: int = 30_000
+    heartbeat_ttl_ms: int = 3_000
+    heartbeat_interval_ms: int = 1_000
     max_deliveries: int = 5
     inbox_retention_seconds: float = DEFAULT_RETENTION_SECONDS
     dead_letter_stream: str = "{stream}.dead-letter"
@@ -126,6 +141,14 @@ class ConsumerConfig:
         _positive_int("batch_size", self.batch_size)
         _positive_int("block_ms", self.block_ms)
         _positive_int("claim_idle_ms", self.claim_idle_ms, allow_zero=True)
+        _positive_int("heartbeat_ttl_ms", self.heartbeat_ttl_ms)
+        _positive_int("heartbeat_interval_ms", self.heartbeat_interval_ms)
+        if self.heartbeat_interval_ms >= self.heartbeat_ttl_ms:
+            raise ConfigError(
+                "heartbeat_interval_ms",
+                f"must be below heartbeat_ttl_ms ({self.heartbeat_ttl_ms}), got "
+                f"{self.heartbeat_interval_ms}: the key would expire between two beats",
+            )
         _positive_int("max_deliveries", self.max_deliveries)
         _positive_number("inbox_retention_seconds", self.inbox_retention_seconds)
         _positive_number("purge_interval_seconds", self.purge_interval_seconds)
@@ -271,6 +294,7 @@ class Consumer:
         self.engine = self._make_engine(database)
         self._redis_spec = redis
         self._redis: redislib.Redis | None = None
+        self._redis_lock = threading.Lock()
         if not (redis is None or isinstance(redis, str) or _is_redis_client(redis)):
             raise ConfigError(
                 "redis", f"expected a redis URL or a redislib.Redis, got {type(redis).__name__}"
@@ -288,6 +312,9 @@ class Consumer:
         self._carry: list[_Entry] = []  # a batch whose transaction failed: retried first
         self._unacked: _Outcome | None = None  # committed but not yet acknowledged
         self._next_maintenance = 0.0
+        self._next_beat = 0.0
+        self._next_liveness_check = 0.0
+        self._beating = False  # a heartbeat thread keeps the key fresh (inside run())
         self._next_purge = 0.0
 
     # -- construction helpers ---------------------------------------------------------------
@@ -362,13 +389,14 @@ class Consumer:
     @property
     def redis(self) -> redislib.Redis:
         """The Redis client (made on first use: the embedded server starts only if needed)."""
-        if self._redis is None:
-            spec = self._redis_spec
-            if isinstance(spec, redislib.Redis):
-                self._redis = spec
-            else:
-                self._redis = redis_client(spec)
-        return self._redis
+        with self._redis_lock:  # the heartbeat thread may ask first
+            if self._redis is None:
+                spec = self._redis_spec
+                if isinstance(spec, redislib.Redis):
+                    self._redis = spec
+                else:
+                    self._redis = redis_client(spec)
+            return self._redis
 
     @property
     def metadata(self) -> MetaData:
@@ -430,6 +458,34 @@ class Consumer:
             "consumer started",
             extra=fields(group=self.group, consumer=self.name, streams=self.streams),
         )
+        beating = threading.Event()
+        heart = threading.Thread(
+            target=self._heartbeat_loop, args=(beating,), name=f"{self.name}-heartbeat"
+        )
+        heart.daemon = True
+        heart.start()
+        self._beating = True
+        try:
+            self._run_batches(stopping)
+        finally:
+            beating.set()
+            heart.join(timeout=5)
+            self._beating = False
+        # Whatever committed but is not acknowledged yet: one last try (harmless if it fails:
+        # the entries come back as duplicates).
+        if self._unacked is not None:
+            try:
+                self._acknowledge(self._unacked)
+            except Exception as exc:
+                log.warning("final acknowledge failed", extra=fields(error=str(exc)))
+        # Gone: a peer may take whatever this consumer still has pending at once.
+        try:
+            self.redis.delete(self.heartbeat_key(self.name))
+        except redislib.RedisError as exc:
+            log.warning("heartbeat key not removed", extra=fields(error=str(exc)))
+        log.info("consumer stopped", extra=fields(group=self.group, consumer=self.name))
+
+    def _run_batches(self, stopping: Callable[[], bool]) -> None:
         attempt = 0
         while not stopping():
             try:
@@ -451,20 +507,14 @@ class Consumer:
                 deadline = time.monotonic() + delay
                 while not stopping() and time.monotonic() < deadline:
                     self._stop.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-        # Whatever committed but is not acknowledged yet: one last try (harmless if it fails:
-        # the entries come back as duplicates).
-        if self._unacked is not None:
-            try:
-                self._acknowledge(self._unacked)
-            except Exception as exc:
-                log.warning("final acknowledge failed", extra=fields(error=str(exc)))
-        log.info("consumer stopped", extra=fields(group=self.group, consumer=self.name))
 
     def run_once(self, *, block: bool = True) -> int:
         """One batch. Returns how many entries it acknowledged (handled, duplicates, dead
         letters, skipped). Raises on infrastructure errors (``run`` retries them); the batch
         is kept and retried first by the next call."""
         self._prepare()
+        if not self._beating and time.monotonic() >= self._next_beat:
+            self._beat()
         if self._unacked is not None:
             self._acknowledge(self._unacked)
             self._unacked = None
@@ -541,10 +591,107 @@ class Consumer:
             self._ready = False
             self._cursors.clear()
 
+    # -- liveness ---------------------------------------------------------------------------
+
+    def heartbeat_key(self, consumer: str) -> str:
+        """The Redis key that says ``consumer`` of this group is alive (it expires after
+        ``heartbeat_ttl_ms`` unless refreshed)."""
+        return f"outbox:consumer-alive:{self.group}:{consumer}"
+
+    def _beat(self) -> None:
+        self._next_beat = time.monotonic() + self.config.heartbeat_interval_ms / 1000
+        self.redis.set(
+            self.heartbeat_key(self.name),
+            str(int(time.time() * 1000)),
+            px=self.config.heartbeat_ttl_ms,
+        )
+
+    def _heartbeat_loop(self, done: threading.Event) -> None:
+        """Inside ``run()``: keep the key fresh whatever the batch loop is doing (a long
+        batch, a database outage), so only a dead process loses it."""
+        failing = False
+        while True:
+            try:
+                self._beat()
+                failing = False
+            except Exception as exc:
+                if not failing:  # once per outage, not once per beat
+                    log.warning("heartbeat failed", extra=fields(group=self.group, error=str(exc)))
+                failing = True
+            if done.wait(self.config.heartbeat_interval_ms / 1000):
+                return
+
+    def _claim_from_dead(self, room: int) -> list[_Entry]:
+        """Claim the pending entries of peers whose heartbeat key is gone, at most every
+        ``heartbeat_interval_ms``.
+
+        A peer is dead when its key is gone AND it has not touched the group (XINFO
+        CONSUMERS ``idle``) for ``heartbeat_ttl_ms``: the second condition spares a peer
+        that has just started. XCLAIM's ``min-idle-time`` (one heartbeat interval) makes the
+        claim a compare-and-set: of two survivors claiming together, one gets each entry.
+        """
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return []
+        self._next_liveness_check = now + self.config.heartbeat_interval_ms / 1000
+        claimed: list[_Entry] = []
+        for stream in self.streams:
+            if room - len(claimed) <= 0:
+                break
+            try:
+                infos = self.redis.xinfo_consumers(stream, self.group)
+            except redislib.ResponseError as exc:
+                self._on_nogroup(exc)
+                raise
+            suspects = [
+                _text(info.get("name"))
+                for info in infos
+                if _text(info.get("name")) != self.name
+                and int(info.get("pending") or 0) > 0
+                and int(info.get("idle") or 0) >= self.config.heartbeat_ttl_ms
+            ]
+            if not suspects:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for name in suspects:
+                pipe.exists(self.heartbeat_key(name))
+            alive = pipe.execute()
+            for name, present in zip(suspects, alive, strict=True):
+                if present or room - len(claimed) <= 0:
+                    continue
+                claimed += self._take_over(stream, name, room - len(claimed))
+        return claimed
+
+    def _take_over(self, stream: str, dead: str, room: int) -> list[_Entry]:
+        pending = self.redis.xpending_range(
+            stream, self.group, min="-", max="+", count=room, consumername=dead
+        )
+        if not pending:
+            return []
+        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        reply: Any = self.redis.xclaim(
+            stream,
+            self.group,
+            self.name,
+            min_idle_time=self.config.heartbeat_interval_ms,
+            message_ids=list(deliveries),
+        )
+        entries = [
+            # XCLAIM counts this delivery too.
+            _Entry(stream, _text(eid), raw, deliveries.get(_text(eid), 0) + 1)
+            for eid, raw in reply
+        ]
+        log.warning(
+            "claimed a dead consumer's pending entries",
+            extra=fields(group=self.group, stream=stream, dead=dead, count=len(entries)),
+        )
+        return entries
+
     # -- reading ----------------------------------------------------------------------------
 
     def _claim(self, room: int) -> list[_Entry]:
-        claimed: list[_Entry] = []
+        claimed = self._claim_from_dead(room)
+        taken = {(entry.stream, entry.entry_id) for entry in claimed}
         for name in self.streams:
             if room - len(claimed) <= 0:
                 break
@@ -562,6 +709,7 @@ class Consumer:
                 raise
             self._cursors[name] = _text(reply[0])
             entries = [(_text(eid), raw) for eid, raw in reply[1]]
+            entries = [(eid, raw) for eid, raw in entries if (name, eid) not in taken]
             if not entries:
                 continue
             # XAUTOCLAIM does not say how often an entry was delivered; XPENDING does.

@@ -3,7 +3,9 @@ with the tests directory on PYTHONPATH), configured from environment variables:
 
 - ``CONSUMER_APP_STREAM``: the stream to read (required),
 - ``CONSUMER_APP_CLAIM_IDLE_MS`` / ``CONSUMER_APP_MAX_DELIVERIES``: ConsumerConfig values,
-- ``CONSUMER_APP_FAIL_IDENTITY``: an identity whose handler raises (a poison message).
+- ``CONSUMER_APP_FAIL_IDENTITY``: an identity whose handler raises (a poison message),
+- ``CONSUMER_APP_HANG_IDENTITY``: an identity whose handler never returns (a process to
+  kill mid-batch).
 
 The database and Redis come from the CLI's ``--database-url`` / ``--redis-url``. The handler
 inserts one row per event into ``consumer_app_jobs`` (no unique constraint: a duplicate
@@ -13,6 +15,7 @@ effect would show as a second row).
 from __future__ import annotations
 
 import os
+import time
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
@@ -40,11 +43,14 @@ def build() -> Consumer:
     )
     consumer = Consumer(group="app", streams=[os.environ["CONSUMER_APP_STREAM"]], config=config)
     fail = os.environ.get("CONSUMER_APP_FAIL_IDENTITY")
+    hang = os.environ.get("CONSUMER_APP_HANG_IDENTITY")
 
     @consumer.handler("job.requested")
     def on_job(event: ConsumedEvent, tx: ConsumerTx) -> None:
         if fail is not None and event.identity == fail:
             raise RuntimeError(f"cannot handle {event.identity}")
+        if hang is not None and event.identity == hang:
+            time.sleep(3600)
         tx.session.execute(
             insert(jobs).values(identity=event.identity, event_id=event.id, worker=str(os.getpid()))
         )

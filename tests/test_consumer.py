@@ -194,6 +194,58 @@ def test_entry_of_a_dead_consumer_is_claimed_back_and_handled_once(
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
 
+def test_a_dead_peer_is_found_by_its_heartbeat_and_a_live_one_keeps_its_entries(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    # The idle claim is out of the picture (an hour): only liveness can move entries.
+    def fails(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        raise RuntimeError("stays pending")
+
+    live = make(handler=fails, claim_idle_ms=3_600_000)
+    survivor = make(claim_idle_ms=3_600_000, heartbeat_ttl_ms=200, heartbeat_interval_ms=50)
+    live.run_once(block=False)  # the group exists, and live's heartbeat key
+    publish(redis_client, stream, "studio:a", "evt-a")
+    assert live.run_once(block=False) == 0  # its handler failed: pending to live
+    assert redis_client.exists(live.heartbeat_key(live.name))
+
+    def live_idle_ms() -> int:
+        infos = redis_client.xinfo_consumers(stream, "billing")
+        return next(int(i["idle"]) for i in infos if i["name"].decode() == live.name)
+
+    # Idle longer than the survivor's TTL, but its key is there: alive, nothing taken.
+    wait_for(lambda: live_idle_ms() >= 300, "live idle past the survivor's ttl")
+    survivor._next_liveness_check = 0.0
+    assert survivor.run_once(block=False) == 0
+    assert job_identities(survivor.engine) == []
+    [owner] = redis_client.xpending(stream, "billing")["consumers"]
+    assert owner["name"].decode() == live.name
+
+    # Its key expires (the process was killed): the survivor takes the entry at once.
+    redis_client.delete(live.heartbeat_key(live.name))
+    wait_for(lambda: survivor.run_once(block=False) == 1, "the survivor takes over")
+    assert job_identities(survivor.engine) == ["studio:a"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_run_keeps_a_heartbeat_and_removes_it_on_stop(
+    make: Callable[..., Consumer], redis_client: redis.Redis
+) -> None:
+    import threading
+
+    consumer = make(heartbeat_ttl_ms=2000, heartbeat_interval_ms=100)
+    key = consumer.heartbeat_key(consumer.name)
+    runner = threading.Thread(target=consumer.run, args=(threading.Event(),))
+    runner.start()
+    try:
+        wait_for(lambda: bool(redis_client.exists(key)), "heartbeat key")
+        assert 0 < redis_client.pttl(key) <= 2000
+    finally:
+        consumer.stop()
+        runner.join(10)
+    assert not runner.is_alive()
+    assert not redis_client.exists(key)
+
+
 class CrashBeforeAck(Consumer):
     """Dies (as far as Redis knows) between commit and XACK, once."""
 
@@ -675,6 +727,8 @@ def test_decode_entry_reads_the_relay_format() -> None:
         ({"max_deliveries": 0}, "max_deliveries"),
         ({"claim_idle_ms": "x"}, "claim_idle_ms"),
         ({"inbox_retention_seconds": 0}, "inbox_retention_seconds"),
+        ({"heartbeat_ttl_ms": 0}, "heartbeat_ttl_ms"),
+        ({"heartbeat_ttl_ms": 1000, "heartbeat_interval_ms": 1000}, "heartbeat_interval_ms"),
         ({"dead_letter_stream": "{nope}"}, "dead_letter_stream"),
         ({"unknown_types": "drop"}, "unknown_types"),
         ({"schema": "bad name"}, "schema"),

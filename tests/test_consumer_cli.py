@@ -285,6 +285,60 @@ def test_run_drains_and_exits_zero_on_sigterm(
         engine.dispose()
 
 
+def pending_of(client: redis.Redis, stream: str) -> dict[str, int]:
+    """Consumer name -> pending entries, in group "app" (none before the group exists)."""
+    try:
+        summary = client.xpending(stream, "app")
+    except redis.ResponseError:
+        return {}
+    return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"] or []}
+
+
+def idle_ms_of(client: redis.Redis, stream: str, pid: int) -> int:
+    for info in client.xinfo_consumers(stream, "app"):
+        if f"-{pid}-" in info["name"].decode():
+            return int(info["idle"])
+    return -1
+
+
+def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defaults(
+    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+) -> None:
+    """Default settings (claim_idle_ms 30 s): the survivor leaves a live, hung peer's batch
+    alone, and takes it over within a few seconds of that peer's SIGKILL (its heartbeat key
+    expires)."""
+    stream = f"{stream_prefix}.jobs"
+    victim_app = app_factory(pg_url, stream, CONSUMER_APP_HANG_IDENTITY="id-hang")
+    survivor_app = app_factory(pg_url, stream)
+    specs = [(f"id-{n}", f"evt-{n}") for n in range(200)] + [("id-hang", "evt-hang")]
+    publish_many(redis_client, stream, specs)
+    engine = sa.create_engine(pg_url)
+    try:
+        victim = victim_app.start()
+        # It read the whole stream in one batch and hangs in the middle of it.
+        wait_for(lambda: sum(pending_of(redis_client, stream).values()) == 201, "victim's batch")
+        survivor = survivor_app.start()
+        wait_for(lambda: survivor_app.started(survivor), "survivor started")
+        # The victim is alive (its heartbeat thread runs) though idle in the group well past
+        # the heartbeat TTL: the survivor must not take its entries.
+        wait_for(lambda: idle_ms_of(redis_client, stream, victim.pid) >= 6000, "victim idle 6 s")
+        assert list(pending_of(redis_client, stream).values()) == [201]
+        assert count_jobs(engine) == (0, 0)
+
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        # Within a few seconds (heartbeat TTL 3 s), not claim_idle_ms (30 s): the bound
+        # is generous for a loaded machine, the log says which path took the entries.
+        wait_for(lambda: count_jobs(engine) == (201, 201), "survivor takes over", timeout=25)
+        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks")
+        assert "claimed a dead consumer's pending entries" in survivor_app.logs_text()
+        assert jobs_by(engine, survivor.pid) == 201
+        survivor.send_signal(signal.SIGTERM)
+        assert survivor.wait(timeout=30) == 0, survivor_app.logs_text()
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.slow
 def test_kill_test_exactly_one_job_per_identity(
     pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
