@@ -15,13 +15,17 @@ One batch (``run_once``), in this order:
    Delivery counts come from XPENDING.
 4. Read new entries (XREADGROUP ``>``), up to ``batch_size`` in all. The read blocks (up to
    ``block_ms``) only when nothing was claimed, and returns as soon as an entry arrives.
-5. Decode; an undecodable entry is dead-lettered at once, an entry of a type without a
-   handler is dead-lettered or skipped (``unknown_types``), an entry delivered more than
-   ``max_deliveries`` times (its handler keeps killing processes) is dead-lettered.
+5. Decode; an undecodable entry (missing fields, bad JSON, and data that can never be
+   stored: non-finite numbers, ``\\u0000``) is dead-lettered at once, an entry of a type
+   without a handler is dead-lettered or skipped (``unknown_types``), an entry delivered
+   more than ``max_deliveries`` times (its handler keeps killing processes) is
+   dead-lettered.
 6. ONE database transaction for the batch: the inbox rows of the batch in one statement
    (insert-or-skip, RETURNING the new identities); handlers run for new identities only,
-   first all together in one savepoint, and if one raises, again one savepoint per entry so
-   the failing entry rolls back its own work (and its inbox row) and the others commit. A
+   first all together in one savepoint with the writes they deferred (``consumer.bulk``)
+   and their ORM objects flushed at its end, and if one raises, again one savepoint per
+   entry so the failing entry rolls back its own work (and its inbox row) and the others
+   commit. A
    failing entry at its ``max_deliveries``-th delivery is dead-lettered; before that it stays
    pending and is claimed back after ``claim_idle_ms``. Dead-letter records are written in
    the same transaction.
@@ -29,7 +33,7 @@ One batch (``run_once``), in this order:
    commit and XACK redelivers entries whose identity is in the inbox: duplicates, skipped.
 
 A handler may therefore run more than once for one entry (redelivery, the per-entry retry
-of step 5); only its committed database work counts, which is why effects on the outside
+of step 6); only its committed database work counts, which is why effects on the outside
 world belong in jobs, not in handlers.
 """
 
@@ -112,8 +116,8 @@ class ConsumerConfig:
       process, so a restart never inherits a dead incarnation's pending entries by name.
     - ``stale_consumer_ms``: consumers of the group idle this long with nothing pending are
       removed (XGROUP DELCONSUMER); None keeps them.
-    - ``purge_interval_seconds`` / ``purge_batch``: how often and how much inbox retention
-      deletes per transaction.
+    - ``purge_interval_seconds`` / ``purge_batch``: how often inbox retention runs, and how
+      many rows one cycle deletes at most (a full batch purges again the next cycle).
     - ``maintenance_interval_seconds``: how often lag is reported and stale consumers swept.
     - ``schema``: database schema of the consumer tables (None: the default search path).
     - ``create_schema``: create the tables on first use (idempotent).
@@ -1027,8 +1031,12 @@ class Consumer:
                 if self.config.stale_consumer_ms is not None:
                     self._remove_stale_consumers(name)
         if now >= self._next_purge:
-            self._next_purge = now + self.config.purge_interval_seconds
-            removed = self.purge_inbox()
+            # One bounded batch per cycle, on the batch loop's path: entries arriving meanwhile
+            # wait for one DELETE of purge_batch rows, not for a whole backlog. A full batch
+            # means more are due: the next cycle purges again instead of waiting the interval.
+            removed = self.purge_inbox(max_batches=1)
+            full = removed >= self.config.purge_batch
+            self._next_purge = now + (0.0 if full else self.config.purge_interval_seconds)
             if removed:
                 log.info("inbox purged", extra=fields(group=self.group, rows=removed))
 
