@@ -215,3 +215,40 @@ class SimulatorProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(effects)} effects, expected {count}, in {timeout} s")
             time.sleep(0.05)
+
+
+# -- a worker app for ``outbox-worker run tests.simulator_support:build_http_worker`` ------------
+
+
+def build_http_worker() -> Any:
+    """A Worker whose ``email`` handler dispatches one operation through an HttpProvider to
+    the simulator at ``$SIM_URL``. ``SIM_LOOKUP`` / ``SIM_IDEMPOTENCY`` (``1``/``0``) choose
+    the provider's capabilities, ``SIM_TIMEOUT`` its call timeout, ``JOBS_TTL`` the lease."""
+    from consumer import HttpProvider, JobContext, Worker
+
+    url = os.environ["SIM_URL"]
+    provider = HttpProvider(
+        "mail",
+        f"{url}/send",
+        lookup_url=f"{url}/lookup/{{operation_id}}"
+        if os.environ.get("SIM_LOOKUP", "1") == "1"
+        else None,
+        idempotency_header="Idempotency-Key"
+        if os.environ.get("SIM_IDEMPOTENCY", "1") == "1"
+        else None,
+        timeout=float(os.environ.get("SIM_TIMEOUT", "2")),
+    )
+    worker = Worker(
+        providers={"mail": provider},
+        batch_size=1,
+        ttl=float(os.environ.get("JOBS_TTL", "1")),
+        recover_interval=0.2,
+        reconcile_interval=0.3,
+        poll_interval=0.05,
+    )
+
+    @worker.handler("email")
+    def email(job: JobContext) -> None:
+        job.dispatch("send", "mail", {"to": job.subject, "template": "quote-approved"})
+
+    return worker

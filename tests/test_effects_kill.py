@@ -1,0 +1,253 @@
+"""Guarantee 8 across real process boundaries: the seed's acceptance test.
+
+> terminate the worker after provider acceptance, restart it, and observe one
+> customer-visible effect with a reconciled receipt.
+
+Every piece is a real process: the connector simulator (``outbox-simulator serve``), the
+workers (``outbox-worker run`` with an ``HttpProvider``), the operator's ``outbox-worker
+settle``. The simulator accepts the first send and then hangs (its fault plan); the test
+SIGKILLs the worker once the simulator lists the effect, starts another worker, and counts
+the effects the simulator made. For each capability of the provider:
+
+- lookup: the second worker finds the effect by lookup, no second call;
+- idempotency key: the second worker resends with the same key, the simulator replays;
+- both: lookup first;
+- neither: nothing can tell, so the job waits in WAITING_REVIEW with an UNKNOWN receipt
+  until an operator settles it (``--accepted REF`` after checking the provider: the job
+  finishes without a resend; ``--not-sent`` when the provider shows nothing: it sends once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from consumer import Operations, Store
+from consumer.jobs.states import DONE, WAITING_REVIEW
+from tests.simulator_support import ROOT, SimulatorProcess
+
+pytestmark = pytest.mark.slow
+
+ACTION = "email-quote-017"
+CAPABILITIES = {
+    "lookup": {"SIM_LOOKUP": "1", "SIM_IDEMPOTENCY": "0"},
+    "idempotency": {"SIM_LOOKUP": "0", "SIM_IDEMPOTENCY": "1"},
+    "both": {"SIM_LOOKUP": "1", "SIM_IDEMPOTENCY": "1"},
+    "neither": {"SIM_LOOKUP": "0", "SIM_IDEMPOTENCY": "0"},
+}
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[SimulatorProcess]:
+    with SimulatorProcess(tmp_path / "provider.db") as process:
+        yield process
+
+
+def start_worker(db_url: str, sim: SimulatorProcess, capability: str) -> subprocess.Popen[str]:
+    env = dict(
+        os.environ,
+        OUTBOX_DATABASE_URL=db_url,
+        OUTBOX_LOG_LEVEL="warning",
+        SIM_URL=sim.url,
+        SIM_TIMEOUT="2",
+        JOBS_TTL="1",
+        **CAPABILITIES[capability],
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "consumer.jobs.cli",
+            "run",
+            "tests.simulator_support:build_http_worker",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM and wait (a clean stop exits 0); the worker's stderr."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"worker did not stop on SIGTERM:\n{err}") from None
+    assert proc.returncode == 0, err
+    return err
+
+
+def settle(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "consumer.jobs.cli", "settle", *args],
+        cwd=ROOT,
+        env=dict(os.environ, OUTBOX_DATABASE_URL=db_url, OUTBOX_LOG_LEVEL="warning"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def kill_after_acceptance(
+    db_url: str, sim: SimulatorProcess, capability: str, fault: dict[str, object]
+) -> None:
+    """Start a worker, let the simulator meet ``fault`` on the first send, SIGKILL the
+    worker while its call is in flight."""
+    sim.faults({**fault, "count": 1})
+    first = start_worker(db_url, sim, capability)
+    try:
+        if fault["kind"] == "hang":  # accepted: the effect is listed while the call hangs
+            sim.wait_for_effects(1, timeout=60)
+        else:  # not acted yet: the request is in the simulator, nothing listed
+            wait_for(lambda: _attempts(db_url) >= 1, "the first call to start")
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(30) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.communicate()
+
+
+def _attempts(db_url: str) -> int:
+    store = Store(db_url)
+    try:
+        receipts = Operations(store).receipts()
+        return sum(r.attempts for r in receipts)
+    finally:
+        store.dispose()
+
+
+@pytest.mark.parametrize("capability", ["lookup", "idempotency", "both"])
+def test_killed_after_acceptance_one_effect_and_a_reconciled_receipt(
+    pg_url: str, sim: SimulatorProcess, capability: str
+) -> None:
+    store = Store(pg_url)
+    ops = Operations(store)
+    store.enqueue("studio", ACTION, subject="ann@example.com")
+    kill_after_acceptance(pg_url, sim, capability, {"kind": "hang"})
+    job_id = store.get("studio", ACTION).id
+    operation_id = f"{job_id}:send"
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None and receipt.state == "PENDING"  # killed before the receipt
+    assert receipt.attempts == 1  # counted when the call was made
+    [effect] = sim.effects()
+
+    second = start_worker(pg_url, sim, capability)
+    try:
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+    finally:
+        stop(second)
+
+    assert [e["id"] for e in sim.effects()] == [effect["id"]]  # one customer-visible effect
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None
+    assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
+    if capability == "idempotency":
+        assert receipt.attempts == 2  # the resend with the key, replayed by the provider
+        assert effect["idempotency_key"] == operation_id
+    else:
+        assert receipt.attempts == 1  # found by lookup: no second call
+    # an operator cannot overrule a reconciled receipt
+    refused = settle(pg_url, operation_id, "--not-sent", "--reason", "test")
+    assert refused.returncode == 1, refused.stderr
+    assert len(sim.effects()) == 1
+    store.dispose()
+
+
+def test_neither_capability_waits_for_review_then_settle_accepted(
+    pg_url: str, sim: SimulatorProcess
+) -> None:
+    store = Store(pg_url)
+    ops = Operations(store)
+    store.enqueue("studio", ACTION, subject="ann@example.com")
+    kill_after_acceptance(pg_url, sim, "neither", {"kind": "hang"})
+    job_id = store.get("studio", ACTION).id
+    operation_id = f"{job_id}:send"
+    [effect] = sim.effects()
+
+    second = start_worker(pg_url, sim, "neither")
+    try:
+        wait_for(
+            lambda: store.get("studio", ACTION).state == WAITING_REVIEW,
+            "the job to wait for review",
+        )
+        receipt = ops.receipt(operation_id)
+        assert receipt is not None and receipt.state == "UNKNOWN"
+        assert len(sim.effects()) == 1  # nothing was resent blindly
+        # the operator looks at the provider (here: the simulator's /effects) and decides
+        done = settle(
+            pg_url,
+            operation_id,
+            "--accepted",
+            effect["id"],
+            "--reason",
+            "seen in the provider's dashboard",
+            "--by",
+            "ops-ann",
+        )
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+    finally:
+        stop(second)
+
+    assert [e["id"] for e in sim.effects()] == [effect["id"]]
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None
+    assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
+    assert receipt.settled_by == "ops-ann"
+    assert receipt.settled_reason == "seen in the provider's dashboard"
+    assert receipt.attempts == 1
+    store.dispose()
+
+
+def test_neither_capability_settled_not_sent_sends_exactly_once(
+    pg_url: str, sim: SimulatorProcess
+) -> None:
+    store = Store(pg_url)
+    ops = Operations(store)
+    store.enqueue("studio", ACTION, subject="ann@example.com")
+    # the simulator is slow: the worker is killed before the simulator acted
+    kill_after_acceptance(pg_url, sim, "neither", {"kind": "slow", "delay": 30})
+    job_id = store.get("studio", ACTION).id
+    operation_id = f"{job_id}:send"
+
+    second = start_worker(pg_url, sim, "neither")
+    try:
+        wait_for(
+            lambda: store.get("studio", ACTION).state == WAITING_REVIEW,
+            "the job to wait for review",
+        )
+        assert sim.effects() == []  # the slow request was abandoned with its client
+        done = settle(pg_url, operation_id, "--not-sent", "--reason", "nothing at the provider")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+    finally:
+        stop(second)
+
+    [effect] = sim.effects()  # sent once, after the decision
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None
+    assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
+    assert receipt.attempts == 2  # the killed call and the one after the decision
+    store.dispose()
