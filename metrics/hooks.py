@@ -45,6 +45,7 @@ LATENCY_BUCKETS = (
     900.0,
     3600.0,
 )
+PERSISTENCE_MODES = ("aof", "rdb", "none", "unknown")
 BATCH_SIZE_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -117,6 +118,20 @@ class PrometheusHooks(Hooks):
         self.relay_last_success = Gauge(
             "outbox_relay_last_success_timestamp_seconds",
             "Unix time of the relay's last cycle that completed without an infrastructure error.",
+            registry=None,
+        )
+        self.relay_redis_persistence_mode = Gauge(
+            "outbox_relay_redis_persistence",
+            "Redis's persistence as the relay last read it: 1 for the current mode (aof, rdb, "
+            "none, or unknown when CONFIG is refused), 0 for the others. Without aof a crash "
+            "loses entries the relay has acknowledged.",
+            ["mode"],
+            registry=r,
+        )
+        self.relay_redis_data_loss_at = Gauge(
+            "outbox_relay_redis_data_loss_timestamp_seconds",
+            "Unix time the relay last found that Redis lost entries it had published "
+            "(OutboxRedisDataLoss; the relay's log names the republish command to run).",
             registry=None,
         )
 
@@ -214,6 +229,14 @@ class PrometheusHooks(Hooks):
     def relay_cycle_ok(self, timestamp: float) -> None:
         self._register_once(self.relay_last_success)
         self.relay_last_success.set(float(timestamp))
+
+    def relay_redis_persistence(self, mode: str) -> None:
+        for known in PERSISTENCE_MODES:
+            self.relay_redis_persistence_mode.labels(known).set(1.0 if known == mode else 0.0)
+
+    def relay_redis_data_loss(self, timestamp: float) -> None:
+        self._register_once(self.relay_redis_data_loss_at)
+        self.relay_redis_data_loss_at.set(float(timestamp))
 
     # -- consumer -------------------------------------------------------------------------
     def consumer_handled(self, group: str, stream: str, count: int) -> None:

@@ -39,6 +39,13 @@ class Hooks:
     def relay_cycle_ok(self, timestamp: float) -> None:
         """A cycle completed without an infrastructure error (unix time)."""
 
+    def relay_redis_persistence(self, mode: str) -> None:
+        """Redis's persistence, checked at start and every minute: ``aof``, ``rdb``,
+        ``none`` or ``unknown`` (CONFIG refused)."""
+
+    def relay_redis_data_loss(self, timestamp: float) -> None:
+        """The relay found that Redis lost entries it had acknowledged (unix time)."""
+
     # -- consumer -------------------------------------------------------------------------
     def consumer_handled(self, group: str, stream: str, count: int) -> None:
         """Entries handled and acknowledged."""

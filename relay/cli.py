@@ -32,7 +32,7 @@ from relay.config import (
     DEFAULT_RETENTION_SECONDS,
     RelayConfig,
 )
-from relay.publisher import RedisStreamPublisher, StreamTemplate
+from relay.publisher import DEFAULT_STREAM_RETENTION, RedisStreamPublisher, StreamTemplate
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
@@ -114,10 +114,72 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to keep published rows; 0 keeps them (default "
         f"{int(DEFAULT_RETENTION_SECONDS)})",
     )
-    run.add_argument("--maxlen", type=int, default=None, help="approximate MAXLEN per stream")
+    run.add_argument(
+        "--maxlen",
+        type=int,
+        default=None,
+        help="approximate MAXLEN per stream, instead of --stream-retention (env OUTBOX_MAXLEN)",
+    )
+    run.add_argument(
+        "--stream-retention",
+        type=float,
+        default=None,
+        help=f"seconds of entries a stream keeps (XADD MINID ~), never one a consumer group "
+        f"still has pending; 0 never trims (env OUTBOX_STREAM_RETENTION; default "
+        f"{int(DEFAULT_STREAM_RETENTION)})",
+    )
+    run.add_argument(
+        "--require-aof",
+        action="store_true",
+        default=_bool_env("require_aof"),
+        help="refuse to start unless Redis runs with appendonly yes (env OUTBOX_REQUIRE_AOF=1)",
+    )
+    run.add_argument(
+        "--auto-republish",
+        action="store_true",
+        default=_bool_env("auto_republish"),
+        help="when Redis lost published entries, republish them without waiting for an "
+        "operator (env OUTBOX_AUTO_REPUBLISH=1)",
+    )
+    run.add_argument(
+        "--redis-check-interval",
+        type=float,
+        default=None,
+        help="seconds between checks of Redis's persistence and of lost entries (default 60)",
+    )
     run.add_argument("--source", default=env("source", "outbox"), help="CloudEvents source")
     run.add_argument("--once", action="store_true", help="run one cycle and exit")
     run.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser(
+        "republish",
+        help="publish retained events again (after Redis lost data); consumers deduplicate",
+        description="Publish the retained (published) events again, as new entries, in "
+        "per-key order, each to the stream its receipt names (or through --stream). The "
+        "outbox's retention (default one day) is the recovery window. Progress on stderr, "
+        "the count on stdout.",
+    )
+    _common(rp)
+    rp.add_argument("--redis-url", default=env("redis_url"), help="env OUTBOX_REDIS_URL")
+    window = rp.add_mutually_exclusive_group(required=True)
+    window.add_argument(
+        "--since",
+        metavar="TIME",
+        help="events created at or after TIME: ISO-8601 with Z or an offset "
+        "(2026-11-30T12:00:00Z) or unix seconds",
+    )
+    window.add_argument("--from-seq", type=int, metavar="N", help="events with seq >= N")
+    rp.add_argument("--topic", default=None, help="only this topic")
+    rp.add_argument(
+        "--stream",
+        default=None,
+        metavar="TEMPLATE",
+        help="route through this template instead of the stream each receipt names",
+    )
+    rp.add_argument("--dry-run", action="store_true", help="count, publish nothing")
+    rp.add_argument("--batch-size", type=int, default=500, help="events per round trip")
+    rp.add_argument("--source", default=env("source", "outbox"), help="CloudEvents source")
+    rp.set_defaults(func=cmd_republish)
 
     st = sub.add_parser("status", help="backlog, oldest age, quarantined and attempts per topic")
     _common(st)
@@ -178,6 +240,8 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         max_poll_interval=_float_flag(args.max_poll_interval, "max_poll_interval", max(1.0, poll)),
         listen=not args.no_listen,
         retention_seconds=_float_flag(args.retention, "retention", DEFAULT_RETENTION_SECONDS),
+        redis_check_interval=_float_flag(args.redis_check_interval, "redis_check_interval", 60.0),
+        auto_republish=bool(args.auto_republish),
     )
 
 
@@ -288,8 +352,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine, schema = _engine_and_schema(args)
     client = redis_client(args.redis_url)
     maxlen = args.maxlen if args.maxlen is not None else (env_int("maxlen", 0) or None)
-    publisher = RedisStreamPublisher(client, args.stream, maxlen, source=args.source)
+    publisher = RedisStreamPublisher(
+        client,
+        args.stream,
+        maxlen,
+        source=args.source,
+        stream_retention=_float_flag(
+            args.stream_retention, "stream_retention", DEFAULT_STREAM_RETENTION
+        ),
+    )
     stop = GracefulStop().install()
+    if args.require_aof:
+        refusal = _aof_refusal(client, stop, args)
+        if refusal is not None:
+            return _fail(refusal)
     hooks: Hooks | None = None
     metrics_port = (
         args.metrics_port if args.metrics_port is not None else (env_int("metrics_port", -1))
@@ -330,6 +406,95 @@ def cmd_run(args: argparse.Namespace) -> int:
     if hooks is not None and hasattr(hooks, "close"):
         hooks.close()
     return 0
+
+
+def _aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> str | None:
+    """Why ``--require-aof`` refuses to start, or None (AOF is on). Waits while Redis is
+    down, as the relay would."""
+    from redis import RedisError
+
+    from relay.redis_health import Persistence, check_persistence
+
+    found: list[Persistence] = []
+
+    def check() -> bool:
+        found.append(check_persistence(client))
+        return True
+
+    if not retry_forever("checking Redis persistence", check, stop, (RedisError, OSError)):
+        return "stopped before Redis answered"
+    report = found[-1]
+    if report.mode == "aof":
+        return None
+    where = args.redis_url or "the embedded Redis"
+    if report.mode == "unknown":
+        return (
+            f"--require-aof: cannot tell whether Redis at {where} runs with AOF: "
+            f"{report.detail}; drop --require-aof only if your provider guarantees it"
+        )
+    return (
+        f"--require-aof: Redis at {where} runs without AOF (mode {report.mode}: "
+        f"{report.detail}); a crash would lose entries the relay has acknowledged. Set "
+        "appendonly yes (CONFIG SET appendonly yes, and in redis.conf)"
+    )
+
+
+def cmd_republish(args: argparse.Namespace) -> int:
+    from relay.republish import Throttle, parse_since, republish
+    from relay.store import open_store
+
+    since = parse_since(args.since) if args.since is not None else None
+    if args.from_seq is not None and args.from_seq < 0:
+        raise ConfigError("from_seq", f"must be >= 0, got {args.from_seq}")
+    if args.batch_size < 1 or args.batch_size > 10_000:
+        raise ConfigError("batch_size", f"must be between 1 and 10000, got {args.batch_size}")
+    template = args.stream or env("stream", "outbox.{topic}") or "outbox.{topic}"
+    StreamTemplate.parse(template)
+    setup_logging(args.log_level)
+    engine, schema = _engine_and_schema(args)
+    client = redis_client(args.redis_url)
+    publisher = RedisStreamPublisher(
+        client,
+        template,
+        source=args.source,
+        stream_retention=env_float("stream_retention", DEFAULT_STREAM_RETENTION),
+    )
+
+    def show(result: Any) -> None:
+        verb = "would republish" if result.dry_run else "republished"
+        print(f"{verb} {result.republished} events so far", file=sys.stderr, flush=True)
+
+    try:
+        result = republish(
+            open_store(engine, schema),
+            publisher,
+            since=since,
+            from_seq=args.from_seq,
+            topic=args.topic,
+            use_receipt_stream=args.stream is None,
+            dry_run=args.dry_run,
+            batch_size=args.batch_size,
+            progress=Throttle(show),
+        )
+    except ConfigError:
+        raise
+    except Exception as exc:
+        return _fail(f"republish failed: {type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        engine.dispose()
+    for error in result.errors:
+        print(f"{PROG}: not republished: {error}", file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "republished": result.republished,
+                "failed": result.failed,
+                "dry_run": result.dry_run,
+                "streams": sorted(result.streams),
+            }
+        )
+    )
+    return 1 if result.failed else 0
 
 
 def _live_line() -> Any:

@@ -55,6 +55,12 @@ class RelayConfig:
       never. With autovacuum on, the table's own autovacuum settings do this job.
     - ``progress_interval``: seconds between structured progress log lines.
     - ``rebalance_interval``: seconds between partition ownership checks.
+    - ``redis_check_interval``: seconds between the checks of Redis's persistence and of
+      the marker that reveals lost entries (also run at start, and at once when a batch is
+      refused because the marker is behind; see :mod:`relay.redis_health`).
+    - ``auto_republish``: when Redis lost entries, republish the lost window by itself
+      (``outbox-relay republish``'s work) before publishing anything new; otherwise log the
+      command to run and raise ``OutboxRedisDataLoss``.
     - ``sweep_interval``: PostgreSQL: the longest time between claims that scan pending
       rows from the very first one. Ordinary claims start near where the last one ended (see
       :mod:`relay.store`); a sweep also runs at once after a failure, a reconciliation, a
@@ -77,6 +83,8 @@ class RelayConfig:
     progress_interval: float = 10.0
     rebalance_interval: float = 1.0
     sweep_interval: float = 30.0
+    redis_check_interval: float = 60.0
+    auto_republish: bool = False
     name_prefix: str = "relay"
 
     def __post_init__(self) -> None:
@@ -99,6 +107,9 @@ class RelayConfig:
         _positive("progress_interval", self.progress_interval)
         _positive("rebalance_interval", self.rebalance_interval)
         _positive("sweep_interval", self.sweep_interval)
+        _positive("redis_check_interval", self.redis_check_interval)
+        if not isinstance(self.auto_republish, bool):
+            raise ConfigError("auto_republish", "must be a bool")
         for name in ("record_backoff", "outage_backoff"):
             if not isinstance(getattr(self, name), Backoff):
                 raise ConfigError(name, "must be an outbox.backoff.Backoff")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import string
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from relay.errors import PermanentPublishError, RoutingError
-from relay.records import Record
+from relay.records import Record, entry_id_key
 
 TEMPLATE_FIELDS = frozenset({"topic", "tenant", "partition"})
+DEFAULT_STREAM_RETENTION = 24 * 3600.0
+"""Seconds of entries a stream keeps (``MINID ~``), like the outbox's own retention."""
 MAX_STREAM_NAME = 512
 
 # Error replies that say "not now" rather than "never": retried with backoff.
@@ -65,6 +68,110 @@ class FencedOut(Exception):
 
 class HeldBack(Exception):
     """An entry not attempted because an earlier entry of its key failed in the batch."""
+
+
+class MarkerBehind(Exception):
+    """The marker key is missing or older than the entries this relay knows Redis holds:
+    Redis lost acknowledged entries. Nothing was added; the relay checks and reports it."""
+
+
+class StreamTrim:
+    """The MINID each stream is trimmed to: ``XADD ... MINID ~ <id>`` drops entries older
+    than ``retention_seconds`` (Redis clock ids are milliseconds, compared with this host's
+    clock: retention is hours, skew is not), except what a consumer group still needs.
+
+    A group needs its pending entries (delivered, not acknowledged: XPENDING's smallest id)
+    and everything after its last-delivered id. The floor per stream costs one XINFO GROUPS
+    plus one XPENDING per group with pending entries, all pipelined, and is cached for
+    ``floor_ttl`` seconds: a group's floor only moves forward, and within the cache window
+    the retention cutoff moves by seconds out of hours, so nothing it protects can be
+    trimmed meanwhile. ``retention_seconds`` None or 0: no time-based trimming.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        retention_seconds: float | None,
+        floor_ttl: float = 10.0,
+        clock: Any = time.time,
+    ) -> None:
+        if retention_seconds is not None and (
+            isinstance(retention_seconds, bool)
+            or not isinstance(retention_seconds, (int, float))
+            or retention_seconds < 0
+        ):
+            raise ConfigError(
+                "stream_retention", f"must be >= 0 seconds, got {retention_seconds!r}"
+            )
+        self.client = client
+        self.retention_seconds = float(retention_seconds or 0.0)
+        self.floor_ttl = float(floor_ttl)
+        self.refreshes = 0
+        """Rounds of XINFO GROUPS/XPENDING run (cache misses), for the benchmark."""
+        self._clock = clock
+        self._floors: dict[str, tuple[float, tuple[int, int] | None]] = {}
+
+    def minids(self, streams: Sequence[str]) -> dict[str, str]:
+        """Stream -> MINID for the streams of one batch (empty: no trimming)."""
+        if self.retention_seconds <= 0:
+            return {}
+        now = time.monotonic()
+        due = [s for s in streams if self._floors.get(s, (-1.0, None))[0] <= now]
+        if due:
+            self._refresh(due, now + self.floor_ttl)
+        cutoff = (int((self._clock() - self.retention_seconds) * 1000), 0)
+        out: dict[str, str] = {}
+        for stream in streams:
+            floor = self._floors[stream][1]
+            ms, seq = cutoff if floor is None or cutoff <= floor else floor
+            out[stream] = "0" if ms <= 0 else f"{ms}-{seq}"
+        return out
+
+    def _refresh(self, streams: Sequence[str], until: float) -> None:
+        self.refreshes += 1
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        replies = pipe.execute(raise_on_error=False)
+        floors: dict[str, tuple[int, int] | None] = {}
+        pending: list[tuple[str, str]] = []
+        for stream, groups in zip(streams, replies, strict=True):
+            if isinstance(groups, ResponseError):
+                floors[stream] = None  # no such stream yet: no group needs anything
+                continue
+            if isinstance(groups, Exception):
+                raise groups
+            floor: tuple[int, int] | None = None
+            for group in groups:
+                delivered = entry_id_key(_text(group.get("last-delivered-id")))
+                floor = delivered if floor is None else min(floor, delivered)
+                if int(group.get("pending") or 0) > 0:
+                    pending.append((stream, _text(group.get("name"))))
+            floors[stream] = floor
+        if pending:
+            pipe = self.client.pipeline(transaction=False)
+            for stream, name in pending:
+                pipe.xpending(stream, name)
+            for (stream, _name), summary in zip(pending, pipe.execute(), strict=True):
+                oldest = summary.get("min") if isinstance(summary, dict) else None
+                if oldest is not None:
+                    key = entry_id_key(_text(oldest))
+                    current = floors[stream]
+                    floors[stream] = key if current is None else min(current, key)
+        for stream, floor in floors.items():
+            self._floors[stream] = (until, floor)
+        if len(self._floors) > 10_000:
+            self._floors = {s: v for s, v in self._floors.items() if v[0] > time.monotonic()}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def marker_key(stream_template: str) -> str:
+    """The key that holds the highest entry id the relays of ``stream_template`` added. It
+    contains the template, so a Cluster hash tag in the template puts it in that slot."""
+    return f"outbox:marker:{stream_template}"
 
 
 @dataclass(frozen=True)
@@ -133,20 +240,46 @@ class Prepared:
     nfields: int
 
 
-# One batch, atomically, in order. KEYS[1]: the batch's fence key; KEYS[2..]: the distinct
-# streams. ARGV: entry count, MAXLEN (0: none), then per entry: stream index, key group,
-# field count, fields. If the fence key exists (a reconciler has taken this intent over) the
-# batch is refused whole ("FENCED"). An entry whose key already failed in this batch is not
-# attempted ("HELD"); an error reply is "!<message>".
+# One batch, atomically, in order. KEYS[1]: the batch's fence key; KEYS[2]: the marker key;
+# KEYS[3..]: the distinct streams. ARGV: entry count, MAXLEN (0: none), the highest entry id
+# the relay knows Redis holds ("0": none known), one MINID per stream ("0": no trim), then per
+# entry: stream index, key group, field count, fields.
+# - If the fence key exists (a reconciler has taken this intent over) the batch is refused
+#   whole ("FENCED").
+# - The marker holds the highest entry id any batch added. If it is missing or older than the
+#   id the relay knows, Redis has lost acknowledged entries (flushed, restarted empty or from
+#   an older snapshot, failed over to a replica behind it): the batch is refused whole
+#   ("LOST") before a new entry can hide the gap, and the relay runs its data-loss check.
+# - An entry whose key already failed in this batch is not attempted ("HELD"); an error
+#   reply is "!<message>".
 PUBLISH_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 'FENCED'
 end
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not am or not bm then
+    return true
+  end
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  if am ~= bm then
+    return am < bm
+  end
+  return as < bs
+end
+local marker = redis.call('GET', KEYS[2])
+local expected = ARGV[3]
+if expected ~= '0' and (not marker or older(marker, expected)) then
+  return 'LOST'
+end
 local n = tonumber(ARGV[1])
 local maxlen = tonumber(ARGV[2])
+local nstreams = #KEYS - 2
 local out = {}
 local failed = {}
-local i = 3
+local last = nil
+local i = 4 + nstreams
 for e = 1, n do
   local k = tonumber(ARGV[i])
   local g = ARGV[i + 1]
@@ -156,8 +289,11 @@ for e = 1, n do
     out[e] = 'HELD'
   else
     local ok
+    local minid = ARGV[k + 1]
     if maxlen > 0 then
       ok = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, i, i + nf - 1))
+    elseif minid ~= '0' then
+      ok = redis.pcall('XADD', KEYS[k], 'MINID', '~', minid, '*', unpack(ARGV, i, i + nf - 1))
     else
       ok = redis.pcall('XADD', KEYS[k], '*', unpack(ARGV, i, i + nf - 1))
     end
@@ -166,11 +302,30 @@ for e = 1, n do
       out[e] = '!' .. ok.err
     else
       out[e] = ok
+      if not last or older(last, ok) then
+        last = ok
+      end
     end
   end
   i = i + nf
 end
+if last and (not marker or older(marker, last)) then
+  redis.call('SET', KEYS[2], last)
+end
 return out
+"""
+_RAISE_MARKER_LUA = """
+local m = redis.call('GET', KEYS[1])
+local function key(id)
+  local ms, seq = string.match(id or '', '^(%d+)-(%d+)$')
+  return tonumber(ms or -1), tonumber(seq or -1)
+end
+local mm, ms = key(m)
+local am, as = key(ARGV[1])
+if not m or mm < am or (mm == am and ms < as) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
 """
 _EVAL = _bulk(b"EVAL")
 _SCRIPT = _bulk(PUBLISH_LUA.encode())
@@ -179,10 +334,18 @@ _SCRIPT = _bulk(PUBLISH_LUA.encode())
 class RedisStreamPublisher:
     """XADD outbox records to Redis Streams, one pipelined round trip per batch.
 
-    ``stream_template`` routes each event (see the module doc); ``maxlen`` enables
-    approximate trimming (``MAXLEN ~ n``; it costs throughput and trims history that a
-    reconciliation could need, so keep it far above a few minutes of traffic); ``source`` is
-    the CloudEvents ``source`` attribute; ``partitions`` is the modulus of ``{partition}``.
+    ``stream_template`` routes each event (see the module doc); ``stream_retention``
+    (seconds, default one day; None or 0: never) trims entries older than that with ``MINID
+    ~``, never one a consumer group still has pending or has not read (:class:`StreamTrim`);
+    ``maxlen`` replaces it with count-based trimming (``MAXLEN ~ n``; it trims history that a
+    reconciliation or a lagging group could need, so keep it far above a few minutes of
+    traffic); ``source`` is the CloudEvents ``source`` attribute; ``partitions`` is the
+    modulus of ``{partition}``.
+
+    Before each batch the publish script compares the marker key (:func:`marker_key`) with
+    :attr:`known_last_id` and refuses the batch when Redis holds less than that
+    (:class:`MarkerBehind`): a Redis that lost acknowledged entries is seen before a new
+    entry could hide the gap.
     """
 
     def __init__(
@@ -193,6 +356,8 @@ class RedisStreamPublisher:
         *,
         source: str = "outbox",
         partitions: int = 16,
+        stream_retention: float | None = DEFAULT_STREAM_RETENTION,
+        trim_floor_ttl: float = 10.0,
     ) -> None:
         if redis_client is None:
             raise ConfigError("redis_client", "a redis.Redis client is required")
@@ -209,6 +374,12 @@ class RedisStreamPublisher:
         self._encoder = EntryEncoder(source)
         self._topic_streams: dict[str, str] = {}
         self._cluster = not hasattr(redis_client, "connection_pool")
+        self.trim = StreamTrim(redis_client, stream_retention, trim_floor_ttl)
+        self.marker_key = marker_key(self.template.template)
+        self.known_last_id: str | None = None
+        self.known_last_stream: str | None = None
+        """The highest entry id this publisher knows Redis holds (its own receipts, or the
+        relay's latest receipts at start); None: no check before a batch."""
 
     @property
     def stream_template(self) -> str:
@@ -284,23 +455,27 @@ class RedisStreamPublisher:
         fence_key = fence or "outbox:fence:-"
         body: list[bytes] = []
         for p in prepared:
-            index = streams.setdefault(p.stream, len(streams) + 2)
+            index = streams.setdefault(p.stream, len(streams) + 3)
             group = groups.setdefault(p.record.key, len(groups) + 1)
             body.append(b"$%d\r\n%d\r\n" % (len(str(index)), index))
             body.append(b"$%d\r\n%d\r\n" % (len(str(group)), group))
             body.append(b"$%d\r\n%d\r\n" % (len(str(p.nfields)), p.nfields))
             body.append(p.fields)
+        minids = self.trim.minids(list(streams)) if self.maxlen is None else {}
         head = [
             b"*%d\r\n"
-            % (4 + len(streams) + 2 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
+            % (5 + 2 * len(streams) + 3 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
             _EVAL,
             _SCRIPT,
-            _bulk(str(len(streams) + 1).encode()),
+            _bulk(str(len(streams) + 2).encode()),
             _bulk(fence_key.encode()),
+            _bulk(self.marker_key.encode()),
         ]
         head.extend(_bulk(name.encode()) for name in streams)
         head.append(_bulk(str(len(prepared)).encode()))
         head.append(_bulk(str(self.maxlen or 0).encode()))
+        head.append(_bulk((self.known_last_id or "0").encode()))
+        head.extend(_bulk(minids.get(name, "0").encode()) for name in streams)
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
@@ -317,10 +492,18 @@ class RedisStreamPublisher:
         finally:
             pool.release(conn)
         if not isinstance(replies, list):
-            fenced = FencedOut(f"fenced out by a reconciling relay ({fence_key})")
-            return [fenced for _ in prepared]
+            refusal: Exception
+            if replies in (b"LOST", "LOST"):
+                refusal = MarkerBehind(
+                    f"Redis holds less than this relay's receipts ({self.marker_key} is "
+                    f"missing or older than {self.known_last_id})"
+                )
+            else:
+                refusal = FencedOut(f"fenced out by a reconciling relay ({fence_key})")
+            return [refusal for _ in prepared]
         results: list[str | Exception] = []
-        for reply in replies:
+        last: tuple[str, str] | None = None
+        for p, reply in zip(prepared, replies, strict=True):
             text_reply = reply.decode() if isinstance(reply, bytes) else str(reply)
             if text_reply.startswith("!"):
                 results.append(classify_reply(ResponseError(text_reply[1:])))
@@ -328,7 +511,19 @@ class RedisStreamPublisher:
                 results.append(HeldBack("an earlier event of this key failed in this batch"))
             else:
                 results.append(text_reply)
+                if last is None or entry_id_key(last[1]) < entry_id_key(text_reply):
+                    last = (p.stream, text_reply)
+        if last is not None:
+            self.saw_entry(*last)
         return results
+
+    def saw_entry(self, stream: str, entry_id: str) -> None:
+        """Remember ``entry_id`` of ``stream`` as held by Redis: the highest one is checked
+        against the marker before every batch (see :class:`MarkerBehind`)."""
+        known = self.known_last_id
+        if known is None or entry_id_key(known) < entry_id_key(entry_id):
+            self.known_last_id = entry_id
+            self.known_last_stream = stream
 
     def _publish_cluster(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
         pipe = self.client.pipeline(transaction=False)
@@ -395,6 +590,10 @@ class RedisStreamPublisher:
 
     def ping(self) -> None:
         self.client.ping()
+
+    def raise_marker(self, entry_id: str) -> None:
+        """Set the marker to ``entry_id`` unless it already holds a later id."""
+        self.client.eval(_RAISE_MARKER_LUA, 1, self.marker_key, entry_id)
 
 
 def _headers(record: Record) -> dict[str, str]:

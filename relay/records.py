@@ -63,3 +63,12 @@ class RequeueResult:
     requeued: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     not_quarantined: dict[str, str] = field(default_factory=dict)
+
+
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``ms-seq``) as a sortable pair; a malformed one sorts first."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (-1, -1)

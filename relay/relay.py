@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -48,11 +49,14 @@ from relay.publisher import (
     INFRASTRUCTURE_ERRORS,
     FencedOut,
     HeldBack,
+    MarkerBehind,
     Prepared,
     RedisStreamPublisher,
     TransientError,
 )
-from relay.records import Orphan, Record
+from relay.records import Orphan, Record, entry_id_key
+from relay.redis_health import Persistence, check_persistence, stream_last_id
+from relay.republish import republish, since_argument
 from relay.store import Store, open_store
 
 log = logging.getLogger("outbox.relay")
@@ -82,6 +86,8 @@ class RelayStats:
     retried: int = 0
     reconciled_found: int = 0
     reconciled_missing: int = 0
+    data_loss_detected: int = 0
+    republished: int = 0
     cycles: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -145,6 +151,9 @@ class Relay:
         self._sender: Sender | None = None
         self.on_progress: Callable[[Relay], None] | None = None
         self._stopping = threading.Event()
+        self._last_redis_check = -math.inf
+        self._marker_behind = False
+        self.persistence: Persistence | None = None
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -185,6 +194,22 @@ class Relay:
             published += self._reconcile()
             if self.store.retry_ready():
                 self._sweep_due = True
+        if (
+            self._marker_behind
+            or started - self._last_redis_check >= self.config.redis_check_interval
+        ):
+            if quiesce is not None:
+                quiesce()  # a repair must not race the batches in hand
+            try:
+                self.check_redis()
+                self._last_redis_check = started
+            except self._infra as exc:
+                # Checked again next cycle; the claim goes on (a publish to a Redis that is
+                # down fails and keeps its intents, as always).
+                log.warning(
+                    "cannot check Redis now",
+                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+                )
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
         if self._redis_suspect:
             # The last batch failed on Redis: check it answers before claiming (and counting
@@ -268,6 +293,16 @@ class Relay:
             self._hook("relay_publish_error", "transient", None)
             self._redis_suspect = True
             raise
+        if results and isinstance(results[0], MarkerBehind):
+            # Redis holds less than our receipts: nothing was added. Give the batch back
+            # (no attempt counted) and let the next cycle check and report the loss.
+            log.warning(
+                "batch refused: the Redis marker is behind the receipts", extra=fields(epoch=epoch)
+            )
+            outcome.release.extend(p.record.seq for p in prepared)
+            self._marker_behind = True
+            self._record(outcome, held | {p.record.key for p in prepared})
+            return 0
         if results and isinstance(results[0], FencedOut):
             # Another relay took this batch over (our claim was older than its window):
             # nothing was added; give back whatever it has not resolved yet.
@@ -400,6 +435,100 @@ class Relay:
             extra=fields(found_in_stream=len(found), to_republish=len(missing)),
         )
         return len(found)
+
+    # -- Redis's persistence and lost data -------------------------------------------------
+
+    def check_redis(self) -> bool:
+        """Check Redis's persistence (log, hook) and whether it lost acknowledged entries;
+        True if it did (then the loss was reported, the marker re-armed and, with
+        ``auto_republish``, the lost window published again). Runs at start, every
+        ``redis_check_interval`` and after a batch was refused for a marker behind."""
+        self._marker_behind = False
+        report = check_persistence(self.publisher.client)
+        if report.mode == "unknown":
+            log.warning(
+                "cannot read Redis's persistence; assuming nothing about it",
+                extra=fields(mode=report.mode, detail=report.detail),
+            )
+        elif report.loses_acknowledged_entries:
+            log.warning(
+                "Redis runs without AOF: a crash loses entries the relay has acknowledged",
+                extra=fields(mode=report.mode, role=report.role, detail=report.detail),
+            )
+        elif self.persistence is None or self.persistence.mode != report.mode:
+            log.info("Redis persistence", extra=fields(mode=report.mode, detail=report.detail))
+        self.persistence = report
+        self._hook("relay_redis_persistence", report.mode)
+        if self.publisher.known_last_id is None:
+            latest = self.store.latest_receipt()
+            if latest is not None:
+                self.publisher.saw_entry(*latest)
+        return self._check_data_loss()
+
+    def _check_data_loss(self) -> bool:
+        publisher = self.publisher
+        known, stream = publisher.known_last_id, publisher.known_last_stream
+        if known is None or stream is None:
+            return False  # no receipt yet: nothing Redis must hold
+        client = publisher.client
+        raw = client.get(publisher.marker_key)
+        marker = raw.decode() if isinstance(raw, bytes) else raw
+        if marker is not None and entry_id_key(marker) >= entry_id_key(known):
+            return False
+        intact = stream_last_id(client, stream)
+        if intact is not None and entry_id_key(intact) >= entry_id_key(known):
+            # The stream holds our latest receipt: only the marker is missing or behind
+            # (deleted, or first written by this version). Nothing was lost.
+            publisher.raise_marker(known)
+            return False
+        # Redis holds less than the receipts: it lost acknowledged entries. Everything
+        # published after the last id it still has may be gone.
+        good = [i for i in (marker, intact) if i is not None]
+        last_good = max(good, key=entry_id_key) if good else None
+        published_after = (
+            None
+            if last_good is None
+            else entry_id_key(last_good)[0] / 1000.0
+            - self.config.clock_margin
+            - self.config.publish_deadline
+        )
+        since = self.store.oldest_published_since(published_after)
+        command = (
+            f"outbox-relay republish --since {since_argument(since)}"
+            if since is not None
+            else "none: no retained published event is in the lost window"
+        )
+        log.error(
+            "Redis lost stream entries the relay had published (flushed, restarted without "
+            "AOF, or failed over to a replica behind it); run the republish command",
+            extra=fields(
+                marker=marker,
+                stream=stream,
+                stream_last_id=intact,
+                latest_receipt=known,
+                republish=command,
+                auto_republish=self.config.auto_republish,
+            ),
+        )
+        self.stats.data_loss_detected += 1
+        self._hook("relay_redis_data_loss", time.time())
+        # Re-arm the marker so new events flow again (the lost ones wait for republish).
+        publisher.raise_marker(known)
+        if self.config.auto_republish and since is not None:
+            result = republish(
+                self.store, publisher, since=since, batch_size=self.config.batch_size
+            )
+            self.stats.republished += result.republished
+            log.info(
+                "auto-republish done",
+                extra=fields(
+                    republished=result.republished,
+                    failed=result.failed,
+                    since=since_argument(since),
+                    errors=result.errors[:3],
+                ),
+            )
+        return True
 
     def delete_expired(self) -> int:
         """Delete published rows older than the retention, in bounded batches."""

@@ -73,7 +73,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from sqlalchemy import DateTime, Integer, String, column, text
 from sqlalchemy.engine import Connection, Engine
@@ -84,7 +84,7 @@ from outbox.errors import ConfigError
 from outbox.logs import fields
 from outbox.schema import PENDING, QUARANTINED, OutboxSchema
 from relay.config import RelayConfig
-from relay.records import Orphan, Record, RequeueResult, TopicStatus
+from relay.records import Orphan, Record, RequeueResult, TopicStatus, entry_id_key
 
 log = logging.getLogger("outbox.relay")
 
@@ -131,6 +131,31 @@ class Store(Protocol):
 
     def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
         """Quarantined events back to pending (see :func:`relay.admin.requeue`)."""
+        ...
+
+    def published_page(
+        self,
+        after_seq: int,
+        limit: int,
+        *,
+        since: datetime | None = None,
+        topic: str | None = None,
+    ) -> list[tuple[Record, str | None]]:
+        """Published (retained) rows with ``seq > after_seq`` (and ``created_at >= since``,
+        of ``topic``), in ``seq`` order, each with the stream its receipt names: what
+        ``republish`` sends again. A range scan of the primary key."""
+        ...
+
+    def latest_receipt(self) -> tuple[str, str] | None:
+        """``(stream, entry id)`` of the highest entry id among the latest receipts (the
+        last 1,000 published rows by ``seq``), or None: what Redis must still hold."""
+        ...
+
+    def oldest_published_since(self, published_after: float | None) -> datetime | None:
+        """The oldest ``created_at`` among published rows whose receipt was written at or
+        after ``published_after`` (unix seconds; None: every retained row). Where a
+        ``republish --since`` must start to cover entries a Redis lost. Scans the retained
+        published rows: run once per data loss, not per batch."""
         ...
 
 
@@ -260,6 +285,14 @@ def _age(now: datetime, then: datetime | None) -> float:
     if then.tzinfo is None:
         then = then.replace(tzinfo=UTC)
     return max(0.0, (now - then).total_seconds())
+
+
+def _highest_receipt(rows: Sequence[Any]) -> tuple[str, str] | None:
+    best: tuple[str, str] | None = None
+    for stream, entry_id in rows:
+        if stream and entry_id and (best is None or entry_id_key(entry_id) > entry_id_key(best[1])):
+            best = (str(stream), str(entry_id))
+    return best
 
 
 def _requeue(
@@ -933,6 +966,45 @@ class PostgresStore:
         with self.engine.connect() as conn:
             return _status(conn, _quoted(self.schema), NOW_SQL[POSTGRESQL])
 
+    def published_page(
+        self,
+        after_seq: int,
+        limit: int,
+        *,
+        since: datetime | None = None,
+        topic: str | None = None,
+    ) -> list[tuple[Record, str | None]]:
+        sql = (
+            f"SELECT {_PG_RECORD_COLUMNS}, t.stream FROM {_quoted(self.schema)} t "
+            "WHERE t.seq > %(after)s AND t.state = 'published'"
+            + ("" if since is None else " AND t.created_at >= %(since)s")
+            + ("" if topic is None else " AND t.topic = %(topic)s")
+            + " ORDER BY t.seq LIMIT %(limit)s"
+        )
+        params = {"after": after_seq, "since": since, "topic": topic, "limit": limit}
+        with self.engine.connect() as conn:
+            rows = conn.exec_driver_sql(sql, params).fetchall()
+        return [(Record(*row[:12]), row[12]) for row in rows]
+
+    def latest_receipt(self) -> tuple[str, str] | None:
+        with self.engine.connect() as conn:
+            rows = conn.exec_driver_sql(
+                f"SELECT stream, stream_id FROM {_quoted(self.schema)} "
+                "WHERE state = 'published' AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
+            ).fetchall()
+        return _highest_receipt(rows)
+
+    def oldest_published_since(self, published_after: float | None) -> datetime | None:
+        with self.engine.connect() as conn:
+            return cast(
+                "datetime | None",
+                conn.exec_driver_sql(
+                    f"SELECT min(created_at) FROM {_quoted(self.schema)} "
+                    "WHERE state = 'published' AND published_at >= to_timestamp(%(after)s)",
+                    {"after": published_after or 0.0},
+                ).scalar(),
+            )
+
     def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
         channel = self.schema.notify_channel
 
@@ -960,12 +1032,16 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 _SQLITE_NOW = NOW_SQL[SQLITE]
 
-SQLITE_CLAIM = (
-    """
-SELECT o.seq, o.event_id, o.topic, o.key, o.key_hash, o.tenant, o.identity,
+_SQLITE_RECORD_COLUMNS = """o.seq, o.event_id, o.topic, o.key, o.key_hash, o.tenant, o.identity,
     o.payload, o.headers,
     replace(substr(o.created_at, 1, 23), ' ', 'T') || 'Z',
-    (julianday(o.created_at) - 2440587.5) * 86400.0, o.attempts
+    (julianday(o.created_at) - 2440587.5) * 86400.0, o.attempts"""
+
+SQLITE_CLAIM = (
+    """
+SELECT """
+    + _SQLITE_RECORD_COLUMNS
+    + """
 FROM {t} o
 WHERE o.state = 'pending' AND o.claimed_by IS NULL AND o.available_at <= """
     + _SQLITE_NOW
@@ -1071,27 +1147,7 @@ class SqliteStore:
                 ),
                 [{"owner": owner, "epoch": epoch, "seq": r[0]} for r in rows],
             )
-        records = []
-        for r in rows:
-            payload = r[7] if isinstance(r[7], str) else json.dumps(r[7])
-            headers = r[8] if (r[8] is None or isinstance(r[8], str)) else json.dumps(r[8])
-            records.append(
-                Record(
-                    int(r[0]),
-                    r[1],
-                    r[2],
-                    r[3],
-                    int(r[4]),
-                    r[5],
-                    r[6],
-                    payload,
-                    headers,
-                    str(r[9]),
-                    float(r[10] or 0.0),
-                    int(r[11]),
-                )
-            )
-        return records
+        return [_sqlite_record(r) for r in rows]
 
     def _run_many(self, sql: str, params: list[dict[str, Any]]) -> int:
         if not params:
@@ -1243,3 +1299,76 @@ class SqliteStore:
 
     def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
         return _requeue(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)
+
+    def published_page(
+        self,
+        after_seq: int,
+        limit: int,
+        *,
+        since: datetime | None = None,
+        topic: str | None = None,
+    ) -> list[tuple[Record, str | None]]:
+        sql = (
+            f"SELECT {_SQLITE_RECORD_COLUMNS}, o.stream FROM {self.t} o "
+            "WHERE o.seq > :after AND o.state = 'published'"
+            + ("" if since is None else " AND o.created_at >= :since")
+            + ("" if topic is None else " AND o.topic = :topic")
+            + " ORDER BY o.seq LIMIT :limit"
+        )
+        params: dict[str, Any] = {"after": after_seq, "topic": topic, "limit": limit}
+        if since is not None:
+            params["since"] = _sqlite_time(since)
+        with self.engine.connect() as conn:
+            rows = conn.execute(text(sql), params).fetchall()
+        return [(_sqlite_record(row[:12]), row[12]) for row in rows]
+
+    def latest_receipt(self) -> tuple[str, str] | None:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT stream, stream_id FROM {self.t} WHERE state = 'published' "
+                    "AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
+                )
+            ).fetchall()
+        return _highest_receipt(rows)
+
+    def oldest_published_since(self, published_after: float | None) -> datetime | None:
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                text(
+                    f"SELECT min(created_at) FROM {self.t} WHERE state = 'published' "
+                    "AND published_at >= strftime('%Y-%m-%d %H:%M:%f', :after, 'unixepoch')"
+                ),
+                {"after": published_after or 0.0},
+            ).scalar()
+        if value is None:
+            return None
+        if isinstance(value, datetime):
+            return value if value.tzinfo else value.replace(tzinfo=UTC)
+        return datetime.fromisoformat(str(value).replace(" ", "T")).replace(tzinfo=UTC)
+
+
+def _sqlite_time(value: datetime) -> str:
+    """A timestamp as SQLite's columns hold it: UTC text with milliseconds."""
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC)
+    return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
+
+
+def _sqlite_record(r: Sequence[Any]) -> Record:
+    payload = r[7] if isinstance(r[7], str) else json.dumps(r[7])
+    headers = r[8] if (r[8] is None or isinstance(r[8], str)) else json.dumps(r[8])
+    return Record(
+        int(r[0]),
+        r[1],
+        r[2],
+        r[3],
+        int(r[4]),
+        r[5],
+        r[6],
+        payload,
+        headers,
+        str(r[9]),
+        float(r[10] or 0.0),
+        int(r[11]),
+    )
