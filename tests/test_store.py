@@ -453,3 +453,42 @@ def test_an_operations_table_from_before_call_deadlines_gains_the_new_columns(db
     names = {c["name"] for c in sa.inspect(engine).get_columns("outbox_operations")}
     assert {"call_deadline", "settled_by", "settled_reason", "settled_at"} <= names
     engine.dispose()
+
+
+def test_enqueue_in_a_consumer_batch_session_is_buffered_and_flushed_once(db_url: str) -> None:
+    """consumer.bulk's deferred writes: the consumer marks its batch Session, per-event
+    enqueues are buffered and written in one statement at the flush; reading a result
+    before that flushes first, so ``duplicate`` is always right."""
+    from consumer.bulk import defer_writes, discard_deferred, flush_deferred
+    from consumer.jobs.store import DeferredEnqueue, EnqueueResult
+
+    store = Store(db_url)
+    existing = store.enqueue("t", "a-0")
+
+    def count(session: Session) -> int:
+        return int(session.execute(sa.text("SELECT count(*) FROM outbox_jobs")).scalar_one())
+
+    with Session(store.engine) as session, session.begin():
+        defer_writes(session)
+        first = store.enqueue("t", "a-1", session=session, payload={"n": 1})
+        again = store.enqueue("t", "a-1", session=session)
+        old = store.enqueue("t", "a-0", session=session)
+        assert isinstance(first, DeferredEnqueue)
+        assert count(session) == 1  # nothing written yet: no round trip per enqueue
+        flush_deferred(session)
+        assert count(session) == 2
+        assert first == EnqueueResult(first.job_id, False)
+        assert again.duplicate and again.job_id == first.job_id
+        assert old.duplicate and old.job_id == existing.job_id
+        late = store.enqueue("t", "a-2", session=session)
+        assert late.duplicate is False  # read before the flush: flushed on access
+        assert count(session) == 3
+        dropped = store.enqueue("t", "a-3", session=session)
+        discard_deferred(session)  # its handler's savepoint rolled back
+        with pytest.raises(Conflict):
+            _ = dropped.job_id
+        flush_deferred(session)
+    assert {store.get(r.job_id).action for r in (first, late)} == {"a-1", "a-2"}
+    with pytest.raises(JobNotFound):
+        store.get("t", "a-3")
+    store.dispose()
