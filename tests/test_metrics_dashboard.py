@@ -66,6 +66,10 @@ def exported_names(tmp_path: Path) -> set[str]:
             hooks.consumer_duplicate("g", 1)
         elif name == "relay_quarantined":
             hooks.relay_quarantined("t", 1)
+        elif name == "relay_redis_persistence":
+            hooks.relay_redis_persistence("rdb")
+        elif name == "relay_redis_data_loss":
+            hooks.relay_redis_data_loss(1.0)
         else:  # a new hook: this test must learn to call it
             raise AssertionError(f"unknown hook {name}")
     names = {s.name for family in metrics.registry.collect() for s in family.samples}
