@@ -58,13 +58,15 @@ def sim(tmp_path: Path) -> Iterator[SimulatorProcess]:
         yield process
 
 
-def start_worker(db_url: str, sim: SimulatorProcess, capability: str) -> subprocess.Popen[str]:
+def start_worker(
+    db_url: str, sim: SimulatorProcess, capability: str, *, timeout: str = "2"
+) -> subprocess.Popen[str]:
     env = dict(
         os.environ,
         OUTBOX_DATABASE_URL=db_url,
         OUTBOX_LOG_LEVEL="warning",
         SIM_URL=sim.url,
-        SIM_TIMEOUT="2",
+        SIM_TIMEOUT=timeout,
         JOBS_TTL="1",
         **CAPABILITIES[capability],
     )
@@ -250,4 +252,40 @@ def test_neither_capability_settled_not_sent_sends_exactly_once(
     assert receipt is not None
     assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
     assert receipt.attempts == 2  # the killed call and the one after the decision
+    store.dispose()
+
+
+@pytest.mark.parametrize("kind", ["slow", "late"])
+def test_a_call_in_flight_past_the_lease_is_not_duplicated_by_another_worker(
+    pg_url: str, sim: SimulatorProcess, kind: str
+) -> None:
+    """The lease is 1 s, the simulator takes 3 s (``slow``: it acts only at the end, so a
+    lookup meanwhile would answer "not found"; ``late``: it acts at once and answers at the
+    end). Two workers run; the provider has lookup only, the case where a resend makes a
+    second effect. The intent's deadline (the 6 s timeout) keeps the lease, so the other
+    worker neither claims nor looks up, and the call's own answer settles the receipt."""
+    store = Store(pg_url)
+    ops = Operations(store)
+    sim.faults({"kind": kind, "delay": 3, "count": 1})
+    workers = []
+    try:
+        for _ in range(2):
+            proc = start_worker(pg_url, sim, "lookup", timeout="6")
+            workers.append(proc)
+        store.enqueue("studio", ACTION, subject="ann@example.com")
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+    finally:
+        for proc in workers:
+            stop(proc)
+    job_id = store.get("studio", ACTION).id
+    [effect] = sim.effects()
+    receipt = ops.receipt(f"{job_id}:send")
+    assert receipt is not None
+    assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
+    assert receipt.attempts == 1  # one call, never a second
+    # Whoever held the job meanwhile (a lease can still be lost to load), no attempt of
+    # another worker went past the in-flight guard: each one deferred to the deadline.
+    outcomes = [a.outcome for a in store.history("studio", ACTION)]
+    assert outcomes[-1] == "done"
+    assert set(outcomes[:-1]) <= {"expired", "deferred", "conflict"}, outcomes
     store.dispose()
