@@ -21,7 +21,6 @@ transaction, one ``tx.emit``, and a hand-written async INSERT on the same AsyncS
     python -m bench outbox_write [--threads 1,16] [--notify both|on|off] [--seconds S]
     python -m bench outbox_write --async [--tasks 16]
     python -m bench outbox_write --throughput     # events/s of 4 writers, 1 and 100 per tx
-    python -m bench outbox_write --idle-relay     # CPU of an idle relay: NOTIFY vs short polls
 """
 
 from __future__ import annotations
@@ -29,10 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -390,64 +386,6 @@ def throughput_bench(args: argparse.Namespace) -> None:
         _drop(admin, schema)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (or a PostgreSQL backend), from /proc."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def idle_relay_bench(args: argparse.Namespace) -> None:
-    """CPU an idle relay costs (its process and its PostgreSQL backends) per wake-up choice:
-    LISTEN/NOTIFY with the default polling ceiling, and polling only at short intervals,
-    which is what a table created with ``notify=False`` relies on."""
-    url, schema, admin = _setup(args.database_url, False)
-    tagged = url + "&application_name=idle_relay_bench"
-    variants = {
-        "LISTEN + poll ceiling 1 s (default)": [],
-        "poll only, every 20 ms": ["--no-listen", "--max-poll-interval", "0.02"],
-        "poll only, every 10 ms": ["--no-listen", "--max-poll-interval", "0.01"],
-    }
-    print(f"idle relay CPU over {args.seconds * 10:.0f} s, empty table (notify=False):")
-    try:
-        for label, extra in variants.items():
-            command = [
-                sys.executable, "-c",
-                "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
-                "run", "--database-url", tagged, "--redis-url", args.redis_url,
-                "--stream", f"{schema}.{{topic}}", "--poll-interval", "0.01", *extra,
-            ]  # fmt: skip
-            relay = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                time.sleep(10)  # started, schema checked, idle
-                with admin.connect() as conn:
-                    backends = [
-                        int(pid)
-                        for (pid,) in conn.execute(
-                            sa.text(
-                                "SELECT pid FROM pg_stat_activity "
-                                "WHERE application_name = 'idle_relay_bench'"
-                            )
-                        )
-                    ]
-                pids = [relay.pid, *backends]
-                before = [_cpu_seconds(pid) for pid in pids]
-                seconds = args.seconds * 10
-                time.sleep(seconds)
-                after = [_cpu_seconds(pid) for pid in pids]
-            finally:
-                relay.send_signal(signal.SIGTERM)
-                relay.wait(timeout=30)
-            own = (after[0] - before[0]) / seconds * 100
-            server = sum(a - b for a, b in zip(after[1:], before[1:], strict=True))
-            print(
-                f"  {label:36s} relay {own:5.2f} % of a core, its PostgreSQL backends "
-                f"{server / seconds * 100:5.2f} %"
-            )
-    finally:
-        _drop(admin, schema)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench outbox_write",
@@ -457,8 +395,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--database-url", default=DEFAULT_URL)
     parser.add_argument("--async", dest="use_async", action="store_true")
     parser.add_argument("--throughput", action="store_true")
-    parser.add_argument("--idle-relay", action="store_true", help="CPU of an idle relay")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--threads", default="1,16", help="thread counts (default 1,16)")
     parser.add_argument("--tasks", type=int, default=16, help="async tasks (default 16)")
     parser.add_argument("--notify", choices=["both", "on", "off"], default="both")
@@ -470,8 +406,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.use_async:
         async_bench(args)
-    elif args.idle_relay:
-        idle_relay_bench(args)
     elif args.throughput:
         throughput_bench(args)
     else:
