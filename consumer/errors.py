@@ -19,9 +19,11 @@ class Conflict(ConsumerError):
 
 class UndecodableEntry(ConsumerError, ValueError):
     """A stream entry is not an event this consumer can read: a required field (``id``,
-    ``type``, ``data``) is missing or empty, ``data`` is not JSON, the identity does not fit
-    the inbox, or the bytes are not UTF-8. ``field`` names the problem. The consumer
-    dead-letters such an entry at once (reason ``undecodable``)."""
+    ``type``, ``data``) is missing or empty, ``data`` is not JSON or holds what no backend
+    can store (NaN, Infinity, a number that overflows to infinity such as ``1e999999``, a
+    ``\\u0000`` that PostgreSQL's jsonb refuses), the identity does not fit the inbox, or
+    the bytes are not UTF-8. ``field`` names the problem. Such an entry can never succeed,
+    so the consumer dead-letters it at once (reason ``undecodable``) instead of retrying it."""
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"undecodable entry {field}: {problem}")
