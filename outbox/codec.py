@@ -264,13 +264,17 @@ def _no_constant(name: str) -> Any:
     raise _NotStorable(f"{name} is not a JSON number")
 
 
+# One decoder for every entry: json.loads(text, parse_float=...) builds a new one per call.
+_DATA_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant)
+
+
 def _load_data(text: str, error: ErrorFactory) -> Any:
     # "\u0000" (escaped) or a raw NUL: PostgreSQL's jsonb refuses U+0000, and a handler that
     # stores the payload could never commit. Checked on the text: one scan, no tree walk.
     if "\\u0000" in text or "\x00" in text:
         raise error("data", "contains a NUL character (\\u0000), which jsonb cannot store")
     try:
-        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+        return _DATA_DECODER.decode(text)
     except _NotStorable as exc:
         raise error("data", f"is not storable JSON: {exc}") from None
     except (ValueError, RecursionError) as exc:
