@@ -402,3 +402,86 @@ def test_dispatch_through_http_accepts_then_returns_the_receipt(
     assert effect["id"] == receipt.provider_ref
     assert effect["idempotency_key"] == receipt.operation_id
     store.dispose()
+
+
+@pytest.mark.parametrize(
+    ("fault", "state"),
+    [
+        ({"kind": "bad_request"}, "FAILED"),
+        ({"kind": "unprocessable"}, "FAILED"),
+        ({"kind": "unauthorized"}, "NOT_SENT"),
+        ({"kind": "forbidden"}, "NOT_SENT"),
+        ({"kind": "rate_limit", "retry_after": 5}, "NOT_SENT"),
+        ({"kind": "unavailable"}, "NOT_SENT"),
+        ({"kind": "error_before", "status": 500}, "UNKNOWN"),
+        ({"kind": "error_after", "status": 502}, "UNKNOWN"),
+        ({"kind": "hang"}, "UNKNOWN"),
+        ({"kind": "reset"}, "UNKNOWN"),
+    ],
+)
+def test_each_status_class_lands_in_its_receipt(
+    sim: SimulatorProcess, sqlite_url: str, fault: dict[str, object], state: str
+) -> None:
+    store = Store(sqlite_url)
+    store.enqueue("studio", "send-1")
+    lease = store.claim_next("worker-a", ttl=30)
+    assert lease is not None
+    sim.faults({**fault, "count": 1})
+    with provider(sim, timeout=0.5) as p:
+        ops = Operations(store, {"mail": p})
+        with pytest.raises((PermanentFailure, TransientFailure, AuthFailure)):
+            ops.dispatch(lease, "email", "mail", {"to": "a"})
+    receipt = ops.receipt(f"{lease.job_id}:email")
+    assert receipt is not None and receipt.state == state
+    assert receipt.attempts == 1
+    store.dispose()
+
+
+def test_a_connection_refused_is_not_sent(sqlite_url: str) -> None:
+    store = Store(sqlite_url)
+    store.enqueue("studio", "send-1")
+    lease = store.claim_next("worker-a", ttl=30)
+    assert lease is not None
+    with HttpProvider("mail", f"http://127.0.0.1:{free_port()}/send", timeout=1.0) as p:
+        ops = Operations(store, {"mail": p})
+        with pytest.raises(ProviderUnavailable):
+            ops.dispatch(lease, "email", "mail", {"to": "a"})
+    receipt = ops.receipt(f"{lease.job_id}:email")
+    assert receipt is not None and receipt.state == "NOT_SENT"
+    store.dispose()
+
+
+def test_retry_after_is_honoured_by_the_worker_then_it_sends_once(
+    sim: SimulatorProcess, sqlite_url: str
+) -> None:
+    from consumer import JobContext, Worker
+
+    store = Store(sqlite_url)
+    with provider(sim) as p:
+        worker = Worker(store, providers={"mail": p}, poll_interval=0.05)
+
+        @worker.handler("email")
+        def email(job: JobContext) -> None:
+            job.dispatch("send", "mail", {"to": job.subject})
+
+        store.enqueue("studio", "email-quote-017", subject="ann@example.com")
+        sim.faults({"kind": "rate_limit", "retry_after": 40, "count": 1})
+        assert worker.run_once() == 1
+        job = store.get("studio", "email-quote-017")
+        assert job.state == "READY"
+        assert job.run_after is not None and job.run_after - job.updated_at >= 39.9
+        operation_id = f"{job.id}:send"
+        receipt = Operations(store).receipt(operation_id)
+        assert receipt is not None and receipt.state == "NOT_SENT"
+        assert sim.effects(operation_id) == []
+        # at the provider's time, the retry sends (once)
+        assert worker.store is store
+        assert store.claim_next("worker-b", ttl=30, now=job.run_after - 1) is None
+        lease = store.claim_next("worker-b", ttl=30, now=job.run_after + 0.01)
+        assert lease is not None
+        receipt = Operations(store, {"mail": p}).dispatch(
+            lease, "send", "mail", {"to": job.subject}
+        )
+    assert receipt.state == "ACCEPTED"
+    assert [e["id"] for e in sim.effects(operation_id)] == [receipt.provider_ref]
+    store.dispose()
