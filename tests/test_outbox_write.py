@@ -871,3 +871,17 @@ def test_init_db_no_notify(pg_url: str) -> None:
 def events_of(box: Outbox) -> list[sa.Row[Any]]:
     with box.engine.connect() as conn:
         return list(conn.execute(sa.select(box.table)).all())
+
+
+def test_async_sqlite_engine_has_the_sync_engines_settings(tmp_path: Any) -> None:
+    """sqlite:/// maps to aiosqlite, with WAL and the busy timeout of make_engine."""
+
+    async def pragmas() -> tuple[str, str, int]:
+        box = AsyncOutbox(f"sqlite:///{tmp_path}/a.db")
+        async with box.engine.connect() as conn:
+            mode = (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar_one()
+            timeout = (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar_one()
+        await box.dispose()
+        return box.engine.url.drivername, str(mode), int(timeout)
+
+    assert asyncio.run(pragmas()) == ("sqlite+aiosqlite", "wal", 30000)
