@@ -172,12 +172,18 @@ class JobDriver:
         missing = sorted({(r["tenant"], r["action"]) for r in rows} - set(created))
         existing: dict[tuple[str, str], int] = {}
         for start in range(0, len(missing), INSERT_CHUNK):
-            query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
-                tuple_(jobs.c.tenant, jobs.c.action).in_(missing[start : start + INSERT_CHUNK])
-            )
-            for job_id, tenant, action in conn.execute(query):
-                existing[(tenant, action)] = int(job_id)
+            existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
         return created, existing
+
+    def job_ids(
+        self, conn: Connection, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], int]:
+        """The ids of existing jobs among ``(tenant, action)`` keys (SQLite: a row-value IN
+        list, which its planner answers from the unique index)."""
+        query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
+            tuple_(jobs.c.tenant, jobs.c.action).in_(list(keys))
+        )
+        return {(tenant, action): int(job_id) for job_id, tenant, action in conn.execute(query)}
 
     # -- jobs: reads ----------------------------------------------------------------------
 
@@ -476,6 +482,15 @@ class PostgresJobDriver(JobDriver):
         if new_id is not None:
             return int(new_id), True
         return super().job_insert(conn, values)
+
+    def job_ids(
+        self, conn: Connection, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], int]:
+        params = {"keys": json.dumps([{"tenant": t, "action": a} for t, a in keys])}
+        return {
+            (tenant, action): int(job_id)
+            for job_id, tenant, action in conn.execute(q.pg_job_ids(), params)
+        }
 
     def job_insert_many(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]
