@@ -223,6 +223,14 @@ def test_connect_error_means_nothing_was_sent() -> None:
     assert not isinstance(caught.value, ProviderTimeout)
 
 
+def test_a_call_whose_time_is_spent_before_sending_is_not_sent(sim: SimulatorProcess) -> None:
+    operation_id = op()
+    with provider(sim, timeout=1e-9) as p, pytest.raises(ProviderUnavailable) as caught:
+        p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
+    assert caught.value.not_sent
+    assert sim.effects(operation_id) == []
+
+
 def test_accept_then_hang_is_a_timeout_with_the_effect_made(sim: SimulatorProcess) -> None:
     operation_id = op()
     sim.faults({"kind": "hang", "count": 1})

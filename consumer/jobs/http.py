@@ -33,11 +33,13 @@ Errors carry ``status`` (the HTTP status), ``provider`` (the name), ``not_sent``
 the provider certainly did not act: 401/403/408/429/503 and connect errors) and
 ``retry_after`` (seconds, from ``Retry-After`` given as seconds or as an HTTP date).
 
-``timeout`` is both what httpx waits in each phase (connect, write, pool, the wait for the
-answer's headers) and a bound on the whole exchange once connected: the body is streamed and
-a call still reading past ``timeout`` seconds is cut off as ``ProviderTimeout``. It is also
-declared to ``Operations`` (``provider.timeout``), which records the call's deadline in the
-intent so that no reconciler looks the operation up while the call may still be in flight.
+``timeout`` bounds the whole call, measured from its start: what waiting for a pooled
+connection and connecting took comes off the wait for the answer (set through httpcore's
+``trace`` hook just before the first byte is written; a call with no time left then is not
+sent), and the body is streamed with the same deadline. It is also declared to
+``Operations`` (``provider.timeout``), which records the call's deadline in the intent so that
+no reconciler looks the operation up while the call may still be in flight. (A transport
+of your own that is not httpcore's keeps httpx's per-phase timeouts only.)
 """
 
 from __future__ import annotations
@@ -271,9 +273,31 @@ class HttpProvider:
         written, everything after may have reached the provider.
         """
         started = time.monotonic()
+        deadline = started + self.timeout
+
+        def budget(event: str, info: dict[str, Any]) -> None:
+            # httpcore's trace hook runs just before the first byte is written: whatever the
+            # pool and the connect took comes off the wait for the answer, so the call ends
+            # by ``timeout`` after it began (the deadline Operations recorded), and a call
+            # with no time left is not sent at all.
+            if not event.endswith("send_request_headers.started"):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _NoTimeLeft
+            timeouts = getattr(info.get("request"), "extensions", {}).get("timeout")
+            if isinstance(timeouts, dict):
+                timeouts["write"] = left
+                timeouts["read"] = left
+
         try:
             with self.client.stream(
-                method, url, headers=headers, content=body, timeout=self.timeout
+                method,
+                url,
+                headers=headers,
+                content=body,
+                timeout=self.timeout,
+                extensions={"trace": budget},
             ) as response:
                 chunks: list[bytes] = []
                 size = 0
@@ -291,6 +315,12 @@ class HttpProvider:
                         )
                 status = response.status_code
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        except _NoTimeLeft:
+            raise ProviderUnavailable(
+                f"{self.name}: {method} {url}: not sent (connecting took the whole "
+                f"{self.timeout:g} s)",
+                provider=self.name,
+            ) from None
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise ProviderUnavailable(
                 f"{self.name}: {method} {url}: not sent ({type(exc).__name__}: {exc})",
@@ -352,6 +382,10 @@ class HttpProvider:
         # 400, 422 and the other 4xx (404 wrong URL, 405, 413, ...) and a redirect we do not
         # follow: the provider rejected this request, sending it again cannot help.
         return PermanentFailure(message, provider=self.name, status=status)
+
+
+class _NoTimeLeft(Exception):
+    """Raised from the trace hook: the call's time was spent before anything was sent."""
 
 
 def _detail(payload: Any) -> str:
