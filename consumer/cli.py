@@ -40,7 +40,7 @@ from outbox.env import env, env_int
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
-from outbox.redis_client import redis_client
+from outbox.redis_client import as_cluster_url, is_cluster_url, redis_client
 
 log = logging.getLogger("outbox.consumer.cli")
 
@@ -72,6 +72,13 @@ def _common(parser: argparse.ArgumentParser, *, redis_url: bool) -> None:
             "--redis-url",
             default=env("REDIS_URL"),
             help="Redis URL (env OUTBOX_REDIS_URL; default: the embedded Redis server)",
+        )
+        parser.add_argument(
+            "--redis-cluster",
+            action="store_true",
+            default=(env("REDIS_CLUSTER") or "").strip().lower() in ("1", "true", "yes", "on"),
+            help="--redis-url names any node of a Redis Cluster (env OUTBOX_REDIS_CLUSTER=1; "
+            "a redis+cluster:// URL says the same)",
         )
     parser.add_argument(
         "--schema",
@@ -230,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, schema=args.schema)
     consumer = consumer.with_overrides(
         database=args.database_url,
-        redis=args.redis_url,
+        redis=as_cluster_url(args.redis_url) if args.redis_cluster else args.redis_url,
         group=args.group,
         config=config,
     )
@@ -318,9 +325,11 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replay(args: argparse.Namespace, config: ConsumerConfig) -> int:
-    entry_id = replay_dead_letter(
-        _inbox(args, config), redis_client(args.redis_url), args.record_id
-    )
+    if args.redis_cluster or is_cluster_url(args.redis_url):
+        client: Any = redis_client(args.redis_url, cluster=True)
+    else:
+        client = redis_client(args.redis_url)
+    entry_id = replay_dead_letter(_inbox(args, config), client, args.record_id)
     print(f"replayed dead-letter record {args.record_id} as entry {entry_id}")
     return 0
 

@@ -48,6 +48,7 @@ from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 import redis as redislib
+from redis.cluster import RedisCluster
 from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
@@ -62,7 +63,7 @@ from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
-from outbox.redis_client import redis_client
+from outbox.redis_client import in_slot_of, is_cluster_url, redis_client, slot_of
 from outbox.schema import check_identifier
 from outbox.validate import check_name
 
@@ -261,17 +262,18 @@ class Consumer:
     once, in the transaction that records the identity in the inbox.
 
     ``database``: URL, Engine, or None (the SQLite file default). ``redis``: URL, a
-    ``redislib.Redis`` client, or None (the embedded server). ``group``: the consumer group (and
-    the inbox's deduplication scope). Either ``topics`` (streams named by the ``stream``
-    template, default ``outbox.{topic}``) or ``streams`` (names). ``start``: where a group
-    that does not exist yet begins: ``"0"`` (default, nothing published before is missed) or
-    ``"$"`` (only new entries).
+    ``redislib.Redis`` client, or None (the embedded server); a Redis Cluster is a
+    ``redis+cluster://`` URL naming any node, or a ``RedisCluster`` client (streams are then
+    read slot by slot). ``group``: the consumer group (and the inbox's deduplication scope).
+    Either ``topics`` (streams named by the ``stream`` template, default ``outbox.{topic}``)
+    or ``streams`` (names). ``start``: where a group that does not exist yet begins: ``"0"``
+    (default, nothing published before is missed) or ``"$"`` (only new entries).
     """
 
     def __init__(
         self,
         database: str | URL | Engine | None = None,
-        redis: str | redislib.Redis | None = None,
+        redis: str | redislib.Redis | RedisCluster | None = None,
         *,
         group: str,
         topics: Sequence[str] | None = None,
@@ -297,14 +299,16 @@ class Consumer:
         self._database = database
         self.engine = self._make_engine(database)
         self._redis_spec = redis
-        self._redis: redislib.Redis | None = None
+        self._redis: Any = None
         self._redis_lock = threading.Lock()
         if not (redis is None or isinstance(redis, str) or _is_redis_client(redis)):
             raise ConfigError(
                 "redis", f"expected a redis URL or a redislib.Redis, got {type(redis).__name__}"
             )
-        if isinstance(redis, str):
-            redis_client(redis)  # validates the URL now; the client is made on first use
+        if isinstance(redis, str) and not is_cluster_url(redis):
+            # Validates the URL now; the client is made on first use (a cluster client reads
+            # the slot map when it is made, so it is not made here).
+            redis_client(redis)
         self.tables = q.build_inbox_schema(self.config.schema)
         self.inbox = q.inbox_for(self.engine, self.tables)
         self.name = incarnation_name(self.config.name_prefix)
@@ -320,6 +324,8 @@ class Consumer:
         self._next_liveness_check = 0.0
         self._beating = False  # a heartbeat thread keeps the key fresh (inside run())
         self._next_purge = 0.0
+        self._groups: list[list[str]] | None = None  # streams per XREADGROUP (slots)
+        self._block_turn = 0
 
     # -- construction helpers ---------------------------------------------------------------
 
@@ -364,7 +370,7 @@ class Consumer:
         self,
         *,
         database: str | URL | Engine | None = None,
-        redis: str | redislib.Redis | None = None,
+        redis: str | redislib.Redis | RedisCluster | None = None,
         group: str | None = None,
         config: ConsumerConfig | None = None,
         hooks: Hooks | None = None,
@@ -385,22 +391,33 @@ class Consumer:
     def _database_for_copy(self) -> str | URL | Engine | None:
         return self.engine if self._database is None else self._database
 
-    def _redis_spec_for_copy(self) -> str | redislib.Redis | None:
+    def _redis_spec_for_copy(self) -> str | redislib.Redis | RedisCluster | None:
         return self._redis if self._redis is not None else self._redis_spec
 
     # -- public face ------------------------------------------------------------------------
 
     @property
     def redis(self) -> redislib.Redis:
-        """The Redis client (made on first use: the embedded server starts only if needed)."""
+        """The Redis client (made on first use: the embedded server starts only if needed).
+
+        On a Redis Cluster this is a ``RedisCluster``, which has the same single-key commands
+        the consumer uses (typed as ``redis.Redis`` for that reason)."""
         with self._redis_lock:  # the heartbeat thread may ask first
             if self._redis is None:
                 spec = self._redis_spec
-                if isinstance(spec, redislib.Redis):
+                if _is_redis_client(spec):
                     self._redis = spec
+                elif isinstance(spec, str) and is_cluster_url(spec):
+                    self._redis = redis_client(spec, cluster=True)
                 else:
-                    self._redis = redis_client(spec)
-            return self._redis
+                    self._redis = redis_client(spec if isinstance(spec, str) else None)
+            client: redislib.Redis = self._redis
+            return client
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the streams live on a Redis Cluster (read slot by slot)."""
+        return isinstance(self.redis, RedisCluster)
 
     @property
     def metadata(self) -> MetaData:
@@ -437,7 +454,13 @@ class Consumer:
         self._schema_ready = True
 
     def dead_letter_stream_for(self, stream: str) -> str:
-        return self.config.dead_letter_stream.format(stream=stream, group=self.group)
+        """The dead-letter stream of ``stream``. On a Redis Cluster it shares the source
+        stream's slot: when the template's name would land elsewhere (the stream has no hash
+        tag), the source stream becomes its tag (``{outbox.quote}.dead-letter``)."""
+        name = self.config.dead_letter_stream.format(stream=stream, group=self.group)
+        if isinstance(self._redis, RedisCluster):
+            return in_slot_of(name, stream)
+        return name
 
     def stop(self) -> None:
         """Ask ``run()`` to finish the batch in hand and return."""
@@ -731,13 +754,44 @@ class Consumer:
         return claimed
 
     def _read(self, room: int, *, block: bool) -> list[_Entry]:
+        groups = self._slot_groups()
+        if len(groups) == 1:
+            return self._read_streams(groups[0], room, self.config.block_ms if block else None)
+        # A Redis Cluster reads the streams of one slot per XREADGROUP: first every slot
+        # without blocking; when all were empty, block on one slot (in turn) for a share of
+        # block_ms, so a quiet consumer still waits about block_ms per call.
+        entries: list[_Entry] = []
+        for names in groups:
+            if room - len(entries) <= 0:
+                break
+            entries.extend(self._read_streams(names, room - len(entries), None))
+        if entries or not block:
+            return entries
+        self._block_turn = (self._block_turn + 1) % len(groups)
+        share = max(1, self.config.block_ms // len(groups))
+        return self._read_streams(groups[self._block_turn], room, share)
+
+    def _slot_groups(self) -> list[list[str]]:
+        """The streams grouped so that one XREADGROUP may name each group: all of them on one
+        server; per hash slot on a cluster (a command may not span slots there)."""
+        if self._groups is None:
+            if self.cluster:
+                by_slot: dict[int, list[str]] = {}
+                for name in self.streams:
+                    by_slot.setdefault(slot_of(name), []).append(name)
+                self._groups = list(by_slot.values())
+            else:
+                self._groups = [list(self.streams)]
+        return self._groups
+
+    def _read_streams(self, names: list[str], room: int, block_ms: int | None) -> list[_Entry]:
         try:
             reply: Any = self.redis.xreadgroup(
                 self.group,
                 self.name,
-                {name: ">" for name in self.streams},
+                {name: ">" for name in names},
                 count=room,
-                block=self.config.block_ms if block else None,
+                block=block_ms,
             )
         except redislib.ResponseError as exc:
             self._on_nogroup(exc)
@@ -1071,7 +1125,7 @@ def _key(event: ConsumedEvent) -> str:
 
 
 def _is_redis_client(value: object) -> bool:
-    return isinstance(value, redislib.Redis)
+    return isinstance(value, (redislib.Redis, RedisCluster))
 
 
 __all__ = ["ConsumedEvent", "Consumer", "ConsumerConfig", "ConsumerTx"]

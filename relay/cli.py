@@ -23,7 +23,7 @@ from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
-from outbox.redis_client import redis_client
+from outbox.redis_client import is_cluster_url, redis_client
 from outbox.schema import DEFAULT_TABLE, build_schema, create_schema
 from relay.admin import requeue, status
 from relay.config import (
@@ -80,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         default=env("redis_url"),
         help="redis://host:port/db (env OUTBOX_REDIS_URL); default: an embedded Redis server",
+    )
+    _cluster_flag(run)
+    run.add_argument(
+        "--wait-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="record a receipt only after N replicas have the batch (WAIT N; env "
+        "OUTBOX_WAIT_REPLICAS; default 0: do not wait)",
+    )
+    run.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=None,
+        help="seconds WAIT may take before the batch is reconciled instead (env "
+        "OUTBOX_WAIT_TIMEOUT; default 1)",
     )
     run.add_argument(
         "--stream",
@@ -161,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(rp)
     rp.add_argument("--redis-url", default=env("redis_url"), help="env OUTBOX_REDIS_URL")
+    _cluster_flag(rp)
     window = rp.add_mutually_exclusive_group(required=True)
     window.add_argument(
         "--since",
@@ -209,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(demo)
     demo.add_argument("--redis-url", default=env("redis_url"))
+    _cluster_flag(demo)
     demo.add_argument("--rate", type=float, default=20.0, help="quotes approved per second")
     demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     demo.set_defaults(func=cmd_demo)
@@ -220,6 +238,40 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover
         pass
     return parser
+
+
+def _cluster_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        default=_bool_env("redis_cluster"),
+        help="--redis-url names any node of a Redis Cluster (env OUTBOX_REDIS_CLUSTER=1; "
+        "a redis+cluster:// URL says the same)",
+    )
+
+
+def uses_cluster(args: argparse.Namespace) -> bool:
+    """``--redis-cluster``, OUTBOX_REDIS_CLUSTER=1 or a ``redis+cluster://`` URL."""
+    return bool(getattr(args, "redis_cluster", False)) or is_cluster_url(args.redis_url)
+
+
+def connect_redis(args: argparse.Namespace, stop: GracefulStop | None = None) -> Any:
+    """The Redis client of ``--redis-url``: a RedisCluster with ``--redis-cluster`` (it reads
+    the slot map at once, so with ``stop`` it waits and retries while the seed is down; None
+    once stopped), a plain client otherwise."""
+    if not uses_cluster(args):
+        return redis_client(args.redis_url)
+    if stop is None:
+        return redis_client(args.redis_url, cluster=True)
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    return retry_forever(
+        "connecting to the Redis Cluster",
+        lambda: redis_client(args.redis_url, cluster=True),
+        stop,
+        (redis.RedisError, RedisClusterException, OSError),
+    )
 
 
 def _int_flag(value: int | None, name: str, default: int) -> int:
@@ -242,6 +294,8 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         retention_seconds=_float_flag(args.retention, "retention", DEFAULT_RETENTION_SECONDS),
         redis_check_interval=_float_flag(args.redis_check_interval, "redis_check_interval", 60.0),
         auto_republish=bool(args.auto_republish),
+        wait_replicas=_int_flag(args.wait_replicas, "wait_replicas", 0),
+        wait_timeout=_float_flag(args.wait_timeout, "wait_timeout", 1.0),
     )
 
 
@@ -350,7 +404,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     StreamTemplate.parse(args.stream)  # a bad template fails before anything starts
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
-    client = redis_client(args.redis_url)
+    stop = GracefulStop().install()
+    client = connect_redis(args, stop)
+    if client is None:
+        return 0  # stopped while waiting for the cluster
     maxlen = args.maxlen if args.maxlen is not None else (env_int("maxlen", 0) or None)
     publisher = RedisStreamPublisher(
         client,
@@ -361,7 +418,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.stream_retention, "stream_retention", DEFAULT_STREAM_RETENTION
         ),
     )
-    stop = GracefulStop().install()
     if args.require_aof:
         refusal = _aof_refusal(client, stop, args)
         if refusal is not None:
@@ -452,7 +508,7 @@ def cmd_republish(args: argparse.Namespace) -> int:
     StreamTemplate.parse(template)
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
-    client = redis_client(args.redis_url)
+    client = connect_redis(args)
     publisher = RedisStreamPublisher(
         client,
         template,

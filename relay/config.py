@@ -61,6 +61,13 @@ class RelayConfig:
     - ``auto_republish``: when Redis lost entries, republish the lost window by itself
       (``outbox-relay republish``'s work) before publishing anything new; otherwise log the
       command to run and raise ``OutboxRedisDataLoss``.
+    - ``wait_replicas``: after each batch's script, ``WAIT wait_replicas`` on the connection
+      that ran it (on a cluster: on each master's), and only then record receipts; the
+      reconciliation's fences are confirmed the same way before it trusts what it finds.
+      Redis replicates asynchronously, so without it a failover to a replica that had not
+      yet received an acknowledged batch loses it. A batch not confirmed within
+      ``wait_timeout`` seconds is treated like a connection error: its intents are kept and
+      reconciled against the stream, never assumed published. ``0`` (default): no waiting.
     - ``sweep_interval``: PostgreSQL: the longest time between claims that scan pending
       rows from the very first one. Ordinary claims start near where the last one ended (see
       :mod:`relay.store`); a sweep also runs at once after a failure, a reconciliation, a
@@ -86,6 +93,8 @@ class RelayConfig:
     redis_check_interval: float = 60.0
     auto_republish: bool = False
     name_prefix: str = "relay"
+    wait_replicas: int = 0
+    wait_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("batch_size", self.batch_size, integer=True)
@@ -107,6 +116,8 @@ class RelayConfig:
         _positive("progress_interval", self.progress_interval)
         _positive("rebalance_interval", self.rebalance_interval)
         _positive("sweep_interval", self.sweep_interval)
+        _positive("wait_replicas", self.wait_replicas, integer=True, zero=True)
+        _positive("wait_timeout", self.wait_timeout)
         _positive("redis_check_interval", self.redis_check_interval)
         if not isinstance(self.auto_republish, bool):
             raise ConfigError("auto_republish", "must be a bool")

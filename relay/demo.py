@@ -32,7 +32,7 @@ from outbox.core import Outbox
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
-from outbox.redis_client import redis_client
+from outbox.redis_client import is_cluster_url, redis_client
 from relay.admin import status
 from relay.config import RelayConfig
 from relay.publisher import RedisStreamPublisher
@@ -191,7 +191,10 @@ def run_demo(args: argparse.Namespace) -> int:
     setup_logging("warning")
     outbox = Outbox(args.database_url, table=args.table, schema=args.schema)
     start_id = _setup_domain(outbox)
-    client = redis_client(args.redis_url)
+    if getattr(args, "redis_cluster", False) or is_cluster_url(args.redis_url):
+        client: Any = redis_client(args.redis_url, cluster=True)
+    else:
+        client = redis_client(args.redis_url)
     client.ping()
     if args.rate <= 0:
         print("outbox-relay demo: --rate must be positive", file=sys.stderr)

@@ -7,14 +7,16 @@ Stream names come from a template with ``{topic}``, ``{tenant}`` and ``{partitio
 (``key_hash % partitions``); ``{{`` and ``}}`` are literal braces, which is how a Redis
 Cluster hash tag is written: ``outbox.{{{topic}}}`` makes ``outbox.{quote.approved}``.
 
-The hot path packs XADD commands into one buffer and sends it on one connection (one round
-trip per batch, replies read in order). A Redis Cluster client falls back to redis-py's
-cluster pipeline, which splits the batch per node.
+The hot path packs one ``EVAL`` of :data:`PUBLISH_LUA` per batch into one buffer and sends
+it on one connection (one round trip per batch). On a Redis Cluster the same script runs
+once per hash slot of the batch's streams, with its fence and marker keys in that slot
+(:mod:`relay.cluster`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import string
 import time
 from collections.abc import Iterable, Sequence
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -30,6 +33,8 @@ from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record, entry_id_key
+
+log = logging.getLogger("outbox.relay")
 
 TEMPLATE_FIELDS = frozenset({"topic", "tenant", "partition"})
 DEFAULT_STREAM_RETENTION = 24 * 3600.0
@@ -73,6 +78,13 @@ class HeldBack(Exception):
 class MarkerBehind(Exception):
     """The marker key is missing or older than the entries this relay knows Redis holds:
     Redis lost acknowledged entries. Nothing was added; the relay checks and reports it."""
+
+
+class ReplicasNotConfirmed(RedisConnectionError):
+    """``WAIT`` confirmed fewer replicas than asked within its timeout (``wait_replicas``):
+    the batch may be on the master only, where a failover could lose it. Raised like a
+    connection error, so the relay keeps the batch's intents and reconciles them: a receipt
+    is never assumed."""
 
 
 class StreamTrim:
@@ -331,6 +343,34 @@ _EVAL = _bulk(b"EVAL")
 _SCRIPT = _bulk(PUBLISH_LUA.encode())
 
 
+def wait_command(replicas: int, timeout_ms: int) -> bytes:
+    """``WAIT replicas timeout``, packed: sent on the connection that ran the script."""
+    return b"*3\r\n" + _bulk(b"WAIT") + _bulk(b"%d" % replicas) + _bulk(b"%d" % timeout_ms)
+
+
+def send_fences(
+    conn: Any, keys: Sequence[str], ttl_seconds: int, wait_replicas: int, wait_timeout: float
+) -> None:
+    """``SET key 1 EX ttl`` for each key (and ``WAIT``) on one connection, replies read."""
+    ttl = _bulk(b"%d" % ttl_seconds)
+    parts = [
+        b"*5\r\n" + _bulk(b"SET") + _bulk(key.encode()) + _bulk(b"1") + _bulk(b"EX") + ttl
+        for key in keys
+    ]
+    timeout_ms = max(1, int(wait_timeout * 1000))
+    if wait_replicas:
+        parts.append(wait_command(wait_replicas, timeout_ms))
+    conn.send_packed_command(parts, check_health=True)
+    for _ in keys:
+        conn.read_response()
+    if wait_replicas:
+        acked = int(conn.read_response())
+        if acked < wait_replicas:
+            raise ReplicasNotConfirmed(
+                f"WAIT {wait_replicas} after fencing: {acked} replica(s) within {timeout_ms} ms"
+            )
+
+
 class RedisStreamPublisher:
     """XADD outbox records to Redis Streams, one pipelined round trip per batch.
 
@@ -373,13 +413,29 @@ class RedisStreamPublisher:
         self.source = source
         self._encoder = EntryEncoder(source)
         self._topic_streams: dict[str, str] = {}
-        self._cluster = not hasattr(redis_client, "connection_pool")
+        self._cluster = isinstance(redis_client, RedisCluster)
+        self._known_by_slot: dict[int, str] = {}  # cluster: the marker check, per slot
+        if self._cluster:
+            from relay.cluster import template_has_hash_tag
+
+            if not template_has_hash_tag(stream_template):
+                log.warning(
+                    "the stream template has no hash tag: on Redis Cluster every stream lands "
+                    "in a slot of its own and a batch takes one script call per stream; "
+                    "write the topic (or partition) as a tag, e.g. outbox.{{{topic}}}",
+                    extra={"stream": stream_template},
+                )
         self.trim = StreamTrim(redis_client, stream_retention, trim_floor_ttl)
         self.marker_key = marker_key(self.template.template)
         self.known_last_id: str | None = None
         self.known_last_stream: str | None = None
         """The highest entry id this publisher knows Redis holds (its own receipts, or the
         relay's latest receipts at start); None: no check before a batch."""
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the client is a Redis Cluster client (scripts run per hash slot)."""
+        return self._cluster
 
     @property
     def stream_template(self) -> str:
@@ -429,30 +485,85 @@ class RedisStreamPublisher:
     # -- sending ----------------------------------------------------------------------------
 
     def publish(
-        self, prepared: Sequence[Prepared], fence: str | None = None
+        self,
+        prepared: Sequence[Prepared],
+        fence: str | None = None,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
     ) -> list[str | Exception]:
         """XADD every prepared record in one round trip; one result per record, in order.
 
         A result is the new entry id, or the exception the server replied for that entry
-        (:class:`PermanentPublishError`, :class:`TransientError`, or :class:`HeldBack` for an
-        entry not attempted because an earlier entry of its key failed in this batch): such
-        an entry was not added. A connection failure or timeout raises instead, and then any
-        prefix of the batch may have been added (the caller reconciles before publishing
-        again).
+        (:class:`PermanentPublishError`, :class:`TransientError`, :class:`HeldBack` for an
+        entry not attempted because an earlier entry of its key failed in this batch,
+        :class:`FencedOut`, :class:`MarkerBehind`): such an entry was not added. A
+        connection failure or timeout raises instead, and then any prefix of the batch may
+        have been added (the caller reconciles before publishing again).
 
         On a single Redis server the batch is one ``EVAL`` of :data:`PUBLISH_LUA`: atomic, in
         ``seq`` order, and a failing entry holds back the later entries of its key (per-key
         order even when one key's events go to several streams and one of them fails). With
         ``fence`` (a key name) the batch is refused whole, every result :class:`FencedOut`,
-        if that key exists: see :meth:`set_fences`.
+        if that key exists: see :meth:`set_fences`. On a Redis Cluster the same holds per
+        hash slot (:func:`relay.cluster.publish_by_slot`; each slot has its own fence key,
+        :meth:`fence_for`, and marker key, :meth:`marker_for`).
+
+        ``wait_replicas``: after the script, ``WAIT wait_replicas`` (``wait_timeout``
+        seconds) on the same connection; fewer confirmations raise
+        :class:`ReplicasNotConfirmed` (a connection error: the caller reconciles).
         """
         if not prepared:
             return []
+        timeout_ms = max(1, int(wait_timeout * 1000))
+        fence_key = fence or "outbox:fence:-"
         if self._cluster:
-            return self._publish_cluster(prepared)
+            from relay.cluster import publish_by_slot
+
+            return publish_by_slot(
+                self, prepared, fence_key, wait_replicas=wait_replicas, wait_timeout_ms=timeout_ms
+            )
+        parts = [self.script_call(prepared, fence_key, self.marker_key, self.known_last_id)]
+        if wait_replicas:
+            parts.append(wait_command(wait_replicas, timeout_ms))
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        refused: Exception | None = None
+        try:
+            conn.send_packed_command(parts, check_health=True)
+            try:
+                replies = conn.read_response()
+            except ResponseError as exc:
+                # The whole call was refused (OOM at start, BUSY, ...): nothing was added.
+                refused = classify_reply(exc)
+            if wait_replicas:
+                acked = int(conn.read_response())
+                if acked < wait_replicas:
+                    raise ReplicasNotConfirmed(
+                        f"WAIT {wait_replicas}: {acked} replica(s) confirmed the batch "
+                        f"within {timeout_ms} ms"
+                    )
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if refused is not None:
+            return [refused for _ in prepared]
+        return self.script_results(replies, prepared, fence_key)
+
+    def script_call(
+        self,
+        prepared: Sequence[Prepared],
+        fence_key: str,
+        marker_key: str,
+        expected: str | None,
+    ) -> bytes:
+        """One ``EVAL`` of :data:`PUBLISH_LUA` for ``prepared`` (on a cluster: all in one
+        slot, with ``fence_key`` and ``marker_key`` in that slot; ``expected``: the highest
+        entry id known to be there), packed in the wire protocol."""
         streams: dict[str, int] = {}
         groups: dict[str, int] = {}
-        fence_key = fence or "outbox:fence:-"
         body: list[bytes] = []
         for p in prepared:
             index = streams.setdefault(p.stream, len(streams) + 3)
@@ -469,34 +580,26 @@ class RedisStreamPublisher:
             _SCRIPT,
             _bulk(str(len(streams) + 2).encode()),
             _bulk(fence_key.encode()),
-            _bulk(self.marker_key.encode()),
+            _bulk(marker_key.encode()),
         ]
         head.extend(_bulk(name.encode()) for name in streams)
         head.append(_bulk(str(len(prepared)).encode()))
         head.append(_bulk(str(self.maxlen or 0).encode()))
-        head.append(_bulk((self.known_last_id or "0").encode()))
+        head.append(_bulk((expected or "0").encode()))
         head.extend(_bulk(minids.get(name, "0").encode()) for name in streams)
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([b"".join(head), b"".join(body)], check_health=True)
-            try:
-                replies = conn.read_response()
-            except ResponseError as exc:
-                # The whole call was refused (OOM at start, BUSY, ...): nothing was added.
-                error = classify_reply(exc)
-                return [error for _ in prepared]
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
+        return b"".join(head) + b"".join(body)
+
+    def script_results(
+        self, replies: Any, prepared: Sequence[Prepared], fence_key: str
+    ) -> list[str | Exception]:
+        """The per-entry results of one :meth:`script_call`'s reply; remembers the highest
+        entry id added (:meth:`saw_entry`)."""
         if not isinstance(replies, list):
             refusal: Exception
             if replies in (b"LOST", "LOST"):
                 refusal = MarkerBehind(
-                    f"Redis holds less than this relay's receipts ({self.marker_key} is "
-                    f"missing or older than {self.known_last_id})"
+                    f"Redis holds less than this relay's receipts (the marker is missing or "
+                    f"older than {self.known_last_id})"
                 )
             else:
                 refusal = FencedOut(f"fenced out by a reconciling relay ({fence_key})")
@@ -517,6 +620,40 @@ class RedisStreamPublisher:
             self.saw_entry(*last)
         return results
 
+    def known_in_slot(self, slot: int) -> str | None:
+        """Cluster: the highest entry id this publisher added in ``slot`` (the marker of
+        that slot must hold at least this much; None: no check yet)."""
+        return self._known_by_slot.get(slot)
+
+    def saw_in_slot(self, slot: int, entry_ids: Sequence[str]) -> None:
+        """Cluster: remember the highest of ``entry_ids``, just added in ``slot``."""
+        best = self._known_by_slot.get(slot)
+        for entry_id in entry_ids:
+            if best is None or entry_id_key(best) < entry_id_key(entry_id):
+                best = entry_id
+        if best is not None:
+            self._known_by_slot[slot] = best
+
+    def fence_for(self, fence: str, stream: str) -> str:
+        """The key that fences intent ``fence`` for entries of ``stream``: ``fence`` itself on
+        one server; on a cluster a key in ``stream``'s slot
+        (:func:`outbox.redis_client.in_slot_of`), where the script that checks it runs."""
+        if not self._cluster:
+            return fence
+        from outbox.redis_client import in_slot_of
+
+        return in_slot_of(fence, stream)
+
+    def marker_for(self, stream: str | None) -> str:
+        """The marker key that guards ``stream``: :attr:`marker_key` on one server; on a
+        cluster one per slot (in ``stream``'s slot), checked by that slot's script against
+        the highest id this relay added in that slot."""
+        if not self._cluster or stream is None:
+            return self.marker_key
+        from outbox.redis_client import in_slot_of
+
+        return in_slot_of(self.marker_key, stream)
+
     def saw_entry(self, stream: str, entry_id: str) -> None:
         """Remember ``entry_id`` of ``stream`` as held by Redis: the highest one is checked
         against the marker before every batch (see :class:`MarkerBehind`)."""
@@ -524,24 +661,6 @@ class RedisStreamPublisher:
         if known is None or entry_id_key(known) < entry_id_key(entry_id):
             self.known_last_id = entry_id
             self.known_last_stream = stream
-
-    def _publish_cluster(self, prepared: Sequence[Prepared]) -> list[str | Exception]:
-        pipe = self.client.pipeline(transaction=False)
-        for p in prepared:
-            kwargs: dict[str, Any] = {}
-            if self.maxlen is not None:
-                kwargs = {"maxlen": self.maxlen, "approximate": True}
-            pipe.xadd(p.stream, self.entry(p.record), **kwargs)
-        raw = pipe.execute(raise_on_error=False)
-        results: list[str | Exception] = []
-        for reply in raw:
-            if isinstance(reply, ResponseError):
-                results.append(classify_reply(reply))
-            elif isinstance(reply, Exception):
-                raise reply
-            else:
-                results.append(reply.decode() if isinstance(reply, bytes) else str(reply))
-        return results
 
     # -- reconciliation ---------------------------------------------------------------------
 
@@ -577,23 +696,51 @@ class RedisStreamPublisher:
             start = "(" + last
         return found
 
-    def set_fences(self, keys: Sequence[str], ttl_seconds: int = 7 * 24 * 3600) -> None:
+    def set_fences(
+        self,
+        keys: Sequence[str],
+        ttl_seconds: int = 7 * 24 * 3600,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
+    ) -> None:
         """Fence intents before reconciling them: a batch that checks one of these keys is
         refused, so after this call nothing more can be added for those intents, and what
-        the stream holds for them is final."""
+        the stream holds for them is final.
+
+        ``wait_replicas``: ``WAIT`` after the fences on each connection that set them.
+        Replication is in order, so a confirmed fence means the replicas also hold every
+        entry the stream had before it: what the reconciliation then finds there survives a
+        failover (else :class:`ReplicasNotConfirmed`, and the reconciliation waits)."""
         if not keys:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.set(key, b"1", ex=ttl_seconds)
-        pipe.execute()
+        if self._cluster:
+            from relay.cluster import set_fences_by_slot
+
+            set_fences_by_slot(self, keys, ttl_seconds, wait_replicas, wait_timeout)
+            return
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            send_fences(conn, keys, ttl_seconds, wait_replicas, wait_timeout)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
 
     def ping(self) -> None:
         self.client.ping()
 
-    def raise_marker(self, entry_id: str) -> None:
-        """Set the marker to ``entry_id`` unless it already holds a later id."""
-        self.client.eval(_RAISE_MARKER_LUA, 1, self.marker_key, entry_id)
+    def raise_marker(self, entry_id: str, stream: str | None = None) -> None:
+        """Set the marker (of ``stream``'s slot on a cluster; default: the stream of the
+        latest known entry) to ``entry_id`` unless it already holds a later id."""
+        key = self.marker_for(stream or self.known_last_stream)
+        self.client.eval(_RAISE_MARKER_LUA, 1, key, entry_id)
+        if self._cluster and (stream or self.known_last_stream):
+            from outbox.redis_client import slot_of
+
+            self._known_by_slot[slot_of(stream or self.known_last_stream or "")] = entry_id
 
 
 def _headers(record: Record) -> dict[str, str]:
@@ -615,7 +762,9 @@ def _headers(record: Record) -> dict[str, str]:
 def classify_reply(exc: ResponseError) -> Exception:
     """A per-entry error reply: transient (retry later) or permanent (quarantine)."""
     message = str(exc)
-    head = message.split(" ", 1)[0].upper()
+    # redis-py takes a known code (OOM, LOADING, TRYAGAIN, MOVED, ...) off a whole-call
+    # refusal's message and keeps it in ``status_code``; per-entry replies keep it in the text.
+    head = (getattr(exc, "status_code", None) or message.split(" ", 1)[0]).upper()
     if head in TRANSIENT_REPLIES or isinstance(exc, redis.exceptions.ReadOnlyError):
         return TransientError(message)
     return PermanentPublishError(f"Redis refused the entry: {message}")

@@ -277,7 +277,12 @@ class Relay:
             self._record(outcome, held | {p.record.key for p in prepared})
             return 0
         try:
-            results = self.publisher.publish(prepared, fence_key(self.name, epoch))
+            results = self.publisher.publish(
+                prepared,
+                fence_key(self.name, epoch),
+                wait_replicas=self.config.wait_replicas,
+                wait_timeout=self.config.wait_timeout,
+            )
         except Exception as exc:
             # Any prefix of the batch may be in the stream: keep the intents (they are
             # reconciled before the next attempt) and count the attempt on every record.
@@ -293,7 +298,7 @@ class Relay:
             self._hook("relay_publish_error", "transient", None)
             self._redis_suspect = True
             raise
-        if results and isinstance(results[0], MarkerBehind):
+        if results and all(isinstance(r, MarkerBehind) for r in results):
             # Redis holds less than our receipts: nothing was added. Give the batch back
             # (no attempt counted) and let the next cycle check and report the loss.
             log.warning(
@@ -303,7 +308,7 @@ class Relay:
             self._marker_behind = True
             self._record(outcome, held | {p.record.key for p in prepared})
             return 0
-        if results and isinstance(results[0], FencedOut):
+        if results and all(isinstance(r, FencedOut) for r in results):
             # Another relay took this batch over (our claim was older than its window):
             # nothing was added; give back whatever it has not resolved yet.
             log.warning("batch fenced out by a reconciling relay", extra=fields(epoch=epoch))
@@ -318,6 +323,17 @@ class Relay:
             record = p.record
             if isinstance(result, HeldBack):
                 outcome.release.append(record.seq)
+                held.add(record.key)
+                continue
+            # On a cluster a batch is one script per slot: one slot's share can be refused
+            # whole (nothing of it added) while the others go out.
+            if isinstance(result, MarkerBehind):
+                outcome.release.append(record.seq)
+                held.add(record.key)
+                self._marker_behind = True
+                continue
+            if isinstance(result, FencedOut):
+                outcome.failed.append((record.seq, 0.0, str(result), False))
                 held.add(record.key)
                 continue
             if isinstance(result, str):
@@ -405,7 +421,20 @@ class Relay:
             groups.setdefault(stream, []).append(orphan)
         # Fence first: once the fences are set no batch of these intents can still be added
         # (the publish script checks its fence atomically), so what the stream holds is final.
-        self.publisher.set_fences(sorted({fence_key(o.claimed_by, o.claim_epoch) for o in orphans}))
+        # On a cluster each stream's slot has its own fence key for an intent. With
+        # wait_replicas the fences are confirmed by the replicas, and with them every entry
+        # before them: what is found below survives a failover.
+        self.publisher.set_fences(
+            sorted(
+                {
+                    self.publisher.fence_for(fence_key(o.claimed_by, o.claim_epoch), stream)
+                    for stream, members in groups.items()
+                    for o in members
+                }
+            ),
+            wait_replicas=self.config.wait_replicas,
+            wait_timeout=self.config.wait_timeout,
+        )
         found: list[tuple[Orphan, str, str]] = []
         for stream, members in groups.items():
             # An entry of an intent was added after its claim committed: search from the
@@ -471,7 +500,7 @@ class Relay:
         if known is None or stream is None:
             return False  # no receipt yet: nothing Redis must hold
         client = publisher.client
-        raw = client.get(publisher.marker_key)
+        raw = client.get(publisher.marker_for(stream))
         marker = raw.decode() if isinstance(raw, bytes) else raw
         if marker is not None and entry_id_key(marker) >= entry_id_key(known):
             return False
@@ -585,6 +614,8 @@ class Relay:
                 partitions=self.store.partitions,
                 listen=cfg.listen and self.store.supports_notify,
                 retention_seconds=cfg.retention_seconds,
+                redis_cluster=self.publisher.cluster,
+                wait_replicas=cfg.wait_replicas,
             ),
         )
         receipts = self.store.receipt_store()

@@ -269,6 +269,21 @@ class PrivateCluster:
         node.kill()
         return node
 
+    def wait_failover(self, victim: ClusterNode, key: str, timeout: float = 30.0) -> ClusterNode:
+        """Wait until a replica has taken over ``key``'s slot from the dead ``victim``
+        (the node timeout plus an election) and every live node agrees; returns the new
+        master. Restart the victim only after this: a master that restarts empty before its
+        replica is promoted wipes the replica too (it resyncs from the empty master)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, RuntimeError, StopIteration):
+                master = self.master_of(key)
+                if master.port != victim.port:
+                    self.wait_healthy(max(1.0, deadline - time.monotonic()), replicas=False)
+                    return master
+            time.sleep(0.1)
+        raise TimeoutError(f"no replica took over from {victim.address} within {timeout} s")
+
     def restart(self, node: ClusterNode) -> None:
         node.start()
 
@@ -301,6 +316,29 @@ class PrivateCluster:
         if done.returncode != 0:
             raise RuntimeError(f"reshard failed: {output[-2000:]}")
         return output
+
+    def migrate_slot(
+        self, slot: int, source: ClusterNode, target: ClusterNode, pause: float = 0.5
+    ) -> int:
+        """Move one slot with its keys from ``source`` to ``target`` the way ``redis-cli
+        --cluster reshard`` does, one step at a time: IMPORTING/MIGRATING, ``pause`` seconds
+        with the slot half-moved (clients get TRYAGAIN/ASK), MIGRATE of every key, then the
+        new owner announced to every master. Returns how many keys moved."""
+        ids = {n["port"]: n["id"] for n in self.topology()}
+        src, dst = source.client(), target.client()
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.port])
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port])
+        time.sleep(pause)  # writers and readers run into the half-moved slot meanwhile
+        moved = 0
+        while True:
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+            if not keys:
+                break
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10000, "KEYS", *keys)
+            moved += len(keys)
+        for node in (target, source, *self.masters()):
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target.port])
+        return moved
 
     def close(self) -> None:
         for node in self.nodes:
@@ -386,9 +424,14 @@ class RedisTarget:
     connect: Callable[[], Any]
 
     @property
-    def cli_args(self) -> list[str]:
-        """The command-line flags that point a process at this target."""
-        return ["--redis-url", self.url, *(["--redis-cluster"] if self.cluster else [])]
+    def extra_args(self) -> list[str]:
+        """Command-line flags besides ``--redis-url`` that point a process at this target."""
+        return ["--redis-cluster"] if self.cluster else []
+
+    @property
+    def consumer_url(self) -> str:
+        """The URL a Consumer is given (``redis+cluster://`` on the cluster)."""
+        return self.url.replace("redis://", "redis+cluster://", 1) if self.cluster else self.url
 
     def hash_tagged(self, template: str) -> str:
         """``template`` with its topic made a hash tag on the cluster (one slot per stream,
@@ -399,12 +442,20 @@ class RedisTarget:
 
 
 @pytest.fixture(params=["single", "cluster"])
-def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
-    """Parametrise a guarantee test over one Redis server and a Redis Cluster."""
+def redis_target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
+    """Parametrise a guarantee test over one Redis server and a Redis Cluster; the test's
+    keys (under ``stream_prefix``) are deleted afterwards."""
     if request.param == "single":
         url = str(request.getfixturevalue("redis_url"))
-        yield RedisTarget("single", url, False, lambda: redis.Redis.from_url(url))
-        return
-    cluster: PrivateCluster = request.getfixturevalue("redis_cluster")
-    url = cluster.url
-    yield RedisTarget("cluster", url, True, lambda: RedisCluster.from_url(url))
+        target = RedisTarget("single", url, False, lambda: redis.Redis.from_url(url))
+    else:
+        cluster: PrivateCluster = request.getfixturevalue("redis_cluster")
+        seed = cluster.url
+        target = RedisTarget("cluster", seed, True, lambda: RedisCluster.from_url(seed))
+    yield target
+    client = target.connect()
+    try:
+        for key in list(client.scan_iter(match=f"*{stream_prefix}*", count=1000)):
+            client.delete(key)
+    finally:
+        client.close()

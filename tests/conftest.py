@@ -27,6 +27,9 @@ import sqlalchemy as sa
 
 from tests.embedded_support import embedded_servers_in
 
+# The Redis Cluster fixtures (redis_cluster, private_cluster, redis_target) for every module.
+pytest_plugins = ["cluster_support"]
+
 PG_BASE = os.environ.get("OUTBOX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
 

@@ -9,33 +9,61 @@ holds what only a cluster has: slots, fences per slot, redirections, failover, r
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 import redis
+import sqlalchemy as sa
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from consumer import Consumer, ConsumerConfig
+from consumer.event import ConsumedEvent, encode_entry
+from outbox import Outbox
+from outbox.backoff import Backoff
+from outbox.db import make_engine
 from outbox.errors import ConfigError
-from outbox.redis_client import is_cluster_url, redis_client
-from relay.cluster import (
-    ReplicasNotConfirmed,
-    hash_tag,
-    publish_by_slot,
-    slot_fence,
-    template_has_hash_tag,
-)
+from outbox.hooks import Hooks
+from outbox.redis_client import hash_tag, is_cluster_url, redis_client
+from relay.admin import status
+from relay.cluster import slot_fence, template_has_hash_tag
+from relay.config import RelayConfig
 from relay.publisher import (
     FencedOut,
     HeldBack,
     PermanentPublishError,
     Prepared,
     RedisStreamPublisher,
+    ReplicasNotConfirmed,
 )
 from relay.records import Record
+from relay.relay import Relay, fence_key
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
-    from cluster_support import PrivateCluster, private_cluster, redis_cluster
+    from cluster_support import PrivateCluster
+    from services import PrivateRedis
+    from test_relay_faults import (
+        WriterFactory,
+        Writers,
+        assert_clean,
+        committed_versions,
+        create_domain,
+        judge,
+        make_keys,
+        pending_count,
+        read_streams,
+        relay_command,
+        relays,
+        topic_of,
+        wait_drained,
+        wait_for,
+        writers_factory,  # noqa: F401 (a fixture)
+    )
 except ImportError:  # pragma: no cover - if tests/ becomes a package
-    from tests.cluster_support import PrivateCluster, private_cluster, redis_cluster  # noqa: F401
+    from tests.cluster_support import PrivateCluster
 
 
 def record(seq: int, topic: str, key: str) -> Record:
@@ -73,7 +101,7 @@ def prepare_batch(
 def test_slot_fence_lives_in_the_slot_of_its_stream(stream: str) -> None:
     fence = slot_fence("outbox:fence:relay-h-1-abcd:42", stream)
     assert key_slot(fence.encode()) == key_slot(stream.encode())
-    assert fence.startswith("outbox:fence:relay-h-1-abcd:42:")
+    assert fence.endswith("outbox:fence:relay-h-1-abcd:42")
 
 
 def test_hash_tags_of_names_and_templates() -> None:
@@ -118,7 +146,7 @@ def test_batch_is_published_per_slot_in_order(
     slots = {key_slot(publisher.stream_for(record(0, t, "k")).encode()) for t in topics}
     assert len(slots) == 6
     batch = prepare_batch(publisher, topics, 300)
-    results = publish_by_slot(cluster_client, batch, "outbox:fence:r:1", None, wait_replicas=1)
+    results = publisher.publish(batch, "outbox:fence:r:1", wait_replicas=1)
     assert all(isinstance(r, str) for r in results), results[:3]
     for topic in topics:
         stream = publisher.stream_for(record(0, topic, "k"))
@@ -134,8 +162,8 @@ def test_fence_refuses_only_the_slots_it_was_set_in(
     fenced_stream = publisher.stream_for(record(0, topics[0], "k"))
     batch = prepare_batch(publisher, topics, 20)
     # What a reconciler does for an orphaned intent: fence the slots of the streams it reads.
-    publisher.set_fences([slot_fence("outbox:fence:r:2", fenced_stream)])
-    results = publish_by_slot(cluster_client, batch, "outbox:fence:r:2", None)
+    publisher.set_fences([publisher.fence_for("outbox:fence:r:2", fenced_stream)])
+    results = publisher.publish(batch, "outbox:fence:r:2")
     for p, result in zip(batch, results, strict=True):
         if p.stream == fenced_stream:
             assert isinstance(result, FencedOut)
@@ -155,7 +183,7 @@ def test_failing_entry_holds_back_its_key_within_the_slot(
         publisher.prepare(record(2, bad, "k1")),
         publisher.prepare(record(3, good, "k2")),
     ]
-    results = publish_by_slot(cluster_client, batch, None, None)
+    results = publisher.publish(batch)
     assert isinstance(results[0], PermanentPublishError)
     assert isinstance(results[1], HeldBack)
     assert isinstance(results[2], str)
@@ -169,7 +197,7 @@ def test_wait_without_replicas_is_not_a_receipt(stream_prefix: str) -> None:
         publisher = RedisStreamPublisher(client, f"{stream_prefix}.{{{{{{topic}}}}}}")
         batch = prepare_batch(publisher, [f"{stream_prefix}-x", f"{stream_prefix}-y"], 10)
         with pytest.raises(ReplicasNotConfirmed):
-            publish_by_slot(client, batch, None, None, wait_replicas=1, wait_timeout_ms=50)
+            publisher.publish(batch, wait_replicas=1, wait_timeout=0.05)
         assert isinstance(ReplicasNotConfirmed("x"), redis.ConnectionError)
         client.close()
 
@@ -191,8 +219,369 @@ def test_moved_slot_is_retried_with_a_fresh_slot_map(
         node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
     private_cluster.wait_healthy()
     batch = prepare_batch(publisher, [topic], 5)
-    results = publish_by_slot(client, batch, None, None)
+    results = publisher.publish(batch)
     assert all(isinstance(r, str) for r in results), results
     assert private_cluster.master_of(stream).port == target.port
     assert target.client().xlen(stream) == 5
+    client.close()
+
+
+# -- the relay on a cluster ------------------------------------------------------------------
+
+
+class LostReply(RedisStreamPublisher):
+    """Publishes, then loses the reply once (a connection cut after the server ran the
+    scripts): the relay is left with intents and no receipts, as after a crash."""
+
+    lose = True
+
+    def publish(self, prepared: Any, fence: str | None = None, **kwargs: Any) -> Any:
+        results = super().publish(prepared, fence, **kwargs)
+        if self.lose:
+            self.lose = False
+            raise redis.ConnectionError("reply lost after the scripts ran")
+        return results
+
+
+def emit_events(outbox: Outbox, topics: list[str], count: int) -> list[str]:
+    ids: list[str] = []
+    with outbox.transaction() as tx:
+        for i in range(count):
+            ids.append(
+                tx.emit(topics[i % len(topics)], key=f"key-{i % 11}", payload={"n": i}, tenant="t")
+            )
+    return ids
+
+
+def stream_ids(client: Any, streams: list[str]) -> list[str]:
+    out: list[str] = []
+    for stream in streams:
+        out.extend(f[b"id"].decode() for _eid, f in client.xrange(stream))
+    return out
+
+
+def test_relay_reconciles_a_lost_reply_slot_by_slot_without_duplicates(
+    pg_url: str, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    topics = [f"topic-{i}" for i in range(5)]
+    ids = emit_events(outbox, topics, 200)
+    publisher = LostReply(cluster_client, f"{stream_prefix}.{{{{{{topic}}}}}}")
+    streams = [publisher.stream_for(record(0, t, "k")) for t in topics]
+    config = RelayConfig(publish_deadline=0.2, clock_margin=0.1, record_backoff=Backoff(0.05, 0.2))
+    relay = Relay(outbox, publisher, config)
+    with pytest.raises(redis.ConnectionError):
+        relay.run_once()
+    assert sorted(stream_ids(cluster_client, streams)) == sorted(ids)  # published, no receipt
+    deadline = time.monotonic() + 20
+    while relay.stats.reconciled_found < 200 and time.monotonic() < deadline:
+        relay.run_once()  # reconciles once the lost batch's publish window has passed
+        time.sleep(0.05)
+    assert relay.stats.reconciled_found == 200
+    assert sorted(stream_ids(cluster_client, streams)) == sorted(ids)  # nothing twice
+    assert status(outbox.engine, outbox.schema)["pending"] == 0
+    # The reconciler fenced the lost intent in every slot it read.
+    fence = fence_key(relay.name, 1)
+    for stream in streams:
+        assert cluster_client.exists(publisher.fence_for(fence, stream))
+    outbox.engine.dispose()
+
+
+def test_relay_with_wait_replicas_on_the_cluster(
+    pg_url: str, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    topics = [f"topic-{i}" for i in range(4)]
+    ids = emit_events(outbox, topics, 300)
+    publisher = RedisStreamPublisher(cluster_client, f"{stream_prefix}.{{{{{{topic}}}}}}")
+    relay = Relay(outbox, publisher, RelayConfig(wait_replicas=1, batch_size=100))
+    while relay.run_once():
+        pass
+    streams = [publisher.stream_for(record(0, t, "k")) for t in topics]
+    assert sorted(stream_ids(cluster_client, streams)) == sorted(ids)
+    outbox.engine.dispose()
+
+
+def test_wait_replicas_unconfirmed_on_one_server_is_reconciled_not_assumed(
+    sqlite_url: str, stream_prefix: str
+) -> None:
+    """One Redis without a replica: ``WAIT 1`` never confirms. The batch is in the stream,
+    but the relay records no receipt for it; the reconciliation finds it there and records
+    it, and nothing is published twice."""
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    ids = emit_events(outbox, ["quote.approved"], 20)
+    with PrivateRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        publisher = RedisStreamPublisher(client, f"{stream_prefix}.{{topic}}")
+        config = RelayConfig(
+            wait_replicas=1, wait_timeout=0.05, publish_deadline=0.2, clock_margin=0.1
+        )
+        relay = Relay(outbox, publisher, config)
+        with pytest.raises(ReplicasNotConfirmed):
+            relay.run_once()
+        assert status(outbox.engine, outbox.schema)["pending"] == 20  # no receipt assumed
+        # Nor does the reconciliation trust what it finds while no replica confirms it.
+        time.sleep(config.reconcile_after)
+        with pytest.raises(ReplicasNotConfirmed):
+            for _ in range(20):
+                relay.run_once()
+                time.sleep(0.05)
+        assert relay.stats.reconciled_found == 0
+        relay.store.close()
+        # An operator drops the requirement (no replica here): the batch is found, once.
+        relay = Relay(outbox, publisher, dataclasses.replace(config, wait_replicas=0))
+        deadline = time.monotonic() + 20
+        while relay.stats.reconciled_found < 20 and time.monotonic() < deadline:
+            relay.run_once()
+            time.sleep(0.05)
+        assert relay.stats.reconciled_found == 20
+        assert status(outbox.engine, outbox.schema)["pending"] == 0
+        got = [f[b"id"].decode() for _e, f in client.xrange(f"{stream_prefix}.quote.approved")]
+        assert got == ids
+        client.close()
+    outbox.engine.dispose()
+
+
+def test_unconfigured_values_of_wait_replicas_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        RelayConfig(wait_replicas=-1)
+    with pytest.raises(ConfigError):
+        RelayConfig(wait_timeout=0)
+
+
+# -- consumers on a cluster ------------------------------------------------------------------
+
+
+class LagHooks(Hooks):
+    def __init__(self) -> None:
+        self.lag: dict[str, tuple[int | None, int]] = {}
+
+    def consumer_lag(self, group: str, stream: str, lag: int | None, pending: int) -> None:
+        self.lag[stream] = (lag, pending)
+
+
+def make_consumer(
+    db: str, url: str, streams: list[str], hooks: Hooks | None = None, **config: Any
+) -> Consumer:
+    settings: dict[str, Any] = {"block_ms": 50, "maintenance_interval_seconds": 0.01}
+    settings.update(config)
+    consumer = Consumer(
+        db,
+        url,
+        group="billing",
+        streams=streams,
+        config=ConsumerConfig(**settings),
+        hooks=hooks,
+    )
+    effects_md.create_all(consumer.engine, checkfirst=True)
+    return consumer
+
+
+effects_md = sa.MetaData()
+effects = sa.Table(
+    "cluster_effects",
+    effects_md,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("identity", sa.String(200), nullable=False),  # not unique: duplicates show
+)
+
+
+def handle_into_effects(consumer: Consumer, topic: str, fail: str | None = None) -> None:
+    def handler(event: ConsumedEvent, tx: Any) -> None:
+        if event.identity == fail:
+            raise RuntimeError("poison")
+        tx.session.execute(sa.insert(effects).values(identity=event.identity))
+
+    consumer.add_handler(topic, handler)
+
+
+def effect_identities(consumer: Consumer) -> list[str]:
+    with consumer.engine.connect() as conn:
+        return sorted(r[0] for r in conn.execute(sa.select(effects.c.identity)))
+
+
+def xadd_event(client: Any, stream: str, identity: str, event_id: str) -> None:
+    client.xadd(
+        stream, encode_entry("quote.approved", {"n": 1}, event_id=event_id, identity=identity)
+    )
+
+
+def drain_consumer(consumer: Consumer) -> int:
+    total = 0
+    while (n := consumer.run_once(block=False)) > 0:
+        total += n
+    return total
+
+
+def test_consumer_reads_streams_of_several_slots_and_deduplicates(
+    db_url: str, redis_cluster: PrivateCluster, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    streams = [f"{stream_prefix}.{{quote-{i}}}" for i in range(4)]
+    assert len({key_slot(s.encode()) for s in streams}) == 4
+    hooks = LagHooks()
+    consumer = make_consumer(db_url, redis_cluster.cluster_url, streams, hooks)
+    handle_into_effects(consumer, "quote.approved")
+    assert consumer.run_once(block=True) == 0  # creates the groups; blocks slot by slot
+    for n, stream in enumerate(streams):
+        for copy in range(3):  # the same business identity three times, in every stream
+            xadd_event(cluster_client, stream, "studio:send-1", f"evt-{n}-{copy}")
+        xadd_event(cluster_client, stream, f"studio:only-{n}", f"evt-{n}-x")
+    assert drain_consumer(consumer) == 16
+    assert effect_identities(consumer) == sorted(
+        ["studio:send-1"] + [f"studio:only-{n}" for n in range(4)]
+    )
+    for stream in streams:
+        assert cluster_client.xpending(stream, "billing")["pending"] == 0
+    consumer.run_once(block=False)
+    assert set(hooks.lag) == set(streams)  # group lag per stream, read from each slot's master
+    assert all(lag == (0, 0) for lag in hooks.lag.values())
+    consumer.engine.dispose()
+
+
+def test_consumer_claims_back_and_dead_letters_on_the_cluster(
+    db_url: str, redis_cluster: PrivateCluster, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    # Streams without a hash tag: the dead-letter stream is tagged with its source stream.
+    streams = [f"{stream_prefix}.quote.approved", f"{stream_prefix}.quote.sent"]
+    consumer = make_consumer(
+        db_url, redis_cluster.cluster_url, streams, claim_idle_ms=0, max_deliveries=2
+    )
+    handle_into_effects(consumer, "quote.approved", fail="studio:poison")
+    consumer.run_once(block=False)  # creates the groups
+    xadd_event(cluster_client, streams[1], "studio:a", "evt-a")
+    # A consumer reads the entry and dies before acknowledging it: XAUTOCLAIM takes it over.
+    got = cluster_client.xreadgroup("billing", "ghost", {streams[1]: ">"}, count=10)
+    assert len(got[0][1]) == 1
+    xadd_event(cluster_client, streams[0], "studio:poison", "evt-p")
+    drain_consumer(consumer)
+    assert effect_identities(consumer) == ["studio:a"]
+    dead_stream = consumer.dead_letter_stream_for(streams[0])
+    assert dead_stream == "{" + streams[0] + "}.dead-letter"
+    assert key_slot(dead_stream.encode()) == key_slot(streams[0].encode())
+    dead = cluster_client.xrange(dead_stream)
+    assert [f[b"id"] for _e, f in dead] == [b"evt-p"]
+    for stream in streams:
+        assert cluster_client.xpending(stream, "billing")["pending"] == 0
+    consumer.engine.dispose()
+
+
+# -- faults under load: failover and resharding ----------------------------------------------
+
+
+def fault_setup(pg_url: str, cluster: PrivateCluster, prefix: str) -> tuple[list[str], str]:
+    keys = make_keys(200)
+    create_domain(pg_url, keys)
+    # Hash-tagged streams (prefix.{fault.even}, prefix.{fault.odd}): one slot per topic.
+    return keys, f"{prefix}.{{{{{{topic}}}}}}"
+
+
+def judge_cluster(
+    pg_url: str, cluster: PrivateCluster, prefix: str, writers: Writers, what: str
+) -> None:
+    client = cluster.client()
+    versions = committed_versions(pg_url)
+    verdict = judge(read_streams(client, prefix), versions, writers.stats.confirmed)
+    client.close()
+    print(f"\n{what}: {verdict.entries} entries, {verdict.expected} committed")
+    assert_clean(verdict, what)
+
+
+@pytest.mark.slow
+def test_master_killed_mid_load_with_wait_replicas_loses_nothing(
+    pg_url: str,
+    private_cluster: PrivateCluster,
+    stream_prefix: str,
+    tmp_path: Path,
+    writers_factory: WriterFactory,
+) -> None:
+    """SIGKILL the master of a stream's slot while two relays publish with
+    ``--wait-replicas 1``: its replica is promoted, the old master comes back as the new
+    master's replica, and every committed event is in its stream once, in per-key order."""
+    keys, template = fault_setup(pg_url, private_cluster, stream_prefix)
+    victim_stream = f"{stream_prefix}.{{{topic_of(keys[0])}}}"
+    command = relay_command(
+        pg_url,
+        private_cluster.url,
+        template,
+        100,
+        "--redis-cluster",
+        "--wait-replicas",
+        "1",
+        "--wait-timeout",
+        "0.5",
+    )
+    engine = make_engine(pg_url, pool_size=2)
+    client = private_cluster.client()
+    with relays(command, tmp_path) as procs:
+        procs.spawn()
+        procs.spawn()
+        writers = writers_factory(pg_url, keys, 6000, threads=4, per_tx=2, rate=800)
+        wait_for(
+            lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
+            30,
+            "the relays did not start publishing",
+            procs.tail,
+        )
+        victim = private_cluster.kill_master_of(victim_stream)
+        # The replica takes over after the node timeout; the old master then rejoins as
+        # its replica (without it WAIT 1 could never be satisfied for that slot again).
+        private_cluster.wait_failover(victim, victim_stream)
+        private_cluster.restart(victim)
+        private_cluster.wait_healthy()
+        writers.join(60)
+        expected = sum(committed_versions(pg_url).values())
+        wait_drained(engine, client, stream_prefix, lambda: expected, 90, procs)
+        codes = procs.terminate_all()
+    assert codes == [0, 0], procs.tail()
+    judge_cluster(
+        pg_url, private_cluster, stream_prefix, writers, "master killed, replica promoted"
+    )
+    assert pending_count(engine) == (0, 0)
+    engine.dispose()
+    client.close()
+
+
+@pytest.mark.slow
+def test_slot_migrated_under_load_loses_nothing_and_duplicates_nothing(
+    pg_url: str,
+    private_cluster: PrivateCluster,
+    stream_prefix: str,
+    tmp_path: Path,
+    writers_factory: WriterFactory,
+) -> None:
+    """Move a stream's slot to another master (IMPORTING/MIGRATING, half a second of
+    TRYAGAIN/ASK, MIGRATE, the new owner announced: what ``redis-cli --cluster reshard``
+    does per slot) while two relays publish and reconcile into it."""
+    keys, template = fault_setup(pg_url, private_cluster, stream_prefix)
+    stream = f"{stream_prefix}.{{{topic_of(keys[0])}}}"
+    command = relay_command(pg_url, private_cluster.url, template, 100, "--redis-cluster")
+    engine = make_engine(pg_url, pool_size=2)
+    client = private_cluster.client()
+    with relays(command, tmp_path) as procs:
+        procs.spawn()
+        procs.spawn()
+        writers = writers_factory(pg_url, keys, 6000, threads=4, per_tx=2, rate=800)
+        wait_for(
+            lambda: client.exists(stream) and client.xlen(stream) > 500,
+            30,
+            "the relays did not start publishing",
+            procs.tail,
+        )
+        source = private_cluster.master_of(stream)
+        target = next(m for m in private_cluster.masters() if m.port != source.port)
+        moved = private_cluster.migrate_slot(key_slot(stream.encode()), source, target)
+        assert moved >= 1
+        private_cluster.wait_healthy()
+        assert private_cluster.master_of(stream).port == target.port
+        writers.join(60)
+        expected = sum(committed_versions(pg_url).values())
+        wait_drained(engine, client, stream_prefix, lambda: expected, 90, procs)
+        codes = procs.terminate_all()
+    assert codes == [0, 0], procs.tail()
+    judge_cluster(pg_url, private_cluster, stream_prefix, writers, "slot migrated under load")
+    assert pending_count(engine) == (0, 0)
+    engine.dispose()
     client.close()
