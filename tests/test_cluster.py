@@ -10,6 +10,10 @@ holds what only a cluster has: slots, fences per slot, redirections, failover, r
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -585,3 +589,114 @@ def test_slot_migrated_under_load_loses_nothing_and_duplicates_nothing(
     assert pending_count(engine) == (0, 0)
     engine.dispose()
     client.close()
+
+
+# -- the command lines, end to end -------------------------------------------------------------
+
+
+def test_cli_relay_consumer_and_worker_on_the_cluster(
+    pg_url: str, redis_cluster: PrivateCluster, stream_prefix: str, tmp_path: Path
+) -> None:
+    """``outbox-relay run --redis-cluster``, then ``outbox-consumer run --redis-cluster``,
+    then ``outbox-worker run``: every business identity gets exactly one effect, duplicate
+    events included, over three topics in three slots; SIGTERM ends each with exit 0."""
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    topics = ["quote.approved", "quote.sent", "quote.paid"]
+    identities = [f"studio:q-{n}" for n in range(90)]
+    with outbox.transaction() as tx:
+        for n, identity in enumerate(identities):
+            tx.emit(
+                topics[n % 3], key=f"q-{n}", payload={"n": n}, tenant="studio", identity=identity
+            )
+        for n in range(0, 90, 9):  # a client retried: a second event, same business identity
+            tx.emit(
+                topics[n % 3],
+                key=f"q-{n}",
+                payload={"n": n},
+                tenant="studio",
+                identity=identities[n],
+            )
+    template = f"{stream_prefix}.{{{{{{topic}}}}}}"
+    effects_file = tmp_path / "effects.txt"
+    repo = Path(__file__).resolve().parent.parent
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+        "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]),
+        "CLUSTER_APP_STREAM": template,
+        "CLUSTER_APP_TOPICS": ",".join(topics),
+        "CLUSTER_APP_EFFECTS": str(effects_file),
+        "OUTBOX_REDIS_CLUSTER": "1",  # the consumer takes it from the environment
+    }
+    bin_dir = Path(sys.executable).parent
+    commands = {
+        "relay": [
+            str(bin_dir / "outbox-relay"),
+            "run",
+            "--redis-cluster",
+            "--redis-url",
+            redis_cluster.url,
+            "--database-url",
+            pg_url,
+            "--stream",
+            template,
+        ],
+        "consumer": [
+            str(bin_dir / "outbox-consumer"),
+            "run",
+            "cluster_app:consumer",
+            "--redis-url",
+            redis_cluster.url,
+            "--database-url",
+            pg_url,
+        ],
+        "worker": [
+            str(bin_dir / "outbox-worker"),
+            "run",
+            "cluster_app:worker",
+            "--database-url",
+            pg_url,
+        ],
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+    try:
+        for name, command in commands.items():
+            logs[name] = tmp_path / f"{name}.log"
+            with open(logs[name], "wb") as log:
+                procs[name] = subprocess.Popen(
+                    command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+
+        def done() -> bool:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"{name} exited {proc.returncode}: {logs[name].read_text()}"
+                    )
+            return effects_file.exists() and len(effects_file.read_text().split()) >= 90
+
+        deadline = time.monotonic() + 60
+        while not done():
+            if time.monotonic() > deadline:
+                tails = {n: p.read_text()[-1500:] for n, p in logs.items()}
+                raise AssertionError(f"not every identity got its effect: {tails}")
+            time.sleep(0.1)
+        codes = {}
+        for name in ("relay", "consumer", "worker"):
+            procs[name].send_signal(signal.SIGTERM)
+            codes[name] = procs[name].wait(30)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert codes == {"relay": 0, "consumer": 0, "worker": 0}, codes
+    effects_seen = effects_file.read_text().split()
+    assert sorted(effects_seen) == sorted(identities)  # one effect each, duplicates absorbed
+    client = redis_cluster.client()
+    streams = [template.format(topic=t) for t in topics]
+    assert len({key_slot(s.encode()) for s in streams}) == 3
+    assert sum(client.xlen(s) for s in streams) == 100  # what the relay published
+    client.close()
+    outbox.engine.dispose()
