@@ -199,6 +199,12 @@ class SimulatorProcess:
         response.raise_for_status()
         return dict(response.json())
 
+    def stats(self) -> dict[str, int]:
+        """Requests counted since this simulator process started (sends, lookups, ...)."""
+        response = self.client.get(f"{self.url}/stats")
+        response.raise_for_status()
+        return dict(response.json())
+
     def health(self) -> dict[str, Any]:
         response = self.client.get(f"{self.url}/health")
         response.raise_for_status()

@@ -165,11 +165,14 @@ def test_killed_after_acceptance_one_effect_and_a_reconciled_receipt(
     receipt = ops.receipt(operation_id)
     assert receipt is not None
     assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
+    stats = sim.stats()
     if capability == "idempotency":
         assert receipt.attempts == 2  # the resend with the key, replayed by the provider
         assert effect["idempotency_key"] == operation_id
+        assert (stats["sends"], stats["replays"], stats["lookups"]) == (2, 1, 0)
     else:
         assert receipt.attempts == 1  # found by lookup: no second call
+        assert stats["sends"] == 1 and stats["lookups_found"] >= 1
     # an operator cannot overrule a reconciled receipt
     refused = settle(pg_url, operation_id, "--not-sent", "--reason", "test")
     assert refused.returncode == 1, refused.stderr
@@ -283,6 +286,9 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated_by_another_worker(
     assert receipt is not None
     assert receipt.state == "ACCEPTED" and receipt.provider_ref == effect["id"]
     assert receipt.attempts == 1  # one call, never a second
+    stats = sim.stats()
+    assert stats["sends"] == 1
+    assert stats["lookups"] == 0  # nobody looked it up while the call was in flight
     # Whoever held the job meanwhile (a lease can still be lost to load), no attempt of
     # another worker went past the in-flight guard: each one deferred to the deadline.
     outcomes = [a.outcome for a in store.history("studio", ACTION)]

@@ -281,3 +281,24 @@ def test_effects_can_be_cleared(sim: SimulatorProcess) -> None:
     send(sim, {"n": 1})
     assert sim.client.delete(f"{sim.url}/effects").json() == {"effects": []}
     assert sim.effects() == []
+
+
+def test_stats_count_requests_since_start(sim: SimulatorProcess) -> None:
+    before = sim.stats()
+    send(sim, {"n": 1}, key="s1", op="s:1")
+    send(sim, {"n": 1}, key="s1", op="s:1")
+    send(sim, {"n": 2}, key="s1", op="s:1")
+    send(sim, {"n": 1}, **{"X-Sim-Fault": "unauthorized"})
+    sim.client.get(f"{sim.url}/lookup/s:1")
+    sim.client.get(f"{sim.url}/lookup/s:2")
+    after = sim.stats()
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {
+        "sends": 4,
+        "effects": 1,
+        "replays": 1,
+        "conflicts": 1,
+        "faults": 1,
+        "lookups": 2,
+        "lookups_found": 1,
+    }

@@ -43,6 +43,9 @@ Endpoints (JSON in, JSON out):
     (each send with probability P, 0..1) or ``{"kind": K}`` (every send), optionally with
     ``"operation_id"`` (only that operation), ``"status"``, ``"delay"`` (seconds) and
     ``"retry_after"``. The first rule that matches a send applies.
+``GET /stats``
+    Requests since this process started: ``sends``, ``effects`` made, ``replays``,
+    ``conflicts``, ``faults`` met, ``lookups``, ``lookups_found`` (not persisted).
 ``GET /health``
     ``{"ok": true, "effects": N}``.
 
@@ -109,6 +112,8 @@ FAULT_KINDS = frozenset(
 #: A hang ends at the latest after this long, so a forgotten request cannot hold a thread.
 MAX_HANG_SECONDS = 3600.0
 MAX_BODY_BYTES = 1 << 20
+#: Requests counted since the process started (``GET /stats``; not persisted).
+STAT_NAMES = ("sends", "effects", "replays", "conflicts", "faults", "lookups", "lookups_found")
 
 
 @dataclass
@@ -329,6 +334,16 @@ class Simulator:
         self._faults: list[Fault] = []
         self._random = random.Random()
         self._plan_lock = threading.Lock()
+        self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._stats_lock = threading.Lock()
+
+    def count(self, name: str) -> None:
+        with self._stats_lock:
+            self._stats[name] += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._stats)
 
     # -- the fault plan -------------------------------------------------------------------------
     def set_faults(self, raw: Any) -> None:
@@ -450,6 +465,8 @@ class Handler(BaseHTTPRequestHandler):
                 elif method == "DELETE":
                     self.sim.set_faults({"faults": []})
                 self._reply(200, {"faults": self.sim.faults()})
+            elif path == "/stats" and method == "GET":
+                self._reply(200, self.sim.stats())
             elif path == "/health" and method == "GET":
                 self._reply(200, {"ok": True, "effects": self.sim.effects.count()})
             else:
@@ -498,7 +515,9 @@ class Handler(BaseHTTPRequestHandler):
         header = self.headers.get("X-Sim-Fault")
         fault = Fault.from_header(header) if header else self.sim.next_fault(operation_id)
         refusal = self.sim.refusal(fault)
+        self.sim.count("sends")
         if fault is not None:
+            self.sim.count("faults")
             log.info(
                 "fault",
                 extra=fields(kind=fault.kind, operation_id=operation_id, delay=fault.delay),
@@ -513,6 +532,7 @@ class Handler(BaseHTTPRequestHandler):
         status, answer = self.sim.effects.send(
             operation_id, key, body, headers, idempotent=idempotent
         )
+        self.sim.count({201: "effects", 200: "replays"}.get(status, "conflicts"))
         if fault is None or fault.kind in ("none", "slow") or status == 409:
             self._reply(status, answer)
             return
@@ -531,6 +551,7 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(code, {"error": f"simulated {code} after acting", "id": answer["id"]})
 
     def _lookup(self, operation_id: str) -> None:
+        self.sim.count("lookups")
         if not self._flag("X-Sim-Lookup", self.sim.config.lookup):
             self._reply(404, {"error": "lookup is off"})
             return
@@ -538,6 +559,7 @@ class Handler(BaseHTTPRequestHandler):
         if found is None:
             self._reply(404, {"error": "no effect for this operation id"})
         else:
+            self.sim.count("lookups_found")
             self._reply(200, found)
 
     # -- misbehaving ----------------------------------------------------------------------------
