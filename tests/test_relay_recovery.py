@@ -443,3 +443,109 @@ def test_time_retention_trims_old_entries_but_never_what_a_group_still_needs(
         drain(kept)
         assert stream_ids(client, "outbox.kept") == ["old-0", "old-1", "old-2", new]
         kept.store.close()
+
+
+# -- the loop: relay process, flush, republish, consumer dedup ------------------------------------
+
+
+def test_flush_after_half_consumed_then_republish_gives_one_job_per_identity(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Issue 12's acceptance, on real processes: 1,000 events published by a relay process,
+    half of them consumed (one job each), Redis flushed, more events written; the relay logs
+    the republish command, ``outbox-relay republish`` runs it, and the consumer ends with
+    every event handled once and exactly one job per identity."""
+    from consumer import Consumer, ConsumerConfig, Store
+
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    store = Store(outbox.engine)
+    with outbox.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE handled (identity text NOT NULL)"))
+    identities: list[str] = []
+
+    def write(start: int, n: int) -> None:
+        for first in range(start, start + n, 100):
+            with outbox.transaction() as tx:
+                for i in range(first, min(first + 100, start + n)):
+                    identity = f"studio:send-quote-{i}"
+                    tx.emit("quote.approved", key=f"quote-{i % 50}", payload={"quote": i},
+                            tenant="studio", identity=identity)  # fmt: skip
+                    identities.append(identity)
+
+    def published() -> int:
+        sql = "SELECT count(*) FROM outbox_events WHERE state = 'published'"
+        with outbox.engine.connect() as conn:
+            return int(conn.execute(sa.text(sql)).scalar_one())
+
+    def wait(condition: Any, what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{what}; relay log:\n{log_path.read_text()[-3000:]}")
+
+    log_path = tmp_path / "relay.log"
+    with PrivateRedis() as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env["PYTHONPATH"] = str(ROOT)
+        with log_path.open("w") as log:
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "relay", "run", "--database-url", pg_url,
+                 "--redis-url", server.url], env=env, stderr=log)  # fmt: skip
+        try:
+            write(0, 1000)
+            wait(lambda: published() == 1000, "1,000 events not published")
+            consumer = Consumer(outbox.engine, server.url, group="billing",
+                                topics=["quote.approved"],
+                                config=ConsumerConfig(block_ms=100, batch_size=100))  # fmt: skip
+
+            @consumer.handler("quote.approved")
+            def on_quote(event: Any, tx: Any) -> None:
+                tx.session.execute(sa.text("INSERT INTO handled VALUES (:i)"),
+                                   {"i": event.identity})  # fmt: skip
+                store.enqueue("studio", event.identity.split(":", 1)[1],
+                              payload=event.data, session=tx.session)  # fmt: skip
+
+            handled = sum(consumer.run_once() for _ in range(5))
+            assert handled == 500
+            redis.Redis.from_url(server.url).flushall()
+            write(1000, 20)
+            wait(lambda: "lost stream entries" in log_path.read_text(), "loss not reported")
+            line = next(
+                json.loads(x) for x in log_path.read_text().splitlines()
+                if "lost stream entries" in x
+            )  # fmt: skip
+            since = line["republish"].split("--since ", 1)[1]
+            wait(lambda: published() == 1020, "the events after the flush not published")
+            result = cli("republish", "--since", since, "--database-url", pg_url,
+                         "--redis-url", server.url)  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            assert json.loads(result.stdout)["republished"] == 1020
+
+            def step() -> int:
+                try:
+                    return consumer.run_once()
+                except redis.ResponseError as exc:  # the flush took the group: made again
+                    assert "NOGROUP" in str(exc)
+                    return 0
+
+            distinct = "SELECT count(DISTINCT identity) FROM handled"
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                if step() == 0:
+                    with outbox.engine.connect() as conn:
+                        if conn.execute(sa.text(distinct)).scalar_one() == 1020:
+                            break
+        finally:
+            relay.terminate()
+            assert relay.wait(timeout=30) == 0
+    with outbox.engine.connect() as conn:
+        counts = dict(conn.execute(sa.text(
+            "SELECT identity, count(*) FROM handled GROUP BY identity")).all())  # fmt: skip
+        jobs = conn.execute(
+            sa.text("SELECT count(*), count(DISTINCT action) FROM outbox_jobs")
+        ).one()
+    assert set(counts) == set(identities) and set(counts.values()) == {1}
+    assert tuple(jobs) == (1020, 1020)
