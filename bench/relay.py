@@ -559,6 +559,11 @@ def latency(args: argparse.Namespace, r: redis.Redis) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--cluster" in argv:
+        # One relay vs one Redis, then one and two vs a 3-master cluster (bench/cluster.py).
+        from bench.cluster import main as cluster_main
+
+        return cluster_main([a for a in argv if a != "--cluster"])
     parser = argparse.ArgumentParser(
         prog="python -m bench relay", description=__doc__.split("\n")[0]
     )
