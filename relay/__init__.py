@@ -5,7 +5,7 @@
     publisher = RedisStreamPublisher(redis_client, stream_template="outbox.{topic}")
     relay = Relay(outbox, publisher, RelayConfig(batch_size=500), hooks=hooks)
     relay.run_once()     # one claim-publish-record cycle; how many it published
-    relay.run()          # until SIGTERM/SIGINT or a stop event
+    relay.run()          # until SIGTERM/SIGINT or relay.stop() (or run(stop=event))
 
 See :mod:`relay.store` for how replicas share the work and keep per-key order.
 """

@@ -5,20 +5,22 @@ One cycle (:meth:`Relay.run_once`):
 1. Keep a fair share of partitions (PostgreSQL; SQLite: the single relay lock).
 2. Reconcile intents without receipts whose publish window has passed: read that window of
    their streams, record receipts for the events found there, clear the intent of the rest.
+   At start, every ``redis_check_interval`` and after a batch refused for a marker behind:
+   check Redis's persistence and whether it lost entries (:meth:`Relay.check_redis`).
 3. Claim a batch (one statement that also writes the intent), build the entries, and XADD
    them in one pipelined round trip, in ``seq`` order.
 4. Record receipts (one statement), back off transient per-entry failures and quarantine
    permanent ones (one statement each, only when there are any).
 
-``run`` on PostgreSQL overlaps the three round trips (see :mod:`relay.pipeline`): it claims
-the next batch while a sender thread publishes the current one and a recorder thread
-writes the previous one's receipts; ``run_once`` does one cycle in order, for tests and
-``--once``.
+``run`` overlaps the three round trips where the store offers a second connection
+(PostgreSQL; see :mod:`relay.pipeline`): it claims the next batch while a sender thread
+publishes the current one and a recorder thread writes the previous one's receipts;
+``run_once`` does one cycle in order, for tests and ``--once``.
 
 A connection failure of the database or of Redis raises out of ``run_once``; ``run`` logs
 it, waits with exponential backoff and full jitter, and carries on; it never exits because
-a service is down. SIGTERM or SIGINT (or the ``stop`` argument) ends ``run`` after the batch
-in hand has been published and its receipts recorded.
+a service is down. SIGTERM or SIGINT, :meth:`Relay.stop` (or the ``stop`` argument) ends
+``run`` after the batches in hand have been published and their receipts recorded.
 """
 
 from __future__ import annotations
