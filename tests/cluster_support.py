@@ -441,17 +441,20 @@ class RedisTarget:
         return template.replace("{topic}", "{{{topic}}}")
 
 
-@pytest.fixture(params=["single", "cluster"])
-def redis_target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
-    """Parametrise a guarantee test over one Redis server and a Redis Cluster; the test's
-    keys (under ``stream_prefix``) are deleted afterwards."""
-    if request.param == "single":
+def target_for(
+    request: pytest.FixtureRequest, kind: str, stream_prefix: str
+) -> Iterator[RedisTarget]:
+    """The :class:`RedisTarget` ``kind`` (``"single"``: the shared Redis; ``"cluster"``: the
+    session cluster); the test's keys (under ``stream_prefix``) are deleted afterwards."""
+    if kind == "single":
         url = str(request.getfixturevalue("redis_url"))
         target = RedisTarget("single", url, False, lambda: redis.Redis.from_url(url))
-    else:
+    elif kind == "cluster":
         cluster: PrivateCluster = request.getfixturevalue("redis_cluster")
         seed = cluster.url
         target = RedisTarget("cluster", seed, True, lambda: RedisCluster.from_url(seed))
+    else:
+        raise ValueError(f"unknown Redis target {kind!r}")
     yield target
     client = target.connect()
     try:
@@ -459,3 +462,9 @@ def redis_target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator
             client.delete(key)
     finally:
         client.close()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def redis_target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
+    """Parametrise a guarantee test over one Redis server and a Redis Cluster."""
+    yield from target_for(request, str(request.param), stream_prefix)
