@@ -19,6 +19,7 @@ the effects the simulator made. For each capability of the provider:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from consumer import Operations, Store
+from consumer import Operations, ProviderOutcomeUnknown, Store
 from consumer.jobs.states import DONE, WAITING_REVIEW
 from tests.simulator_support import ROOT, SimulatorProcess
 
@@ -294,4 +295,85 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated_by_another_worker(
     outcomes = [a.outcome for a in store.history("studio", ACTION)]
     assert outcomes[-1] == "done"
     assert set(outcomes[:-1]) <= {"expired", "deferred", "conflict"}, outcomes
+    store.dispose()
+
+
+def reconcile_cli(db_url: str, sim: SimulatorProcess, capability: str) -> dict[str, int]:
+    env = dict(
+        os.environ,
+        OUTBOX_DATABASE_URL=db_url,
+        OUTBOX_LOG_LEVEL="warning",
+        SIM_URL=sim.url,
+        **CAPABILITIES[capability],
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "consumer.jobs.cli",
+            "reconcile",
+            "tests.simulator_support:build_http_worker",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+@pytest.mark.parametrize(
+    ("fault", "settled"),
+    [("error_after", "ACCEPTED"), ("error_before", "NOT_SENT")],
+)
+def test_the_sweep_settles_an_unknown_receipt_without_claiming_the_job(
+    pg_url: str, sim: SimulatorProcess, fault: str, settled: str
+) -> None:
+    """A 5xx leaves the receipt UNKNOWN and the job waiting an hour for its retry;
+    ``outbox-worker reconcile`` (a process, with the Worker's HttpProvider) looks the
+    operation up once its deadline passed and settles the receipt, without a claim. The
+    job's next run then makes no call (ACCEPTED) or sends once (NOT_SENT)."""
+    from consumer import HttpProvider
+
+    store = Store(pg_url)
+    store.enqueue("studio", ACTION, subject="ann@example.com")
+    lease = store.claim_next("worker-a", ttl=30)
+    assert lease is not None
+    sim.faults({"kind": fault, "status": 502, "count": 1})
+    with HttpProvider("mail", sim.send_url, lookup_url=sim.lookup_url, timeout=0.5) as mail:
+        ops = Operations(store, {"mail": mail})
+        with pytest.raises(ProviderOutcomeUnknown):
+            ops.dispatch(lease, "send", "mail", {"to": "ann@example.com"})
+        operation_id = f"{lease.job_id}:send"
+        receipt = ops.receipt(operation_id)
+        assert receipt is not None and receipt.state == "UNKNOWN"
+        store.fail(lease, error="502", retry_after=3600)  # the job waits an hour
+        claims = len(store.history("studio", ACTION))
+        wait_for(
+            lambda: (ops.receipt(operation_id).call_deadline or 0) < time.time(),  # type: ignore[union-attr]
+            "the call deadline to pass",
+        )
+
+        result = reconcile_cli(pg_url, sim, "lookup")
+
+        assert result["accepted" if settled == "ACCEPTED" else "not_sent"] == 1
+        receipt = ops.receipt(operation_id)
+        assert receipt is not None and receipt.state == settled
+        assert receipt.settled_by == "reconciler"
+        job = store.get("studio", ACTION)
+        assert job.lease_epoch == 1  # never claimed by the sweep
+        assert [a.outcome for a in store.history("studio", ACTION)][:claims] == ["retry"]
+        assert job.state == "READY"
+
+        # the job's next run, whenever it comes
+        when = max(job.run_after or 0.0, time.time()) + 1
+        again = store.claim_next("worker-b", ttl=30, now=when)
+        assert again is not None and again.job_id == lease.job_id
+        final = ops.dispatch(again, "send", "mail", {"to": "ann@example.com"})
+    effects = sim.effects(operation_id)
+    assert [e["id"] for e in effects] == [final.provider_ref]  # one effect either way
+    assert sim.stats()["sends"] == (1 if settled == "ACCEPTED" else 2)
     store.dispose()
