@@ -223,6 +223,7 @@ class Loop:
         self.samples: list[Sample] = []
         self.marks: dict[str, float] = {}
         self.started = time.monotonic()
+        self.wall_started = time.time()
         self._stop_sampling = threading.Event()
         self._sampler: threading.Thread | None = None
         self.engine: Engine | None = None
@@ -241,7 +242,7 @@ class Loop:
             **self.settings.env,
         }
 
-    def start(self) -> Loop:
+    def start(self, *, load: bool = True) -> Loop:
         with self._admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}"'))
             conn.execute(text(f'CREATE DATABASE "{self.name}"'))
@@ -276,7 +277,8 @@ class Loop:
         self._sampler = threading.Thread(target=self._sample_loop, daemon=True)
         self._sampler.start()
         self.wait_ready()
-        self.start_writers(self.settings.rate, self.settings.writers)
+        if load:
+            self.start_load()
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -334,11 +336,16 @@ class Loop:
                 "--poison",
                 str(self.settings.poison if poison is None else poison),
             ]
-            name = f"{tag}-{len(self.writers)}"
+            name = f"{tag}-{sum(1 for w in self.writers if w.name.startswith(tag))}"
             proc = Proc(name, argv, self.env(), self.directory / f"{name}.log").start()
             self.writers.append(proc)
             started.append(proc)
         return started
+
+    def start_load(self) -> None:
+        """The steady load: ``settings.writers`` writers at ``settings.rate`` in all."""
+        self.start_writers(self.settings.rate, self.settings.writers)
+        self.mark("load_started")
 
     def stop_load(self) -> None:
         for writer in self.writers:
@@ -446,7 +453,8 @@ class Loop:
             open_jobs = int(
                 conn.execute(
                     text(
-                        f"SELECT count(*) FROM {JOBS_TABLE} WHERE state NOT IN ('DONE', 'CANCELLED')"
+                        f"SELECT count(*) FROM {JOBS_TABLE} "
+                        "WHERE state NOT IN ('DONE', 'CANCELLED')"
                     )
                 ).scalar_one()
             )
