@@ -10,6 +10,10 @@ read ratios, not absolutes.
 
 Options: ``--jobs`` (ours, per concurrency), ``--procrastinate-jobs``, ``--concurrency 1,4,8``,
 ``--batch-size``, ``--database-url``, ``--skip-procrastinate``.
+
+``--steady SECONDS``: ours only, at the first ``--concurrency`` level: the claim rate per
+10-s window while a producer keeps ``--steady-backlog`` jobs READY (does it decay as
+finished jobs leave dead tuples behind?).
 """
 
 from __future__ import annotations
@@ -77,6 +81,108 @@ def run_ours(url: str, count: int, concurrency: int, batch_size: int, tag: str) 
     return count / elapsed
 
 
+def steady(url: str, seconds: float, concurrency: int, batch_size: int, backlog: int) -> None:
+    """Workers claim and finish no-op jobs for ``seconds`` while a producer keeps about
+    ``backlog`` READY jobs waiting (``enqueue_many``, 1,000 per call), so the workers are
+    never starved and the claim rate is theirs. Every finished job leaves a dead tuple and a
+    dead entry at the head of the READY index: the rate per 10-s window shows whether they
+    pile up (without autovacuum the worker vacuums the job tables itself)."""
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
+
+    store = Store(url)
+    worker = Worker(store, batch_size=batch_size, concurrency=concurrency)
+    worker.register("noop", lambda job: None)
+    stop = threading.Event()
+    done = [0] * concurrency
+    made = [0]
+
+    def produce() -> None:
+        producer = Store(url)
+        while not stop.is_set():
+            ready = producer.counts().get("READY", 0)
+            if ready >= backlog:
+                stop.wait(0.05)
+                continue
+            first = made[0]
+            producer.enqueue_many(
+                [
+                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    for i in range(first, first + 1000)
+                ]
+            )
+            made[0] = first + 1000
+        producer.dispose()
+
+    def loop(index: int) -> None:
+        while not stop.is_set():
+            handled = worker.run_once()
+            done[index] += handled
+            if not handled:
+                stop.wait(0.01)
+
+    threads = [threading.Thread(target=produce)]
+    threads += [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
+    print(
+        f"steady jobs run: {seconds:.0f} s, {concurrency} worker thread(s), batch {batch_size}, "
+        f"about {backlog:,} READY jobs kept waiting",
+        flush=True,
+    )
+    print("  window   claimed/s   READY   dead tuples   vacuums   head-scan ms", flush=True)
+    for thread in threads:
+        thread.start()
+    rates: list[float] = []
+    probe = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
+    try:
+        started = time.monotonic()
+        last = 0
+        while time.monotonic() - started < seconds:
+            time.sleep(10.0)
+            total = sum(done)
+            rates.append((total - last) / 10.0)
+            last = total
+            with probe.connect() as conn:
+                stats = conn.execute(
+                    sa.text(
+                        "SELECT n_dead_tup, vacuum_count + autovacuum_count "
+                        "FROM pg_stat_user_tables "
+                        "WHERE schemaname = current_schema() AND relname = 'outbox_jobs'"
+                    )
+                ).one()
+                ready = conn.execute(
+                    sa.text("SELECT count(*) FROM outbox_jobs WHERE state = 'READY'")
+                ).scalar()
+                t0 = time.perf_counter()
+                conn.execute(
+                    sa.text(
+                        "SELECT id FROM outbox_jobs WHERE state = 'READY' AND tenant = 't0' "
+                        "ORDER BY priority DESC, id LIMIT 100"
+                    )
+                ).all()
+                scan = (time.perf_counter() - t0) * 1000
+            print(
+                f"  {time.monotonic() - started:5.0f}s {rates[-1]:>11,.0f} {ready:>7}"
+                f" {stats[0]:>13} {stats[1]:>9} {scan:>14.2f}",
+                flush=True,
+            )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        probe.dispose()
+        worker.stop()
+        store.dispose()
+    if len(rates) >= 4:
+        half = len(rates) // 2
+        first, second = rates[:half], rates[half:]
+        print(
+            f"  claim rate: first half median {sorted(first)[len(first) // 2]:,.0f}/s, second "
+            f"half median {sorted(second)[len(second) // 2]:,.0f}/s, last / first window "
+            f"{rates[-1] / max(rates[0], 1):.2f}",
+            flush=True,
+        )
+
+
 def run_procrastinate(conninfo: str, count: int, concurrency: int) -> float:
     import logging
 
@@ -128,6 +234,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--batch-size", type=int, default=200)
     parser.add_argument("--skip-procrastinate", action="store_true")
+    parser.add_argument(
+        "--steady", type=float, metavar="SECONDS", help="steady mode: claim rate per 10 s"
+    )
+    parser.add_argument("--steady-backlog", type=int, default=20_000)
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")
@@ -139,6 +249,9 @@ def main(argv: list[str]) -> int:
     results: list[tuple[int, float, float | None]] = []
     try:
         ours_url = _schema_url(args.database_url, ours_schema)
+        if args.steady:
+            steady(ours_url, args.steady, levels[0], args.batch_size, args.steady_backlog)
+            return 0
         plain = sa.engine.make_url(args.database_url).set(drivername="postgresql")
         conninfo = _schema_url(plain.render_as_string(hide_password=False), proc_schema)
         for level in levels:

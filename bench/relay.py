@@ -198,7 +198,9 @@ def naive_loop(where: Place, r: redis.Redis, batch: int) -> int:
             done += len(rows)
 
 
-def batched_loop(where: Place, r: redis.Redis, batch: int) -> int:
+def batched_loop(
+    where: Place, r: redis.Redis, batch: int, progress: Callable[[int], None] | None = None
+) -> int:
     done = 0
     with psycopg.connect(where.conninfo) as conn, conn.cursor() as cur:
         while True:
@@ -228,6 +230,8 @@ def batched_loop(where: Place, r: redis.Redis, batch: int) -> int:
             )
             conn.commit()
             done += len(rows)
+            if progress is not None:
+                progress(done)
 
 
 def time_loop(
@@ -555,6 +559,248 @@ def latency(args: argparse.Namespace, r: redis.Redis) -> None:
     print(f"  polling / NOTIFY: p50 x{p50 / max(n50, 0.001):.1f}, p99 x{p99 / max(n99, 0.001):.1f}")
 
 
+# -- (g) draining a backlog: linearity, and whatever the planner statistics say ---------------
+
+STATS_MODES = ("fresh", "none", "stale")
+
+
+def write_backlog(where: Place, n: int, stats: str, threads: int = 2) -> float:
+    """Write ``n`` events through the public API (``emit_many``, 1,000 per transaction) while
+    no relay runs; return the write rate. ``stats``: ``fresh`` ANALYZEs the table afterwards,
+    ``none`` leaves it never analyzed (a new table, autovacuum off or lagging), ``stale``
+    ANALYZEs it while empty, before the writes (what the planner then believes: no rows)."""
+    if stats == "stale":
+        with psycopg.connect(where.conninfo, autocommit=True) as conn:
+            conn.execute(f"ANALYZE {TABLE}")
+    per_tx = 1000
+    issued = [0]
+    lock = threading.Lock()
+
+    def run() -> None:
+        outbox = Outbox(make_engine(where.url, pool_size=1))
+        while True:
+            with lock:
+                first = issued[0]
+                issued[0] += per_tx
+            if first >= n:
+                break
+            events = [
+                {
+                    "topic": TOPICS[i % len(TOPICS)],
+                    "key": f"key-{i % KEYS}",
+                    "payload": {"n": i, "pad": "p" * 120},
+                    "tenant": "bench",
+                }
+                for i in range(first, min(n, first + per_tx))
+            ]
+            with outbox.transaction() as tx:
+                tx.emit_many(events)
+        outbox.engine.dispose()
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    rate = n / (time.perf_counter() - started)
+    if stats == "fresh":
+        with psycopg.connect(where.conninfo, autocommit=True) as conn:
+            conn.execute(f"ANALYZE {TABLE}")
+    return rate
+
+
+class Deciles:
+    """Times at which 10 %, 20 %, ... of ``n`` events were drained; rate per tenth."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0.0
+        self.marks: list[float] = []
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+
+    def seen(self, done: int) -> None:
+        while len(self.marks) < 10 and done >= (len(self.marks) + 1) * self.n / 10:
+            self.marks.append(time.perf_counter())
+
+    def rates(self) -> list[float]:
+        out, last = [], self.start
+        for mark in self.marks:
+            out.append((self.n / 10) / max(mark - last, 1e-9))
+            last = mark
+        return out
+
+    @property
+    def total(self) -> float:
+        return self.n / max(self.marks[-1] - self.start, 1e-9) if len(self.marks) == 10 else 0.0
+
+
+def drain_relay(where: Place, r: redis.Redis, args: argparse.Namespace, n: int) -> Deciles:
+    """One ``outbox-relay run`` process (``python -m relay run``, as users run it) drains the
+    backlog; the clock starts when it publishes its first entry (start-up excluded)."""
+    deciles = Deciles(n)
+    argv = relay_argv(where, args.redis_url, args.batch_size)
+    with relay_processes(argv, 1) as procs:
+        deadline = time.monotonic() + 120
+        while (seen := stream_total(r, where)) == 0:
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise SystemExit(f"the relay published nothing (exit code {procs[0].poll()})")
+            time.sleep(0.002)
+        deciles.begin()
+        deadline = time.monotonic() + 3600
+        while seen < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"only {seen} of {n} published after an hour")
+            time.sleep(0.01)
+            seen = stream_total(r, where)
+            deciles.seen(seen)
+    return deciles
+
+
+def drain_batched(where: Place, r: redis.Redis, args: argparse.Namespace, n: int) -> Deciles:
+    deciles = Deciles(n)
+    deciles.begin()
+    batched_loop(where, r, args.batch_size, deciles.seen)
+    return deciles
+
+
+def copy_backlog(source: Place, target: Place, stats: str) -> None:
+    """Give ``target`` the same backlog as ``source`` (rows, seq values and all), with the
+    same planner statistics state: the batched loop drains what the relay drains, and the
+    events are written through the public API only once."""
+    with psycopg.connect(target.conninfo, autocommit=True) as conn:
+        if stats == "stale":
+            conn.execute(f"ANALYZE {TABLE}")
+        conn.execute(f'INSERT INTO {TABLE} SELECT * FROM "{source.schema}".{TABLE} ORDER BY seq')
+        if stats == "fresh":
+            conn.execute(f"ANALYZE {TABLE}")
+
+
+def backlog(args: argparse.Namespace, r: redis.Redis) -> None:
+    n = args.backlog
+    modes = [m.strip() for m in args.stats.split(",")]
+    for mode in modes:
+        if mode not in STATS_MODES:
+            raise SystemExit(f"--stats {mode!r}: choose from {', '.join(STATS_MODES)}")
+    print(
+        f"drain a backlog of {n:,} events written through outbox.transaction()/emit_many "
+        f"(1,000 per transaction, 2 threads) while no relay ran; batch {args.batch_size}. "
+        "relay: one `python -m relay run` process (as users run it), timed from its first "
+        "published entry; batched: the hand-written loop (b) on a copy of the same backlog "
+        "(INSERT ... SELECT, same statistics state). Events/s per tenth of the backlog:",
+        flush=True,
+    )
+    print(
+        f"  {'':<22}"
+        + "".join(f"{f'{10 * (i + 1)}%':>8}" for i in range(10))
+        + "     whole  written/s",
+        flush=True,
+    )
+    results: dict[tuple[str, str], float] = {}
+    for mode in modes:
+        with (
+            place(args.database_url, r, "blr") as ours,
+            place(args.database_url, r, "blb") as theirs,
+        ):
+            wrote = write_backlog(ours, n, mode)
+            copy_backlog(ours, theirs, mode)
+            for name, where, drain in (
+                ("relay", ours, drain_relay),
+                ("batched", theirs, drain_batched),
+            ):
+                deciles = drain(where, r, args, n)
+                print(
+                    f"  {name + ' stats=' + mode:<22}"
+                    + "".join(f"{rate:>8,.0f}" for rate in deciles.rates())
+                    + f"{deciles.total:>10,.0f}"
+                    + (f"{wrote:>11,.0f}" if name == "relay" else f"{'(copy)':>11}"),
+                    flush=True,
+                )
+                results[(name, mode)] = deciles.total
+    print("ratios (same run):")
+    for mode in modes:
+        relay_rate, loop_rate = results[("relay", mode)], results[("batched", mode)]
+        print(f"  stats={mode:<6} relay / batched loop = {relay_rate / max(loop_rate, 1):.2f}")
+    if "fresh" in modes:
+        for mode in modes:
+            if mode != "fresh":
+                ratio = results[("relay", mode)] / max(results[("relay", "fresh")], 1)
+                print(f"  relay stats={mode} / relay stats=fresh = {ratio:.2f}")
+
+
+# -- (h) what an idle relay costs: polling without NOTIFY ------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (and of its finished children), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields_ = handle.read().rsplit(")", 1)[1].split()
+    ticks = sum(int(v) for v in fields_[11:15])  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _backend_pids(where: Place) -> list[int]:
+    """The PostgreSQL backends serving this schema's relay (same machine: their CPU counts)."""
+    with psycopg.connect(where.conninfo, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend' AND query ILIKE %s",
+            (f"%{where.schema}%",),
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def idle(args: argparse.Namespace, r: redis.Redis) -> None:
+    seconds = args.idle
+    intervals = [float(v) for v in args.idle_polls.split(",")]
+    print(
+        f"idle relay CPU over {seconds:.0f} s on an empty outbox table (relay process + its "
+        "PostgreSQL backends, from /proc/<pid>/stat; % of one core):",
+        flush=True,
+    )
+    print(f"  {'wake-up':<34}{'relay %':>9}{'postgres %':>12}{'total %':>9}{'claims/s':>10}")
+    variants: list[tuple[str, list[str]]] = [("LISTEN/NOTIFY (idle poll 1 s)", [])]
+    for poll in intervals:
+        variants.append(
+            (
+                f"no NOTIFY, idle poll {poll * 1000:.0f} ms",
+                ["--no-listen", "--poll-interval", str(poll), "--max-poll-interval", str(poll)],
+            )
+        )
+    for label, extra in variants:
+        with place(args.database_url, r, "idle") as where:
+            argv = relay_argv(where, args.redis_url, args.batch_size, *extra)
+            with (
+                relay_processes(argv, 1) as procs,
+                psycopg.connect(where.conninfo, autocommit=True) as conn,
+            ):
+                time.sleep(3.0)  # start-up: imports, connections, the first rebalance
+                backends = _backend_pids(where)
+                scans = (
+                    "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes "
+                    "WHERE schemaname = %s AND indexrelname = %s"
+                )
+                index = f"ix_{TABLE}_pending"
+                scans0 = conn.execute(scans, (where.schema, index)).fetchone()
+                pids = [procs[0].pid, *backends]
+                before = {pid: _cpu_seconds(pid) for pid in pids}
+                started = time.monotonic()
+                time.sleep(seconds)
+                elapsed = time.monotonic() - started
+                after = {pid: _cpu_seconds(pid) for pid in pids}
+                scans1 = conn.execute(scans, (where.schema, index)).fetchone()
+        relay_cpu = (after[pids[0]] - before[pids[0]]) / elapsed * 100
+        pg_cpu = sum(after[p] - before[p] for p in backends) / elapsed * 100
+        claims = (int(scans1[0]) - int(scans0[0])) / elapsed if scans0 and scans1 else 0.0
+        print(
+            f"  {label:<34}{relay_cpu:>9.2f}{pg_cpu:>12.2f}{relay_cpu + pg_cpu:>9.2f}"
+            f"{claims:>10.1f}",
+            flush=True,
+        )
+
+
 # -- command line ----------------------------------------------------------------------------
 
 
@@ -577,6 +823,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steady", type=float, metavar="SECONDS", help="steady-drain mode")
     parser.add_argument("--steady-rate", type=float, default=5000, help="events/s offered")
     parser.add_argument("--steady-preload", type=int, default=50_000)
+    parser.add_argument(
+        "--backlog", type=int, metavar="N", help="drain mode: write N events, then drain them"
+    )
+    parser.add_argument(
+        "--stats",
+        default="fresh",
+        help="drain mode: planner statistics, comma-separated among fresh (ANALYZE after the "
+        "writes), none (never analyzed), stale (ANALYZE on the empty table)",
+    )
+    parser.add_argument(
+        "--no-analyze", action="store_true", help="drain mode: same as --stats none"
+    )
+    parser.add_argument(
+        "--idle", type=float, metavar="SECONDS", help="idle mode: CPU of an idle relay"
+    )
+    parser.add_argument(
+        "--idle-polls", default="0.01,0.02,0.05", help="idle mode: idle poll intervals (s)"
+    )
     parser.add_argument("--latency", action="store_true", help="commit-to-stream latency mode")
     parser.add_argument("--rate", type=float, default=1000, help="latency mode: events/s")
     parser.add_argument("--latency-seconds", type=float, default=20)
@@ -586,7 +850,13 @@ def main(argv: list[str]) -> int:
         args.events, args.naive_events = 200_000, 40_000
     r = redis.Redis.from_url(args.redis_url)
     try:
-        if args.steady:
+        if args.idle:
+            idle(args, r)
+        elif args.backlog:
+            if args.no_analyze:
+                args.stats = "none"
+            backlog(args, r)
+        elif args.steady:
             steady(args, r)
         elif args.latency:
             latency(args, r)

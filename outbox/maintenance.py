@@ -1,0 +1,214 @@
+"""Keeping the hot tables small: per-table autovacuum settings, and a vacuum by the process
+itself when the server runs without autovacuum.
+
+The queue tables (the outbox, the jobs and their attempts, the consumers' inbox) are
+written and updated all day, and every update or delete leaves a dead tuple and dead index
+entries behind. The claims walk partial indexes in order (see ``relay/store.py``'s
+``PG_CLAIM``); dead entries at the head of such an index are read by every claim until
+vacuum removes them (measured on the outbox: the claim rate halved within 30 s of steady
+draining under default autovacuum settings). Two things keep that bounded:
+
+- **Per-table autovacuum settings** (:data:`HOT_TABLE_AUTOVACUUM`, set by each part's
+  ``create_schema`` when missing): vacuum after a fixed number of dead rows, not a fraction
+  of a table that only grows until retention, and without cost-based sleeping.
+- **A vacuum by the process itself** (:class:`PeriodicVacuum`) when autovacuum will not run
+  for the table: the server's ``autovacuum`` (or ``track_counts``) is off, as on this
+  project's machines, or the table has ``autovacuum_enabled = false``. With autovacuum on,
+  the process does nothing: the table's own settings do the job, and a second vacuumer
+  would only add I/O.
+
+PostgreSQL only; on SQLite every function here is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Engine
+
+from outbox.logs import fields
+
+log = logging.getLogger("outbox.maintenance")
+
+HOT_TABLE_AUTOVACUUM: Mapping[str, str] = {
+    "autovacuum_vacuum_scale_factor": "0",
+    "autovacuum_vacuum_threshold": "5000",
+    "autovacuum_vacuum_insert_scale_factor": "0",
+    "autovacuum_vacuum_insert_threshold": "50000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_vacuum_cost_delay": "0",
+}
+"""Autovacuum settings for a hot queue table: vacuum every 5,000 dead rows (and every 50,000
+inserted ones, which also keeps the visibility map current for index-only scans), analyze
+after 2 % changed, never sleep for cost accounting. ``outbox.schema`` has its own
+(with a fillfactor) for the outbox table."""
+
+DEFAULT_VACUUM_INTERVAL = 30.0
+"""Seconds between two vacuums by the process when autovacuum is off (the relay's
+``vacuum_interval`` default; a vacuum of a table kept small takes milliseconds)."""
+
+
+def set_storage_parameters(
+    conn: Connection, qualified_table: str, parameters: Mapping[str, str]
+) -> dict[str, str]:
+    """Set the storage parameters the table does not have yet (a value someone set by hand
+    is kept); return those set. ``qualified_table`` is quoted SQL (``"schema"."table"``).
+    PostgreSQL only: elsewhere nothing happens."""
+    if conn.dialect.name != "postgresql":
+        return {}
+    options = conn.execute(
+        text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass(:q)"),
+        {"q": qualified_table},
+    ).scalar()
+    present = {str(o).split("=", 1)[0] for o in (options or [])}
+    missing = {k: v for k, v in parameters.items() if k not in present}
+    if missing:
+        settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
+        conn.execute(text(f"ALTER TABLE {qualified_table} SET ({settings})"))
+    return missing
+
+
+# Whether autovacuum will ever process the table: the server runs the launcher
+# (autovacuum), collects the counts it decides on (track_counts), and the table does not
+# opt out (autovacuum_enabled = false in its reloptions).
+_AUTOVACUUM_RUNS = """
+SELECT current_setting('autovacuum') = 'on' AND current_setting('track_counts') = 'on'
+   AND NOT coalesce((SELECT 'autovacuum_enabled=false' = ANY(c.reloptions)
+                     OR 'autovacuum_enabled=off' = ANY(c.reloptions)
+                     FROM pg_class c WHERE c.oid = to_regclass(%(t)s)), false)"""
+
+
+def autovacuum_runs(cursor: Any, qualified_table: str) -> bool:
+    """Whether autovacuum takes care of the table. ``cursor``: anything with the DB-API
+    ``execute(sql, params)`` / ``fetchone()`` pair of psycopg 3 (a connection or cursor)."""
+    row = cursor.execute(_AUTOVACUUM_RUNS, {"t": qualified_table}).fetchone()
+    return bool(row and row[0])
+
+
+def vacuum_unless_autovacuum(connect: Callable[[], Any], tables: Sequence[str]) -> dict[str, float]:
+    """VACUUM each table autovacuum does not take care of; return table -> seconds it took
+    (empty when autovacuum runs for them all). ``connect`` returns a new psycopg 3
+    connection in autocommit mode (VACUUM cannot run inside a transaction); it is closed
+    afterwards. ``SKIP_LOCKED``: a table another vacuum (another replica's) holds is skipped,
+    not waited for."""
+    done: dict[str, float] = {}
+    conn = connect()
+    try:
+        for table in tables:
+            if autovacuum_runs(conn, table):
+                continue
+            started = time.monotonic()
+            conn.execute(f"VACUUM (SKIP_LOCKED) {table}")
+            done[table] = time.monotonic() - started
+    finally:
+        conn.close()
+    return done
+
+
+def psycopg_connector(engine: Engine) -> Callable[[], Any]:
+    """A ``connect`` for :func:`vacuum_unless_autovacuum` from a SQLAlchemy engine on
+    psycopg 3: a connection of its own, outside the engine's pool, in autocommit mode."""
+
+    def connect() -> Any:
+        import psycopg
+
+        cargs, cparams = engine.dialect.create_connect_args(engine.url)
+        cparams = dict(cparams)
+        cparams.setdefault("connect_timeout", 5)
+        return psycopg.connect(*cargs, autocommit=True, **cparams)
+
+    return connect
+
+
+def quoted_table(name: str, schema: str | None = None) -> str:
+    """``"schema"."name"`` (or ``"name"``) for names already checked as plain identifiers."""
+    return f'"{schema}"."{name}"' if schema else f'"{name}"'
+
+
+class PeriodicVacuum:
+    """Vacuum some tables every ``interval`` seconds, in a background thread, when autovacuum
+    does not take care of them. Call :meth:`maybe_start` from a loop as often as you like: it
+    starts a vacuum only when the interval has passed and none is running, and never blocks.
+
+    ``connect``: see :func:`vacuum_unless_autovacuum`. ``interval`` 0 turns it off. The
+    first vacuum comes one interval after construction (a process that starts and stops
+    quickly never vacuums).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        tables: Sequence[str],
+        *,
+        interval: float = DEFAULT_VACUUM_INTERVAL,
+        what: str = "tables",
+    ) -> None:
+        self.connect = connect
+        self.tables = list(tables)
+        self.interval = interval
+        self.what = what
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.last_result: dict[str, float] | None = None
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: Engine,
+        tables: Sequence[str],
+        *,
+        interval: float = DEFAULT_VACUUM_INTERVAL,
+        what: str = "tables",
+    ) -> PeriodicVacuum | None:
+        """For a SQLAlchemy engine: None off PostgreSQL (nothing to do)."""
+        if engine.dialect.name != "postgresql" or interval <= 0:
+            return None
+        return cls(psycopg_connector(engine), tables, interval=interval, what=what)
+
+    def maybe_start(self) -> bool:
+        """Start a background vacuum if one is due and none runs; True if one started."""
+        if self.interval <= 0:
+            return False
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                return False
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            self._last = now
+            self._thread = threading.Thread(
+                target=self.run_once, name=f"vacuum-{self.what}", daemon=True
+            )
+            self._thread.start()
+            return True
+
+    def run_once(self) -> dict[str, float] | None:
+        """Vacuum now, in the calling thread; what :func:`vacuum_unless_autovacuum`
+        returned, or None if it failed (logged)."""
+        try:
+            done = vacuum_unless_autovacuum(self.connect, self.tables)
+        except Exception as exc:
+            log.warning(
+                f"vacuum of the {self.what} failed",
+                extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+            )
+            return None
+        self.last_result = done
+        if done:
+            log.info(
+                f"vacuumed the {self.what} (autovacuum is off)",
+                extra=fields(seconds={t: round(s, 3) for t, s in done.items()}),
+            )
+        return done
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a vacuum in progress (tests, shutdown)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
