@@ -549,3 +549,62 @@ def test_flush_after_half_consumed_then_republish_gives_one_job_per_identity(
         ).one()
     assert set(counts) == set(identities) and set(counts.values()) == {1}
     assert tuple(jobs) == (1020, 1020)
+
+
+def test_a_relay_process_exports_persistence_and_a_data_loss(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """``outbox-relay run --metrics-port``: the persistence gauge at start, and after a
+    FLUSHALL the data-loss timestamp that OutboxRedisDataLoss reads."""
+    import urllib.request
+
+    try:
+        from services import free_port
+    except ImportError:  # pragma: no cover
+        from tests.services import free_port
+
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    port = free_port()
+
+    def scrape() -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    def wait(text: str) -> str:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            body = scrape()
+            if text in body:
+                return body
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not exported; relay log:\n{log_path.read_text()[-3000:]}")
+
+    log_path = tmp_path / "relay.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with PrivateRedis() as server, log_path.open("w") as log:
+        client = redis.Redis.from_url(server.url)
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "relay", "run", "--database-url", sqlite_url,
+             "--redis-url", server.url, "--metrics-port", str(port)],
+            env=env, stderr=log,
+        )  # fmt: skip
+        try:
+            body = wait('outbox_relay_redis_persistence{mode="none"} 1.0')
+            assert 'outbox_relay_redis_persistence{mode="aof"} 0.0' in body
+            assert "outbox_relay_redis_data_loss_timestamp_seconds" not in body
+            emit(outbox, 3)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and client.xlen("outbox.t") < 3:
+                time.sleep(0.05)
+            client.flushall()
+            emit(outbox, 1, start=3)
+            wait("outbox_relay_redis_data_loss_timestamp_seconds ")
+        finally:
+            relay.terminate()
+            assert relay.wait(timeout=30) == 0
+    assert "Redis runs without AOF" in log_path.read_text()
