@@ -243,7 +243,10 @@ class Outbox:
         if not events:
             return
         if isinstance(session_or_connection, Session):
-            connection = session_or_connection.connection()
+            # A Session with several binds picks the one for the outbox table.
+            connection = session_or_connection.connection(
+                bind_arguments={"clause": self.schema.table}
+            )
         elif isinstance(session_or_connection, Connection):
             connection = session_or_connection
         else:

@@ -885,3 +885,19 @@ def test_async_sqlite_engine_has_the_sync_engines_settings(tmp_path: Any) -> Non
         return box.engine.url.drivername, str(mode), int(timeout)
 
     assert asyncio.run(pragmas()) == ("sqlite+aiosqlite", "wal", 30000)
+
+
+def test_emit_on_a_session_with_several_binds_uses_the_outbox_tables_engine(
+    sqlite_url: str, tmp_path: Any
+) -> None:
+    box = Outbox(sqlite_url)
+    box.create_schema()
+    other = sa.create_engine(f"sqlite:///{tmp_path}/other.db")
+    Base.metadata.create_all(other)
+    with Session(binds={Note: other, box.table: box.engine}) as session:
+        session.add(Note(id=1, text="elsewhere"))
+        box.emit(session, "t", key="k", payload=1)
+        session.commit()
+    assert len(events_of(box)) == 1
+    other.dispose()
+    box.engine.dispose()
