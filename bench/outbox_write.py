@@ -398,9 +398,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", default="1,16", help="thread counts (default 1,16)")
     parser.add_argument("--tasks", type=int, default=16, help="async tasks (default 16)")
     parser.add_argument("--notify", choices=["both", "on", "off"], default="both")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds (default 9)")
     parser.add_argument(
-        "--per-round", type=int, default=300, help="transactions per round (1 thread)"
+        "--per-round", type=int, default=150, help="transactions per round (1 thread)"
     )
     parser.add_argument("--seconds", type=float, default=1.5, help="round length (threads/tasks)")
     args = parser.parse_args(argv)
