@@ -459,12 +459,11 @@ class Operations:
         ACCEPTED, FAILED, ``send`` (a new call was started), ``in_flight`` or
         ``reconcile``."""
         driver = self.store.driver
+        fenced = Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
         with driver.begin() as conn:
-            held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
-            if held is None:
-                raise Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
-            clock = driver.clock_read(conn, None)
-            deadline = clock + timeout
+            # The common case in two statements: the intent (its deadline from the database
+            # clock), then the fenced lease extension to that deadline; fenced out, the
+            # raise rolls the intent back with the transaction.
             created = driver.operation_insert(
                 conn,
                 {
@@ -474,14 +473,22 @@ class Operations:
                     "request_digest": digest,
                     "state": PENDING,
                     "attempts": 1,
-                    "call_deadline": deadline,
-                    "created_at": clock,
-                    "updated_at": clock,
+                    "call_deadline": db_epoch() + timeout,
+                    "created_at": db_epoch(),
+                    "updated_at": db_epoch(),
                 },
             )
-            if created:
-                driver.job_lease_extend(conn, lease.job_id, lease.worker, lease.epoch, deadline)
+            if created is not None:
+                if not driver.job_lease_extend(
+                    conn, lease.job_id, lease.worker, lease.epoch, created
+                ):
+                    raise fenced
                 return "send", None
+            held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
+            if held is None:
+                raise fenced
+            clock = driver.clock_read(conn, None)
+            deadline = clock + timeout
             row = driver.operation_get(conn, operation_id, lock=True)
             if row.request_digest != digest or row.provider != provider:
                 raise OperationError(
@@ -553,7 +560,7 @@ class Operations:
         }
         if settled is not None:
             values.update(settled_by=settled[0], settled_reason=settled[1], settled_at=db_epoch())
-        with self.store.driver.begin() as conn:
+        with self.store.driver.autocommit() as conn:  # one statement: one round trip
             return self.store.driver.operation_update(
                 conn,
                 operation_id,
