@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -39,6 +39,7 @@ from sqlalchemy.engine import Connection, Engine
 from metrics import queries
 from outbox.errors import ConfigError
 from outbox.schema import OutboxSchema, build_schema, check_identifier
+from relay.store import age_seconds as age_seconds
 
 log = logging.getLogger("outbox.metrics")
 
@@ -68,17 +69,6 @@ class ScrapeContext:
     conn: Connection
     dialect: str
     now: datetime
-
-
-def age_seconds(now: datetime, then: datetime | None) -> float | None:
-    """Seconds from ``then`` to ``now``, both read from the database (naive means UTC)."""
-    if then is None:
-        return None
-    if now.tzinfo is None:
-        now = now.replace(tzinfo=UTC)
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=UTC)
-    return max(0.0, (now - then).total_seconds())
 
 
 class DatabaseCollector(Collector):

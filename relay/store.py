@@ -266,7 +266,7 @@ def _status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus
     ).scalar_one()
     out: dict[str, TopicStatus] = {}
     for topic, count, oldest in conn.execute(backlog_by_topic(table)):
-        out[topic] = TopicStatus(int(count), 0, _age(now, oldest), 0)
+        out[topic] = TopicStatus(int(count), 0, age_seconds(now, oldest) or 0.0, 0)
     for topic, attempts in conn.execute(pending_max_attempts_by_topic(table)):
         out[topic].max_attempts = int(attempts or 0)
     for topic, count, attempts in conn.execute(quarantined_by_topic(table)):
@@ -276,10 +276,11 @@ def _status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus
     return dict(sorted(out.items()))
 
 
-def _age(now: datetime, then: datetime | None) -> float:
-    """Seconds from ``then`` to ``now``, both read from the database (naive means UTC)."""
+def age_seconds(now: datetime, then: datetime | None) -> float | None:
+    """Seconds from ``then`` to ``now``, both read from the database (naive means UTC), at
+    least 0; None when ``then`` is None."""
     if then is None:
-        return 0.0
+        return None
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
     if then.tzinfo is None:
