@@ -260,7 +260,9 @@ def sync_bench(args: argparse.Namespace) -> None:
             _drop(admin, schema)
 
 
-async def async_rates(url: str, tasks: int, rounds: int, seconds: float) -> dict[str, float]:
+async def async_rates(
+    url: str, tasks: int, rounds: int, seconds: float
+) -> tuple[dict[str, float], dict[str, float]]:
     box = AsyncOutbox(make_async_engine(url, pool_size=tasks + 2))
 
     async def bare(n: int, i: int) -> None:
@@ -297,9 +299,10 @@ async def async_rates(url: str, tasks: int, rounds: int, seconds: float) -> dict
         "async connection (emit)": connection_emit,
     }
 
-    async def run(way: Any, duration: float) -> float:
+    async def run(way: Any, duration: float) -> tuple[float, float]:
         count = 0
         deadline = time.perf_counter() + duration
+        cpu = time.process_time()
 
         async def task(n: int) -> None:
             nonlocal count
@@ -311,16 +314,23 @@ async def async_rates(url: str, tasks: int, rounds: int, seconds: float) -> dict
 
         start = time.perf_counter()
         await asyncio.gather(*(task(n) for n in range(tasks)))
-        return count / (time.perf_counter() - start)
+        total = max(1, count)
+        return total / (time.perf_counter() - start), (time.process_time() - cpu) / total
 
     for way in ways.values():
         await run(way, 0.3)
     rates: dict[str, list[float]] = {name: [] for name in ways}
+    cpus: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, way in ways.items():
-            rates[name].append(await run(way, seconds))
+            rate, cpu = await run(way, seconds)
+            rates[name].append(rate)
+            cpus[name].append(cpu * 1e6)
     await box.dispose()
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return (
+        {name: statistics.median(values) for name, values in rates.items()},
+        {name: statistics.median(values) for name, values in cpus.items()},
+    )
 
 
 def async_bench(args: argparse.Namespace) -> None:
@@ -328,19 +338,22 @@ def async_bench(args: argparse.Namespace) -> None:
     for notify in modes:
         url, schema, admin = _setup(args.database_url, notify)
         try:
-            rates = asyncio.run(async_rates(url, args.tasks, args.rounds, args.seconds))
+            rates, cpus = asyncio.run(async_rates(url, args.tasks, args.rounds, args.seconds))
         finally:
             _drop(admin, schema)
         label = "with NOTIFY trigger" if notify else "notify=False"
         print(f"AsyncOutbox, one event loop, {args.tasks} concurrent tasks, {label}:")
         for name, rate in rates.items():
-            print(f"  {name:34s} {rate:8.0f} tx/s")
+            print(f"  {name:34s} {rate:8.0f} tx/s   client CPU {cpus[name]:6.0f} us/tx")
         for way, base in [
             ("async transaction + emit", "async session + hand INSERT"),
             ("async connection (emit)", "async connection + hand INSERT"),
             ("async transaction + emit", "async session bare"),
         ]:
-            print(f"  ratio {way:28s} / {base:32s} {rates[base] / rates[way]:5.3f}")
+            print(
+                f"  ratio {way:28s} / {base:32s} {rates[base] / rates[way]:5.3f}   "
+                f"CPU {cpus[way] / cpus[base]:5.3f}"
+            )
 
 
 def throughput(box: Outbox, threads: int, seconds: float, batch: int) -> float:
