@@ -2,7 +2,8 @@
 
 ```
 outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--batch-size N]
-                                   [--ttl SECONDS] [--metrics-port PORT] [--metrics-host HOST]
+                                   [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
+                                   [--metrics-port PORT] [--metrics-host HOST]
                                    [--log-level LEVEL]
 outbox-worker init-db [--database-url URL]
 outbox-worker receipts [--state STATE] [--limit N] [--json]
@@ -22,9 +23,10 @@ by ``MODULE:ATTRIBUTE`` (lookups need them; without one it settles nothing).
 one. A worker built without a Store gets ``Store(--database-url)``; flags override its
 concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*``
 environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_BATCH_SIZE``,
-``OUTBOX_TTL``, ``OUTBOX_METRICS_PORT``, ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no
-database URL, a SQLite file in the working directory. Exit codes: 0 after a clean stop
-(SIGTERM/SIGINT drain the jobs in hand), 1 on failure, 2 on bad usage.
+``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_METRICS_PORT``,
+``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no database URL, a SQLite file in the
+working directory. Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain the jobs in hand),
+1 on failure, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=None, help="jobs claimed per cycle [OUTBOX_BATCH_SIZE]"
     )
     run.add_argument("--ttl", type=float, default=None, help="lease seconds [OUTBOX_TTL]")
+    run.add_argument(
+        "--no-listen",
+        action="store_true",
+        default=None,
+        help="PostgreSQL: poll only, no LISTEN for new jobs [OUTBOX_NO_LISTEN=1]",
+    )
+    run.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=None,
+        help="seconds between receipt sweeps when the Worker has providers "
+        "[OUTBOX_RECONCILE_INTERVAL, 10]",
+    )
     run.add_argument(
         "--metrics-port",
         type=int,
@@ -174,6 +189,15 @@ def _run(args: argparse.Namespace, url: str) -> int:
         options["batch_size"] = batch
     if ttl is not None:
         options["ttl"] = ttl
+    if args.no_listen or env("NO_LISTEN") == "1":
+        options["listen"] = False
+    sweep = (
+        args.reconcile_interval
+        if args.reconcile_interval is not None
+        else _env_opt_float("RECONCILE_INTERVAL")
+    )
+    if sweep is not None:
+        options["reconcile_interval"] = sweep
     if options:
         worker.config = replace(worker.config, **options)
     if worker.store is None:
