@@ -215,3 +215,29 @@ def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
     outcomes = [a.outcome for a in store.history("studio", "email-quote-017")]
     assert outcomes == ["expired", "done"]
     store.dispose()
+
+
+def test_a_worker_sweeps_receipts_periodically(db_url: str, tmp_path: Path) -> None:
+    """Worker(providers=...) runs Operations.reconcile every reconcile_interval, inside
+    run_once: an UNKNOWN receipt is settled while its job waits for its retry."""
+    from consumer.jobs.worker import Worker
+
+    store = Store(db_url)
+    sim = SimulatedProvider(
+        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True, timeout=0.2
+    )
+    worker = Worker(store, providers={"sim": sim}, reconcile_interval=0.01)
+    worker.register("email", lambda job: job.dispatch("send", "sim", {"to": job.subject}))
+    job_id = store.enqueue("t", "email-1", subject="ann").job_id
+    assert worker.run_once() == 1  # the call timed out after the provider acted
+    operation_id = f"{job_id}:send"
+    assert Operations(store).receipt(operation_id).state == UNKNOWN  # type: ignore[union-attr]
+    job = store.get(job_id)
+    assert job.state == READY
+    store.schedule(job_id, 10**10, "not before the sweep")  # the retry is far away
+    past_deadline(store, Operations(store), operation_id)
+    assert worker.run_once() == 0  # nothing claimed, the sweep ran
+    receipt = Operations(store).receipt(operation_id)
+    assert receipt is not None and receipt.state == ACCEPTED
+    assert [ref for ref, _ in sim.effects()] == [receipt.provider_ref]
+    store.dispose()
