@@ -741,13 +741,33 @@ def _cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _backend_pids(where: Place) -> list[int]:
-    """The PostgreSQL backends serving this schema's relay (same machine: their CPU counts)."""
+def _local_ports(pid: int) -> set[int]:
+    """Local TCP ports of the sockets a process holds (its connections to PostgreSQL)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                parts = line.split()
+                if parts[9] in inodes:
+                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _backend_pids(where: Place, pid: int) -> list[int]:
+    """The PostgreSQL backends serving the relay process ``pid`` (by its client ports; same
+    machine, so their CPU can be read too)."""
     with psycopg.connect(where.conninfo, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-            "AND backend_type = 'client backend' AND query ILIKE %s",
-            (f"%{where.schema}%",),
+            "SELECT pid FROM pg_stat_activity WHERE client_port = ANY(%s)",
+            (sorted(_local_ports(pid)),),
         ).fetchall()
     return [int(r[0]) for r in rows]
 
@@ -777,7 +797,7 @@ def idle(args: argparse.Namespace, r: redis.Redis) -> None:
                 psycopg.connect(where.conninfo, autocommit=True) as conn,
             ):
                 time.sleep(3.0)  # start-up: imports, connections, the first rebalance
-                backends = _backend_pids(where)
+                backends = _backend_pids(where, procs[0].pid)
                 scans = (
                     "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes "
                     "WHERE schemaname = %s AND indexrelname = %s"
