@@ -243,6 +243,11 @@ class Outbox:
         if not events:
             return
         if isinstance(session_or_connection, Session):
+            if session_or_connection.autoflush:
+                # As Session.execute would: the ORM's pending state change (an UPDATE that
+                # locks the aggregate) goes first, so that for one key the row's seq is
+                # taken after that lock, and seq order stays commit order.
+                session_or_connection.flush()
             # A Session with several binds picks the one for the outbox table.
             connection = session_or_connection.connection(
                 bind_arguments={"clause": self.schema.table}
@@ -299,6 +304,7 @@ class Outbox:
         first, in the transaction being committed."""
         pending: list[NewEvent] | None = session.info.get(_PENDING)
         if pending:
+            session.flush()  # the state change first (see write), whatever autoflush says
             events = list(pending)
             pending.clear()
             self.write(session, events)

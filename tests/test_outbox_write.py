@@ -901,3 +901,36 @@ def test_emit_on_a_session_with_several_binds_uses_the_outbox_tables_engine(
     assert len(events_of(box)) == 1
     other.dispose()
     box.engine.dispose()
+
+
+@pytest.mark.parametrize("way", ["emit", "manual commit", "transaction"])
+def test_pending_orm_changes_are_written_before_the_event(db_url: str, way: str) -> None:
+    """The state change (which locks the aggregate) precedes the outbox INSERT, so for one
+    key the event's seq is taken after that lock: seq order stays commit order."""
+    box = Outbox(db_url)
+    box.create_schema()
+    Base.metadata.create_all(box.engine)
+    order: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT"):
+            order.append("notes" if "notes" in statement else "outbox")
+
+    sa.event.listen(box.engine, "before_cursor_execute", record)
+    if way == "emit":
+        with Session(box.engine) as session:
+            session.add(Note(id=1, text="approved"))
+            box.emit(session, "note.added", key="note-1", payload={})
+            session.commit()
+    elif way == "manual commit":
+        with pytest.raises(sa.exc.InvalidRequestError), box.transaction() as tx:
+            tx.emit("note.added", key="note-1", payload={})
+            tx.session.add(Note(id=1, text="approved"))
+            tx.session.commit()
+            tx.session.execute(sa.text("SELECT 1"))  # refused after a manual commit
+    else:
+        with box.transaction() as tx:
+            tx.emit("note.added", key="note-1", payload={})
+            tx.session.add(Note(id=1, text="approved"))
+    assert order == ["notes", "outbox"]
+    box.engine.dispose()
