@@ -203,6 +203,26 @@ def redis_restarts_empty(loop: Loop, duration: float) -> str:
     return f"republish --since {since}: exit {done.returncode}: {done.stdout.strip()[-200:]}"
 
 
+def redis_restarts_empty_auto(loop: Loop, duration: float) -> str:
+    """The same loss, repaired by the relays themselves (``--auto-republish``)."""
+    for proc in loop.procs["relay"]:
+        proc.argv = [*proc.argv, "--auto-republish"]
+        proc.restart()
+    loop.redis.stop(kill=True)
+    for leftover in ("appendonlydir", "dump.rdb"):
+        path = Path(loop.redis.directory) / leftover
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    time.sleep(min(1.0, duration))
+    loop.redis.start()
+    loop.redis_client().set(POISON_STREAM, "not a stream")
+    time.sleep(max(0.0, duration - 1.0))
+    for proc in loop.procs["relay"]:  # back to the defaults for the next fault
+        proc.argv = [a for a in proc.argv if a != "--auto-republish"]
+    return "relays run with --auto-republish; no operator"
+
+
 def long_transaction(loop: Loop, duration: float) -> str:
     """A transaction holds its snapshot (and the xmin horizon) for the whole fault."""
     engine = create_engine(loop.url)
@@ -302,6 +322,11 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault("redis-kill-aof", "kill -9 Redis, restart with AOF", kill_redis_aof),
         Fault("redis-empty", "Redis restarts empty, then republish", redis_restarts_empty),
+        Fault(
+            "redis-empty-auto",
+            "Redis restarts empty, relays with --auto-republish",
+            redis_restarts_empty_auto,
+        ),
         Fault("long-transaction", "a transaction held open", long_transaction),
         Fault(
             "connections-exhausted", "connections exhausted to max_connections", exhaust_connections
