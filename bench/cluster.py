@@ -124,6 +124,7 @@ class Result:
     seconds: float
     relay_cpu: float
     redis_cpu: float
+    master_cpu: float
 
     @property
     def rate(self) -> float:
@@ -144,6 +145,7 @@ def run_variant(
     client: Any,
     redis_url: str,
     redis_pids: list[int],
+    master_pids: list[int],
     relays: int,
     extra: list[str],
     tagged: bool,
@@ -178,6 +180,7 @@ def run_variant(
             first = stream_total(client, where, tagged)
             relay_cpu0 = sum(cpu_seconds(p.pid) for p in procs)
             redis_cpu0 = sum(cpu_seconds(pid) for pid in redis_pids)
+            master_cpu0 = sum(cpu_seconds(pid) for pid in master_pids)
             deadline = time.monotonic() + 600
             while (seen := stream_total(client, where, tagged)) < n:
                 if time.monotonic() > deadline:
@@ -186,12 +189,14 @@ def run_variant(
             elapsed = time.perf_counter() - start
             relay_cpu = sum(cpu_seconds(p.pid) for p in procs) - relay_cpu0
             redis_cpu = sum(cpu_seconds(pid) for pid in redis_pids) - redis_cpu0
-    result = Result(name, seen - first, elapsed, relay_cpu, redis_cpu)
+            master_cpu = sum(cpu_seconds(pid) for pid in master_pids) - master_cpu0
+    result = Result(name, seen - first, elapsed, relay_cpu, redis_cpu, master_cpu)
     extra_entries = f" ({seen - n} more entries than events!)" if seen > n else ""
     print(
         f"  {name:<40} {result.events:>7} in {elapsed:6.2f} s = {result.rate:>8,.0f}/s  "
         f"cpu/event: relay {1e6 * relay_cpu / max(result.events, 1):5.1f} us, "
-        f"redis {1e6 * redis_cpu / max(result.events, 1):5.1f} us{extra_entries}",
+        f"redis {1e6 * redis_cpu / max(result.events, 1):5.1f} us "
+        f"(masters {1e6 * master_cpu / max(result.events, 1):5.1f} us){extra_entries}",
         flush=True,
     )
     return result
@@ -232,6 +237,7 @@ def main(argv: list[str]) -> int:
         single_client = single.client()
         cluster_client = RedisCluster.from_url(cluster.url)
         cluster_pids = [node.process.pid for node in cluster.nodes if node.process is not None]
+        master_pids = [node.process.pid for node in cluster.masters() if node.process is not None]
         print(
             f"relay -> one Redis vs a 3-master cluster: {args.events} events preloaded, "
             f"batch {args.batch_size}, {os.cpu_count()} cores",
@@ -244,7 +250,15 @@ def main(argv: list[str]) -> int:
                 name = f"(1) 1 relay, 1 Redis{label}"
                 runs.setdefault(name, []).append(
                     run_variant(
-                        name, args, single_client, single.url, single.pids(), 1, wait, tagged=False
+                        name,
+                        args,
+                        single_client,
+                        single.url,
+                        single.pids(),
+                        single.pids()[:1],
+                        1,
+                        wait,
+                        tagged=False,
                     )
                 )
                 for count in (1, 2):
@@ -256,6 +270,7 @@ def main(argv: list[str]) -> int:
                             cluster_client,
                             cluster.url,
                             cluster_pids,
+                            master_pids,
                             count,
                             ["--redis-cluster", *wait],
                             tagged=True,
@@ -266,18 +281,20 @@ def main(argv: list[str]) -> int:
     medians = {name: _median(rounds) for name, rounds in runs.items()}
     base = next(iter(medians.values()))
     print(f"medians of {max(1, args.repeat)} round(s); ratios to (1) 1 relay, 1 Redis (same run):")
-    for name, (rate, relay_us, redis_us) in medians.items():
+    for name, (rate, relay_us, redis_us, master_us) in medians.items():
         print(
             f"  {name:<40} {rate:>8,.0f}/s  x{rate / base[0]:4.2f}   cpu/event: relay "
-            f"{relay_us:5.1f} us + redis {redis_us:5.1f} us = {relay_us + redis_us:5.1f} us"
+            f"{relay_us:5.1f} us + redis {redis_us:5.1f} us (masters {master_us:4.1f}) = "
+            f"{relay_us + redis_us:5.1f} us"
         )
     return 0
 
 
-def _median(rounds: list[Result]) -> tuple[float, float, float]:
+def _median(rounds: list[Result]) -> tuple[float, float, float, float]:
     """Median rate and per-event CPU (microseconds) of a variant's rounds."""
     return (
         statistics.median(r.rate for r in rounds),
         statistics.median(1e6 * r.relay_cpu / max(r.events, 1) for r in rounds),
         statistics.median(1e6 * r.redis_cpu / max(r.events, 1) for r in rounds),
+        statistics.median(1e6 * r.master_cpu / max(r.events, 1) for r in rounds),
     )
