@@ -17,8 +17,9 @@ records each identity in the inbox and inserts one job row per new identity:
   ``Store.enqueue_many(..., session=tx.session)``: one statement per batch.
 - ``batched+store``: the natural handler: a plain per-event handler calling
   ``Store.enqueue(..., session=tx.session)``. The consumer marks its batch session for
-  deferred writes (``consumer.bulk``), so a store that buffers writes all of a batch's jobs
-  in one statement; the target is >= 10,000 msgs/s and >= 0.6x ``batched+store-many``.
+  deferred writes (``consumer.bulk``) and the Store buffers there, so a batch's jobs are
+  written in one statement at its end; the target is >= 10,000 msgs/s and >= 0.6x
+  ``batched+store-many``.
 - ``batched+orm``: a plain handler doing ``tx.session.add(Job(...))`` (ORM objects, flushed
   together at the end of the handlers: insertmanyvalues).
 
