@@ -288,8 +288,6 @@ class Consumer:
             raise ConfigError("config", "must be a ConsumerConfig")
         self.group = _check_name("group", group)
         self.streams = self._resolve_streams(topics, streams, stream)
-        self._topics = list(topics) if topics is not None else None
-        self._stream_template = stream
         if not isinstance(start, str) or not start:
             raise ConfigError("start", "must be '0', '$' or a stream entry id")
         self.start = start
