@@ -29,6 +29,12 @@ Contract:
 - **Recovery** (``recover``, run by workers periodically): expired leases go back to READY,
   or to NEEDS_ATTENTION when ``max_attempts`` claims were spent; due timers of waiting jobs
   make them READY. Bounded by ``limit`` rows per call; it never touches a live lease.
+- **Storage.** Every statement runs through ``Store.driver`` (``consumer.jobs.driver``: one
+  PostgreSQL and one SQLite implementation side by side); this module never asks which
+  database it runs on. Names are checked by ``outbox.validate`` before anything is written.
+- **Wake-ups** (PostgreSQL, ``StoreConfig.notify``): an enqueue that creates a job, a
+  ``resume`` and a recovery that makes jobs READY send a NOTIFY at commit; idle workers
+  LISTEN.
 """
 
 from __future__ import annotations
