@@ -196,6 +196,42 @@ def test_help_and_bad_usage(
     assert "CONSUMER_APP_STREAM" in capsys.readouterr().err
 
 
+def test_recovery_intervals_come_from_flags_and_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONSUMER_APP_STREAM", "recovery.flags")
+    ran: list[ConsumerConfig] = []
+
+    def run(self: Consumer, stop: object = None) -> None:
+        ran.append(self.config)
+
+    monkeypatch.setattr(Consumer, "run", run)
+    monkeypatch.setattr("consumer.cli.GracefulStop.install", lambda self, *a: self)
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--claim-idle-ms", "--heartbeat-ttl-ms", "--heartbeat-interval-ms"):
+        assert flag in out
+    assert "OUTBOX_HEARTBEAT_TTL_MS" in out
+
+    monkeypatch.setenv("OUTBOX_HEARTBEAT_TTL_MS", "8000")
+    monkeypatch.setenv("OUTBOX_CLAIM_IDLE_MS", "60000")
+    args = ["run", "consumer_app:build", "--claim-idle-ms", "45000"]
+    assert main([*args, "--heartbeat-interval-ms", "2000", "--block-ms", "250"]) == 0
+    [config] = ran
+    assert config.heartbeat_ttl_ms == 8000  # the environment
+    assert config.claim_idle_ms == 45000  # the flag wins over the environment
+    assert (config.heartbeat_interval_ms, config.block_ms) == (2000, 250)
+    assert config.max_deliveries == 5  # neither: the application's own
+
+    # Validated like the config object: exit 2 naming the setting.
+    assert main(["run", "consumer_app:build", "--heartbeat-interval-ms", "9000"]) == 2
+    assert "heartbeat_interval_ms" in capsys.readouterr().err
+    monkeypatch.setenv("OUTBOX_HEARTBEAT_TTL_MS", "soon")
+    assert main(["run", "consumer_app:build"]) == 2
+    assert "OUTBOX_HEARTBEAT_TTL_MS" in capsys.readouterr().err
+
+
 def test_dead_letters_and_replay(
     db_url: str,
     redis_url: str,
