@@ -75,6 +75,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 
+CLUSTER_BLOCK_SLICE_MS = 50
+"""On a Redis Cluster with streams in several slots, the longest a blocking read waits on one
+slot while entries may arrive in another: the latency it can add to an entry."""
+
 
 def _positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -755,19 +759,27 @@ class Consumer:
         groups = self._slot_groups()
         if len(groups) == 1:
             return self._read_streams(groups[0], room, self.config.block_ms if block else None)
-        # A Redis Cluster reads the streams of one slot per XREADGROUP: first every slot
-        # without blocking; when all were empty, block on one slot (in turn) for a share of
-        # block_ms, so a quiet consumer still waits about block_ms per call.
-        entries: list[_Entry] = []
-        for names in groups:
-            if room - len(entries) <= 0:
-                break
-            entries.extend(self._read_streams(names, room - len(entries), None))
-        if entries or not block:
-            return entries
-        self._block_turn = (self._block_turn + 1) % len(groups)
-        share = max(1, self.config.block_ms // len(groups))
-        return self._read_streams(groups[self._block_turn], room, share)
+        # A Redis Cluster reads the streams of one slot per XREADGROUP, and one blocking read
+        # can wait on one slot only: an entry arriving in another slot would wait for that
+        # block to end. So: every slot without blocking; when all were empty, block on one
+        # slot (in turn) for at most CLUSTER_BLOCK_SLICE_MS, and again, until block_ms is
+        # spent. An entry in any slot waits at most one slice (a few reads a second per slot
+        # while the consumer is idle, instead of up to block_ms of added latency).
+        deadline = time.monotonic() + (self.config.block_ms / 1000 if block else 0.0)
+        while True:
+            entries: list[_Entry] = []
+            for names in groups:
+                if room - len(entries) <= 0:
+                    break
+                entries.extend(self._read_streams(names, room - len(entries), None))
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if entries or left_ms <= 0 or self._stop.is_set():
+                return entries
+            self._block_turn = (self._block_turn + 1) % len(groups)
+            slice_ms = max(1, min(left_ms, CLUSTER_BLOCK_SLICE_MS))
+            entries = self._read_streams(groups[self._block_turn], room, slice_ms)
+            if entries:
+                return entries
 
     def _slot_groups(self) -> list[list[str]]:
         """The streams grouped so that one XREADGROUP may name each group: all of them on one
