@@ -177,7 +177,9 @@ def publish_by_slot(
             slot_results = publisher.script_results(reply, entries, fences[slot])
             for i, result in zip(members, slot_results, strict=True):
                 results[i] = result
-            publisher.saw_in_slot(slot, [r for r in slot_results if isinstance(r, str)])
+            publisher.saw_in_slot(
+                slot, [r for r in slot_results if isinstance(r, str)], entries[0].stream
+            )
         if not moved:
             break
         todo = moved

@@ -418,6 +418,7 @@ class RedisStreamPublisher:
         self._topic_streams: dict[str, str] = {}
         self._cluster = isinstance(redis_client, RedisCluster)
         self._known_by_slot: dict[int, str] = {}  # cluster: the marker check, per slot
+        self._slot_stream: dict[int, str] = {}  # cluster: a stream of each slot seen
         if self._cluster:
             from relay.cluster import template_has_hash_tag
 
@@ -628,14 +629,38 @@ class RedisStreamPublisher:
         that slot must hold at least this much; None: no check yet)."""
         return self._known_by_slot.get(slot)
 
-    def saw_in_slot(self, slot: int, entry_ids: Sequence[str]) -> None:
-        """Cluster: remember the highest of ``entry_ids``, just added in ``slot``."""
+    def saw_in_slot(self, slot: int, entry_ids: Sequence[str], stream: str) -> None:
+        """Cluster: remember the highest of ``entry_ids``, just added in ``slot`` (to
+        ``stream`` among others)."""
+        self._slot_stream[slot] = stream
         best = self._known_by_slot.get(slot)
         for entry_id in entry_ids:
             if best is None or entry_id_key(best) < entry_id_key(entry_id):
                 best = entry_id
         if best is not None:
             self._known_by_slot[slot] = best
+
+    def marker_checks(self) -> list[tuple[str, str]]:
+        """What the data-loss check compares with the markers: (highest entry id known to
+        be in Redis, a stream it guards) once on one server, once per slot on a cluster (a
+        master that lost its data loses only its slots' entries and marker)."""
+        checks: dict[int, tuple[str, str]] = {}
+        if self.known_last_id is not None and self.known_last_stream is not None:
+            checks[-1] = (self.known_last_id, self.known_last_stream)
+        if self._cluster:
+            from outbox.redis_client import slot_of
+
+            if self.known_last_stream is not None:
+                checks.pop(-1, None)
+                slot = slot_of(self.known_last_stream)
+                checks[slot] = (self.known_last_id or "0-0", self.known_last_stream)
+            for slot, entry_id in self._known_by_slot.items():
+                stream = self._slot_stream.get(slot)
+                if stream is not None:
+                    old = checks.get(slot)
+                    if old is None or entry_id_key(old[0]) < entry_id_key(entry_id):
+                        checks[slot] = (entry_id, stream)
+        return list(checks.values())
 
     def fence_for(self, fence: str, stream: str) -> str:
         """The key that fences intent ``fence`` for entries of ``stream``: ``fence`` itself on

@@ -497,10 +497,15 @@ class Relay:
         return self._check_data_loss()
 
     def _check_data_loss(self) -> bool:
+        """Compare each marker with what this relay knows Redis holds (one on a server, one
+        per slot on a cluster); True if any lost entries (each loss reported)."""
+        lost = False
+        for known, stream in self.publisher.marker_checks():
+            lost = self._check_data_loss_of(known, stream) or lost
+        return lost
+
+    def _check_data_loss_of(self, known: str, stream: str) -> bool:
         publisher = self.publisher
-        known, stream = publisher.known_last_id, publisher.known_last_stream
-        if known is None or stream is None:
-            return False  # no receipt yet: nothing Redis must hold
         client = publisher.client
         raw = client.get(publisher.marker_for(stream))
         marker = raw.decode() if isinstance(raw, bytes) else raw
@@ -510,7 +515,7 @@ class Relay:
         if intact is not None and entry_id_key(intact) >= entry_id_key(known):
             # The stream holds our latest receipt: only the marker is missing or behind
             # (deleted, or first written by this version). Nothing was lost.
-            publisher.raise_marker(known)
+            publisher.raise_marker(known, stream)
             return False
         # Redis holds less than the receipts: it lost acknowledged entries. Everything
         # published after the last id it still has may be gone.
@@ -544,7 +549,7 @@ class Relay:
         self.stats.data_loss_detected += 1
         self._hook("relay_redis_data_loss", time.time())
         # Re-arm the marker so new events flow again (the lost ones wait for republish).
-        publisher.raise_marker(known)
+        publisher.raise_marker(known, stream)
         if self.config.auto_republish and since is not None:
             result = republish(
                 self.store, publisher, since=since, batch_size=self.config.batch_size

@@ -700,3 +700,39 @@ def test_cli_relay_consumer_and_worker_on_the_cluster(
     assert sum(client.xlen(s) for s in streams) == 100  # what the relay published
     client.close()
     outbox.engine.dispose()
+
+
+def test_a_slot_that_lost_its_entries_is_detected_and_republished(
+    pg_url: str, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    """One master loses its data (here: the slot's stream and marker deleted, as a master
+    restarted empty would have them): the next batch to that slot is refused (its marker is
+    behind), the data-loss check of that slot reports it, and ``auto_republish`` publishes the
+    lost window again (over every stream: consumers deduplicate); new events flow again."""
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    topics = ["lost", "kept"]
+    first = emit_events(outbox, topics, 20)
+    publisher = RedisStreamPublisher(cluster_client, f"{stream_prefix}.{{{{{{topic}}}}}}")
+    lost_stream, kept_stream = (publisher.stream_for(record(0, t, "k")) for t in topics)
+    config = RelayConfig(auto_republish=True, publish_deadline=0.2, clock_margin=0.1)
+    relay = Relay(outbox, publisher, config)
+    while relay.run_once():
+        pass
+    assert cluster_client.xlen(lost_stream) == 10 and cluster_client.xlen(kept_stream) == 10
+    cluster_client.delete(lost_stream)
+    cluster_client.delete(publisher.marker_for(lost_stream))
+    later = emit_events(outbox, topics, 4)
+    deadline = time.monotonic() + 20
+    while cluster_client.xlen(lost_stream) < 12 and time.monotonic() < deadline:
+        relay.run_once()
+        time.sleep(0.05)
+    assert relay.stats.data_loss_detected == 1
+    lost_ids = stream_ids(cluster_client, [lost_stream])
+    assert sorted(set(lost_ids)) == sorted(first[0::2] + later[0::2])  # republished + new
+    # Republishing is by time window over every stream (consumers deduplicate): the kept
+    # stream's entries are all there, some of them twice.
+    kept_ids = stream_ids(cluster_client, [kept_stream])
+    assert kept_ids[:10] == first[1::2]
+    assert sorted(set(kept_ids)) == sorted(first[1::2] + later[1::2])
+    outbox.engine.dispose()
