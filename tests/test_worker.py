@@ -398,3 +398,33 @@ def test_notify_is_a_choice(pg_url: str) -> None:
         assert notified() == 1
         quiet.dispose()
         loud.dispose()
+
+
+def test_a_timer_fires_on_time_not_at_the_next_recovery(db_url: str) -> None:
+    """The worker learns the earliest timer of a waiting job and recovers when it comes due,
+    not only every recover_interval (here far longer than the test may take)."""
+    store = Store(db_url)
+    worker = Worker(store, recover_interval=3600.0, poll_interval=0.05)
+    calls: list[int] = []
+
+    def remind(job: JobContext) -> None:
+        calls.append(job.attempt)
+        if len(calls) == 1:
+            job.wait_external("until the customer answers", until=time.time() + 0.5)
+
+    worker.register("remind", remind)
+    job_id = store.enqueue("t", "remind-1").job_id
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        wait_for(lambda: store.get(job_id).state == DONE, timeout=60)
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert len(calls) == 2
+    assert [a.outcome for a in store.history(job_id)] == [
+        "waiting_external",
+        "timer_fired",
+        "done",
+    ]
+    store.dispose()

@@ -211,6 +211,13 @@ class JobDriver:
         rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
         return {str(state): int(n) for state, n in rows}
 
+    def job_next_timer(self, conn: Connection) -> float | None:
+        """The earliest ``run_after`` of a waiting job (``ix_outbox_jobs_waiting``: one probe)."""
+        value = conn.execute(
+            select(func.min(jobs.c.run_after)).where(jobs.c.state.in_(WAITING))
+        ).scalar()
+        return None if value is None else float(value)
+
     def attempt_list(self, conn: Connection, job_id: int) -> Sequence[Any]:
         return conn.execute(
             select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)

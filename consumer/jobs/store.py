@@ -486,6 +486,12 @@ class Store:
         result.update(found)
         return result
 
+    def next_timer(self) -> float | None:
+        """When the earliest timer of a waiting job comes due (unix seconds), or None: a
+        worker wakes for it instead of waiting for its next recovery."""
+        with self.driver.connect() as conn:
+            return self.driver.job_next_timer(conn)
+
     # -- claiming ------------------------------------------------------------------------
 
     def claim(

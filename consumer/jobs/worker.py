@@ -281,6 +281,7 @@ class Worker:
         self._active_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
         self._last_recover = 0.0
+        self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._recover_lock = threading.Lock()
         if (
             isinstance(default_timeout, bool)
@@ -397,6 +398,8 @@ class Worker:
             with self._active_lock:
                 for ctx in contexts:
                     self._active.pop(ctx.job_id, None)
+        if any(ctx.outcome in ("waiting_external", "waiting_review") for ctx in contexts):
+            self._learn_timer(store)  # a wait with ``until`` this cycle set may come first
         self._hook("worker_cycle_ok", time.time())
         return handled
 
@@ -454,14 +457,36 @@ class Worker:
                 continue
 
     def _maybe_recover(self, store: Store, now: Time | None) -> None:
+        # Due every recover_interval, and as soon as the earliest timer of a waiting job
+        # (read after each recovery) comes due, so a timer fires on time, not up to an
+        # interval late. A timer the clocks disagree on is dropped: the interval remains.
         with self._recover_lock:
-            due = time.monotonic() - self._last_recover >= self.config.recover_interval
+            timer = self._next_timer
+            due = time.monotonic() - self._last_recover >= self.config.recover_interval or (
+                timer is not None and time.time() >= timer
+            )
             if due:
                 self._last_recover = time.monotonic()
+                self._next_timer = None
         if due:
             result = store.recover(now=now)
             if result.requeued or result.needs_attention or result.woken:
                 log.info("recovered jobs", extra=fields(**result.__dict__))
+            self._learn_timer(store)
+
+    def _learn_timer(self, store: Store) -> None:
+        upcoming = store.next_timer()
+        if upcoming is None or upcoming <= time.time():
+            return
+        with self._recover_lock:
+            if self._next_timer is None or upcoming < self._next_timer:
+                self._next_timer = upcoming
+
+    def _sleep_limit(self) -> float | None:
+        """Seconds until the earliest known timer (an idle loop wakes for it)."""
+        with self._recover_lock:
+            timer = self._next_timer
+        return None if timer is None else max(0.0, timer - time.time())
 
     def _maybe_reconcile(self) -> None:
         operations = self.operations
@@ -610,7 +635,9 @@ class Worker:
                 empty = 0
             else:
                 empty += 1
-                self._idle(seen, idle.cap(empty))
+                limit = self._sleep_limit()
+                pause = idle.cap(empty)
+                self._idle(seen, pause if limit is None else min(pause, limit))
 
     def _hook(self, name: str, *args: Any) -> None:
         call_hook(self.hooks, name, *args)
