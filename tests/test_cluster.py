@@ -736,3 +736,61 @@ def test_a_slot_that_lost_its_entries_is_detected_and_republished(
     assert kept_ids[:10] == first[1::2]
     assert sorted(set(kept_ids)) == sorted(first[1::2] + later[1::2])
     outbox.engine.dispose()
+
+
+@pytest.mark.slow
+def test_master_restarted_empty_without_wait_replicas_is_detected_and_republished(
+    pg_url: str,
+    private_cluster: PrivateCluster,
+    stream_prefix: str,
+    tmp_path: Path,
+    writers_factory: WriterFactory,
+) -> None:
+    """Without ``--wait-replicas`` nothing stops a master from losing acknowledged entries:
+    here it is SIGKILLed and restarted at once, empty (no AOF), before its replica could be
+    promoted, and the replica resyncs from it: the slot's streams and marker are gone. The
+    relays' marker check sees it, ``--auto-republish`` publishes the lost window again, and
+    every committed event is in its stream at least once (consumers deduplicate the rest)."""
+    keys, template = fault_setup(pg_url, private_cluster, stream_prefix)
+    victim_stream = f"{stream_prefix}.{{{topic_of(keys[0])}}}"
+    command = relay_command(
+        pg_url,
+        private_cluster.url,
+        template,
+        100,
+        "--redis-cluster",
+        "--auto-republish",
+        "--redis-check-interval",
+        "1",
+    )
+    engine = make_engine(pg_url, pool_size=2)
+    client = private_cluster.client()
+    with relays(command, tmp_path) as procs:
+        procs.spawn()
+        procs.spawn()
+        writers = writers_factory(pg_url, keys, 4000, threads=4, per_tx=2, rate=800)
+        wait_for(
+            lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
+            30,
+            "the relays did not start publishing",
+            procs.tail,
+        )
+        victim = private_cluster.kill_master_of(victim_stream)
+        private_cluster.restart(victim)  # back at once, empty, still the master
+        private_cluster.wait_healthy()
+        writers.join(60)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            entries = read_streams(client, stream_prefix)
+            missing = writers.stats.confirmed - {e.event_id for e in entries}
+            if not missing and pending_count(engine) == (0, 0):
+                break
+            time.sleep(0.5)
+        logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("relay-*.log")))
+        codes = procs.terminate_all()
+    assert codes == [0, 0], procs.tail()
+    assert "Redis lost stream entries" in logs, procs.tail()
+    assert "auto-republish done" in logs
+    assert not missing, f"{len(missing)} committed events missing"
+    engine.dispose()
+    client.close()
