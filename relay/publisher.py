@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
+from outbox.logs import fields as log_fields
 from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record, entry_id_key
 
@@ -427,7 +428,7 @@ class RedisStreamPublisher:
                     "the stream template has no hash tag: on Redis Cluster every stream lands "
                     "in a slot of its own and a batch takes one script call per stream; "
                     "write the topic (or partition) as a tag, e.g. outbox.{{{topic}}}",
-                    extra={"stream": stream_template},
+                    extra=log_fields(stream=stream_template),
                 )
         self.trim = StreamTrim(redis_client, stream_retention, trim_floor_ttl)
         self.marker_key = marker_key(self.template.template)
