@@ -11,8 +11,10 @@ Flags take their defaults from ``OUTBOX_*`` environment variables (``OUTBOX_DATA
 ``OUTBOX_REDIS_URL``, ``OUTBOX_GROUP``, ``OUTBOX_BATCH_SIZE``, ``OUTBOX_METRICS_PORT``,
 ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``, ``OUTBOX_CONSUMER_SCHEMA``, and the recovery
 intervals ``OUTBOX_CLAIM_IDLE_MS``, ``OUTBOX_HEARTBEAT_TTL_MS``, ``OUTBOX_HEARTBEAT_INTERVAL_MS``,
-``OUTBOX_BLOCK_MS``, ``OUTBOX_MAX_DELIVERIES``). For ``run``, a flag or variable that is set
-overrides what the application's Consumer was built with; one that is not set leaves it.
+``OUTBOX_BLOCK_MS``, ``OUTBOX_MAX_DELIVERIES``; ``OUTBOX_REDIS_CLUSTER=1`` or
+``--redis-cluster``: ``--redis-url`` names any node of a Redis Cluster). For ``run``, a
+flag or variable that is set overrides what the application's Consumer was built with; one
+that is not set leaves it.
 Without a database URL the tools use the SQLite file in the working directory, without a
 Redis URL the embedded Redis server.
 
