@@ -1,0 +1,187 @@
+"""End to end: quote approved -> effect at the provider, the whole loop as real processes.
+
+``python -m bench e2e [--rates 100,500,1000] [--seconds S] [--warmup S]``
+
+One loop (``bench.loop``: writers, 2 relays, 2 consumers with a batch handler, 2 workers
+dispatching through ``HttpProvider`` to ``outbox-simulator serve``, a private PostgreSQL and
+a private Redis, default settings) runs each offered rate in turn: a warm-up, then a measured
+window, then the load stops and the loop settles (so each rate starts with no backlog) and
+the books are checked. Per rate it prints:
+
+- the achieved rate: quotes committed per second and effects per second in the window;
+- commit -> effect p50 / p99 / max of the quotes committed in the window (the writer stamps
+  ``time.time()`` into the event just before COMMIT; the simulator stamps the effect);
+- CPU per component over the window, in % of one core, from ``/proc/PID/stat`` (utime +
+  stime of each process; PostgreSQL: the postmaster and all its backends).
+
+Writers: one process per 250 quotes/s offered (one writer process commits ~1,000/s at best
+on this machine). The figures depend on what else the machine runs: say so when quoting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.loop import Loop, LoopSettings, private_postgres, problems
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(entry))
+    return found
+
+
+def components(loop: Loop) -> dict[str, list[int]]:
+    """PIDs per component of the running loop."""
+    postmaster = int(Path(loop.pg.data, "postmaster.pid").read_text().split()[0])
+    groups = {
+        "writers": [w.pid for w in loop.writers if w.alive() and w.pid],
+        "relays": [p.pid for p in loop.procs["relay"] if p.pid],
+        "consumers": [p.pid for p in loop.procs["consumer"] if p.pid],
+        "workers": [p.pid for p in loop.procs["worker"] if p.pid],
+        "simulator": [loop.simulator.proc.pid] if loop.simulator.proc else [],
+        "postgres": [postmaster, *_children(postmaster)],
+        "redis": [loop.redis.process.pid] if loop.redis.process else [],
+    }
+    return {k: [p for p in v if p] for k, v in groups.items()}
+
+
+def cpu_snapshot(loop: Loop) -> dict[str, dict[int, int]]:
+    return {name: {p: _cpu_ticks(p) for p in pids} for name, pids in components(loop).items()}
+
+
+def cpu_percent(
+    before: dict[str, dict[int, int]], after: dict[str, dict[int, int]], seconds: float
+) -> dict[str, float]:
+    """% of one core per component; processes that appeared count from zero."""
+    result = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        ticks = sum(t - then.get(pid, 0) for pid, t in now.items())
+        result[name] = 100.0 * ticks / TICKS / seconds
+    return result
+
+
+COMPONENTS = ("writers", "relays", "consumers", "workers", "simulator", "postgres", "redis")
+
+
+def measure(loop: Loop, rate: float, warmup: float, seconds: float) -> dict[str, object]:
+    loop.settings.rate = rate
+    loop.settings.writers = max(1, round(rate / 250))
+    loop.start_load()
+    time.sleep(warmup)
+    start_at = loop.now()
+    wall_start = time.time()
+    cpu_before = cpu_snapshot(loop)
+    first = loop.samples[-1]
+    time.sleep(seconds)
+    cpu_after = cpu_snapshot(loop)
+    wall_end = time.time()
+    last = loop.samples[-1]
+    elapsed = last.at - first.at
+    loop.stop_load()
+    settled = loop.settle(180.0)
+    books = loop.books()
+    latencies = sorted(
+        e["time"] - e["body"]["t"]
+        for e in loop.simulator.effects()
+        if isinstance(e["body"].get("t"), float) and wall_start <= e["body"]["t"] <= wall_end
+    )
+
+    def q(p: float) -> float | None:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else None
+
+    return {
+        "offered": rate,
+        "committed_per_s": ((last.committed or 0) - (first.committed or 0)) / max(elapsed, 0.001),
+        "effects_per_s": ((last.effects or 0) - (first.effects or 0)) / max(elapsed, 0.001),
+        "p50": q(0.50),
+        "p99": q(0.99),
+        "max": latencies[-1] if latencies else None,
+        "measured": len(latencies),
+        "cpu": cpu_percent(cpu_before, cpu_after, seconds),
+        "books": "ok" if settled and not problems(books) else "; ".join(problems(books)),
+        "window": (start_at, loop.now()),
+    }
+
+
+def _ms(value: object) -> str:
+    return "-" if value is None else f"{float(value) * 1000:.0f}"  # type: ignore[arg-type]
+
+
+def table(rows: Sequence[dict[str, object]]) -> str:
+    head = (
+        "| offered q/s | committed q/s | effects/s | p50 ms | p99 ms | max ms | "
+        + " | ".join(f"CPU {c} %" for c in COMPONENTS)
+        + " | books |"
+    )
+    lines = [head, "|" + "---|" * (7 + len(COMPONENTS))]
+    for r in rows:
+        cpu = r["cpu"]
+        assert isinstance(cpu, dict)
+        lines.append(
+            f"| {r['offered']:.0f} | {r['committed_per_s']:.0f} | {r['effects_per_s']:.0f} | "
+            f"{_ms(r['p50'])} | {_ms(r['p99'])} | {_ms(r['max'])} | "
+            + " | ".join(f"{cpu.get(c, 0.0):.0f}" for c in COMPONENTS)
+            + f" | {r['books']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench e2e",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rates", default="100,500,1000", help="quotes/s offered, in turn")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window per rate")
+    parser.add_argument("--warmup", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    with os.popen("uptime") as uptime:
+        print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
+    pg = private_postgres()
+    rows = []
+    try:
+        loop = Loop(pg, "e2e", LoopSettings(rate=rates[0]))
+        try:
+            loop.start(load=False)
+            for rate in rates:
+                row = measure(loop, rate, args.warmup, args.seconds)
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+        finally:
+            loop.close()
+    finally:
+        pg.close()
+    print()
+    print(table(rows))
+    return 0 if all(r["books"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
