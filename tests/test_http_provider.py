@@ -210,6 +210,23 @@ def test_a_request_header_fault_applies_to_that_request_only(sim: SimulatorProce
     assert len(sim.effects(operation_id)) == 1
 
 
+def test_one_provider_shared_by_threads(sim: SimulatorProcess) -> None:
+    """A worker's loops share one provider (one keep-alive pool): every call is its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tag = op()
+    with provider(sim) as p, ThreadPoolExecutor(8) as pool:
+        refs = list(
+            pool.map(
+                lambda i: p.send({"i": i}, operation_id=f"{tag}-{i}", idempotency_key=f"{tag}-{i}"),
+                range(80),
+            )
+        )
+    assert len(set(refs)) == 80
+    mine = [e for e in sim.effects() if (e["operation_id"] or "").startswith(f"{tag}-")]
+    assert sorted(e["id"] for e in mine) == sorted(refs)
+
+
 # -- transport faults ----------------------------------------------------------------------------
 
 
