@@ -83,7 +83,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer.bulk import bulk_insert
-from outbox.dialect import db_now, insert_or_ignore, is_postgresql
+from outbox.dialect import db_now, insert_or_ignore, is_postgresql, quoted_table
+from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.schema import check_identifier
 from outbox.validate import MAX_EVENT_ID_LENGTH, MAX_NAME_LENGTH
 
@@ -195,9 +196,20 @@ class Inbox:
         with self.engine.begin() as conn:
             self._before_ddl(conn)
             self.tables.metadata.create_all(conn, checkfirst=True)
+            self._after_ddl(conn)
 
     def _before_ddl(self, conn: Connection) -> None:
         """Per-dialect preparation of the DDL transaction."""
+
+    def _after_ddl(self, conn: Connection) -> None:
+        """Per-dialect additions once the tables exist."""
+
+    @property
+    def hot_table(self) -> str:
+        """The inbox table, quoted: written by every batch and purged by retention, so it
+        gets the hot-table autovacuum settings and a vacuum by the consumer when the server
+        runs without autovacuum (``outbox.maintenance``)."""
+        return quoted_table(self.tables.inbox.name, self.tables.inbox.schema)
 
     def clock_read(self, conn: Connection) -> datetime:
         """The database clock, comparable with the tables' timestamps."""
@@ -391,6 +403,10 @@ class PostgresInbox(Inbox):
         schema = self.tables.inbox.schema
         if schema:
             conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+
+    def _after_ddl(self, conn: Connection) -> None:
+        # Every handled entry inserts a row and retention deletes it: dead tuples all day.
+        set_storage_parameters(conn, self.hot_table, HOT_TABLE_AUTOVACUUM)
 
     def _lock_rows(self, query: Any) -> Any:
         return query.with_for_update()

@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
+from outbox.dialect import quoted_table as quoted_table  # re-exported for callers
 from outbox.logs import fields
 
 log = logging.getLogger("outbox.maintenance")
@@ -123,11 +124,6 @@ def psycopg_connector(engine: Engine) -> Callable[[], Any]:
         return psycopg.connect(*cargs, autocommit=True, **cparams)
 
     return connect
-
-
-def quoted_table(name: str, schema: str | None = None) -> str:
-    """``"schema"."name"`` (or ``"name"``) for names already checked as plain identifiers."""
-    return f'"{schema}"."{name}"' if schema else f'"{name}"'
 
 
 class PeriodicVacuum:

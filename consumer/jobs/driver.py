@@ -45,7 +45,14 @@ from sqlalchemy.pool import StaticPool
 
 from consumer.bulk import bulk_insert
 from consumer.jobs import queries as q
-from consumer.jobs.schema import OPEN_RECEIPTS_INDEX, attempts, jobs, metadata, operations
+from consumer.jobs.schema import (
+    OPEN_RECEIPTS_INDEX,
+    attempts,
+    jobs,
+    metadata,
+    operations,
+    set_autovacuum,
+)
 from consumer.jobs.states import DONE, LEASED, WAITING
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
@@ -481,6 +488,7 @@ class PostgresJobDriver(JobDriver):
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
         metadata.create_all(conn, checkfirst=True)
         _add_missing_columns(conn)
+        set_autovacuum(conn)  # the hot tables' per-table autovacuum settings (issue 10)
 
     def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
         if not self.notify:

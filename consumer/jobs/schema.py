@@ -73,7 +73,8 @@ from consumer.jobs.states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
-from outbox.dialect import db_epoch
+from outbox.dialect import db_epoch, quoted_table
+from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 
 __all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
@@ -206,6 +207,19 @@ Index(
     postgresql_where=operations.c.state == "UNKNOWN",
     sqlite_where=operations.c.state == "UNKNOWN",
 )
+
+
+HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
+"""The job tables written all day (every claim and finish updates a job, every outcome adds
+a history row): they get the hot-table autovacuum settings, and the worker vacuums them
+itself when the server runs without autovacuum (``outbox.maintenance``)."""
+
+
+def set_autovacuum(conn: Connection) -> None:
+    """PostgreSQL: the hot job tables' per-table autovacuum settings, each set only when
+    missing (a value set by hand stays)."""
+    for table in HOT_TABLES:
+        set_storage_parameters(conn, quoted_table(table), HOT_TABLE_AUTOVACUUM)
 
 
 def create_schema(bind: Engine | Connection) -> None:

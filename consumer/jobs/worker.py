@@ -45,6 +45,11 @@ Wake-up: on PostgreSQL ``run`` LISTENs for jobs that became READY (an enqueue's 
 resume, a recovery; ``StoreConfig.notify``) and an idle loop claims at once; polling every
 ``poll_interval`` stays the fallback (SQLite, ``listen=False``, a lost LISTEN connection).
 
+Vacuum: finished jobs leave dead tuples and dead READY-index entries behind, which every
+claim would walk. When the server runs without autovacuum, ``run_once`` vacuums the job
+tables itself every ``vacuum_interval`` seconds (default 30, 0 never) in a background thread
+(``Worker.vacuum``, ``outbox.maintenance``); with autovacuum on, the tables' own settings do.
+
 Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
 the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
 """
@@ -63,12 +68,14 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved
+from consumer.jobs.schema import HOT_TABLES
 from consumer.jobs.store import Lease, Store, Time, Timer, _time
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
+from outbox.maintenance import DEFAULT_VACUUM_INTERVAL, PeriodicVacuum, quoted_table
 
 if TYPE_CHECKING:
     from consumer.jobs.operations import Operations, Provider, Receipt
@@ -91,6 +98,7 @@ class WorkerConfig:
     recover_interval: float = 5.0
     reconcile_interval: float = 10.0
     listen: bool = True
+    vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -105,6 +113,11 @@ class WorkerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(name, f"must be a positive number, got {value!r}")
+        value = self.vacuum_interval
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(
+                "vacuum_interval", f"must be zero (never) or positive seconds, got {value!r}"
+            )
 
 
 class JobContext:
@@ -283,6 +296,8 @@ class Worker:
         self._last_recover = 0.0
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._recover_lock = threading.Lock()
+        self._vacuum: PeriodicVacuum | None = None
+        self._vacuum_store: Store | None = None
         if (
             isinstance(default_timeout, bool)
             or not isinstance(default_timeout, (int, float))
@@ -349,6 +364,25 @@ class Worker:
             )
         return self._operations
 
+    @property
+    def vacuum(self) -> PeriodicVacuum | None:
+        """The worker's vacuum of the job tables (``outbox.maintenance``): ``run_once``
+        starts it in the background every ``vacuum_interval`` seconds, and it vacuums only
+        the tables autovacuum does not take care of (the server runs without it). None off
+        PostgreSQL, with ``vacuum_interval=0``, or before a store is bound."""
+        store = self.store
+        if store is None:
+            return None
+        if self._vacuum_store is not store:
+            self._vacuum_store = store
+            self._vacuum = PeriodicVacuum.for_engine(
+                store.engine,
+                [quoted_table(t) for t in HOT_TABLES],
+                interval=self.config.vacuum_interval,
+                what="job tables",
+            )
+        return self._vacuum
+
     def _store(self) -> Store:
         if self.store is None:
             raise ConfigError("store", "the worker has no Store: pass one or bind worker.store")
@@ -361,6 +395,9 @@ class Worker:
         store = self._store()
         self._maybe_recover(store, now)
         self._maybe_reconcile()
+        vacuum = self.vacuum
+        if vacuum is not None:
+            vacuum.maybe_start()  # never blocks: a background thread, when due
         leases = store.claim_batch(
             self.config.name, self.config.batch_size, self.config.ttl, now=now
         )
