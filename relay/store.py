@@ -82,6 +82,7 @@ from sqlalchemy.sql.selectable import TextualSelect
 from outbox.dialect import NOW_SQL, POSTGRESQL, SQLITE, is_postgresql, quoted_table
 from outbox.errors import ConfigError
 from outbox.logs import fields
+from outbox.maintenance import vacuum_unless_autovacuum
 from outbox.schema import PENDING, QUARANTINED, OutboxSchema
 from relay.config import RelayConfig
 from relay.records import Orphan, Record, RequeueResult, TopicStatus, entry_id_key
@@ -364,19 +365,68 @@ _BLOCKED = """NOT EXISTS (
         WHERE b.key = o.key AND b.seq < o.seq
           AND (b.state = 'quarantined' OR (b.state = 'pending' AND b.attempts > 0)))"""
 
+# The claim, shaped so that no plan the planner may pick reads more than the rows it
+# examines (issue 10). A single ``ORDER BY seq LIMIT n`` query is cheap only while the
+# planner believes many rows match; on a never-analyzed table (or one analyzed while empty)
+# it estimates a handful and picks a bitmap scan of the whole backlog, the blocked-key probe
+# for every row and a sort, per batch (measured: 100,000 pending rows, 155-193 ms per batch
+# of 500: 5,000-6,000 events/s draining). So the claim bounds its scans by index conditions
+# on ``seq``, not by LIMIT: it takes the backlog in chunks, each the pending rows of a seq
+# range [lo, lo + span) that starts at the first pending row at or after the previous chunk
+# (an ``ORDER BY seq LIMIT 1`` probe: always the index), and collects the candidates of each
+# chunk (not claimed, available, in an owned partition, key not blocked) until it has
+# ``limit`` of them. Whatever plan a chunk gets (index scan, or bitmap scan and sort), it
+# reads the rows of its range and no others. ``span`` is 1.25 ``limit`` divided by the share
+# of partitions this relay owns, so that a dense backlog fills a batch in one chunk.
+# Measured (SQL alone, claim and mark 500 rows per batch, 100,000 pending): the same rate
+# with no statistics, stale ones or fresh ones.
+#
+# The rows are locked after the collection, one primary-key probe each (a LATERAL, so a
+# nested loop: a join let stale statistics pick a hash join over every pending row), FOR
+# UPDATE SKIP LOCKED with the state re-checked. Nothing but this relay locks pending rows of
+# its partitions, so this skips nothing in practice; a row skipped anyway is left to the next
+# sweep, as before.
+_CHUNK = (
+    """SELECT coalesce(array_agg(o.seq ORDER BY o.seq), '{}'::bigint[]) AS seqs
+        FROM {t} o
+        WHERE o.state = 'pending' AND o.seq >= f.lo AND o.seq < f.lo + s.span
+          AND o.claimed_by IS NULL AND o.available_at <= now()
+          AND (o.key_hash %% %(nparts)s) = ANY(%(parts)s) AND """
+    + _BLOCKED
+)
+
 PG_CLAIM = (
     """
-WITH picked AS (
-    SELECT o.seq FROM {t} o
-    WHERE o.state = 'pending' AND o.claimed_by IS NULL AND o.available_at <= now()
-      AND o.seq >= %(floor)s
-      AND (o.key_hash %% %(nparts)s) = ANY(%(parts)s)
-      AND """
-    + _BLOCKED
-    + """
-    ORDER BY o.seq
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
+WITH RECURSIVE s AS (
+    SELECT greatest(1, %(limit)s::bigint * 5 / 4 * %(nparts)s
+                       / greatest(1, cardinality(%(parts)s::int[]))) AS span
+),
+chunk(hi, n, seqs) AS (
+    SELECT f.lo + s.span, cardinality(c.seqs), c.seqs
+    FROM s CROSS JOIN LATERAL (
+        SELECT o.seq AS lo FROM {t} o WHERE o.state = 'pending' AND o.seq >= %(floor)s
+        ORDER BY o.seq LIMIT 1) f
+    CROSS JOIN LATERAL ("""
+    + _CHUNK
+    + """) c
+  UNION ALL
+    SELECT f.lo + s.span, k.n + cardinality(c.seqs), c.seqs
+    FROM chunk k CROSS JOIN s CROSS JOIN LATERAL (
+        SELECT o.seq AS lo FROM {t} o WHERE o.state = 'pending' AND o.seq >= k.hi
+        ORDER BY o.seq LIMIT 1) f
+    CROSS JOIN LATERAL ("""
+    + _CHUNK
+    + """) c
+    WHERE k.n < %(limit)s
+),
+picked AS (
+    SELECT l.seq FROM (
+        SELECT u.seq FROM chunk CROSS JOIN LATERAL unnest(chunk.seqs) AS u(seq)
+        ORDER BY u.seq LIMIT %(limit)s) w
+    CROSS JOIN LATERAL (
+        SELECT o.seq FROM {t} o
+        WHERE o.seq = w.seq AND o.state = 'pending' AND o.claimed_by IS NULL
+        FOR UPDATE OF o SKIP LOCKED) l
 )
 UPDATE {t} t SET claimed_by = %(owner)s, claim_epoch = %(epoch)s, claimed_at = now()
 FROM picked WHERE t.seq = picked.seq
@@ -928,16 +978,10 @@ class PostgresStore:
     def vacuum_if_no_autovacuum(self) -> float | None:
         """VACUUM the table when the server runs without autovacuum; seconds it took, or
         None when autovacuum is on (nothing done). Runs on a connection of its own."""
-        conn = self._new_connection()
-        try:
-            row = conn.execute("SELECT current_setting('autovacuum')").fetchone()
-            if row and row[0] == "on":
-                return None
-            started = time.monotonic()
-            conn.execute(f"VACUUM (SKIP_LOCKED) {self._sql['table']}")
-            return time.monotonic() - started
-        finally:
-            conn.close()
+        # The decision and the VACUUM are outbox.maintenance's, shared with the job worker
+        # and the consumer (also: a table with autovacuum_enabled = false is vacuumed).
+        done = vacuum_unless_autovacuum(self._new_connection, [self._sql["table"]])
+        return sum(done.values()) if done else None
 
     # -- retention and progress -------------------------------------------------------------
 
