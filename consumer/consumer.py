@@ -63,6 +63,7 @@ from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
+from outbox.maintenance import PeriodicVacuum
 from outbox.redis_client import in_slot_of, is_cluster_url, redis_client, slot_of
 from outbox.schema import check_identifier
 from outbox.validate import check_name
@@ -313,6 +314,9 @@ class Consumer:
             redis_client(redis)
         self.tables = q.build_inbox_schema(self.config.schema)
         self.inbox = q.inbox_for(self.engine, self.tables)
+        # Without autovacuum on the server, the consumer vacuums its inbox itself (every
+        # inserted row is deleted by retention later: dead tuples all day). outbox.maintenance.
+        self.vacuum = PeriodicVacuum.for_engine(self.engine, [self.inbox.hot_table], what="inbox")
         self.name = incarnation_name(self.config.name_prefix)
         self._handlers: dict[str, tuple[Callable[..., Any], bool]] = {}
         self._stop = threading.Event()
@@ -1094,6 +1098,8 @@ class Consumer:
                 self._report_lag(name)
                 if self.config.stale_consumer_ms is not None:
                     self._remove_stale_consumers(name)
+        if self.vacuum is not None:
+            self.vacuum.maybe_start()  # background, when due and autovacuum is off
         if now >= self._next_purge:
             # One bounded batch per cycle, on the batch loop's path: entries arriving meanwhile
             # wait for one DELETE of purge_batch rows, not for a whole backlog. A full batch

@@ -147,3 +147,19 @@ def test_the_inbox_is_vacuumed_only_when_autovacuum_is_off(
     after = vacuum_counts(engine, (INBOX_TABLE,))
     expected = before[INBOX_TABLE] + (1 if autovacuum == "off" else 0)
     assert after[INBOX_TABLE] == expected
+
+
+def test_the_consumer_vacuums_its_inbox_when_autovacuum_is_off(pg_url: str, redis_url: str) -> None:
+    from consumer import Consumer
+
+    engine = make_engine(pg_url)
+    consumer = Consumer(engine, redis_url, group="vacuum-test", topics=["t"])
+    try:
+        consumer.create_schema()
+        assert consumer.vacuum is not None  # PostgreSQL: the consumer has a vacuumer
+        before = vacuum_counts(engine, (INBOX_TABLE,))
+        consumer.vacuum.run_once()  # what its maintenance starts every interval
+        after = vacuum_counts(engine, (INBOX_TABLE,))
+        assert after[INBOX_TABLE] == before[INBOX_TABLE] + 1  # the shared server: autovacuum off
+    finally:
+        engine.dispose()

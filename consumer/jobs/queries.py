@@ -79,6 +79,14 @@ def pg_claim_batch(now_given: bool) -> TextualSelect:
     wait on each other nor take the same row. The outer ORDER BY/LIMIT keeps the rotation
     order when the shares add up to more than :limit (rows locked but not taken are released
     at commit, a moment later). Step 3: the UPDATE leases them and bumps each epoch.
+
+    Why this shape holds whatever the planner statistics say (issue 10): every scan of
+    outbox_jobs is an ``ORDER BY ... LIMIT`` whose equality on the index's leading column
+    (``tenant``) comes from the outer row, so the planner estimates it without knowing the
+    tenant (a handful of rows) and the ordered index scan, which stops after the share, wins
+    over a bitmap scan and sort; the tenant scan's probes are ``LIMIT 1``. Checked by
+    tests/test_query_plans.py on 100,000 READY rows (1 and 10 tenants) with no statistics and
+    with stale ones (ANALYZE while empty): a claim of 100 reads at most ~300 rows.
     """
     now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
     return _typed(
