@@ -211,6 +211,16 @@ class PrivateCluster:
         ]
         return [self.node_at(port) for port in ports]
 
+    def replicas_of(self, master: ClusterNode) -> list[ClusterNode]:
+        """The live replicas of ``master``."""
+        nodes = self.topology()
+        master_id = next(n["id"] for n in nodes if n["port"] == master.port)
+        return [
+            self.node_at(n["port"])
+            for n in nodes
+            if n["master"] == master_id and "fail" not in n["flags"]
+        ]
+
     def master_of(self, key: str) -> ClusterNode:
         from redis.crc import key_slot
 

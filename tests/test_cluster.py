@@ -775,6 +775,11 @@ def test_master_restarted_empty_without_wait_replicas_is_detected_and_republishe
             "the relays did not start publishing",
             procs.tail,
         )
+        # Its replica must not be promoted meanwhile (on a loaded machine the restart can
+        # take longer than the node timeout): then the loss is certain, not a race.
+        master = private_cluster.master_of(victim_stream)
+        for replica in private_cluster.replicas_of(master):
+            replica.client().config_set("cluster-replica-no-failover", "yes")
         victim = private_cluster.kill_master_of(victim_stream)
         private_cluster.restart(victim)  # back at once, empty, still the master
         private_cluster.wait_healthy()
