@@ -37,6 +37,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
+from outbox.dialect import limit_statements
 from outbox.errors import ConfigError
 from outbox.schema import OutboxSchema, build_schema, check_identifier
 from relay.store import age_seconds as age_seconds
@@ -208,34 +209,12 @@ class DatabaseCollector(Collector):
         with self.engine.connect() as conn:
             dialect = conn.dialect.name
             with conn.begin():
-                restore = self._limit_statements(conn, dialect)
+                restore = limit_statements(conn, self.statement_timeout_ms)
                 try:
                     now = conn.execute(queries.now_sql(dialect)).scalar_one()
                     return source.run(ScrapeContext(conn=conn, dialect=dialect, now=now))
                 finally:
                     restore()
-
-    def _limit_statements(self, conn: Connection, dialect: str) -> Callable[[], None]:
-        """Bound every statement of this transaction; returns how to undo it."""
-        if dialect == "postgresql":
-            # is_local=true: SET LOCAL, gone at the end of the transaction, so a pooled
-            # connection handed to the relay afterwards keeps its own settings.
-            conn.exec_driver_sql(
-                "SELECT set_config('statement_timeout', %(ms)s, true)",
-                {"ms": str(self.statement_timeout_ms)},
-            )
-            return lambda: None
-        if dialect == "sqlite":
-            raw: Any = conn.connection.driver_connection
-            deadline = time.monotonic() + self.statement_timeout_ms / 1000.0
-
-            def interrupt() -> int:
-                # A non-zero return aborts the running statement ("interrupted").
-                return 1 if time.monotonic() > deadline else 0
-
-            raw.set_progress_handler(interrupt, 10_000)
-            return lambda: raw.set_progress_handler(None, 0)
-        return lambda: None
 
     # -- sources ------------------------------------------------------------------------------
 

@@ -7,12 +7,14 @@ table names. Nothing outside the storage seams asks which database it runs on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import DateTime, Double, Table
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
@@ -84,3 +86,24 @@ def quoted_table(table: str, schema: str | None = None) -> str:
     """A quoted table reference, from names already checked as plain identifiers
     (``outbox.schema.check_identifier``)."""
     return f'"{schema}"."{table}"' if schema else f'"{table}"'
+
+
+def limit_statements(conn: Connection, timeout_ms: int) -> Callable[[], None]:
+    """Bound every statement of the transaction ``conn`` is in to ``timeout_ms``; returns how
+    to undo it (for readers, like the metrics, that must never hang a scrape on a lock)."""
+    if conn.dialect.name == POSTGRESQL:
+        # is_local=true: SET LOCAL, gone at the end of the transaction, so a pooled
+        # connection handed to another part afterwards keeps its own settings.
+        conn.exec_driver_sql(
+            "SELECT set_config('statement_timeout', %(ms)s, true)", {"ms": str(timeout_ms)}
+        )
+        return lambda: None
+    raw: Any = conn.connection.driver_connection
+    deadline = time.monotonic() + timeout_ms / 1000.0
+
+    def interrupt() -> int:
+        # A non-zero return aborts the running SQLite statement ("interrupted").
+        return 1 if time.monotonic() > deadline else 0
+
+    raw.set_progress_handler(interrupt, 10_000)
+    return lambda: raw.set_progress_handler(None, 0)
