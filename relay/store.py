@@ -440,14 +440,19 @@ RETURNING """
 # sequence numbers and entry ids travel as one comma-joined string each (neither can hold a
 # comma), split by the server; streams, usually one or a few per batch, as a small array
 # indexed per row. Compare-and-set on (claimed_by, claim_epoch): a relay whose intent was
-# reconciled away records nothing.
+# reconciled away records nothing. The state test is written as an expression on purpose:
+# as ``t.state = 'pending'`` it lets the planner read the table through the pending partial
+# index, and without statistics it believes that index holds a few dozen rows, so it hashed
+# every pending row to find the batch's 500 (measured: 100,000 pending, 111 ms per receipt,
+# O(backlog) per batch). Now the only paths are the primary key (one probe per receipt) or
+# a sequential scan the planner costs at the table's real size.
 PG_PUBLISHED = """
 UPDATE {t} t SET state = 'published', stream = (%(streams)b::text[])[u.sidx],
     stream_id = u.sid, published_at = now()
 FROM unnest(string_to_array(%(seqs)s, ',')::bigint[], string_to_array(%(sids)s, ','),
             string_to_array(%(sidxs)s, ',')::int[]) AS u(seq, sid, sidx)
 WHERE t.seq = u.seq AND t.claimed_by = %(owner)s AND t.claim_epoch = %(epoch)s
-  AND t.state = 'pending'"""
+  AND (t.state || '') = 'pending'"""
 
 # Transient failures: count the attempt, push available_at by the jittered delay, keep the
 # intent when the XADD may have happened (it is then reconciled before the next attempt).

@@ -26,7 +26,7 @@ from consumer.jobs.schema import create_schema as create_job_schema
 from outbox.db import make_engine
 from outbox.maintenance import psycopg_connector
 from outbox.schema import build_schema, create_schema
-from relay.store import PG_CLAIM
+from relay.store import PG_CLAIM, PG_PUBLISHED
 
 ROWS = 100_000
 BATCH = 500
@@ -159,6 +159,33 @@ def test_relay_claim_reads_a_batch_not_the_backlog(
         )
     ]
     assert sorted(seqs) == expected
+
+
+@pytest.mark.parametrize("stats", ["none", "stale"])
+def test_relay_receipts_read_the_batch_not_the_backlog(
+    conn: psycopg.Connection[Any], stats: str
+) -> None:
+    _fill_outbox(conn, stats)
+    seqs = [
+        int(r[0])
+        for r in conn.execute(
+            "UPDATE outbox_events SET claimed_by = 'plan-test', claim_epoch = 1 "
+            "WHERE seq IN (SELECT seq FROM outbox_events ORDER BY seq LIMIT %s) RETURNING seq",
+            (BATCH,),
+        )
+    ]
+    params = {
+        "seqs": ",".join(map(str, seqs)),
+        "sids": ",".join(f"1-{i}" for i in range(len(seqs))),
+        "sidxs": ",".join("1" for _ in seqs),
+        "streams": ["plan.stream"],
+        "owner": "plan-test",
+        "epoch": 1,
+    }
+    plan = _explain(conn, PG_PUBLISHED.replace("{t}", '"outbox_events"'), params)
+    read = rows_read(plan, "outbox_events")
+    assert read <= 2 * BATCH, f"read {read} rows: {_describe(plan)}"
+    assert buffers(plan) <= 25 * BATCH, f"{buffers(plan)} buffers: {_describe(plan)}"
 
 
 def _fill_jobs(conn: psycopg.Connection[Any], stats: str, tenants: int) -> None:
