@@ -210,6 +210,23 @@ def test_a_live_lease_is_never_claimed(store: Store) -> None:
     assert store.claim("t", "job", "b", now=1050, ttl=30) == 2
 
 
+def test_renew_never_shortens_a_lease(store: Store) -> None:
+    """A heartbeat landing just after a dispatch extended the lease to its provider call's
+    deadline leaves the longer lease alone (it would otherwise expire mid-call)."""
+    store.enqueue("t", "job")
+    lease = store.claim_next("a", ttl=30, now=1000)
+    assert lease is not None
+    with store.driver.begin() as conn:  # what a dispatch does for a call ending at 2000
+        assert store.driver.job_lease_extend(conn, lease.job_id, "a", lease.epoch, 2000)
+    assert store.renew(lease, ttl=5, now=1001) == pytest.approx(2000)
+    assert store.get(lease.job_id).lease_expires_at == pytest.approx(2000)
+    assert store.claim("t", "job", "b", now=1999, ttl=30) is None
+    assert store.recover(now=1999).requeued == 0
+    # a renewal reaching past the current expiry still extends it
+    assert store.renew(lease, ttl=600, now=1500) == pytest.approx(2100)
+    assert store.get(lease.job_id).lease_expires_at == pytest.approx(2100)
+
+
 def test_recovery_returns_only_expired_leases(store: Store) -> None:
     for i in range(6):
         store.enqueue("t", f"job-{i}")

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, and_
+from sqlalchemy import ColumnElement, and_, case
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -594,23 +594,25 @@ class Store:
         ttl: float = 30,
         now: Time | None = None,
     ) -> float:
-        """Extend the lease to ``now + ttl``; returns the new expiry. ``Conflict`` if fenced."""
+        """Extend the lease to at least ``now + ttl``, never shorter than it is: a heartbeat
+        landing just after a dispatch extended the lease to its provider call's deadline must
+        not pull it back (the lease would expire mid-call). Returns the lease's expiry.
+        ``Conflict`` if fenced."""
         seconds = _ttl(ttl)
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            self._cas(
-                conn,
-                where,
-                label,
-                who,
-                epoch_,
-                LEASED,
-                {"lease_expires_at": clock + seconds},
-                clock,
+            until = clock + seconds
+            # One fenced UPDATE, max(current, until) in SQL on both databases (like
+            # JobDriver.job_lease_extend), so no concurrent extension is lost in between.
+            longest = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
+            job_id = self._cas(
+                conn, where, label, who, epoch_, LEASED, {"lease_expires_at": longest}, clock
             )
-        return clock + seconds
+            row = self.driver.job_get(conn, jobs.c.id == job_id)
+        expires = None if row is None else row.lease_expires_at
+        return until if expires is None else max(until, float(expires))
 
     def finish(
         self,
