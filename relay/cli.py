@@ -229,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_flag(demo)
     demo.add_argument("--rate", type=float, default=20.0, help="quotes approved per second")
     demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    demo.add_argument(
+        "--chaos",
+        action="store_true",
+        help="worker processes send each quote's email through the connector simulator "
+        "service, and one is SIGKILLed mid-send every 1-2 s: still one email per quote",
+    )
+    demo.add_argument(
+        "--workers", type=int, default=3, help="worker processes with --chaos (default 3)"
+    )
     demo.set_defaults(func=cmd_demo)
 
     try:  # `outbox-relay metrics` when the metrics package provides it

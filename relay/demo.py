@@ -9,6 +9,18 @@ jobs under fenced leases and finishes them. The live view shows each step.
 On the embedded default it needs nothing installed: a SQLite file (``outbox.db``) and an
 embedded Redis server (``outbox-redis.db``) in the working directory. Ctrl-C (or
 ``--duration``) stops it cleanly: the writer stops, the relay drains what is committed.
+
+``--chaos`` shows the point of it all (guarantee 8, one customer-visible effect). The jobs
+are done by ``--workers`` worker *processes* (``outbox-worker run relay.demo_app:build_worker``)
+that send each quote's email through ``HttpProvider`` to the connector simulator service
+(``outbox-simulator serve``, its effects in ``simulator.db`` in the working directory), whose
+fault plan answers some sends late and some slowly. Every 1-2 s the demo SIGKILLs a worker
+process, one with a call in flight when there is one (its receipt still PENDING), and starts
+another. The live view counts the emails the simulator sent (``GET /effects``) against the
+quotes approved, the duplicate effects (more than one email for a quote: 0), the receipts
+and the kills. The summary's last line: ``chaos: N quotes approved, N emails sent, 0
+duplicate effects, K workers killed (...)``. Every child process is stopped (SIGTERM, then
+SIGKILL) and reaped at exit; a demo worker also stops when the demo process is gone.
 """
 
 from __future__ import annotations
@@ -16,25 +28,33 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import random
+import signal
+import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from collections import Counter
+from typing import IO, Any
 
-from sqlalchemy import text
+import httpx
+from sqlalchemy import func, select, text
 
 from consumer.consumer import Consumer, ConsumerConfig
 from consumer.event import ConsumedEvent
+from consumer.jobs.schema import jobs, operations
 from consumer.jobs.store import Store
 from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 from outbox.core import Outbox
+from outbox.db import default_database_url
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 from relay.admin import status
 from relay.config import RelayConfig
+from relay.demo_app import SIMULATOR_URL_VARIABLE
 from relay.publisher import RedisStreamPublisher
 from relay.relay import Relay
 
@@ -162,7 +182,7 @@ def _view(
     except Exception as exc:
         length, sample = -1, []
         print(f"redis: {exc}", file=sys.stderr)
-    jobs = store.counts()
+    by_state = store.counts()
     lines = [
         f"outbox demo  {elapsed:6.1f}s   (Ctrl-C to stop)",
         f"  quotes approved:             {written[0]}  (+{written[1]} retried: duplicate events)",
@@ -181,14 +201,288 @@ def _view(
     lines += [
         f"  consumer group billing:      {counts.handled} handled, "
         f"{counts.duplicates} duplicates skipped by the inbox",
-        f"  jobs: {jobs['DONE']} sent (DONE), {jobs['READY']} ready, {jobs['LEASED']} leased, "
-        f"{jobs['NEEDS_ATTENTION']} need attention",
+        f"  jobs: {by_state['DONE']} sent (DONE), {by_state['READY']} ready, "
+        f"{by_state['LEASED']} leased, {by_state['NEEDS_ATTENTION']} need attention",
     ]
     return "\n".join(lines)
 
 
+#: The simulator's fault plan under ``--chaos``: some sends are answered late (the email is
+#: sent, the answer comes 0.8 s later) and some slowly (0.4 s before the email is sent), so a
+#: kill often lands while a call is in flight, after or before the provider acted.
+CHAOS_FAULTS: dict[str, Any] = {
+    "faults": [
+        {"kind": "late", "probability": 0.3, "delay": 0.8},
+        {"kind": "slow", "probability": 0.15, "delay": 0.4},
+    ]
+}
+#: Seconds a child process gets to stop after SIGTERM before it is SIGKILLed.
+STOP_TIMEOUT = 10.0
+WORKER_TARGET = "relay.demo_app:build_worker"
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The first stdout line of ``proc`` (empty if none came within ``timeout``)."""
+    line: list[str] = []
+    reader = threading.Thread(
+        target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""), daemon=True
+    )
+    reader.start()
+    reader.join(timeout)
+    return line[0].strip() if line else ""
+
+
+def _drain(stream: IO[str] | None) -> None:
+    """Read a child's stdout to its end, so a chatty child never blocks on a full pipe."""
+    if stream is not None:
+        for _ in stream:
+            pass
+
+
+def _stop_processes(procs: list[subprocess.Popen[Any]], timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM each, wait for all up to ``timeout``, SIGKILL what is left; all reaped."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _Chaos:
+    """``--chaos``: the simulator service and the worker processes, and the killing.
+
+    Children run in sessions of their own: a Ctrl-C reaches only the demo, which then stops
+    them in order (workers first, they need the simulator to finish the calls in hand).
+    """
+
+    def __init__(self, store: Store, database_url: str, workers: int, first_quote: int) -> None:
+        self.store = store
+        self.database_url = database_url
+        self.workers = workers
+        self.first_quote = first_quote  # this run's quotes have larger ids
+        self.directory = os.getcwd()
+        self.log_path = os.path.join(self.directory, "demo-chaos.log")
+        self.url = ""
+        self.simulator: subprocess.Popen[str] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.kills = 0
+        self.kills_in_flight = 0
+        self.restarts = 0
+        self._log: IO[str] | None = None
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        self._working: set[int] = set()  # pids of workers seen holding a lease
+        self._http = httpx.Client(timeout=10.0)
+        self._baseline = 0  # the simulator's last effect before this run
+        self._first_job = 0  # the last job before this run
+
+    # -- the processes ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self.simulator = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "consumer.jobs.simulator",
+                "serve",
+                "--port",
+                "0",
+                "--data",
+                os.path.join(self.directory, "simulator.db"),
+                "--log-level",
+                "warning",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+        )
+        line = _first_line(self.simulator, 30.0)
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the simulator did not start ({line!r}; see {self.log_path})")
+        self.url = line.split()[-1]
+        threading.Thread(target=_drain, args=(self.simulator.stdout,), daemon=True).start()
+        self._http.post(f"{self.url}/faults", json=CHAOS_FAULTS).raise_for_status()
+        self._baseline = max((int(e["seq"]) for e in self._effects()), default=0)
+        with self.store.driver.connect() as conn:
+            self._first_job = int(conn.execute(select(func.max(jobs.c.id))).scalar() or 0)
+        with self._lock:
+            self.procs = [self._spawn() for _ in range(self.workers)]
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # Only what the worker needs: the user's OUTBOX_* settings (a metrics port, a
+        # concurrency) are the demo's, not its workers'.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update(
+            {
+                "OUTBOX_DATABASE_URL": self.database_url,
+                "OUTBOX_LOG_LEVEL": "warning",
+                SIMULATOR_URL_VARIABLE: self.url,
+            }
+        )
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumer.jobs.cli", "run", WORKER_TARGET],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            start_new_session=True,
+        )
+
+    def keep_alive(self) -> None:
+        """Start a worker in place of any that exited by itself."""
+        with self._lock:
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    self.procs[i] = self._spawn()
+                    self.restarts += 1
+
+    def _busy(self) -> tuple[subprocess.Popen[bytes] | None, subprocess.Popen[bytes] | None]:
+        """(a live worker with a provider call in flight, a live worker holding a lease).
+
+        In flight: it holds the lease of a job whose receipt is still PENDING (the intent is
+        written, the answer not yet recorded)."""
+        with self.store.driver.connect() as conn:
+            rows = conn.execute(
+                select(jobs.c.lease_owner, operations.c.state)
+                .select_from(jobs)
+                .outerjoin(operations, operations.c.job_id == jobs.c.id)
+                .where(jobs.c.state == "LEASED")
+            ).all()
+        sending = holding = None
+        with self._lock:
+            for owner, receipt in rows:
+                for proc in self.procs:
+                    # worker names are worker-HOST-PID-RANDOM (outbox.lifecycle)
+                    if proc.poll() is None and f"-{proc.pid}-" in str(owner):
+                        self._working.add(proc.pid)
+                        holding = holding or proc
+                        if receipt == "PENDING":
+                            return proc, proc
+        return sending, holding
+
+    def run(self, stop: threading.Event) -> None:
+        """Every 1-2 s, SIGKILL a worker in the middle of a send (or, when no call is in
+        flight for a second, one holding a lease; an idle one is spared) and start another
+        in its place, until ``stop``. Only when another worker is at work (has taken a job
+        since it started): replacements take a moment to start, and on a slow machine the
+        kills space out rather than leave nobody sending."""
+        while not stop.wait(self._rng.uniform(0.5, 1.0)):
+            try:
+                self.keep_alive()
+                sending = holding = None
+                search_until = time.monotonic() + 1.0
+                while sending is None and time.monotonic() < search_until:
+                    sending, holding = self._busy()
+                    if sending is None and stop.wait(0.02):
+                        return
+                victim = sending or holding
+                if victim is None or not self._others_working(victim):
+                    continue
+                with self._lock:
+                    if stop.is_set() or victim not in self.procs:
+                        continue
+                    index = self.procs.index(victim)
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait()
+                    self.kills += 1
+                    self.kills_in_flight += sending is not None
+                    self.procs[index] = self._spawn()
+            except Exception as exc:  # keep the demo going; show the problem
+                print(f"\nchaos: {type(exc).__name__}: {exc}", file=sys.stderr)
+                stop.wait(1.0)
+
+    def _others_working(self, victim: subprocess.Popen[bytes]) -> bool:
+        """Whether another live worker than ``victim`` has been seen holding a lease."""
+        with self._lock:
+            return any(
+                p is not victim and p.poll() is None and p.pid in self._working for p in self.procs
+            )
+
+    def stop_workers(self) -> None:
+        with self._lock:
+            procs, self.procs = self.procs, []
+        _stop_processes(procs)
+
+    def close(self) -> None:
+        """Stop and reap every child (workers first), release the log and the client."""
+        try:
+            self.stop_workers()
+        finally:
+            try:
+                if self.simulator is not None:
+                    _stop_processes([self.simulator])
+            finally:
+                self._http.close()
+                if self._log is not None:
+                    self._log.close()
+
+    # -- what happened ------------------------------------------------------------------------
+    def _effects(self) -> list[dict[str, Any]]:
+        response = self._http.get(f"{self.url}/effects")
+        response.raise_for_status()
+        return list(response.json()["effects"])
+
+    def report(self) -> dict[str, int]:
+        """Emails sent for this run's quotes, duplicates (more than one email for a quote),
+        receipts of this run by state, kills."""
+        per_quote: Counter[int] = Counter()
+        for effect in self._effects():
+            body = effect.get("body")
+            quote = body.get("quote") if isinstance(body, dict) else None
+            this_run = int(effect["seq"]) > self._baseline
+            if this_run and isinstance(quote, int) and quote > self.first_quote:
+                per_quote[quote] += 1
+        with self.store.driver.connect() as conn:
+            rows = conn.execute(
+                select(operations.c.state, func.count())
+                .where(operations.c.job_id > self._first_job)
+                .group_by(operations.c.state)
+            ).all()
+        receipts = {str(state): int(n) for state, n in rows}
+        return {
+            "emails": sum(per_quote.values()),
+            "quotes_emailed": len(per_quote),
+            "duplicates": sum(n - 1 for n in per_quote.values()),
+            "accepted": receipts.get("ACCEPTED", 0),
+            "pending": receipts.get("PENDING", 0),
+            "unknown": receipts.get("UNKNOWN", 0),
+            "kills": self.kills,
+            "kills_in_flight": self.kills_in_flight,
+            "workers": sum(proc.poll() is None for proc in list(self.procs)),
+        }
+
+    def view(self, approved: int) -> list[str]:
+        try:
+            r = self.report()
+        except Exception as exc:
+            return [f"  chaos: {type(exc).__name__}: {exc}"]
+        return [
+            f"  chaos: {r['workers']} worker processes, {r['kills']} SIGKILLed so far "
+            f"({r['kills_in_flight']} mid-send), each replaced",
+            f"  emails sent (simulator):     {r['emails']} for {approved} quotes approved",
+            f"  duplicate effects:           {r['duplicates']}",
+            f"  receipts:                    {r['accepted']} ACCEPTED, {r['unknown']} UNKNOWN, "
+            f"{r['pending']} PENDING (in flight)",
+        ]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     setup_logging("warning")
+    if args.rate <= 0:
+        print("outbox-relay demo: --rate must be positive", file=sys.stderr)
+        return 2
+    chaos_mode = bool(getattr(args, "chaos", False))
+    workers = int(getattr(args, "workers", 3) or 3)
+    if workers < 1:
+        print("outbox-relay demo: --workers must be at least 1", file=sys.stderr)
+        return 2
     outbox = Outbox(args.database_url, table=args.table, schema=args.schema)
     start_id = _setup_domain(outbox)
     if getattr(args, "redis_cluster", False) or is_cluster_url(args.redis_url):
@@ -196,9 +490,6 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         client = redis_client(args.redis_url)
     client.ping()
-    if args.rate <= 0:
-        print("outbox-relay demo: --rate must be positive", file=sys.stderr)
-        return 2
     publisher = RedisStreamPublisher(client, STREAM)
     relay = Relay(outbox, publisher, RelayConfig(poll_interval=0.02, max_poll_interval=0.2))
     counts = _Counts()
@@ -207,18 +498,58 @@ def run_demo(args: argparse.Namespace) -> int:
     # transactions only meets "database is locked" and retries.
     consumer.create_schema()
     store.create_schema()
+    chaos: _Chaos | None = None
+    if chaos_mode:
+        url = args.database_url or default_database_url()
+        chaos = _Chaos(store, url, workers, start_id)
+    try:
+        return _run(args, outbox, client, relay, counts, consumer, store, worker, start_id, chaos)
+    finally:
+        if chaos is not None:
+            chaos.close()  # idempotent: every child stopped and reaped, whatever happened
+        # Close what the threads opened before exiting: connections to the embedded Redis and
+        # the database pools (the embedded server itself is released at exit, issue 16).
+        client.close()
+        outbox.engine.dispose()
+        store.engine.dispose()
+        logging.shutdown()
+
+
+def _run(
+    args: argparse.Namespace,
+    outbox: Outbox,
+    client: Any,
+    relay: Relay,
+    counts: _Counts,
+    consumer: Consumer,
+    store: Store,
+    worker: Worker,
+    start_id: int,
+    chaos: _Chaos | None,
+) -> int:
     stop = GracefulStop().install()
     writer_stop = threading.Event()
     relay_stop = threading.Event()
     consumer_stop = threading.Event()
+    chaos_stop = threading.Event()
     counter = [0, 0]
     writer = threading.Thread(
         target=_writer, args=(outbox, args.rate, start_id, writer_stop, counter), daemon=True
     )
     relayer = threading.Thread(target=relay.run, args=(relay_stop,), daemon=True)
     reader = threading.Thread(target=consumer.run, args=(consumer_stop,), daemon=True)
-    working = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
-    for thread in (relayer, reader, working, writer):
+    threads = [relayer, reader, writer]
+    monkey: threading.Thread | None = None
+    if chaos is None:
+        working = threading.Thread(
+            target=worker.run, kwargs={"install_signals": False}, daemon=True
+        )
+        threads.insert(2, working)
+    else:
+        chaos.start()  # the simulator and the worker processes
+        monkey = threading.Thread(target=chaos.run, args=(chaos_stop,), daemon=True)
+        threads.insert(2, monkey)
+    for thread in threads:
         thread.start()
     tty = sys.stdout.isatty()
     started = time.monotonic()
@@ -228,6 +559,8 @@ def run_demo(args: argparse.Namespace) -> int:
             if args.duration is not None and elapsed >= args.duration:
                 break
             view = _view(outbox, client, relay, counter, counts, store, elapsed)
+            if chaos is not None:
+                view += "\n" + "\n".join(chaos.view(counter[0]))
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + view + "\n")
             else:
@@ -236,34 +569,51 @@ def run_demo(args: argparse.Namespace) -> int:
             stop.wait(0.5 if tty else 1.0)
     finally:
         writer_stop.set()
+        chaos_stop.set()  # no more kills: the workers finish what is left
         writer.join(timeout=10)
+        if monkey is not None:
+            monkey.join(timeout=10)
         # Let the relay drain what was committed, then stop it.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and status(outbox.engine, outbox.schema)["pending"]:
             time.sleep(0.1)
         relay_stop.set()
         relayer.join(timeout=10)
-        # Then the consumer and the worker catch up with what was published.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and store.counts()["DONE"] < counter[0]:
-            time.sleep(0.1)
+        # Then the consumer and the worker(s) catch up with what was published.
+        if chaos is None:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and store.counts()["DONE"] < counter[0]:
+                time.sleep(0.1)
+        else:
+            # Every quote of this run has its receipt ACCEPTED (the jobs of a killed worker wait
+            # for their lease and their call's deadline first, then are reconciled).
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                chaos.keep_alive()
+                if chaos.report()["accepted"] >= counter[0]:
+                    break
+                time.sleep(0.2)
+            chaos.stop_workers()
         consumer_stop.set()
         worker.stop()
         reader.join(timeout=10)
-        working.join(timeout=10)
+        for thread in threads:
+            thread.join(timeout=10)
     report = status(outbox.engine, outbox.schema)
-    jobs = store.counts()
+    jobs_by_state = store.counts()
     print(
         f"stopped: {counter[0]} quotes approved (+{counter[1]} duplicate events), "
         f"{relay.stats.published} events published, {report['pending']} pending, "
         f"{report['quarantined']} quarantined; stream outbox.quote.approved has "
         f"{client.xlen('outbox.quote.approved')} entries; consumer handled {counts.handled}, "
-        f"skipped {counts.duplicates} duplicates; {jobs['DONE']} quotes sent, one job each"
+        f"skipped {counts.duplicates} duplicates; {jobs_by_state['DONE']} quotes sent, one job each"
     )
-    # Close what the threads opened before exiting: connections to the embedded Redis and the
-    # database pools (the embedded server itself is released at exit, issue 16).
-    client.close()
-    outbox.engine.dispose()
-    store.engine.dispose()
-    logging.shutdown()
+    if chaos is not None:
+        r = chaos.report()
+        print(
+            f"chaos: {counter[0]} quotes approved, {r['emails']} emails sent, "
+            f"{r['duplicates']} duplicate effects, {r['kills']} workers killed "
+            f"({r['kills_in_flight']} mid-send); receipts {r['accepted']} ACCEPTED, "
+            f"{r['unknown']} UNKNOWN, {r['pending']} PENDING"
+        )
     return 0
