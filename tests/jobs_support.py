@@ -24,30 +24,6 @@ def build() -> Worker:
 not_a_worker = 42
 
 
-def build_dispatching() -> Worker:
-    """A worker whose ``email`` handler sends through an operation intent to the simulator
-    configured by SIM_* variables (see tests.sim_provider.simulator_from_env)."""
-    from consumer.jobs.operations import Operations
-    from tests.sim_provider import simulator_from_env
-
-    provider = simulator_from_env()
-    worker = Worker(
-        batch_size=1,
-        ttl=float(os.environ.get("JOBS_TTL", "1")),
-        recover_interval=0.2,
-        poll_interval=0.05,
-    )
-    operations: dict[str, Operations] = {}
-
-    @worker.handler("email")
-    def email(job: JobContext) -> None:
-        if "ops" not in operations:
-            operations["ops"] = Operations(job.store, {provider.name: provider})
-        operations["ops"].dispatch(job, "send", provider.name, {"to": job.subject})
-
-    return worker
-
-
 def build_http() -> Worker:
     """A worker whose ``email`` handler dispatches through ``HttpProvider`` to the connector
     simulator at $SIM_URL, with the capabilities $SIM_LOOKUP / $SIM_IDEMPOTENCY (1 or 0) and

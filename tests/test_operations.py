@@ -1,4 +1,9 @@
-"""Operation intents and receipts (guarantee 8): one customer-visible effect."""
+"""Operation intents and receipts (guarantee 8): one customer-visible effect.
+
+The provider is the connector simulator service (``outbox-simulator serve``, a real process
+reached through ``HttpProvider``): its fault plan makes a send act and then lose its
+answer (``reset``, ``hang``) or be rejected (``bad_request``), and ``GET /effects`` is what it did.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,54 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from consumer.errors import OperationError, OperationUnresolved, PermanentFailure, ProviderTimeout
+from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, OperationInFlight, Operations
 from consumer.jobs.states import DONE, READY, WAITING_REVIEW
 from consumer.jobs.store import Store
-from tests.sim_provider import SimulatedProvider
+from tests.simulator_support import SimulatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The provider call's timeout (its deadline): short, so the tests wait little for it, long
+#: enough for the steps a test takes before it on a loaded machine.
+CALL_TIMEOUT = 2.0
+#: The next send acts, then the connection is reset without an answer: the client cannot
+#: know whether it landed (ProviderTimeout, as for a read timeout), and it knows at once,
+#: well before the call's deadline.
+ACCEPT_THEN_TIME_OUT = {"kind": "reset", "count": 1}
+
+
+@pytest.fixture
+def simulator(tmp_path: Path) -> Iterator[SimulatorProcess]:
+    with SimulatorProcess(tmp_path / "simulator.db") as sim:
+        yield sim
+
+
+def provider(
+    simulator: SimulatorProcess,
+    *,
+    lookup: bool,
+    idempotency: bool,
+    timeout: float = CALL_TIMEOUT,
+) -> HttpProvider:
+    """An HttpProvider named "sim" with the capabilities asked for."""
+    return HttpProvider(
+        "sim",
+        simulator.send_url,
+        lookup_url=simulator.lookup_url if lookup else None,
+        idempotency_header="Idempotency-Key" if idempotency else None,
+        timeout=timeout,
+    )
+
+
+def refs(simulator: SimulatorProcess) -> list[str]:
+    """The provider references of the effects the simulator made, in order."""
+    return [effect["id"] for effect in simulator.effects()]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -50,12 +91,11 @@ def _claim(store: Store, action: str = "email-1"):  # type: ignore[no-untyped-de
 
 
 def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
-    db_url: str, tmp_path: Path
+    db_url: str, simulator: SimulatorProcess
 ) -> None:
     store = Store(db_url)
-    sim = SimulatedProvider(
-        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True, timeout=0.3
-    )
+    sim = provider(simulator, lookup=True, idempotency=False)
+    simulator.faults(ACCEPT_THEN_TIME_OUT)
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
@@ -65,7 +105,7 @@ def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
     assert receipt is not None and receipt.state == UNKNOWN  # never FAILED
     assert receipt.attempts == 1 and receipt.call_deadline is not None
     assert store.fail(lease, error="timeout") == READY
-    sim.mode = "ok"
+    simulator.faults()  # no rules: the simulator answers normally from now on
     # Before the call's deadline nobody looks it up: the job is handed back until then.
     early = store.claim_next("w", now=10**10)
     assert early is not None
@@ -79,45 +119,41 @@ def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
     assert again is not None
     result = ops.dispatch(again, "send", "sim", {"to": "ann"})
     assert result.state == ACCEPTED and result.reconciled
-    assert [ref for ref, _ in sim.effects()] == [result.provider_ref]
+    assert refs(simulator) == [result.provider_ref]
     assert ops.receipt(operation_id).attempts == 1  # type: ignore[union-attr]  # no lookups
     # a later retry of the same job does not repeat the effect either
     assert ops.dispatch(again, "send", "sim", {"to": "ann"}).provider_ref == result.provider_ref
-    assert len(sim.effects()) == 1
+    assert len(simulator.effects()) == 1
     with pytest.raises(OperationError):
         ops.dispatch(again, "send", "sim", {"to": "bob"})  # same operation, other request
     store.dispose()
 
 
-def test_idempotency_key_reconciles_without_lookup(db_url: str, tmp_path: Path) -> None:
+def test_idempotency_key_reconciles_without_lookup(
+    db_url: str, simulator: SimulatorProcess
+) -> None:
     store = Store(db_url)
-    sim = SimulatedProvider(
-        str(tmp_path / "p.db"),
-        mode="timeout_after_accept",
-        lookup=False,
-        idempotency=True,
-        timeout=0.3,
-    )
+    sim = provider(simulator, lookup=False, idempotency=True)
+    simulator.faults(ACCEPT_THEN_TIME_OUT)
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
         ops.dispatch(lease, "send", "sim", {"to": "ann"})
-    sim.mode = "ok"
+    simulator.faults()  # no rules: the resend is answered normally
     past_deadline(store, ops, f"{lease.job_id}:send")
     result = ops.dispatch(lease, "send", "sim", {"to": "ann"})
-    assert result.state == ACCEPTED and len(sim.effects()) == 1
+    assert result.state == ACCEPTED and len(simulator.effects()) == 1
     assert result.reconciled
     assert ops.receipt(f"{lease.job_id}:send").attempts == 2  # type: ignore[union-attr]
     store.dispose()
 
 
 def test_a_provider_without_lookup_or_idempotency_sends_the_job_to_review(
-    db_url: str, tmp_path: Path
+    db_url: str, simulator: SimulatorProcess
 ) -> None:
     store = Store(db_url)
-    sim = SimulatedProvider(
-        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=False, timeout=0.3
-    )
+    sim = provider(simulator, lookup=False, idempotency=False)
+    simulator.faults(ACCEPT_THEN_TIME_OUT)
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(ProviderTimeout):
@@ -128,17 +164,18 @@ def test_a_provider_without_lookup_or_idempotency_sends_the_job_to_review(
     assert store.get(lease.job_id).state == WAITING_REVIEW
     receipt = ops.receipt(f"{lease.job_id}:send")
     assert receipt is not None and receipt.state == UNKNOWN
-    assert len(sim.effects()) == 1
+    assert len(simulator.effects()) == 1
     store.dispose()
 
 
 def test_rejection_is_failed_and_a_fenced_worker_cannot_dispatch(
-    db_url: str, tmp_path: Path
+    db_url: str, simulator: SimulatorProcess
 ) -> None:
     from consumer.errors import Conflict
 
     store = Store(db_url)
-    sim = SimulatedProvider(str(tmp_path / "p.db"), mode="reject")
+    sim = provider(simulator, lookup=True, idempotency=False)
+    simulator.faults({"kind": "bad_request"})  # every send: 400, nothing done
     ops = Operations(store, {"sim": sim})
     lease = _claim(store)
     with pytest.raises(PermanentFailure):
@@ -149,19 +186,21 @@ def test_rejection_is_failed_and_a_fenced_worker_cannot_dispatch(
     store.recover(now=10**10)
     with pytest.raises(Conflict):
         ops.dispatch(other, "send", "sim", {"to": "bob"})
-    assert sim.effects() == []
+    assert simulator.effects() == []
     store.dispose()
 
 
-def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
+def _worker(db_url: str, simulator: SimulatorProcess) -> subprocess.Popen[bytes]:
+    """``outbox-worker run``: an HttpProvider with lookup (no idempotency key) to the
+    simulator; a call may take 3 s (the kill lands well within it); lease ttl 1 s."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "OUTBOX_DATABASE_URL": db_url,
-        "SIM_PATH": str(sim_path),
-        "SIM_MODE": mode,
+        "SIM_URL": simulator.url,
         "SIM_LOOKUP": "1",
-        "SIM_TIMEOUT": "1",
+        "SIM_IDEMPOTENCY": "0",
+        "SIM_TIMEOUT": "3",
         "JOBS_TTL": "1",
     }
     return subprocess.Popen(
@@ -170,7 +209,7 @@ def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
             "-m",
             "consumer.jobs.cli",
             "run",
-            "tests.jobs_support:build_dispatching",
+            "tests.jobs_support:build_http",
         ],
         cwd=ROOT,
         env=env,
@@ -181,25 +220,24 @@ def _worker(db_url: str, sim_path: Path, mode: str) -> subprocess.Popen[bytes]:
 
 @pytest.mark.slow
 def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
-    pg_url: str, tmp_path: Path
+    pg_url: str, simulator: SimulatorProcess
 ) -> None:
     store = Store(pg_url)
-    sim_path = tmp_path / "provider.db"
-    sim = SimulatedProvider(str(sim_path))
+    simulator.faults({"kind": "hang", "count": 1})  # the first send acts, then hangs
     store.enqueue("studio", "email-quote-017", subject="ann@example.com")
-    first = _worker(pg_url, sim_path, "hang_after_accept")
+    first = _worker(pg_url, simulator)
     try:
-        wait_for(lambda: Path(str(sim_path) + ".accepted").exists())
+        simulator.wait_for_effects(1, timeout=60)
         first.send_signal(signal.SIGKILL)  # after the provider accepted, before the receipt
         assert first.wait(30) == -signal.SIGKILL
     finally:
         if first.poll() is None:
             first.kill()
-    ops = Operations(store, {"sim": sim})
+    ops = Operations(store)
     job_id = store.get("studio", "email-quote-017").id
     receipt = ops.receipt(f"{job_id}:send")
     assert receipt is not None and receipt.state == "PENDING"
-    second = _worker(pg_url, sim_path, "ok")
+    second = _worker(pg_url, simulator)
     try:
         wait_for(lambda: store.get("studio", "email-quote-017").state == DONE)
         second.send_signal(signal.SIGTERM)
@@ -207,25 +245,24 @@ def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
     finally:
         if second.poll() is None:
             second.kill()
-    effects = sim.effects()
+    effects = simulator.effects()
     assert len(effects) == 1
     receipt = ops.receipt(f"{job_id}:send")
     assert receipt is not None and receipt.state == ACCEPTED
-    assert receipt.provider_ref == effects[0][0]
+    assert receipt.provider_ref == effects[0]["id"]
     outcomes = [a.outcome for a in store.history("studio", "email-quote-017")]
     assert outcomes == ["expired", "done"]
     store.dispose()
 
 
-def test_a_worker_sweeps_receipts_periodically(db_url: str, tmp_path: Path) -> None:
+def test_a_worker_sweeps_receipts_periodically(db_url: str, simulator: SimulatorProcess) -> None:
     """Worker(providers=...) runs Operations.reconcile every reconcile_interval, inside
     run_once: an UNKNOWN receipt is settled while its job waits for its retry."""
     from consumer.jobs.worker import Worker
 
     store = Store(db_url)
-    sim = SimulatedProvider(
-        str(tmp_path / "p.db"), mode="timeout_after_accept", lookup=True, timeout=0.2
-    )
+    sim = provider(simulator, lookup=True, idempotency=False)
+    simulator.faults(ACCEPT_THEN_TIME_OUT)
     worker = Worker(store, providers={"sim": sim}, reconcile_interval=0.01)
     worker.register("email", lambda job: job.dispatch("send", "sim", {"to": job.subject}))
     job_id = store.enqueue("t", "email-1", subject="ann").job_id
@@ -239,5 +276,5 @@ def test_a_worker_sweeps_receipts_periodically(db_url: str, tmp_path: Path) -> N
     assert worker.run_once() == 0  # nothing claimed, the sweep ran
     receipt = Operations(store).receipt(operation_id)
     assert receipt is not None and receipt.state == ACCEPTED
-    assert [ref for ref, _ in sim.effects()] == [receipt.provider_ref]
+    assert refs(simulator) == [receipt.provider_ref]
     store.dispose()
