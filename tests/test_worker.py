@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from consumer.errors import AuthFailure, PermanentFailure
+from consumer.jobs.driver import READY_CHANNEL_SQL
 from consumer.jobs.retry import RetryPolicy
 from consumer.jobs.states import (
     CANCELLED,
@@ -334,7 +335,7 @@ def _listening(engine: sa.Engine) -> bool:
             conn.execute(
                 sa.text(
                     "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE query = 'LISTEN \"outbox_jobs_ready\"' AND pid <> pg_backend_pid()"
+                    " WHERE query LIKE 'LISTEN \"outbox_jobs_ready.%' AND pid <> pg_backend_pid()"
                 )
             ).scalar()
         )
@@ -380,7 +381,9 @@ def test_notify_is_a_choice(pg_url: str) -> None:
 
     plain = pg_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(plain, autocommit=True) as listener:
-        listener.execute('LISTEN "outbox_jobs_ready"')
+        # The channel of this test's schema: other schemas' job stores must not count here.
+        channel = listener.execute(f"SELECT {READY_CHANNEL_SQL}").fetchone()[0]  # type: ignore[index]
+        listener.execute(f'LISTEN "{channel}"')
 
         def notified() -> int:
             return len(list(listener.notifies(timeout=0.3)))

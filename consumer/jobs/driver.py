@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
+from psycopg import sql as psycopg_sql
 from sqlalchemy import (
     ColumnElement,
     case,
@@ -35,6 +36,7 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    literal_column,
     select,
     text,
     tuple_,
@@ -57,11 +59,14 @@ from consumer.jobs.states import DONE, LEASED, WAITING
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 
-READY_CHANNEL = "outbox_jobs_ready"
+READY_CHANNEL_SQL = "left('outbox_jobs_ready.' || current_schema(), 63)"
 """PostgreSQL NOTIFY channel: jobs became READY (enqueued, resumed, recovered, timers fired).
-Database-wide: a notification from another schema's job table only costs a spurious claim.
-A transaction that sent NOTIFY takes a global lock at commit (it serialises heavy concurrent
-enqueuers): ``StoreConfig(notify=False)`` turns it off, and workers poll."""
+One channel per schema (``outbox_jobs_ready.<schema>``, computed by the server from the
+session's ``current_schema()``, where the job table resolves): NOTIFY channels are
+database-wide, and job stores in other schemas of the same database must not wake each
+other's workers (nor make a quiet store look loud). A transaction that sent NOTIFY takes a
+global lock at commit (it serialises heavy concurrent enqueuers): ``StoreConfig(notify=False)``
+turns it off, and workers poll."""
 
 INSERT_CHUNK = 500
 """Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""
@@ -89,7 +94,7 @@ class JobDriver:
 
     def __init__(self, engine: Engine, *, notify: bool = True) -> None:
         self.engine = engine
-        self.notify = notify  # PostgreSQL: NOTIFY READY_CHANNEL when jobs become READY
+        self.notify = notify  # PostgreSQL: NOTIFY the ready channel when jobs become READY
         # An in-memory SQLite database is ONE connection shared by every thread (StaticPool):
         # transactions must not interleave on it.
         self._lock: AbstractContextManager[Any] = (
@@ -499,7 +504,7 @@ class PostgresJobDriver(JobDriver):
         stmt = (
             insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
             .values(**values)
-            .returning(jobs.c.id, func.pg_notify(READY_CHANNEL, ""))
+            .returning(jobs.c.id, func.pg_notify(literal_column(READY_CHANNEL_SQL), ""))
         )
         new_id = conn.execute(stmt).scalar()
         if new_id is not None:
@@ -538,7 +543,7 @@ class PostgresJobDriver(JobDriver):
 
     def job_ready_notify(self, conn: Connection) -> None:
         if self.notify:
-            conn.execute(text("SELECT pg_notify(:c, '')"), {"c": READY_CHANNEL})
+            conn.execute(text(f"SELECT pg_notify({READY_CHANNEL_SQL}, '')"))
 
     def job_ready_listener(self) -> ReadyListener | None:
         return _PgReadyListener(self.engine)
@@ -627,7 +632,8 @@ class _PgReadyListener:
         raw.detach()
         conn.rollback()  # the pool may have begun nothing, but autocommit needs no transaction
         conn.autocommit = True
-        conn.execute(f'LISTEN "{READY_CHANNEL}"')
+        channel = conn.execute(f"SELECT {READY_CHANNEL_SQL}").fetchone()[0]
+        conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
         self._conn = conn
 
     def wait(self, timeout: float) -> bool:
