@@ -102,27 +102,27 @@ def kill_worker_at_accept(loop: Loop, duration: float) -> str:
     before it hears back (its receipt stays PENDING, the next worker reconciles)."""
     end = time.monotonic() + duration
     kills = 0
+    assert loop.engine is not None
     while time.monotonic() < end and kills < 5:
         loop.simulator.faults({"kind": "hang", "count": 1, "delay": 30})
-        before = {e["operation_id"] for e in loop.simulator.effects()}
-        victim_pid = None
         while time.monotonic() < end:
             plan = loop.simulator.fault_plan()
             if not plan or plan[0].get("count") == 0:
                 break
-            time.sleep(0.05)
-        time.sleep(0.3)  # the other calls of that moment answer; the hung one does not
-        hung = [e for e in loop.simulator.effects() if e["operation_id"] not in before]
-        assert loop.engine is not None
+            time.sleep(0.02)
+        time.sleep(0.2)  # the other calls of that moment answer; the hung one does not
+        # Quick, so the victim is still waiting for the answer (its call times out in
+        # provider_timeout): the open intents, then which of them the provider acted on.
+        victim_pid = None
         with loop.engine.connect() as conn:
-            open_ops = {
+            open_ops = [
                 r[0]
                 for r in conn.execute(
                     text("SELECT operation_id FROM outbox_operations WHERE state = 'PENDING'")
                 )
-            }
-        for effect in hung:
-            if effect["operation_id"] in open_ops:
+            ]
+        for operation_id in open_ops:
+            for effect in loop.simulator.effects(operation_id):
                 victim_pid = int(effect["headers"].get("x-loop-worker", "0"))
         for proc in loop.procs["worker"]:
             if victim_pid is not None and proc.pid == victim_pid:
@@ -358,6 +358,7 @@ class Row:
     offered: float = 0.0
     steady: float = 0.0
     committed_rate: float = 0.0
+    slowest: list[dict[str, Any]] = field(default_factory=list)
     settled: bool = False
     problems: list[str] = field(default_factory=list)
     books: dict[str, Any] = field(default_factory=dict)
@@ -433,6 +434,7 @@ def run_fault(loop: Loop, fault: Fault, plan: Plan, before: dict[str, Any]) -> R
         row.committed_rate = (
             _committed_at(row.samples, cleared) - _committed_at(row.samples, start)
         ) / max(0.001, cleared - start)
+        row.slowest = loop.slowest(since=wall_start - 1.0)
         latencies = loop.effect_latencies(since=wall_start)
         if latencies:
             row.longest = latencies[-1]
@@ -545,6 +547,38 @@ def report(rows: Sequence[Row], plan: Plan, command: str, chart_name: str | None
     ]
     for row in rows:
         lines.append(f"- **{row.what}** (`{row.fault}`): {row.note or '-'}")
+    lines += [
+        "",
+        "## Where the slowest quote of each fault waited",
+        "",
+        "Seconds from its commit to the relay's publish, the consumer's inbox row, the job's "
+        "creation, the worker's first dispatch (the intent) and the provider's effect; claims: "
+        "the job's lease epoch; calls: provider calls made.",
+        "",
+        "| fault | quote | total | relay | consumer | to job | worker claim | provider "
+        "| claims | calls |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for slow in row.slowest[:1]:
+            lines.append(
+                f"| {row.fault} | "
+                + " | ".join(
+                    str(slow.get(k))
+                    for k in (
+                        "quote",
+                        "total",
+                        "relay",
+                        "consumer",
+                        "to_job",
+                        "worker_claim",
+                        "provider",
+                        "claims",
+                        "calls",
+                    )
+                )
+                + " |"
+            )
     if plan.env:
         lines += [
             "",

@@ -178,8 +178,9 @@ class Simulator:
     def count(self) -> int:
         return int(self.client.get(f"{self.url}/health").json()["effects"])
 
-    def effects(self) -> list[dict[str, Any]]:
-        response = self.client.get(f"{self.url}/effects")
+    def effects(self, operation_id: str | None = None) -> list[dict[str, Any]]:
+        params = {"operation_id": operation_id} if operation_id is not None else None
+        response = self.client.get(f"{self.url}/effects", params=params)
         response.raise_for_status()
         return list(response.json()["effects"])
 
@@ -551,6 +552,56 @@ class Loop:
             "latency_p99": _quantile(latencies, 0.99),
             "latency_max": latencies[-1] if latencies else None,
         }
+
+    def slowest(self, since: float | None = None, count: int = 3) -> list[dict[str, Any]]:
+        """Where the slowest quotes (committed after unix time ``since``) spent their time:
+        commit -> published (relay) -> handled (consumer inbox) -> job created -> first
+        dispatch (worker claim) -> effect (provider), with the job's claims and calls."""
+        effects = [
+            e
+            for e in self.simulator.effects()
+            if isinstance(e["body"].get("t"), float) and (since is None or e["body"]["t"] >= since)
+        ]
+        effects.sort(key=lambda e: e["time"] - e["body"]["t"], reverse=True)
+        found = []
+        assert self.engine is not None
+        with self.engine.connect() as conn:
+            for effect in effects[:count]:
+                quote = effect["body"]["quote"]
+                committed = float(effect["body"]["t"])
+                row = conn.execute(
+                    text(
+                        "SELECT (SELECT extract(epoch FROM min(published_at)) FROM outbox_events"
+                        "        WHERE identity = :identity),"
+                        "       (SELECT extract(epoch FROM min(processed_at)) FROM consumer_inbox"
+                        "        WHERE identity = :identity),"
+                        "       j.created_at, j.lease_epoch, o.created_at, o.attempts"
+                        "  FROM outbox_jobs j LEFT JOIN outbox_operations o ON o.job_id = j.id"
+                        " WHERE j.action = :action"
+                    ),
+                    {"identity": f"quote-{quote}", "action": f"send-quote-{quote}"},
+                ).first()
+                if row is None:
+                    continue
+                published, handled, job_created, claims, intent, calls = row
+
+                def after(a: Any, b: Any) -> float | None:
+                    return None if a is None or b is None else round(float(a) - float(b), 3)
+
+                found.append(
+                    {
+                        "quote": quote,
+                        "total": round(effect["time"] - committed, 3),
+                        "relay": after(published, committed),
+                        "consumer": after(handled, published),
+                        "to_job": after(job_created, handled),
+                        "worker_claim": after(intent, job_created),
+                        "provider": after(effect["time"], intent),
+                        "claims": claims,
+                        "calls": calls,
+                    }
+                )
+        return found
 
     def effect_latencies(self, since: float | None = None) -> list[float]:
         """commit -> effect seconds of the effects made after unix time ``since``."""
