@@ -20,7 +20,8 @@ another. The live view counts the emails the simulator sent (``GET /effects``) a
 quotes approved, the duplicate effects (more than one email for a quote: 0), the receipts
 and the kills. The summary's last line: ``chaos: N quotes approved, N emails sent, 0
 duplicate effects, K workers killed (...)``. Every child process is stopped (SIGTERM, then
-SIGKILL) and reaped at exit; a demo worker also stops when the demo process is gone.
+SIGKILL) and reaped at exit; the workers and the simulator also stop by themselves when the
+demo process is gone (a SIGKILLed demo; its embedded Redis is adopted by the next run).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from outbox.logs import setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 from relay.admin import status
 from relay.config import RelayConfig
-from relay.demo_app import SIMULATOR_URL_VARIABLE
+from relay.demo_app import PARENT_PID_VARIABLE, SIMULATOR_URL_VARIABLE
 from relay.publisher import RedisStreamPublisher
 from relay.relay import Relay
 
@@ -288,8 +289,8 @@ class _Chaos:
             [
                 sys.executable,
                 "-m",
-                "consumer.jobs.simulator",
-                "serve",
+                "relay.demo_app",  # outbox-simulator serve, stopped if the demo is gone
+                "simulator",
                 "--port",
                 "0",
                 "--data",
@@ -302,6 +303,7 @@ class _Chaos:
             stderr=self._log,
             text=True,
             start_new_session=True,
+            env={**os.environ, PARENT_PID_VARIABLE: str(os.getpid())},
         )
         line = _first_line(self.simulator, 30.0)
         if not line.startswith("listening on "):
@@ -324,6 +326,7 @@ class _Chaos:
                 "OUTBOX_DATABASE_URL": self.database_url,
                 "OUTBOX_LOG_LEVEL": "warning",
                 SIMULATOR_URL_VARIABLE: self.url,
+                PARENT_PID_VARIABLE: str(os.getpid()),
             }
         )
         return subprocess.Popen(
@@ -364,7 +367,7 @@ class _Chaos:
                         self._working.add(proc.pid)
                         holding = holding or proc
                         if receipt == "PENDING":
-                            return proc, proc
+                            sending = sending or proc
         return sending, holding
 
     def run(self, stop: threading.Event) -> None:
@@ -446,6 +449,8 @@ class _Chaos:
                 .group_by(operations.c.state)
             ).all()
         receipts = {str(state): int(n) for state, n in rows}
+        with self._lock:  # not in the middle of a kill and its replacement
+            workers = sum(proc.poll() is None for proc in self.procs)
         return {
             "emails": sum(per_quote.values()),
             "quotes_emailed": len(per_quote),
@@ -455,7 +460,7 @@ class _Chaos:
             "unknown": receipts.get("UNKNOWN", 0),
             "kills": self.kills,
             "kills_in_flight": self.kills_in_flight,
-            "workers": sum(proc.poll() is None for proc in list(self.procs)),
+            "workers": workers,
         }
 
     def view(self, approved: int) -> list[str]:
@@ -569,10 +574,11 @@ def _run(
             stop.wait(0.5 if tty else 1.0)
     finally:
         writer_stop.set()
-        chaos_stop.set()  # no more kills: the workers finish what is left
+        if chaos is None or chaos.kills or stop.stopped:
+            chaos_stop.set()  # no more kills: the workers finish what is left
+        # (else the kills go on while the workers catch up, until the first one: a short run
+        # on a slow machine, its workers slow to start, shows one all the same)
         writer.join(timeout=10)
-        if monkey is not None:
-            monkey.join(timeout=10)
         # Let the relay drain what was committed, then stop it.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and status(outbox.engine, outbox.schema)["pending"]:
@@ -589,10 +595,15 @@ def _run(
             # for their lease and their call's deadline first, then are reconciled).
             deadline = time.monotonic() + 40
             while time.monotonic() < deadline:
+                if chaos.kills or stop.stopped:
+                    chaos_stop.set()
                 chaos.keep_alive()
                 if chaos.report()["accepted"] >= counter[0]:
                     break
                 time.sleep(0.2)
+            chaos_stop.set()
+            if monkey is not None:
+                monkey.join(timeout=10)
             chaos.stop_workers()
         consumer_stop.set()
         worker.stop()
