@@ -825,6 +825,10 @@ def idle(args: argparse.Namespace, r: redis.Redis) -> None:
             ):
                 time.sleep(3.0)  # start-up: imports, connections, the first rebalance
                 backends = _backend_pids(where, procs[0].pid)
+                deadline = time.monotonic() + 20
+                while len(backends) < 2 and time.monotonic() < deadline:  # a loaded machine
+                    time.sleep(0.5)
+                    backends = _backend_pids(where, procs[0].pid)
                 scans = (
                     "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes "
                     "WHERE schemaname = %s AND indexrelname = %s"
