@@ -646,6 +646,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--report", type=Path, default=None, help="markdown report (+ PNG)")
     parser.add_argument("--chart", default=None, help="the fault whose run the PNG shows")
     parser.add_argument("--json", type=Path, default=None, help="rows as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
@@ -666,7 +667,7 @@ def main(argv: Sequence[str]) -> int:
             print(row.logs[-3000:], file=sys.stderr, flush=True)
 
     print("\n".join(table([]).splitlines()), flush=True)
-    rows = run_matrix(names, plan, on_row=show)
+    rows = run_matrix(names, plan, on_row=show, keep=args.keep)
     print()
     print(table(rows))
     if args.json:

@@ -367,7 +367,9 @@ class Loop:
         with contextlib.suppress(Exception), self._admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
         self._admin.dispose()
-        if not keep:
+        if keep:
+            print(f"logs kept in {self.directory}", file=sys.stderr)
+        else:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> Loop:
