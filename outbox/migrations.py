@@ -15,8 +15,9 @@ Include the tables in your ``env.py`` (``target_metadata`` may be a list)::
 
 ``alembic revision --autogenerate`` then writes the tables, their columns and every index,
 the partial ones included (``postgresql_where``). Three things are not in any MetaData and
-autogenerate never emits them: the NOTIFY trigger and its function, and the outbox table's
-storage parameters (per-table autovacuum, fillfactor). Add one line at the end of the
+autogenerate never emits them: the NOTIFY trigger and its function, and the storage
+parameters (per-table autovacuum, fillfactor) of the outbox table and of the other hot tables
+(the inbox, the job tables: :data:`HOT_TABLES`). Add one line at the end of the
 migration that creates the outbox table::
 
     from outbox.migrations import create_extras
@@ -37,17 +38,39 @@ from typing import Any
 
 from sqlalchemy import text
 
+from outbox.dialect import quoted_table
+from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.schema import DEFAULT_TABLE, build_schema, notify_trigger_name
 from outbox.schema import create_extras as _create_extras
 
+HOT_TABLES = ("consumer_inbox", "outbox_jobs", "outbox_job_attempts", "outbox_operations")
+"""The inbox's and the job store's tables written all day, which their ``create_schema`` give
+the hot-table autovacuum settings (``outbox.maintenance.HOT_TABLE_AUTOVACUUM``); those that
+exist get the same here. tests/test_alembic.py keeps this list and theirs in step."""
+
 
 def create_extras(
-    op: Any, *, table: str = DEFAULT_TABLE, schema: str | None = None, notify: bool = True
+    op: Any,
+    *,
+    table: str = DEFAULT_TABLE,
+    schema: str | None = None,
+    notify: bool = True,
+    hot_tables: tuple[str, ...] = HOT_TABLES,
 ) -> None:
     """In a migration: the outbox table's NOTIFY trigger (unless ``notify=False``), storage
-    parameters and blocked-key index, each added only if missing. ``op`` is
-    ``alembic.op``; on SQLite only the index applies."""
-    _create_extras(op.get_bind(), build_schema(table, schema), notify=notify)
+    parameters and blocked-key index, and the storage parameters of the ``hot_tables`` that
+    exist, each added only if missing. ``op`` is ``alembic.op``; on SQLite only the index
+    applies."""
+    bind = op.get_bind()
+    _create_extras(bind, build_schema(table, schema), notify=notify)
+    if bind.dialect.name != "postgresql":
+        return
+    for name in hot_tables:
+        exists = bind.execute(
+            text("SELECT to_regclass(:q)"), {"q": quoted_table(name, schema)}
+        ).scalar()
+        if exists is not None:
+            set_storage_parameters(bind, quoted_table(name, schema), HOT_TABLE_AUTOVACUUM)
 
 
 def drop_extras(op: Any, *, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:

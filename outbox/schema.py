@@ -40,6 +40,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql.elements import TextClause
 
 from outbox.dialect import (
     db_now as db_now,
@@ -90,10 +91,13 @@ class OutboxSchema:
     def qualified_name(self) -> str:
         return f"{self.schema}.{self.table_name}" if self.schema else self.table_name
 
-    @property
-    def notify_channel(self) -> str:
-        """LISTEN/NOTIFY channel name for this table (PostgreSQL only)."""
-        return f"{self.schema + '_' if self.schema else ''}{self.table_name}_new"[:63]
+    def notify_channel(self, table_schema: str) -> str:
+        """LISTEN/NOTIFY channel of this table, given the schema it lives in (PostgreSQL
+        only): ``<table>_new.<schema>``. Channels are database-wide, so the schema is part of
+        the name: outboxes in other schemas of one database (a ``search_path`` per tenant or
+        per test) must not wake each other's relays. The trigger computes the same name from
+        ``TG_TABLE_SCHEMA``; a relay learns ``table_schema`` with :func:`table_schema_of`."""
+        return f"{self.table_name}_new.{table_schema}"[:63]
 
 
 def build_schema(
@@ -251,7 +255,8 @@ def create_extras(
     and on PostgreSQL the storage parameters and the NOTIFY trigger. Each is checked first,
     so a user who does not own the table can still call this once they are in place.
 
-    ``notify``: True adds the trigger if missing, False drops it if present, None leaves it.
+    ``notify``: True adds the trigger if missing, False drops it if present, None leaves the
+    choice as it is (an existing trigger's function is brought up to date either way).
     With the trigger, each inserting statement sends one NOTIFY and a LISTENing relay claims
     at once; but a transaction that has sent NOTIFY takes a global lock at commit, which
     serialises the commits of many concurrent writers. Without it the relay's adaptive
@@ -273,34 +278,60 @@ def create_extras(
     if missing:
         settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
         conn.execute(text(f"ALTER TABLE {qualified} SET ({settings})"))
-    if notify is None:
-        return
     # LISTEN/NOTIFY wake-up: one notification per inserting statement (not per row), on the
-    # channel OutboxSchema.notify_channel; a relay LISTENing on it claims at once.
+    # channel OutboxSchema.notify_channel(<the table's schema>); a relay LISTENing on it claims
+    # at once. The schema comes from TG_TABLE_SCHEMA, so one body serves any schema.
     trigger = notify_trigger_name(outbox_schema)
+    function = f'"{outbox_schema.schema}"."{trigger}"' if outbox_schema.schema else f'"{trigger}"'
+    prefix = outbox_schema.table_name.replace("'", "''") + "_new."
+    channel = f"left('{prefix}' || TG_TABLE_SCHEMA, 63)"
+    body = f"BEGIN PERFORM pg_notify({channel}, ''); RETURN NULL; END"
     exists = conn.execute(
         text("SELECT 1 FROM pg_trigger WHERE tgrelid = :oid AND tgname = :n"),
         {"oid": oid, "n": trigger},
     ).scalar()
-    if exists and not notify:
+    if exists and notify is False:
         conn.execute(text(f'DROP TRIGGER "{trigger}" ON {qualified}'))
-    elif notify and not exists:
-        function = (
-            f'"{outbox_schema.schema}"."{trigger}"' if outbox_schema.schema else f'"{trigger}"'
-        )
-        channel = outbox_schema.notify_channel.replace("'", "''")
-        conn.execute(
-            text(
-                f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
-                f"$$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
-            )
-        )
+        return
+    if exists:
+        # A trigger made by an earlier version notifies a channel no relay listens on any
+        # more: its function gets today's body (only when it differs: a user who does not
+        # own the function can still start a relay once it is current).
+        current = conn.execute(
+            text("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(:f)"),
+            {"f": f"{function}()"},
+        ).scalar()
+        if current is not None and current.strip() != body:
+            conn.execute(_trigger_function(function, body))
+    elif notify:
+        conn.execute(_trigger_function(function, body))
         conn.execute(
             text(
                 f'CREATE TRIGGER "{trigger}" AFTER INSERT ON {qualified} '
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
             )
         )
+
+
+def _trigger_function(function: str, body: str) -> TextClause:
+    return text(
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ {body} $$"
+    )
+
+
+def table_schema_of(conn: Connection, outbox_schema: OutboxSchema) -> str:
+    """The schema the outbox table resolves to on this connection (PostgreSQL): explicit, or
+    the first schema of the ``search_path`` that holds it."""
+    found = conn.execute(
+        text(
+            "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE c.oid = to_regclass(:q)"
+        ),
+        {"q": _qualified(outbox_schema)},
+    ).scalar()
+    if found is not None:
+        return str(found)
+    return outbox_schema.schema or str(conn.execute(text("SELECT current_schema()")).scalar())
 
 
 def notify_trigger_name(outbox_schema: OutboxSchema) -> str:

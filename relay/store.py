@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
+from psycopg import sql as psycopg_sql
 from sqlalchemy import DateTime, Integer, String, column, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.selectable import TextualSelect
@@ -83,7 +84,7 @@ from outbox.dialect import NOW_SQL, POSTGRESQL, SQLITE, is_postgresql, quoted_ta
 from outbox.errors import ConfigError
 from outbox.logs import fields
 from outbox.maintenance import vacuum_unless_autovacuum
-from outbox.schema import PENDING, QUARANTINED, OutboxSchema
+from outbox.schema import PENDING, QUARANTINED, OutboxSchema, table_schema_of
 from relay.config import RelayConfig
 from relay.records import Orphan, Record, RequeueResult, TopicStatus, entry_id_key
 
@@ -957,7 +958,12 @@ class PostgresStore:
         try:
             if self._listen_conn is None or self._listen_conn.closed:
                 conn = self._new_connection()
-                conn.execute(f'LISTEN "{self.schema.notify_channel}"')
+                # The channel names the schema the table lives in (the trigger uses
+                # TG_TABLE_SCHEMA): other schemas' outboxes do not wake this relay.
+                row = conn.execute(_TABLE_SCHEMA_SQL, {"q": _quoted(self.schema)}).fetchone()
+                table_schema = row[0] if row and row[0] else (self.schema.schema or "public")
+                channel = self.schema.notify_channel(table_schema)
+                conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
                 self._listen_conn = conn
             got = 0
             for n in self._listen_conn.notifies(timeout=timeout, stop_after=1):
@@ -1056,10 +1062,11 @@ class PostgresStore:
             )
 
     def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
-        channel = self.schema.notify_channel
+        outbox_schema = self.schema
 
         def ask_for_a_sweep(conn: Connection) -> None:
             # Relays claim from a floor above old rows; a requeued row needs a full sweep.
+            channel = outbox_schema.notify_channel(table_schema_of(conn, outbox_schema))
             conn.execute(text("SELECT pg_notify(:c, 'sweep')"), {"c": channel})
 
         return _requeue(
@@ -1070,6 +1077,13 @@ class PostgresStore:
             all_quarantined,
             ask_for_a_sweep,
         )
+
+
+_TABLE_SCHEMA_SQL = (
+    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = to_regclass(%(q)s)"
+)
+"""The schema the outbox table resolves to on a connection (what its NOTIFY channel names)."""
 
 
 def _is_connection_error(exc: BaseException) -> bool:

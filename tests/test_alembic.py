@@ -169,3 +169,13 @@ def test_autogenerate_then_upgrade_makes_what_create_schema_makes(
     command.downgrade(config, "base")
     assert catalog(migrated_url)["tables"] == []
     assert catalog(migrated_url)["triggers"] == []
+
+
+def test_the_migration_extras_know_every_hot_table() -> None:
+    """outbox.migrations cannot import the consumer side, so it names the hot tables; they
+    must stay the ones the inbox and the job store tune in their create_schema."""
+    from consumer.inbox import build_inbox_schema
+    from consumer.jobs.schema import HOT_TABLES as JOB_HOT_TABLES
+    from outbox.migrations import HOT_TABLES
+
+    assert set(HOT_TABLES) == {build_inbox_schema().inbox.name, *JOB_HOT_TABLES}
