@@ -54,3 +54,21 @@ def build_http() -> Worker:
         job.dispatch("send", "mail", {"to": job.subject})
 
     return worker
+
+
+def build_slow() -> Worker:
+    """A worker whose ``slow`` handler appends ``PID ACTION ATTEMPT`` to $JOBS_EFFECTS_FILE,
+    then holds its first attempt for $JOBS_HOLD seconds (a job the test kills a worker in);
+    a later attempt finishes at once. Default settings otherwise (lease ttl 30 s)."""
+    import time
+
+    worker = Worker(batch_size=1, poll_interval=0.05)
+
+    @worker.handler("slow")
+    def slow(job: JobContext) -> None:
+        with open(os.environ["JOBS_EFFECTS_FILE"], "a") as fh:
+            fh.write(f"{os.getpid()} {job.action} {job.attempt}\n")
+        if job.attempt == 1:
+            time.sleep(float(os.environ.get("JOBS_HOLD", "120")))
+
+    return worker

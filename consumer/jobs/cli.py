@@ -3,6 +3,8 @@
 ```
 outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--batch-size N]
                                    [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
+                                   [--recover-interval SECONDS] [--liveness-ttl SECONDS]
+                                   [--liveness-interval SECONDS]
                                    [--metrics-port PORT] [--metrics-host HOST]
                                    [--log-level LEVEL]
 outbox-worker init-db [--database-url URL]
@@ -23,7 +25,8 @@ by ``MODULE:ATTRIBUTE`` (lookups need them; without one it settles nothing).
 one. A worker built without a Store gets ``Store(--database-url)``; flags override its
 concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*``
 environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_BATCH_SIZE``,
-``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_METRICS_PORT``,
+``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_RECOVER_INTERVAL``,
+``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_METRICS_PORT``,
 ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no database URL, a SQLite file in the
 working directory. Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain the jobs in hand),
 1 on failure, 2 on bad usage.
@@ -78,6 +81,26 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds between receipt sweeps when the Worker has providers "
         "[OUTBOX_RECONCILE_INTERVAL, 10]",
+    )
+    run.add_argument(
+        "--recover-interval",
+        type=float,
+        default=None,
+        help="seconds between sweeps of expired leases and due timers [OUTBOX_RECOVER_INTERVAL, 5]",
+    )
+    run.add_argument(
+        "--liveness-ttl",
+        type=float,
+        default=None,
+        help="a worker that has not beaten for this long is dead: its leases are taken back "
+        "[OUTBOX_LIVENESS_TTL, 3]",
+    )
+    run.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=None,
+        help="seconds between liveness beats (and sweeps for dead workers) "
+        "[OUTBOX_LIVENESS_INTERVAL, 1]",
     )
     run.add_argument(
         "--metrics-port",
@@ -198,6 +221,14 @@ def _run(args: argparse.Namespace, url: str) -> int:
     )
     if sweep is not None:
         options["reconcile_interval"] = sweep
+    for option, flag in (
+        ("recover_interval", args.recover_interval),
+        ("liveness_ttl", args.liveness_ttl),
+        ("liveness_interval", args.liveness_interval),
+    ):
+        value = flag if flag is not None else _env_opt_float(option.upper())
+        if value is not None:
+            options[option] = value
     if options:
         worker.config = replace(worker.config, **options)
     if worker.store is None:

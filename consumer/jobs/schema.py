@@ -78,7 +78,7 @@ from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 
 __all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
-__all__ += ["db_epoch", "jobs", "metadata", "operations"]
+__all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -206,6 +206,19 @@ Index(
     operations.c.updated_at,
     postgresql_where=operations.c.state == "UNKNOWN",
     sqlite_where=operations.c.state == "UNKNOWN",
+)
+
+WORKERS_TABLE = "outbox_workers"
+
+# Worker liveness: each running Worker upserts its row (``name`` is its incarnation name,
+# what it writes as ``lease_owner``) every ``liveness_interval`` with ``alive_until`` = the
+# database clock + ``liveness_ttl``, and deletes it on a clean stop. A LEASED job whose owner
+# has a row that expired is recovered at once (a missing row: the lease's own expiry).
+workers = Table(
+    WORKERS_TABLE,
+    metadata,
+    Column("name", String(NAME_LENGTH), primary_key=True),
+    Column("alive_until", Double, nullable=False),
 )
 
 

@@ -36,6 +36,14 @@ provider call is in flight (``job.dispatch``), the lease already lasts until the
 deadline (the intent's transaction extended it) and the heartbeat leaves it alone; the call's
 end counts as progress.
 
+Liveness: ``run`` keeps a row in ``outbox_workers`` (its name, alive until the database clock
++ ``liveness_ttl``, default 3 s) from a thread of its own every ``liveness_interval`` (1 s),
+deletes it on a clean stop, and on each beat takes back at once the leases of workers whose
+row expired (``Store.recover_dead``, fenced like a lease expiry: their late moves get
+``Conflict``). A worker killed mid-job is thus recovered within about ``liveness_ttl`` + 1 s
+instead of the lease ttl. A lease whose owner has no row (``run_once`` alone, an older worker)
+waits for its expiry; a call in flight stays protected by its intent's deadline.
+
 External effects: ``Worker(store, providers={"mail": provider})`` gives handlers
 ``job.dispatch(name, provider, request)`` (``consumer.jobs.operations``), and ``run`` sweeps
 receipts whose call deadline passed every ``reconcile_interval`` seconds
@@ -69,7 +77,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved
 from consumer.jobs.schema import HOT_TABLES
-from consumer.jobs.store import Lease, Store, Time, Timer, _time
+from consumer.jobs.store import Lease, RecoveryResult, Store, Time, Timer, _time
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
@@ -99,6 +107,8 @@ class WorkerConfig:
     reconcile_interval: float = 10.0
     listen: bool = True
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
+    liveness_ttl: float = 3.0
+    liveness_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -109,7 +119,14 @@ class WorkerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        for name in ("ttl", "poll_interval", "recover_interval", "reconcile_interval"):
+        for name in (
+            "ttl",
+            "poll_interval",
+            "recover_interval",
+            "reconcile_interval",
+            "liveness_ttl",
+            "liveness_interval",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(name, f"must be a positive number, got {value!r}")
@@ -117,6 +134,12 @@ class WorkerConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(
                 "vacuum_interval", f"must be zero (never) or positive seconds, got {value!r}"
+            )
+        if self.liveness_interval >= self.liveness_ttl:
+            raise ConfigError(
+                "liveness_interval",
+                f"must be less than liveness_ttl ({self.liveness_ttl!r}), "
+                f"got {self.liveness_interval!r}",
             )
 
 
@@ -293,6 +316,7 @@ class Worker:
         self._active: dict[int, JobContext] = {}
         self._active_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
+        self._liveness_stop = threading.Event()
         self._last_recover = 0.0
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._recover_lock = threading.Lock()
@@ -568,6 +592,34 @@ class Worker:
             if self.stop_flag.wait(interval) and not self._active:
                 return
 
+    # -- liveness -------------------------------------------------------------------------
+    def beat(self, *, now: Time | None = None) -> RecoveryResult:
+        """One liveness tick: this worker is alive for ``liveness_ttl`` more seconds, and the
+        leases of workers whose liveness expired go back to READY at once (fenced)."""
+        store = self._store()
+        store.worker_alive(self.config.name, self.config.liveness_ttl, now=now)
+        result = store.recover_dead(now=now)
+        if result.requeued or result.needs_attention:
+            log.info("recovered the jobs of dead workers", extra=fields(**result.__dict__))
+            self._notified()  # this worker's idle loops claim them at once
+        return result
+
+    def _liveness(self) -> None:
+        # Its own thread: a long handler never makes this worker look dead.
+        failures = 0
+        while True:
+            try:
+                self.beat()
+                failures = 0
+            except SQLAlchemyError as exc:
+                failures += 1
+                log.warning(
+                    "liveness beat failed",
+                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
+                )
+            if self._liveness_stop.wait(self.config.liveness_interval):
+                return
+
     # -- the loop -------------------------------------------------------------------------
     def run(self, *, install_signals: bool = True) -> None:
         """Run ``concurrency`` loops until SIGTERM/SIGINT or ``stop()``; each drains the job
@@ -583,6 +635,11 @@ class Worker:
                 handlers=sorted(self.handlers),
             ),
         )
+        self._liveness_stop.clear()
+        liveness = threading.Thread(
+            target=self._liveness, name=f"{self.config.name}-liveness", daemon=True
+        )
+        liveness.start()
         threads = [
             threading.Thread(target=self._loop, name=f"{self.config.name}-{i}", daemon=True)
             for i in range(self.config.concurrency)
@@ -598,6 +655,12 @@ class Worker:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.2)
+        self._liveness_stop.set()  # the jobs in hand are drained: this worker stops beating
+        liveness.join()
+        try:
+            self._store().worker_gone(self.config.name)
+        except SQLAlchemyError as exc:  # its row expires by itself
+            log.warning("liveness row not removed", extra=fields(error=repr(exc)))
         log.info("worker stopped", extra=fields(worker=self.config.name))
 
     def stop(self) -> None:
