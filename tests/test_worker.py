@@ -403,6 +403,33 @@ def test_notify_is_a_choice(pg_url: str) -> None:
         loud.dispose()
 
 
+def test_a_timer_already_due_when_learnt_still_fires(db_url: str) -> None:
+    """The cycle that set a short wait outlasts it (a loaded machine): the worker learns a
+    timer already due and must recover at once, not drop it until recover_interval (here an
+    hour). Failed once in CI before the fix."""
+    store = Store(db_url)
+    worker = Worker(store, recover_interval=3600.0, poll_interval=0.05)
+    calls: list[int] = []
+
+    def remind(job: JobContext) -> None:
+        calls.append(job.attempt)
+        if len(calls) == 1:
+            job.wait_external("until the customer answers", until=time.time() + 0.05)
+            time.sleep(0.4)  # the cycle ends after the timer came due
+
+    worker.register("remind", remind)
+    job_id = store.enqueue("t", "remind-1").job_id
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        wait_for(lambda: store.get(job_id).state == DONE, timeout=20)
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert len(calls) == 2
+    store.dispose()
+
+
 def test_a_timer_fires_on_time_not_at_the_next_recovery(db_url: str) -> None:
     """The worker learns the earliest timer of a waiting job and recovers when it comes due,
     not only every recover_interval (here far longer than the test may take)."""

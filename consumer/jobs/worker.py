@@ -319,6 +319,7 @@ class Worker:
         self._liveness_stop = threading.Event()
         self._last_recover = 0.0
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
+        self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
         self._vacuum: PeriodicVacuum | None = None
         self._vacuum_store: Store | None = None
@@ -537,9 +538,17 @@ class Worker:
 
     def _learn_timer(self, store: Store) -> None:
         upcoming = store.next_timer()
-        if upcoming is None or upcoming <= time.time():
+        if upcoming is None:
             return
         with self._recover_lock:
+            if upcoming <= time.time():
+                # Already due when learnt (the cycle that set a short wait took longer than
+                # the wait, e.g. on a loaded machine): recover at once, but once per timer, so
+                # a timer the clocks disagree on cannot make every cycle a recovery; then the
+                # interval remains.
+                if upcoming == self._due_timer_seen:
+                    return
+                self._due_timer_seen = upcoming
             if self._next_timer is None or upcoming < self._next_timer:
                 self._next_timer = upcoming
 
