@@ -251,7 +251,10 @@ def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
     assert receipt is not None and receipt.state == ACCEPTED
     assert receipt.provider_ref == effects[0]["id"]
     outcomes = [a.outcome for a in store.history("studio", "email-quote-017")]
-    assert outcomes == ["expired", "done"]
+    # The dead worker's lease expired; the next attempt settles the receipt. On a loaded
+    # machine it may come before the killed call's deadline: it defers, it does not send.
+    assert outcomes[0] == "expired" and outcomes[-1] == "done", outcomes
+    assert set(outcomes[1:-1]) <= {"deferred"}, outcomes
     store.dispose()
 
 
