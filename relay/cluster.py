@@ -177,8 +177,11 @@ def publish_by_slot(
             slot_results = publisher.script_results(reply, entries, fences[slot])
             for i, result in zip(members, slot_results, strict=True):
                 results[i] = result
+            added = [(r, e.stream) for r, e in zip(slot_results, entries, strict=True)]
             publisher.saw_in_slot(
-                slot, [r for r in slot_results if isinstance(r, str)], entries[0].stream
+                slot,
+                [r for r, _ in added if isinstance(r, str)],
+                [name for r, name in added if isinstance(r, str)],
             )
         if not moved:
             break

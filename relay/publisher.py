@@ -630,14 +630,15 @@ class RedisStreamPublisher:
         that slot must hold at least this much; None: no check yet)."""
         return self._known_by_slot.get(slot)
 
-    def saw_in_slot(self, slot: int, entry_ids: Sequence[str], stream: str) -> None:
-        """Cluster: remember the highest of ``entry_ids``, just added in ``slot`` (to
-        ``stream`` among others)."""
-        self._slot_stream[slot] = stream
+    def saw_in_slot(self, slot: int, entry_ids: Sequence[str], stream: str | Sequence[str]) -> None:
+        """Cluster: remember the highest of ``entry_ids``, just added in ``slot``, and the
+        stream that holds it (``stream``: one for all, or one per entry id)."""
+        streams = [stream] * len(entry_ids) if isinstance(stream, str) else list(stream)
         best = self._known_by_slot.get(slot)
-        for entry_id in entry_ids:
+        for entry_id, name in zip(entry_ids, streams, strict=True):
             if best is None or entry_id_key(best) < entry_id_key(entry_id):
                 best = entry_id
+                self._slot_stream[slot] = name
         if best is not None:
             self._known_by_slot[slot] = best
 

@@ -104,3 +104,29 @@ def stream_last_id(client: Any, stream: str) -> str | None:
         return None
     value = info.get("last-generated-id") if isinstance(info, dict) else None
     return None if value is None else _text(value)
+
+
+def holds_entry(client: Any, stream: str, entry_id: str) -> bool | None:
+    """Whether ``stream`` still accounts for ``entry_id``: True if it holds the entry or
+    removed entries on purpose (XDEL up to it, Redis 7's ``max-deleted-entry-id``; or a
+    trim: this stream has added more entries than it holds); False if the entry is gone
+    otherwise (the stream is missing, or was recreated after a flush or an empty restart,
+    new entries above the gap and none removed since); None if it cannot tell (a Redis
+    before 7 that no longer holds the entry)."""
+    if client.xrange(stream, entry_id, entry_id, count=1):
+        return True
+    try:
+        info = client.xinfo_stream(stream)
+    except redis.ResponseError:
+        return False  # no such stream
+    if not isinstance(info, dict):
+        return None
+    deleted = info.get("max-deleted-entry-id")
+    added = info.get("entries-added")
+    if deleted is None or added is None:
+        return None
+    ms, _, seq = _text(deleted).partition("-")
+    want_ms, _, want_seq = entry_id.partition("-")
+    if (int(ms), int(seq or 0)) >= (int(want_ms), int(want_seq or 0)):
+        return True
+    return int(added) > int(info.get("length") or 0)

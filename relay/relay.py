@@ -57,7 +57,7 @@ from relay.publisher import (
     TransientError,
 )
 from relay.records import Orphan, Record, entry_id_key
-from relay.redis_health import Persistence, check_persistence, stream_last_id
+from relay.redis_health import Persistence, check_persistence, holds_entry, stream_last_id
 from relay.republish import republish, since_argument
 from relay.store import Store, open_store
 
@@ -509,17 +509,31 @@ class Relay:
         client = publisher.client
         raw = client.get(publisher.marker_for(stream))
         marker = raw.decode() if isinstance(raw, bytes) else raw
-        if marker is not None and entry_id_key(marker) >= entry_id_key(known):
-            return False
         intact = stream_last_id(client, stream)
-        if intact is not None and entry_id_key(intact) >= entry_id_key(known):
-            # The stream holds our latest receipt: only the marker is missing or behind
-            # (deleted, or first written by this version). Nothing was lost.
-            publisher.raise_marker(known, stream)
+        marker_ok = marker is not None and entry_id_key(marker) >= entry_id_key(known)
+        stream_ok = intact is not None and entry_id_key(intact) >= entry_id_key(known)
+        # A marker or a stream at or past our receipt is not enough: after an empty restart
+        # a relay that knew nothing of this slot may have written first and re-armed both,
+        # above the gap. The receipt's entry itself must still be there (or deleted on
+        # purpose: trimmed).
+        if (marker_ok or stream_ok) and holds_entry(client, stream, known) is not False:
+            if not marker_ok:
+                # Only the marker is missing or behind (deleted, or first written by this
+                # version). Nothing was lost.
+                publisher.raise_marker(known, stream)
             return False
         # Redis holds less than the receipts: it lost acknowledged entries. Everything
         # published after the last id it still has may be gone.
-        good = [i for i in (marker, intact) if i is not None]
+        # The last entry Redis still holds from before the loss: marker and stream head if
+        # they are behind our receipt, else (re-armed above the gap) the stream's last entry
+        # below it. None: nothing survived; every retained event is republished.
+        good = [
+            i for i in (marker, intact) if i is not None and entry_id_key(i) < entry_id_key(known)
+        ]
+        below = client.xrevrange(stream, max=f"({known}", min="-", count=1)
+        if below:
+            raw_id = below[0][0]
+            good.append(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id))
         last_good = max(good, key=entry_id_key) if good else None
         published_after = (
             None

@@ -333,6 +333,54 @@ def test_a_new_relay_takes_the_latest_receipt_from_the_database(outbox: Outbox) 
         second.store.close()
 
 
+def test_a_loss_hidden_by_a_writer_that_knew_nothing_of_it_is_still_seen(
+    outbox: Outbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis comes back empty and a writer with no receipts for this stream (a relay that
+    never published there) adds an entry first: marker and stream head are now past our
+    receipt. The receipt's own entry is gone, so the check still reports the loss, with a
+    window that covers every lost event."""
+    hooks = Recorded()
+    with PrivateRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        relay = Relay(
+            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
+        )
+        lost = emit(outbox, 3)
+        drain(relay)
+        server.restart(kill=True)
+        client = redis.Redis.from_url(server.url)
+        newer = client.xadd("outbox.t", {"id": "from-another-writer"})
+        client.set(marker_key("outbox.{topic}"), newer)
+        time.sleep(0.15)
+        with caplog.at_level(logging.ERROR, logger="outbox.relay"):
+            relay.run_once()
+        assert len(hooks.losses) == 1
+        [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
+        since = parse_since(error.__dict__["fields"]["republish"].split("--since ", 1)[1])
+        page = open_store(outbox.engine, outbox.schema).published_page(0, 100)
+        assert since <= min(parse_since(r.time) for r, _s in page if r.event_id in lost)
+        relay.store.close()
+
+
+def test_entries_trimmed_on_purpose_are_not_a_loss(outbox: Outbox) -> None:
+    """Our latest entry trimmed away (XTRIM, MAXLEN) is deleted on purpose: Redis 7 says so
+    (max-deleted-entry-id), and the check reports nothing."""
+    hooks = Recorded()
+    with PrivateRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        relay = Relay(
+            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
+        )
+        emit(outbox, 3)
+        drain(relay)
+        client.xtrim("outbox.t", maxlen=0)
+        time.sleep(0.15)
+        relay.run_once()
+        assert hooks.losses == []
+        relay.store.close()
+
+
 def test_a_missing_marker_alone_is_not_a_loss(outbox: Outbox) -> None:
     """A marker deleted (or a Redis used by an older relay) with the stream intact: the
     relay re-arms the marker and reports nothing."""
