@@ -257,6 +257,7 @@ class RelayProcs:
         self.kills = 0
         self.procs: list[subprocess.Popen[bytes]] = []
         self.born: dict[int, float] = {}
+        self.logs: dict[int, Path] = {}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         self.env["PYTHONUNBUFFERED"] = "1"
 
@@ -275,6 +276,7 @@ class RelayProcs:
             log.close()
         self.procs.append(proc)
         self.born[proc.pid] = time.monotonic()
+        self.logs[proc.pid] = self.log_dir / f"relay-{self.started:04d}.log"
         return proc
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
@@ -293,7 +295,18 @@ class RelayProcs:
             raise AssertionError(f"relays exited on their own (pid, code): {dead}\n{self.tail()}")
 
     def terminate_all(self, timeout: float = 30.0) -> list[int]:
-        """SIGTERM every relay and return their exit codes (they must drain and exit 0)."""
+        """SIGTERM every relay and return their exit codes (they must drain and exit 0).
+
+        A relay spawned a moment ago may still be importing Python, before any handler can
+        exist (a SIGTERM there kills any Python program): wait until each says it started."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            while (
+                proc.poll() is None
+                and time.monotonic() < deadline
+                and b'"relay started"' not in self.logs[proc.pid].read_bytes()
+            ):
+                time.sleep(0.05)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
