@@ -110,11 +110,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) ->
         time.sleep(0.02)
 
 
-@pytest.fixture
+@pytest.fixture(params=["single", "cluster"])
 def target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
-    """Where this module's tests read: the shared Redis, or the session's Redis Cluster for
-    the guarantee tests marked ``ON_BOTH`` (issue 13: the same tests on both)."""
-    yield from target_for(request, getattr(request, "param", "single"), stream_prefix)
+    """Where this module's tests read: every test that talks to Redis runs on the shared
+    Redis and on the session's Redis Cluster (issue 13: the same tests on both)."""
+    yield from target_for(request, str(request.param), stream_prefix)
 
 
 @pytest.fixture
@@ -127,10 +127,6 @@ def redis_client(target: RedisTarget) -> Iterator[Any]:
     client = target.connect()
     yield client
     client.close()
-
-
-# The guarantee tests that run on one Redis and on a Redis Cluster.
-ON_BOTH = pytest.mark.parametrize("target", ["single", "cluster"], indirect=True)
 
 
 @pytest.fixture
@@ -175,7 +171,6 @@ def make(
 # -- deduplication -----------------------------------------------------------------------------
 
 
-@ON_BOTH
 def test_same_identity_published_three_times_creates_one_job(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
@@ -198,7 +193,6 @@ def test_same_identity_published_three_times_creates_one_job(
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
 
-@ON_BOTH
 def test_identity_defaults_to_event_id(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
@@ -210,7 +204,6 @@ def test_identity_defaults_to_event_id(
     assert sorted(job_identities(consumer.engine)) == ["evt-1", "evt-2"]
 
 
-@ON_BOTH
 def test_entry_of_a_dead_consumer_is_claimed_back_and_handled_once(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
@@ -225,7 +218,6 @@ def test_entry_of_a_dead_consumer_is_claimed_back_and_handled_once(
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
 
-@ON_BOTH
 def test_a_dead_peer_is_found_by_its_heartbeat_and_a_live_one_keeps_its_entries(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
@@ -290,7 +282,6 @@ class CrashBeforeAck(Consumer):
         super()._acknowledge(outcome)
 
 
-@ON_BOTH
 def test_entry_delivered_twice_after_commit_creates_one_job(
     db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis, stream: str
 ) -> None:
@@ -361,7 +352,6 @@ def test_duplicates_inside_one_batch_and_batch_handlers(
 # -- failures and dead letters -----------------------------------------------------------------
 
 
-@ON_BOTH
 def test_failing_handler_rolls_back_only_its_entry_then_dead_letters(
     make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
 ) -> None:
