@@ -148,6 +148,10 @@ class Relay:
         self._infra = infrastructure_errors()
         self._recorder: Recorder | None = None
         self._redis_suspect = False
+        # Rows refused by a whole-Redis condition (OOM at maxmemory, LOADING, ...), by where
+        # they went (the slot on a cluster): once that Redis accepts entries again their
+        # backoff ends at once instead of running up to record_backoff's ceiling.
+        self._refused: dict[int | None, set[int]] = {}
         self._held: dict[int, frozenset[str]] = {}  # epoch -> keys failed, not yet recorded
         self._seen_at_claim: dict[int, int] = {}  # epoch -> recorder's epoch at its claim
         self._sender: Sender | None = None
@@ -320,6 +324,7 @@ class Relay:
             self._record(outcome, held | {p.record.key for p in prepared})
             return 0
         by_topic: dict[str, list[float]] = {}
+        refused_now: list[tuple[int | None, int]] = []
         now = time.time()
         for p, result in zip(prepared, results, strict=True):
             record = p.record
@@ -345,6 +350,7 @@ class Relay:
                 delay = self.config.record_backoff.delay(record.attempts)
                 outcome.failed.append((record.seq, delay, str(result), False))
                 held.add(record.key)
+                refused_now.append((self._server_of(p.stream), record.seq))
                 self._hook("relay_publish_error", "transient", record.topic)
             else:
                 outcome.quarantine.append((record.seq, str(result)))
@@ -352,6 +358,12 @@ class Relay:
                 held.add(record.key)
                 self._hook("relay_publish_error", "permanent", record.topic)
         self._record(outcome, held)
+        if self._refused and outcome.receipts:
+            self._retry_refused({self._server_of(stream) for _seq, stream, _id in outcome.receipts})
+        for where, seq in refused_now:  # after the retry above: not this batch's own
+            refused = self._refused.setdefault(where, set())
+            if len(refused) < _MAX_REFUSED_TRACKED:
+                refused.add(seq)
         if outcome.failed or outcome.quarantine or any(r.attempts for r in records):
             # Rows behind a failing or recovered key sit below the claim floor.
             self._sweep_due = True
@@ -368,6 +380,38 @@ class Relay:
         self.stats.retried += len(outcome.failed)
         self._hook("relay_batch", time.monotonic() - started, len(records))
         return len(outcome.receipts)
+
+    def _server_of(self, stream: str) -> int | None:
+        """Where a refusal of ``stream``'s entries came from: its slot on a cluster (one
+        master may be at maxmemory while the others accept), the one server otherwise."""
+        if not self.publisher.cluster:
+            return None
+        from outbox.redis_client import slot_of
+
+        return slot_of(stream)
+
+    def _retry_refused(self, accepting: set[int | None]) -> None:
+        """The Redis behind ``accepting`` takes entries again: end the backoff of the rows
+        it refused earlier (they are swept at once, in key order, behind their heads)."""
+        seqs: list[int] = []
+        for where in accepting:
+            seqs.extend(self._refused.pop(where, ()))
+        if not seqs:
+            return
+        try:
+            retried = self.store.retry_now(seqs)
+        except self._infra as exc:
+            log.warning(
+                "cannot end the backoff of refused records now; they retry on their own",
+                extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+            )
+            return
+        if retried:
+            self._sweep_due = True
+            log.info(
+                "Redis accepts entries again: refused records retry now",
+                extra=fields(records=retried),
+            )
 
     def _record(self, outcome: Outcome, held: set[str]) -> None:
         """Write the outcome now (run_once), or hand it to the recorder thread (run)."""
@@ -796,6 +840,9 @@ class Relay:
                 partitions=sorted(self.store.owned),
             ),
         )
+
+
+_MAX_REFUSED_TRACKED = 100_000  # per server; beyond it the record backoff alone applies
 
 
 class _EitherEvent:

@@ -113,6 +113,11 @@ class Store(Protocol):
     ) -> None: ...
     def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None: ...
     def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None: ...
+    def retry_now(self, seqs: Sequence[int]) -> int:
+        """Make these pending, unclaimed rows available at once (their backoff is over: what
+        refused them, a whole-Redis condition, has cleared); returns how many."""
+        ...
+
     def orphans(self, limit: int) -> list[Orphan]: ...
     def retry_ready(self) -> bool: ...
     def resolve_orphans(
@@ -481,6 +486,12 @@ UPDATE {t} t SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL
 WHERE t.seq = ANY(%(seqs)b::bigint[]) AND t.claimed_by = %(owner)s
   AND t.claim_epoch = %(epoch)s AND t.state = 'pending'"""
 
+# After a whole-Redis refusal (OOM, LOADING, ...) has cleared: end those rows' backoff.
+PG_RETRY_NOW = """
+UPDATE {t} t SET available_at = now()
+WHERE t.seq = ANY(%(seqs)b::bigint[]) AND t.claimed_by IS NULL AND t.state = 'pending'
+  AND t.available_at > now()"""
+
 # On taking over partitions: the intents found there belong to a relay that lost them.
 # Counting them as an attempt puts them in the blocked index (their keys wait), and they
 # become reconcilable once no XADD for them can still arrive.
@@ -642,6 +653,7 @@ class PostgresStore:
                     "failed": PG_FAILED,
                     "quarantine": PG_QUARANTINE,
                     "release": PG_RELEASE,
+                    "retry_now": PG_RETRY_NOW,
                     "mark_orphans": PG_MARK_ORPHANS,
                     "orphans": PG_ORPHANS,
                     "retry_ready": PG_RETRY_READY,
@@ -898,6 +910,11 @@ class PostgresStore:
     def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
         if seqs:
             self._execute("release", {"seqs": list(seqs), "owner": owner, "epoch": epoch})
+
+    def retry_now(self, seqs: Sequence[int]) -> int:
+        if not seqs:
+            return 0
+        return int(self._execute("retry_now", {"seqs": list(seqs)}).rowcount)
 
     def orphans(self, limit: int) -> list[Orphan]:
         if not self._owned:
@@ -1273,6 +1290,13 @@ class SqliteStore:
             "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
             "AND state = 'pending'",
             [{"seq": s, "owner": owner, "epoch": epoch} for s in seqs],
+        )
+
+    def retry_now(self, seqs: Sequence[int]) -> int:
+        return self._run_many(
+            f"UPDATE {self.t} SET available_at = {_SQLITE_NOW} WHERE seq = :seq "
+            f"AND claimed_by IS NULL AND state = 'pending' AND available_at > {_SQLITE_NOW}",
+            [{"seq": s} for s in seqs],
         )
 
     def orphans(self, limit: int) -> list[Orphan]:

@@ -224,6 +224,33 @@ def test_transient_failure_backs_off_and_holds_back_only_its_key(
         client.close()
 
 
+def test_records_refused_at_maxmemory_retry_at_once_when_redis_accepts_again(
+    outbox: Outbox, stream_prefix: str
+) -> None:
+    """OOM is a whole-Redis condition: once the same Redis accepts an entry again, the rows
+    it refused earlier end their backoff (here 30 s) and go out at once, in key order (the
+    chaos matrix's "Redis at maxmemory" row waited up to the 60 s backoff ceiling)."""
+    with PrivateRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        with outbox.transaction() as tx:
+            a1 = tx.emit("t", key="A", payload=1)
+            a2 = tx.emit("t", key="A", payload=2)
+        client.config_set("maxmemory", 1)
+        client.config_set("maxmemory-policy", "noeviction")
+        relay = make_relay(outbox, client, stream_prefix, record_backoff=Backoff(30.0, 30.0))
+        assert relay.run_once() == 0
+        assert {r["event_id"]: r for r in rows(outbox)}[a1]["attempts"] == 1
+        client.config_set("maxmemory", 0)
+        with outbox.transaction() as tx:
+            b1 = tx.emit("t", key="B", payload=1)
+        published = relay.run_once()  # B goes out: this Redis accepts again
+        published += drain(relay, 5)
+        got = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
+        assert published == 3 and sorted(got) == sorted([b1, a1, a2])
+        assert [i for i in got if i != b1] == [a1, a2]
+        client.close()
+
+
 def test_failure_of_one_stream_holds_back_the_key_in_other_streams(
     outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
 ) -> None:
