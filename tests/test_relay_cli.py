@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,11 @@ import sqlalchemy as sa
 
 from outbox import Outbox
 from relay.cli import main
+
+try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
+    from cluster_support import RedisTarget
+except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests.cluster_support import RedisTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +42,14 @@ def cli(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+@pytest.fixture
+def target_client(redis_target: RedisTarget) -> Iterator[Any]:
+    """A client of ``redis_target`` (a RedisCluster on the cluster), closed afterwards."""
+    client = redis_target.connect()
+    yield client
+    client.close()
 
 
 def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
@@ -98,40 +112,46 @@ def test_bad_arguments_and_unreachable_services() -> None:
 
 
 def test_run_once_publishes(
-    pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
+    pg_url: str, redis_target: RedisTarget, target_client: Any, stream_prefix: str
 ) -> None:
+    """On one Redis and on a Redis Cluster (``--redis-cluster``, the stream hash-tagged)."""
     outbox = Outbox(pg_url)
     outbox.create_schema()
     with outbox.transaction() as tx:
         ids = [tx.emit("t", key=f"k{i}", payload={"i": i}) for i in range(3)]
+    template = redis_target.hash_tagged(f"{stream_prefix}.{{topic}}")
     result = cli(
         "run",
         "--once",
         "--stream",
-        f"{stream_prefix}.{{topic}}",
-        env={"OUTBOX_DATABASE_URL": pg_url, "OUTBOX_REDIS_URL": redis_url},
+        template,
+        *redis_target.extra_args,
+        env={"OUTBOX_DATABASE_URL": pg_url, "OUTBOX_REDIS_URL": redis_target.url},
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"published": 3}
-    got = [f[b"id"].decode() for _i, f in redis_client.xrange(f"{stream_prefix}.t")]
+    got = [f[b"id"].decode() for _i, f in target_client.xrange(template.format(topic="t"))]
     assert got == ids
 
 
 def test_sigterm_drains_and_exits_zero(
-    pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
+    pg_url: str, redis_target: RedisTarget, target_client: Any, stream_prefix: str
 ) -> None:
+    """On one Redis and on a Redis Cluster (``--redis-cluster``, the stream hash-tagged)."""
     outbox = Outbox(pg_url)
     outbox.create_schema()
+    template = redis_target.hash_tagged(f"{stream_prefix}.{{topic}}")
+    stream = template.format(topic="t")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update(
         PYTHONPATH=str(ROOT),
         OUTBOX_DATABASE_URL=pg_url,
-        OUTBOX_REDIS_URL=redis_url,
-        OUTBOX_STREAM=f"{stream_prefix}.{{topic}}",
+        OUTBOX_REDIS_URL=redis_target.url,
+        OUTBOX_STREAM=template,
         OUTBOX_BATCH_SIZE="200",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "run", "--log-level", "info"],
+        [sys.executable, "-m", "relay", "run", "--log-level", "info", *redis_target.extra_args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -143,7 +163,7 @@ def test_sigterm_drains_and_exits_zero(
                 [{"topic": "t", "key": f"k{i % 50}", "payload": {"i": i}} for i in range(2000)]
             )
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and redis_client.xlen(f"{stream_prefix}.t") == 0:
+        while time.monotonic() < deadline and target_client.xlen(stream) == 0:
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
@@ -167,7 +187,7 @@ def test_sigterm_drains_and_exits_zero(
             sa.text("SELECT count(*) FROM outbox_events WHERE state = 'published'")
         ).scalar()
     assert dangling == 0
-    assert published == redis_client.xlen(f"{stream_prefix}.t")
+    assert published == target_client.xlen(stream)
 
 
 def test_run_waits_for_database_instead_of_exiting(tmp_path: Path, redis_url: str) -> None:
