@@ -26,6 +26,7 @@ from consumer.event import encode_entry
 
 sys.path.insert(0, str(Path(__file__).parent))
 import consumer_app
+from cluster_support import RedisTarget
 
 REPO = Path(__file__).resolve().parent.parent
 TOPIC = "job.requested"
@@ -86,13 +87,31 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+def jobs_stream(redis_target: RedisTarget, stream_prefix: str) -> str:
+    """The test's stream: ``<prefix>.jobs``, hash-tagged on the cluster (``<prefix>.{jobs}``:
+    its dead-letter stream ``<prefix>.{jobs}.dead-letter`` lands in the same slot)."""
+    return redis_target.hash_tagged(f"{stream_prefix}.{{topic}}").format(topic="jobs")
+
+
+@pytest.fixture
+def redis_client(redis_target: RedisTarget) -> Iterator[Any]:
+    """A client of ``redis_target`` (a RedisCluster on the cluster); this module's tests that
+    talk to Redis run on one server and on the cluster (issue 13)."""
+    client = redis_target.connect()
+    yield client
+    client.close()
+
+
 class App:
     """Starts ``outbox-consumer run consumer_app:build`` subprocesses against one stream."""
 
-    def __init__(self, tmp: Path, db_url: str, redis_url: str, stream: str, **env: str) -> None:
+    def __init__(
+        self, tmp: Path, db_url: str, redis_target: RedisTarget, stream: str, **env: str
+    ) -> None:
         self.tmp = tmp
         self.db_url = db_url
-        self.redis_url = redis_url
+        # ``--redis-url`` and, on the cluster, ``--redis-cluster``.
+        self.redis_args = ["--redis-url", redis_target.url, *redis_target.extra_args]
         self.env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
@@ -115,8 +134,7 @@ class App:
                 "consumer_app:build",
                 "--database-url",
                 self.db_url,
-                "--redis-url",
-                self.redis_url,
+                *self.redis_args,
                 *extra,
             ],
             cwd=self.tmp,
@@ -144,14 +162,14 @@ class App:
 
 
 @pytest.fixture
-def app_factory(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., App]]:
+def app_factory(tmp_path: Path, redis_target: RedisTarget) -> Iterator[Callable[..., App]]:
     apps: list[App] = []
 
     def make(db_url: str, stream: str, **env: str) -> App:
         engine = sa.create_engine(db_url)
         consumer_app.metadata.create_all(engine)
         engine.dispose()
-        app = App(tmp_path, db_url, redis_url, stream, **env)
+        app = App(tmp_path, db_url, redis_target, stream, **env)
         apps.append(app)
         return app
 
@@ -234,14 +252,18 @@ def test_recovery_intervals_come_from_flags_and_environment(
 
 def test_dead_letters_and_replay(
     db_url: str,
-    redis_url: str,
+    redis_target: RedisTarget,
     redis_client: redis.Redis,
     stream_prefix: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    stream = f"{stream_prefix}.jobs"
+    stream = jobs_stream(redis_target, stream_prefix)
     consumer = Consumer(
-        db_url, redis_url, group="app", streams=[stream], config=ConsumerConfig(max_deliveries=1)
+        db_url,
+        redis_target.consumer_url,
+        group="app",
+        streams=[stream],
+        config=ConsumerConfig(max_deliveries=1),
     )
     fixed = {"yes": False}
 
@@ -269,7 +291,7 @@ def test_dead_letters_and_replay(
     assert record["payload"]["id"] == "evt-1" and record["group_name"] == "app"
 
     fixed["yes"] = True
-    args = ["--database-url", db_url, "--redis-url", redis_url]
+    args = ["--database-url", db_url, "--redis-url", redis_target.url, *redis_target.extra_args]
     assert main(["replay", str(record["id"]), *args]) == 0
     assert "replayed dead-letter record" in capsys.readouterr().out
     assert consumer.run_once(block=False) == 1
@@ -286,9 +308,13 @@ def test_dead_letters_and_replay(
 
 
 def test_run_drains_and_exits_zero_on_sigterm(
-    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+    pg_url: str,
+    redis_target: RedisTarget,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    app_factory: Callable[..., App],
 ) -> None:
-    stream = f"{stream_prefix}.jobs"
+    stream = jobs_stream(redis_target, stream_prefix)
     app = app_factory(
         pg_url, stream, CONSUMER_APP_FAIL_IDENTITY="poison", CONSUMER_APP_MAX_DELIVERIES="1"
     )
@@ -338,12 +364,16 @@ def idle_ms_of(client: redis.Redis, stream: str, pid: int) -> int:
 
 
 def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defaults(
-    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+    pg_url: str,
+    redis_target: RedisTarget,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    app_factory: Callable[..., App],
 ) -> None:
     """Default settings (claim_idle_ms 30 s): the survivor leaves a live, hung peer's batch
     alone, and takes it over within a few seconds of that peer's SIGKILL (its heartbeat key
     expires)."""
-    stream = f"{stream_prefix}.jobs"
+    stream = jobs_stream(redis_target, stream_prefix)
     victim_app = app_factory(pg_url, stream, CONSUMER_APP_HANG_IDENTITY="id-hang")
     survivor_app = app_factory(pg_url, stream)
     specs = [(f"id-{n}", f"evt-{n}") for n in range(200)] + [("id-hang", "evt-hang")]
@@ -377,9 +407,13 @@ def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defau
 
 @pytest.mark.slow
 def test_kill_test_exactly_one_job_per_identity(
-    pg_url: str, redis_client: redis.Redis, stream_prefix: str, app_factory: Callable[..., App]
+    pg_url: str,
+    redis_target: RedisTarget,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    app_factory: Callable[..., App],
 ) -> None:
-    stream = f"{stream_prefix}.jobs"
+    stream = jobs_stream(redis_target, stream_prefix)
     app = app_factory(
         pg_url, stream, CONSUMER_APP_CLAIM_IDLE_MS="1000", CONSUMER_APP_MAX_DELIVERIES="1000"
     )
