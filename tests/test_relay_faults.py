@@ -10,6 +10,10 @@ What they prove (DESIGN.md guarantees 2, 3 and 4, and the issue's fault list):
   lost and the same relay process recovers by itself;
 - SIGTERM under load: exit code 0 and no intent left without its receipt.
 
+The kill tests and the SIGTERM test run on one Redis and on a Redis Cluster (``redis_target``,
+issue 13; smaller sizes on the cluster, the same checks). The Redis and PostgreSQL restarts
+restart a private single server; ``test_cluster.py`` kills cluster masters.
+
 The domain is the one guarantee 4 speaks of: a writer transaction locks the aggregate row of
 its key (``UPDATE aggregates SET version = version + 1 ... RETURNING version``) and emits an
 event whose payload carries that version, so per key the versions 1..N are the commit order,
@@ -608,13 +612,63 @@ def test_kill_one_of_three_relays_every_half_second(
     redis_client.close()
 
 
+@dataclass
+class PausableRedis:
+    """Where the 100-kill test publishes: the relays' URL, stream template and flags, a
+    client, and the prefix of the streams' names."""
+
+    url: str
+    client: Any  # redis.Redis, or a RedisCluster on the cluster
+    prefix: str
+    template: str
+    extra_args: list[str]
+
+    def pause_writes(self, ms: int) -> None:
+        """``CLIENT PAUSE ms WRITE`` on the server, or on every master of the cluster (the
+        pause is per node)."""
+        if isinstance(self.client, redis.Redis):
+            self.client.execute_command("CLIENT", "PAUSE", str(ms), "WRITE")
+        else:
+            self.client.execute_command(
+                "CLIENT", "PAUSE", str(ms), "WRITE", target_nodes=self.client.PRIMARIES
+            )
+
+
+@contextmanager
+def pausable_redis(redis_target: RedisTarget, stream_prefix: str) -> Iterator[PausableRedis]:
+    """On one node: a private Redis (``CLIENT PAUSE`` on the shared one would stall every
+    other test using it). On the cluster: the session cluster (this session's own), the
+    streams under the test's prefix and hash-tagged, one slot each."""
+    if not redis_target.cluster:
+        with PrivateRedis() as server:
+            client = redis.Redis.from_url(server.url)
+            try:
+                yield PausableRedis(server.url, client, "dup", "dup.{topic}", [])
+            finally:
+                client.close()
+        return
+    client = redis_target.connect()
+    try:
+        template = redis_target.hash_tagged(f"{stream_prefix}.{{topic}}")
+        yield PausableRedis(
+            redis_target.url, client, stream_prefix, template, redis_target.extra_args
+        )
+    finally:
+        client.close()
+
+
 def test_zero_duplicates_across_100_sigkills_at_open_intents(
-    pg_url: str, tmp_path: Path, writers_factory: WriterFactory
+    pg_url: str,
+    redis_target: RedisTarget,
+    stream_prefix: str,
+    tmp_path: Path,
+    writers_factory: WriterFactory,
 ) -> None:
     """DESIGN guarantee 3: zero duplicate stream entries across >= 100 relay SIGKILLs.
 
-    Three relays on a private Redis. Each cycle the test pauses Redis's writes for 100 ms
-    (``CLIENT PAUSE 100 WRITE``): a relay that claims a batch then has its intent committed
+    Three relays on a private Redis, or on the session's Redis Cluster (``redis_target``).
+    Each cycle the test pauses Redis's writes for 100 ms (``CLIENT PAUSE 100 WRITE``; on the
+    cluster, on every master): a relay that claims a batch then has its intent committed
     and its XADD pipeline sent but not executed. The test finds that relay through the
     table (``claimed_by`` names its pid) and SIGKILLs it after a random 0-150 ms, so some
     kills land while the XADDs wait inside Redis (they execute after the relay is dead: the
@@ -622,18 +676,19 @@ def test_zero_duplicates_across_100_sigkills_at_open_intents(
     receipt commits. A blind republish duplicates in both cases. A relay that has lived 2 s
     without being caught so is killed anyway, wherever it is (how many kills caught an open
     intent depends on the relay's timing and the machine's load: it is printed, not
-    asserted). Writers keep committing.
+    asserted). Writers keep committing. The cluster run stops at 60 kills (time budget).
     """
     keys = make_keys(200)
     create_domain(pg_url, keys)
     engine = make_engine(pg_url, pool_size=2)
-    prefix = "dup"
-    target_kills = 100
+    # The cluster run is smaller: the same kills, pauses and checks, within the suite's time
+    # budget (a kill costs a relay's start-up, ~0.7 s on a 2-core machine).
+    target_kills = 60 if redis_target.cluster else 100
     rng = random.Random()
     at_intent = 0
-    with PrivateRedis() as server:
-        client = redis.Redis.from_url(server.url)
-        command = relay_command(pg_url, server.url, f"{prefix}.{{topic}}", 50)
+    with pausable_redis(redis_target, stream_prefix) as target:
+        client, prefix = target.client, target.prefix
+        command = relay_command(pg_url, target.url, target.template, 50, *target.extra_args)
         with relays(command, tmp_path) as procs:
             for _ in range(3):
                 procs.spawn()
@@ -646,7 +701,7 @@ def test_zero_duplicates_across_100_sigkills_at_open_intents(
                 )
                 now = time.monotonic()
                 if now > paused_until + 0.05:
-                    client.execute_command("CLIENT", "PAUSE", "100", "WRITE")
+                    target.pause_writes(100)
                     paused_until = now + 0.1
                 by_pid = {p.pid: p for p in procs.alive()}
                 holders = [by_pid[pid] for pid in open_intents(engine) if pid in by_pid]
@@ -677,9 +732,9 @@ def test_zero_duplicates_across_100_sigkills_at_open_intents(
         verdict = judge(
             read_streams(client, prefix), committed_versions(pg_url), writers.stats.confirmed
         )
-        client.close()
     print(
-        f"100-kill test: {procs.kills} SIGKILLs ({at_intent} while holding an open intent), "
+        f"{target_kills}-kill test ({redis_target.name}): {procs.kills} SIGKILLs "
+        f"({at_intent} while holding an open intent), "
         f"{verdict.entries} entries, {len(verdict.duplicates)} duplicated ids; "
         f"the backlog left drained in {drained_in:.1f} s"
     )
@@ -806,19 +861,21 @@ def test_postgres_restart_mid_run_loses_nothing_and_relay_recovers(
 
 def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
     pg_url: str,
-    redis_url: str,
-    redis_client: redis.Redis,
+    redis_target: RedisTarget,
     stream_prefix: str,
     tmp_path: Path,
     writers_factory: WriterFactory,
 ) -> None:
-    """SIGTERM while a relay is busy: exit 0, every claim receipted or released."""
+    """SIGTERM while a relay is busy: exit 0, every claim receipted or released; on one
+    Redis and on a Redis Cluster (``redis_target``)."""
     keys = make_keys(200)
     create_domain(pg_url, keys)
     engine = make_engine(pg_url, pool_size=2)
     # A backlog bigger than the relay drains in the time we give it, so SIGTERM lands mid-run.
     writers_factory(pg_url, keys, 20_000, threads=4, per_tx=50).join(120)
-    command = relay_command(pg_url, redis_url, f"{stream_prefix}.{{topic}}", 100)
+    template = redis_target.hash_tagged(f"{stream_prefix}.{{topic}}")
+    command = relay_command(pg_url, redis_target.url, template, 100, *redis_target.extra_args)
+    redis_client = redis_target.connect()
     with relays(command, tmp_path) as procs:
         relay = procs.spawn()
         wait_for(
@@ -860,3 +917,4 @@ def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
     )
     assert set(in_stream) == set(receipts)
     engine.dispose()
+    redis_client.close()
