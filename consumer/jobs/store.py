@@ -1240,6 +1240,11 @@ _SPEC_FIELDS = frozenset(
 )
 
 
+# One shared expression (SQLAlchemy elements are immutable): building one per row cost about a
+# fifth of enqueue_many's CPU.
+_DB_NOW = db_epoch()
+
+
 def _job_values(
     tenant: str,
     action: str,
@@ -1266,7 +1271,7 @@ def _job_values(
     when = _time("now", now)
     after = _time("run_after", run_after)
     # A number when ``now`` was given; else the database clock as a SQL expression.
-    stamp: Any = when if when is not None else db_epoch()
+    stamp: Any = when if when is not None else _DB_NOW
     return {
         "tenant": tenant,
         "action": action,
