@@ -58,9 +58,36 @@ def _config(client: Any, name: str) -> str | None:
     return None
 
 
+# From the weakest to the strongest: a cluster is as safe as its least safe master.
+_STRENGTH = {"none": 0, "rdb": 1, "unknown": 2, "aof": 3}
+
+
 def check_persistence(client: Any) -> Persistence:
     """Read the persistence mode. Connection errors propagate (the caller's outage
-    handling); a refused command (managed Redis disables CONFIG) gives ``unknown``."""
+    handling); a refused command (managed Redis disables CONFIG) gives ``unknown``. On a
+    Redis Cluster every master is asked and the weakest answer is the cluster's (a master
+    without AOF loses its slots' entries however the others run)."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        reports = [
+            (node.name, _check_node(client.get_redis_connection(node)))
+            for node in client.get_primaries()  # type: ignore[no-untyped-call]
+        ]
+        if not reports:
+            return Persistence("unknown", None, 0, "the cluster named no master")
+        name, weakest = min(reports, key=lambda item: _STRENGTH.get(item[1].mode, 0))
+        replicas = min(report.replicas for _name, report in reports)
+        return Persistence(
+            weakest.mode,
+            weakest.role,
+            replicas,
+            f"{len(reports)} master(s), the weakest {name}: {weakest.detail}",
+        )
+    return _check_node(client)
+
+
+def _check_node(client: Any) -> Persistence:
     role: str | None = None
     replicas = 0
     try:

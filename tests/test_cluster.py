@@ -799,3 +799,26 @@ def test_master_restarted_empty_without_wait_replicas_is_detected_and_republishe
     assert not missing, f"{len(missing)} committed events missing"
     engine.dispose()
     client.close()
+
+
+def test_the_persistence_check_asks_every_master_and_reports_the_weakest(
+    redis_cluster: PrivateCluster,
+) -> None:
+    """A cluster is as safe as its least safe master: with AOF on all but one, the check
+    says ``none`` and names that master; with AOF on every master it says ``aof``."""
+    from relay.redis_health import check_persistence
+
+    masters = redis_cluster.masters()
+    client = redis_cluster.client()
+    try:
+        for node in masters[1:]:
+            node.client().config_set("appendonly", "yes")
+        report = check_persistence(client)
+        assert report.mode == "none", report
+        assert masters[0].address in report.detail and "3 master(s)" in report.detail
+        masters[0].client().config_set("appendonly", "yes")
+        assert check_persistence(client).mode == "aof"
+    finally:
+        for node in masters:
+            node.client().config_set("appendonly", "no")
+        client.close()
