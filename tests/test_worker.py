@@ -148,6 +148,35 @@ def test_a_timer_on_a_waiting_job_wakes_it(store: Store) -> None:
 # -- outcomes ---------------------------------------------------------------------------------
 
 
+def test_a_database_error_mid_batch_hands_the_leases_back_at_once(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's connection is cut after its handlers ran (``finish_batch`` fails): the
+    worker is alive, so no peer recovers its leases; it hands them back itself, and the jobs
+    run again on the next cycle instead of after the lease ttl (here a day)."""
+    ran: list[str] = []
+    worker = Worker(store, batch_size=5, ttl=DAY)
+    worker.register("send", lambda job: ran.append(job.subject or ""))
+    for n in range(3):
+        store.enqueue("t", f"send-{n}", subject=f"q{n}", kind="send")
+    real_finish = store.finish_batch
+    calls = {"n": 0}
+
+    def cut_once(leases: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        return real_finish(leases)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "finish_batch", cut_once)
+    with pytest.raises(sa.exc.OperationalError):
+        worker.run_once()
+    assert {store.get("t", f"send-{n}").state for n in range(3)} == {READY}
+    assert worker.run_once() == 3
+    assert {store.get("t", f"send-{n}").state for n in range(3)} == {DONE}
+    assert sorted(ran) == ["q0", "q0", "q1", "q1", "q2", "q2"]  # handlers are re-run safely
+
+
 def test_handler_outcomes_are_recorded_and_hooked(store: Store) -> None:
     hooks = RecordingHooks()
     worker = Worker(store, hooks=hooks, batch_size=20)

@@ -456,6 +456,13 @@ class Worker:
                         self._hook("worker_job_finished", label, "conflict", _since(started))
                     else:
                         self._hook("worker_job_finished", label, "done", _since(started))
+        except SQLAlchemyError:
+            # The database went away mid-batch (a connection cut, a server restart): hand
+            # back every lease this worker still holds, so that the jobs run again now
+            # rather than after the lease ttl (this worker is alive: no peer recovers them).
+            # A job whose handler already dispatched finds its receipt and sends nothing.
+            self._hand_back_after_error(contexts)
+            raise
         finally:
             with self._active_lock:
                 for ctx in contexts:
@@ -510,6 +517,19 @@ class Worker:
         if outcome != "done":
             self._hook("worker_job_finished", label, outcome, _since(started))
         return outcome, label, started
+
+    def _hand_back_after_error(self, contexts: list[JobContext]) -> None:
+        released = 0
+        for ctx in contexts:
+            try:
+                self._store().release(ctx.lease)
+                released += 1
+            except Conflict:
+                continue  # no longer ours: finished, waiting, failed or taken over
+            except SQLAlchemyError:
+                return  # still unreachable: the leases expire by their ttl
+        if released:
+            log.info("leases handed back after a database error", extra=fields(jobs=released))
 
     def _release(self, contexts: list[JobContext]) -> None:
         for ctx in contexts:
