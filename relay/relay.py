@@ -534,10 +534,17 @@ class Relay:
             log.info("Redis persistence", extra=fields(mode=report.mode, detail=report.detail))
         self.persistence = report
         self._hook("relay_redis_persistence", report.mode)
-        if self.publisher.known_last_id is None:
-            latest = self.store.latest_receipt()
-            if latest is not None:
-                self.publisher.saw_entry(*latest)
+        receipts = self.store.latest_receipts()
+        if self.publisher.known_last_id is None and receipts:
+            self.publisher.saw_entry(*max(receipts, key=lambda r: entry_id_key(r[1])))
+        if self.publisher.cluster:
+            # Every slot's recent receipts, whichever relay wrote them: a slot this relay has
+            # not published to yet is checked too, and its first batch there is refused
+            # (not written above a gap) if that slot's master came back empty meanwhile.
+            from outbox.redis_client import slot_of
+
+            for stream, entry_id in receipts:
+                self.publisher.saw_in_slot(slot_of(stream), [entry_id], [stream])
         return self._check_data_loss()
 
     def _check_data_loss(self) -> bool:

@@ -153,9 +153,11 @@ class Store(Protocol):
         ``republish`` sends again. A range scan of the primary key."""
         ...
 
-    def latest_receipt(self) -> tuple[str, str] | None:
-        """``(stream, entry id)`` of the highest entry id among the latest receipts (the
-        last 1,000 published rows by ``seq``), or None: what Redis must still hold."""
+    def latest_receipts(self) -> list[tuple[str, str]]:
+        """``(stream, entry id)``: the highest entry id of each stream among the latest
+        receipts (the last 1,000 published rows by ``seq``), whichever relay wrote them:
+        what Redis must still hold (the data-loss check, and on a cluster each slot's
+        expected marker)."""
         ...
 
     def oldest_published_since(self, published_after: float | None) -> datetime | None:
@@ -295,12 +297,15 @@ def age_seconds(now: datetime, then: datetime | None) -> float | None:
     return max(0.0, (now - then).total_seconds())
 
 
-def _highest_receipt(rows: Sequence[Any]) -> tuple[str, str] | None:
-    best: tuple[str, str] | None = None
+def _highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
+    best: dict[str, str] = {}
     for stream, entry_id in rows:
-        if stream and entry_id and (best is None or entry_id_key(entry_id) > entry_id_key(best[1])):
-            best = (str(stream), str(entry_id))
-    return best
+        if not stream or not entry_id:
+            continue
+        held = best.get(str(stream))
+        if held is None or entry_id_key(str(entry_id)) > entry_id_key(held):
+            best[str(stream)] = str(entry_id)
+    return list(best.items())
 
 
 def _requeue(
@@ -1059,13 +1064,13 @@ class PostgresStore:
             rows = conn.exec_driver_sql(sql, params).fetchall()
         return [(Record(*row[:12]), row[12]) for row in rows]
 
-    def latest_receipt(self) -> tuple[str, str] | None:
+    def latest_receipts(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(
                 f"SELECT stream, stream_id FROM {_quoted(self.schema)} "
                 "WHERE state = 'published' AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
             ).fetchall()
-        return _highest_receipt(rows)
+        return _highest_receipts(rows)
 
     def oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:
@@ -1410,7 +1415,7 @@ class SqliteStore:
             rows = conn.execute(text(sql), params).fetchall()
         return [(_sqlite_record(row[:12]), row[12]) for row in rows]
 
-    def latest_receipt(self) -> tuple[str, str] | None:
+    def latest_receipts(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 text(
@@ -1418,7 +1423,7 @@ class SqliteStore:
                     "AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
                 )
             ).fetchall()
-        return _highest_receipt(rows)
+        return _highest_receipts(rows)
 
     def oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:

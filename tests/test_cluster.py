@@ -738,6 +738,40 @@ def test_a_slot_that_lost_its_entries_is_detected_and_republished(
     outbox.engine.dispose()
 
 
+def test_a_relay_new_to_a_slot_does_not_write_above_a_gap_there(
+    pg_url: str, cluster_client: RedisCluster, stream_prefix: str
+) -> None:
+    """A relay that never published to a slot still knows what the database's receipts say
+    Redis holds there: after that slot lost its entries (stream and marker gone, as a master
+    restarted empty would have them), its first batch there is refused and the loss reported,
+    instead of a new entry re-arming the marker above the gap and hiding it."""
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    template = f"{stream_prefix}.{{{{{{topic}}}}}}"
+    emit_events(outbox, ["lost"], 10)
+    first = Relay(outbox, RedisStreamPublisher(cluster_client, template), RelayConfig())
+    while first.run_once():
+        pass
+    emit_events(outbox, ["kept"], 10)  # the latest receipts are in another slot
+    while first.run_once():
+        pass
+    first.store.close()
+    publisher = RedisStreamPublisher(cluster_client, template)
+    lost_stream, kept_stream = (publisher.stream_for(record(0, t, "k")) for t in ("lost", "kept"))
+    assert key_slot(lost_stream.encode()) != key_slot(kept_stream.encode())
+    config = RelayConfig(publish_deadline=0.2, clock_margin=0.1)
+    second = Relay(outbox, publisher, config)  # a relay started before the loss
+    assert second.run_once() == 0
+    cluster_client.delete(lost_stream)
+    cluster_client.delete(publisher.marker_for(lost_stream))
+    emit_events(outbox, ["lost"], 2)
+    for _ in range(5):
+        second.run_once()
+    assert second.stats.data_loss_detected == 1
+    second.store.close()
+    outbox.engine.dispose()
+
+
 @pytest.mark.slow
 def test_master_restarted_empty_without_wait_replicas_is_detected_and_republished(
     pg_url: str,
