@@ -630,10 +630,9 @@ class RedisStreamPublisher:
         that slot must hold at least this much; None: no check yet)."""
         return self._known_by_slot.get(slot)
 
-    def saw_in_slot(self, slot: int, entry_ids: Sequence[str], stream: str | Sequence[str]) -> None:
+    def saw_in_slot(self, slot: int, entry_ids: Sequence[str], streams: Sequence[str]) -> None:
         """Cluster: remember the highest of ``entry_ids``, just added in ``slot``, and the
-        stream that holds it (``stream``: one for all, or one per entry id)."""
-        streams = [stream] * len(entry_ids) if isinstance(stream, str) else list(stream)
+        stream that holds it (``streams``: the stream of each entry id)."""
         best = self._known_by_slot.get(slot)
         for entry_id, name in zip(entry_ids, streams, strict=True):
             if best is None or entry_id_key(best) < entry_id_key(entry_id):

@@ -22,6 +22,8 @@ from typing import Any
 
 import redis
 
+from relay.records import entry_id_key
+
 MODES = ("aof", "rdb", "none", "unknown")
 """The values of the ``mode`` label of ``outbox_relay_redis_persistence``."""
 
@@ -152,8 +154,6 @@ def holds_entry(client: Any, stream: str, entry_id: str) -> bool | None:
     added = info.get("entries-added")
     if deleted is None or added is None:
         return None
-    ms, _, seq = _text(deleted).partition("-")
-    want_ms, _, want_seq = entry_id.partition("-")
-    if (int(ms), int(seq or 0)) >= (int(want_ms), int(want_seq or 0)):
+    if entry_id_key(_text(deleted)) >= entry_id_key(entry_id):
         return True
     return int(added) > int(info.get("length") or 0)
