@@ -187,6 +187,12 @@ def test_stream_template_placeholders_and_validation(
 # -- per-key order and failures -----------------------------------------------------------------
 
 
+def refuse_writes(client: redis.Redis) -> None:
+    """Put a private Redis at maxmemory: every XADD gets a real OOM reply."""
+    client.config_set("maxmemory", 1)
+    client.config_set("maxmemory-policy", "noeviction")
+
+
 def test_transient_failure_backs_off_and_holds_back_only_its_key(
     outbox: Outbox, stream_prefix: str
 ) -> None:
@@ -198,8 +204,7 @@ def test_transient_failure_backs_off_and_holds_back_only_its_key(
         with outbox.transaction() as tx:
             a1 = tx.emit("t", key="A", payload=1)
             a2 = tx.emit("t", key="A", payload=2)
-        client.config_set("maxmemory", 1)
-        client.config_set("maxmemory-policy", "noeviction")
+        refuse_writes(client)
         relay = make_relay(outbox, client, stream_prefix, record_backoff=Backoff(0.4, 0.4))
         assert relay.run_once() == 0
         by_id = {r["event_id"]: r for r in rows(outbox)}
@@ -235,8 +240,7 @@ def test_records_refused_at_maxmemory_retry_at_once_when_redis_accepts_again(
         with outbox.transaction() as tx:
             a1 = tx.emit("t", key="A", payload=1)
             a2 = tx.emit("t", key="A", payload=2)
-        client.config_set("maxmemory", 1)
-        client.config_set("maxmemory-policy", "noeviction")
+        refuse_writes(client)
         relay = make_relay(outbox, client, stream_prefix, record_backoff=Backoff(30.0, 30.0))
         assert relay.run_once() == 0
         assert {r["event_id"]: r for r in rows(outbox)}[a1]["attempts"] == 1

@@ -105,6 +105,13 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+def checking_relay(outbox: Outbox, client: redis.Redis, hooks: Hooks) -> Relay:
+    """A relay that checks Redis for lost entries every 0.1 s (the tests' clock)."""
+    return Relay(
+        outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
+    )
+
+
 @pytest.fixture
 def outbox(db_url: str) -> Outbox:
     o = Outbox(db_url)
@@ -267,9 +274,7 @@ def test_an_idle_relay_sees_redis_come_back_empty_on_its_next_check(outbox: Outb
     hooks = Recorded()
     with PrivateRedis() as server:
         client = redis.Redis.from_url(server.url)
-        relay = Relay(
-            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
-        )
+        relay = checking_relay(outbox, client, hooks)
         emit(outbox, 3)
         drain(relay)
         server.restart(kill=True)  # no persistence: it comes back empty
@@ -287,9 +292,7 @@ def test_a_redis_restored_from_an_older_snapshot_is_seen(
     hooks = Recorded()
     with PrivateRedis() as server:
         client = redis.Redis.from_url(server.url)
-        relay = Relay(
-            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
-        )
+        relay = checking_relay(outbox, client, hooks)
         kept = emit(outbox, 4)
         drain(relay)
         client.save()  # the snapshot the crash will come back from
@@ -343,9 +346,7 @@ def test_a_loss_hidden_by_a_writer_that_knew_nothing_of_it_is_still_seen(
     hooks = Recorded()
     with PrivateRedis() as server:
         client = redis.Redis.from_url(server.url)
-        relay = Relay(
-            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
-        )
+        relay = checking_relay(outbox, client, hooks)
         lost = emit(outbox, 3)
         drain(relay)
         server.restart(kill=True)
@@ -369,9 +370,7 @@ def test_entries_trimmed_on_purpose_are_not_a_loss(outbox: Outbox) -> None:
     hooks = Recorded()
     with PrivateRedis() as server:
         client = redis.Redis.from_url(server.url)
-        relay = Relay(
-            outbox, RedisStreamPublisher(client), config(redis_check_interval=0.1), hooks=hooks
-        )
+        relay = checking_relay(outbox, client, hooks)
         emit(outbox, 3)
         drain(relay)
         client.xtrim("outbox.t", maxlen=0)
