@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,15 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         env=full_env,
         timeout=120,
     )
+
+
+def run_until(relay: Relay, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Run the relay's cycles until ``condition`` holds (its periodic checks are timed)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        relay.run_once()
+        time.sleep(0.02)
 
 
 def checking_relay(outbox: Outbox, client: redis.Redis, hooks: Hooks) -> Relay:
@@ -278,8 +288,8 @@ def test_an_idle_relay_sees_redis_come_back_empty_on_its_next_check(outbox: Outb
         emit(outbox, 3)
         drain(relay)
         server.restart(kill=True)  # no persistence: it comes back empty
-        time.sleep(0.15)
-        relay.run_once()  # nothing to publish; the periodic check finds the loss
+        # Nothing to publish: the periodic check (every 0.1 s) finds the loss.
+        run_until(relay, lambda: bool(hooks.losses))
         assert len(hooks.losses) == 1
         relay.run_once()
         assert len(hooks.losses) == 1  # reported once, then re-armed
@@ -302,9 +312,8 @@ def test_a_redis_restored_from_an_older_snapshot_is_seen(
         server.restart(kill=True)
         client = redis.Redis.from_url(server.url)
         assert stream_ids(client, "outbox.t") == kept  # older than the receipts
-        time.sleep(0.15)
         with caplog.at_level(logging.ERROR, logger="outbox.relay"):
-            relay.run_once()
+            run_until(relay, lambda: bool(hooks.losses))
             relay.run_once()
         assert len(hooks.losses) == 1
         [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
@@ -353,9 +362,8 @@ def test_a_loss_hidden_by_a_writer_that_knew_nothing_of_it_is_still_seen(
         client = redis.Redis.from_url(server.url)
         newer = client.xadd("outbox.t", {"id": "from-another-writer"})
         client.set(marker_key("outbox.{topic}"), newer)
-        time.sleep(0.15)
         with caplog.at_level(logging.ERROR, logger="outbox.relay"):
-            relay.run_once()
+            assert relay.check_redis() is True
         assert len(hooks.losses) == 1
         [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
         since = parse_since(error.__dict__["fields"]["republish"].split("--since ", 1)[1])
@@ -374,8 +382,7 @@ def test_entries_trimmed_on_purpose_are_not_a_loss(outbox: Outbox) -> None:
         emit(outbox, 3)
         drain(relay)
         client.xtrim("outbox.t", maxlen=0)
-        time.sleep(0.15)
-        relay.run_once()
+        assert relay.check_redis() is False
         assert hooks.losses == []
         relay.store.close()
 
