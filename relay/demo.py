@@ -591,14 +591,19 @@ def _run(
             while time.monotonic() < deadline and store.counts()["DONE"] < counter[0]:
                 time.sleep(0.1)
         else:
-            # Every quote of this run has its receipt ACCEPTED (the jobs of a killed worker wait
-            # for their lease and their call's deadline first, then are reconciled).
+            # Every quote of this run has its receipt ACCEPTED and its job DONE (the jobs of a
+            # killed worker wait for their lease and their call's deadline first, then are
+            # reconciled; a worker killed between the receipt and the job's last step leaves
+            # an ACCEPTED receipt whose job another worker finishes after the lease).
             deadline = time.monotonic() + 40
             while time.monotonic() < deadline:
                 if chaos.kills or stop.stopped:
                     chaos_stop.set()
                 chaos.keep_alive()
-                if chaos.report()["accepted"] >= counter[0]:
+                if (
+                    chaos.report()["accepted"] >= counter[0]
+                    and store.counts()["DONE"] >= counter[0]
+                ):
                     break
                 time.sleep(0.2)
             chaos_stop.set()
