@@ -27,6 +27,7 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ClauseElement
 
 from outbox.dialect import is_postgresql
 
@@ -136,28 +137,56 @@ def _insert_unnest(
     names = [returning] if isinstance(returning, str) else list(returning or ())
     single = isinstance(returning, str)
     prep = conn.dialect.identifier_preparer
-    arrays: list[list[Any]] = []
-    casts: list[str] = []
-    for name in columns:
+    # A column whose value is the same in every row (a job's state, priority and timestamps,
+    # the inbox's group and stream, the many NULLs) goes as ONE scalar parameter instead of
+    # an array of copies: dumping arrays element by element was the largest client cost of
+    # a batch, and unnest has fewer arrays to walk. The first column always stays an array,
+    # so the statement yields one row per input row. The statement's text depends only on
+    # which columns are constant, so psycopg still prepares each shape once.
+    arrays: list[Any] = []
+    array_casts: list[str] = []
+    array_names: list[str] = []
+    select: list[str] = []
+    scalars: list[Any] = []
+    for index, name in enumerate(columns):
         column = table.c[name]
         sql_type = column.type.compile(dialect=conn.dialect)
+        is_json = "JSON" in sql_type.upper()
         values = [row[name] for row in rows]
-        if "JSON" in sql_type.upper():
+        first = values[0]
+        # Equal and of one type (1 == 1.0 == True); a JSON value only when it is the same
+        # object (None, usually): {"a": 1} == {"a": True} in Python.
+        kind = type(first)
+        if index > 0 and all(
+            v is first or (not is_json and type(v) is kind and v == first) for v in values
+        ):
+            if isinstance(first, ClauseElement):  # a SQL expression (the database clock)
+                select.append(f"CAST({first.compile(dialect=conn.dialect)} AS {sql_type})")
+                continue
+            scalars.append(Jsonb(first) if is_json and first is not None else first)
+            select.append(f"%b::{sql_type}")
+            continue
+        if is_json:
             values = [Jsonb(v) if v is not None else None for v in values]
+        alias = f"c{len(array_names)}"
         arrays.append(values)
-        casts.append(f"%b::{sql_type}[]")
+        array_casts.append(f"%b::{sql_type}[]")
+        array_names.append(alias)
+        select.append(f"u.{alias}")
     sql = (
         f"INSERT INTO {prep.format_table(table)} "
         f"({', '.join(prep.quote(c) for c in columns)}) "
-        f"SELECT * FROM unnest({', '.join(casts)})"
+        f"SELECT {', '.join(select)} "
+        f"FROM unnest({', '.join(array_casts)}) AS u({', '.join(array_names)})"
     )
+    params = scalars + arrays  # placeholders in the order they appear: select list first
     if conflict:
         sql += f" ON CONFLICT ({', '.join(prep.quote(c) for c in conflict)}) DO NOTHING"
     if names:
         sql += f" RETURNING {', '.join(prep.quote(name) for name in names)}"
     raw: Any = conn.connection.dbapi_connection
     with raw.cursor() as cursor:
-        cursor.execute(sql, arrays)
+        cursor.execute(sql, params)
         if not names:
             return []
         return [row[0] if single else tuple(row) for row in cursor.fetchall()]

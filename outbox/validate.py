@@ -28,7 +28,7 @@ def name_problem(value: object, *, limit: int = MAX_NAME_LENGTH) -> str | None:
     """What is wrong with ``value`` as a name, or None when it is a good one."""
     if not isinstance(value, str):
         return f"must be a string, got {type(value).__name__}"
-    if not value or not value.strip():
+    if not value or value.isspace():  # the same as "not value.strip()", without a copy
         return "must not be empty"
     if len(value) > limit:
         return f"is {len(value)} characters, longer than {limit}"

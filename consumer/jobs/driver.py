@@ -179,7 +179,12 @@ class JobDriver:
     ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
         """Insert many jobs, one statement per :data:`INSERT_CHUNK`; returns the ids of the
         identities created and of those that existed (``consumer.bulk.bulk_insert``: binary
-        ``unnest`` arrays on PostgreSQL, insertmanyvalues on SQLite)."""
+        ``unnest`` arrays on PostgreSQL, insertmanyvalues on SQLite).
+
+        ``created_at``/``updated_at`` are numbers, or the database clock as an expression
+        (the same object in every row): :meth:`stamped_rows` makes them what this database
+        can bind."""
+        rows = self.stamped_rows(conn, rows)
         created: dict[tuple[str, str], int] = {}
         for start in range(0, len(rows), INSERT_CHUNK):
             returned = bulk_insert(
@@ -196,6 +201,17 @@ class JobDriver:
         for start in range(0, len(missing), INSERT_CHUNK):
             existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
         return created, existing
+
+    def stamped_rows(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> Sequence[Mapping[str, Any]]:
+        """Rows whose timestamps are the database clock get the clock read once (one value
+        for the whole call, as ``now()`` is on PostgreSQL)."""
+        stamp = rows[0]["created_at"]
+        if isinstance(stamp, (int, float)):
+            return rows
+        value = self.clock_read(conn, None)
+        return [{**row, "created_at": value, "updated_at": value} for row in rows]
 
     def job_ids(
         self, conn: Connection, keys: Sequence[tuple[str, str]]
@@ -596,6 +612,18 @@ class PostgresJobDriver(JobDriver):
             (tenant, action): int(job_id)
             for job_id, tenant, action in conn.execute(q.pg_job_ids(), params)
         }
+
+    def stamped_rows(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> Sequence[Mapping[str, Any]]:
+        # The clock expression, shared by every row, goes into the statement as SQL (bulk
+        # insert's constant columns): no clock round trip, no copy of every row.
+        stamp = rows[0]["created_at"]
+        if isinstance(stamp, (int, float)) or all(
+            row["created_at"] is stamp and row["updated_at"] is stamp for row in rows
+        ):
+            return rows
+        return super().stamped_rows(conn, rows)
 
     def job_insert_many(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]

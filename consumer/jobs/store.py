@@ -439,10 +439,9 @@ class Store:
         # NOTHING skips identities that exist and the second of two equal ones in the batch;
         # RETURNING names the rows that were created.
         stamp = rows[0]["created_at"]
-        if not isinstance(stamp, (int, float)):
-            stamp = self._clock(conn, None)
-        params = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
-        created, existing = self.driver.job_insert_many(conn, params)
+        if any(row["created_at"] is not stamp for row in rows):
+            rows = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
+        created, existing = self.driver.job_insert_many(conn, rows)
         keys = [(row["tenant"], row["action"]) for row in rows]
         results: list[EnqueueResult] = []
         seen: set[tuple[str, str]] = set()
@@ -1259,17 +1258,25 @@ def _job_values(
     now: Time | None = None,
 ) -> dict[str, Any]:
     """Validate one job's fields (raising JobError naming the field); its row values."""
+    # The natural consumer handler calls this once per event: the absent optional fields
+    # (most of them) skip their checks.
     _name("tenant", tenant)
     _name("action", action)
-    _name("subject", subject, optional=True)
-    version = _version("subject_version", subject_version)
-    _name("kind", kind, optional=True)
-    _name("provider", provider, optional=True)
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if subject is not None:
+        _name("subject", subject)
+    version = None if subject_version is None else _version("subject_version", subject_version)
+    if kind is not None:
+        _name("kind", kind)
+    if provider is not None:
+        _name("provider", provider)
+    if priority.__class__ is not int and (
+        isinstance(priority, bool) or not isinstance(priority, int)
+    ):
         raise JobError("priority", f"must be an integer, got {priority!r}")
-    _check_json("payload", payload)
-    when = _time("now", now)
-    after = _time("run_after", run_after)
+    if payload is not None:
+        _check_json("payload", payload)
+    when = None if now is None else _time("now", now)
+    after = None if run_after is None else _time("run_after", run_after)
     # A number when ``now`` was given; else the database clock as a SQL expression.
     stamp: Any = when if when is not None else _DB_NOW
     return {
