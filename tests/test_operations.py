@@ -186,6 +186,7 @@ def test_rejection_is_failed_and_a_fenced_worker_cannot_dispatch(
     store.recover(now=10**10)
     with pytest.raises(Conflict):
         ops.dispatch(other, "send", "sim", {"to": "bob"})
+    assert ops.receipt(f"{other.job_id}:send") is None  # fenced out: no intent written
     assert simulator.effects() == []
     store.dispose()
 

@@ -454,36 +454,30 @@ class Operations:
     def _intent(
         self, lease: Lease, operation_id: str, provider: str, digest: str, timeout: float
     ) -> tuple[str, Any]:
-        """In one fenced transaction: create the intent with its deadline (the call counted,
-        the lease extended to the deadline), or read the earlier one and say what to do:
+        """Fenced: create the intent with its deadline (the call counted, the lease extended
+        to the deadline), or read the earlier one under lock and say what to do:
         ACCEPTED, FAILED, ``send`` (a new call was started), ``in_flight`` or
         ``reconcile``."""
         driver = self.store.driver
         fenced = Conflict(f"job #{lease.job_id}: epoch {lease.epoch} is fenced out")
+        # The common case, committed on its own: the intent (its deadline from the database
+        # clock) and the fenced lease extension to that deadline, both or neither (one
+        # statement on PostgreSQL).
+        step = driver.operation_intent(
+            operation_id=operation_id,
+            job_id=lease.job_id,
+            provider=provider,
+            digest=digest,
+            timeout=timeout,
+            worker=lease.worker,
+            epoch=lease.epoch,
+        )
+        if step == "created":
+            return "send", None
+        if step == "fenced":
+            raise fenced
+        # An earlier intent exists: read it under the job's lock and say what to do.
         with driver.begin() as conn:
-            # The common case in two statements: the intent (its deadline from the database
-            # clock), then the fenced lease extension to that deadline; fenced out, the
-            # raise rolls the intent back with the transaction.
-            created = driver.operation_insert(
-                conn,
-                {
-                    "operation_id": operation_id,
-                    "job_id": lease.job_id,
-                    "provider": provider,
-                    "request_digest": digest,
-                    "state": PENDING,
-                    "attempts": 1,
-                    "call_deadline": db_epoch() + timeout,
-                    "created_at": db_epoch(),
-                    "updated_at": db_epoch(),
-                },
-            )
-            if created is not None:
-                if not driver.job_lease_extend(
-                    conn, lease.job_id, lease.worker, lease.epoch, created
-                ):
-                    raise fenced
-                return "send", None
             held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
             if held is None:
                 raise fenced
