@@ -339,6 +339,7 @@ class Worker:
         # loop sleeps only if none came since its last empty claim (no lost wake-up).
         self._wake = threading.Condition()
         self._wakes = 0
+        self._listening = False  # a LISTEN connection is up: idle loops rely on NOTIFY
 
     # -- registry -------------------------------------------------------------------------
     def handler(self, name: str) -> Callable[[Handler], Handler]:
@@ -694,12 +695,19 @@ class Worker:
 
     def stop(self) -> None:
         self.stop_flag.stop()
-        self._notified()
+        self._notified(every_loop=True)
 
-    def _notified(self) -> None:
+    def _notified(self, *, every_loop: bool = False) -> None:
+        """Work may be waiting: wake ONE idle loop (it wakes the next when it claims a full
+        batch), or all of them to stop. Waking every loop for each NOTIFY made all but one
+        claim nothing: at a job at a time, most of a worker's CPU went to empty claims. A
+        loop busy meanwhile sees the count move and claims before it sleeps again."""
         with self._wake:
             self._wakes += 1
-            self._wake.notify_all()
+            if every_loop:
+                self._wake.notify_all()
+            else:
+                self._wake.notify()
 
     def _idle(self, seen: int, seconds: float) -> None:
         """Sleep up to ``seconds`` unless a wake-up came since ``seen`` was read."""
@@ -719,9 +727,11 @@ class Worker:
                     if listener is None:
                         return  # this database has no LISTEN: the loops poll
                     failures = 0
+                    self._listening = True
                 if listener.wait(min(1.0, self.config.poll_interval * 2)):
                     self._notified()
             except Exception as exc:
+                self._listening = False
                 failures += 1
                 log.warning(
                     "LISTEN failed; polling meanwhile",
@@ -732,6 +742,7 @@ class Worker:
                         listener.close()
                 listener = None
                 self.stop_flag.wait(backoff.delay(failures))
+        self._listening = False
         if listener is not None:
             with contextlib.suppress(Exception):
                 listener.close()
@@ -762,10 +773,14 @@ class Worker:
             failures = 0
             if handled:
                 empty = 0
+                if handled >= self.config.batch_size:
+                    self._notified()  # a full batch: there may be more, wake another loop
             else:
                 empty += 1
                 limit = self._sleep_limit()
-                pause = idle.cap(empty)
+                # While LISTEN works a NOTIFY wakes this loop: no quick re-polls after an
+                # empty claim. Without it, poll soon after work and back off when idle.
+                pause = self.config.poll_interval if self._listening else idle.cap(empty)
                 self._idle(seen, pause if limit is None else min(pause, limit))
 
     def _hook(self, name: str, *args: Any) -> None:
