@@ -26,6 +26,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import cached_property
 from typing import Any, Protocol
 
 from psycopg import sql as psycopg_sql
@@ -707,9 +708,29 @@ class PostgresJobDriver(JobDriver):
         # only FROM its row, so a fenced dispatch writes nothing; an existing intent is left
         # alone (the caller reads it under lock, as before). The job row is locked before the
         # operation row, the order of the slow path (job_lock_held, then operation_get).
+        params = {
+            "timeout": float(timeout),
+            "job_id": job_id,
+            "epoch": epoch,
+            "worker": worker,
+            "leased": LEASED,
+            "operation_id": operation_id,
+            "provider": provider,
+            "digest": digest,
+        }
+        with self.autocommit() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            held, created = raw.execute(self._intent_sql, params).fetchone()
+        if not held:
+            return "fenced"
+        return "created" if created else "exists"
+
+    @cached_property
+    def _intent_sql(self) -> str:
+        """The statement of :meth:`operation_intent`, built once (it runs on every dispatch)."""
         prep = self.engine.dialect.identifier_preparer
         now = EPOCH_SQL[POSTGRESQL]
-        sql = (
+        return (
             f"WITH lease AS ("
             f" UPDATE {prep.format_table(jobs)} SET lease_expires_at = CASE"
             f" WHEN lease_expires_at < {now} + %(timeout)s THEN {now} + %(timeout)s"
@@ -724,22 +745,6 @@ class PostgresJobDriver(JobDriver):
             f" ON CONFLICT (operation_id) DO NOTHING RETURNING 1)"
             f" SELECT EXISTS (SELECT 1 FROM lease), EXISTS (SELECT 1 FROM intent)"
         )
-        params = {
-            "timeout": float(timeout),
-            "job_id": job_id,
-            "epoch": epoch,
-            "worker": worker,
-            "leased": LEASED,
-            "operation_id": operation_id,
-            "provider": provider,
-            "digest": digest,
-        }
-        with self.autocommit() as conn:
-            raw: Any = conn.connection.dbapi_connection
-            held, created = raw.execute(sql, params).fetchone()
-        if not held:
-            return "fenced"
-        return "created" if created else "exists"
 
     def job_ready_notify(self, conn: Connection) -> None:
         if self.notify:
