@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import signal
 import sys
+from types import FrameType
 
 import bench
 
@@ -13,6 +15,10 @@ def available() -> list[str]:
     return sorted(
         m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")
     )
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +31,10 @@ def main(argv: list[str]) -> int:
         print(f"unknown benchmark {name!r}; choose from: {', '.join(names)}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"bench.{name}")
+    # SIGTERM (``timeout``, ``kill``) unwinds like Ctrl-C, so a benchmark's ``finally`` and
+    # ``with`` blocks stop the processes, servers and schemas it started instead of leaving
+    # them orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     return int(module.main(rest) or 0)
 
 
