@@ -454,6 +454,61 @@ def test_the_store_reaches_the_database_only_through_its_driver(db_url: str) -> 
     store.dispose()
 
 
+def test_a_receipt_is_recorded_in_one_statement_with_its_filters(db_url: str) -> None:
+    """``operation_record`` (PostgreSQL: prepared text, one per shape; SQLite: the generic
+    UPDATE): values, clock stamps, and the state and attempts filters, alike on both."""
+    from consumer.jobs.schema import operations
+
+    store = Store(db_url)
+    store.create_schema()
+    driver = store.driver
+    with driver.begin() as conn:
+        conn.execute(
+            operations.insert(),
+            [
+                {
+                    "operation_id": f"op-{i}",
+                    "job_id": i,
+                    "provider": "mail",
+                    "request_digest": "d",
+                    "state": "PENDING",
+                    "attempts": 1,
+                    "created_at": 0.0,
+                    "updated_at": 0.0,
+                }
+                for i in range(3)
+            ],
+        )
+
+    def row(operation_id: str) -> Any:
+        with driver.begin() as conn:
+            return driver.operation_get(conn, operation_id)
+
+    accepted = {"state": "ACCEPTED", "provider_ref": "ref-0", "last_error": None}
+    assert driver.operation_record("op-0", accepted, stamp=("updated_at",))
+    assert (row("op-0").state, row("op-0").provider_ref) == ("ACCEPTED", "ref-0")
+    assert row("op-0").updated_at > 1.6e9  # the database clock
+    # An ACCEPTED receipt never changes again; a stale attempt count or state matches nothing.
+    unknown = {"state": "UNKNOWN", "provider_ref": None, "last_error": "timeout"}
+    assert not driver.operation_record("op-0", unknown, unless_states=("ACCEPTED",))
+    assert not driver.operation_record("op-1", unknown, if_attempts=2)
+    assert not driver.operation_record("op-1", unknown, if_states=("UNKNOWN", "NOT_SENT"))
+    assert not driver.operation_record("op-missing", unknown)
+    assert row("op-0").state == "ACCEPTED" and row("op-1").state == "PENDING"
+    # The same shapes again (cached statements on PostgreSQL), now matching.
+    assert driver.operation_record("op-1", unknown, if_attempts=1, if_states=("PENDING",))
+    settled = {"state": "NOT_SENT", "settled_by": "ops", "settled_reason": "checked"}
+    assert driver.operation_record(
+        "op-1", settled, stamp=("updated_at", "settled_at"), unless_states=("ACCEPTED",)
+    )
+    after = row("op-1")
+    assert (after.state, after.last_error, after.settled_by) == ("NOT_SENT", "timeout", "ops")
+    assert after.settled_at > 1.6e9 and row("op-2").state == "PENDING"
+    with pytest.raises(ValueError, match="not a column"):
+        driver.operation_record("op-2", {"stat": "ACCEPTED"})
+    store.dispose()
+
+
 def test_an_operations_table_from_before_call_deadlines_gains_the_new_columns(db_url: str) -> None:
     engine = make_engine(db_url)
     with engine.begin() as conn:

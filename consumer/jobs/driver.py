@@ -596,6 +596,33 @@ class JobDriver:
         row = conn.execute(stmt.values(**values).returning(operations.c.operation_id)).first()
         return row is not None
 
+    def operation_record(
+        self,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        stamp: Sequence[str] = (),
+        unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
+    ) -> bool:
+        """Record a call's outcome on its receipt in one statement, committed on its own:
+        ``values`` are plain column values, ``stamp`` names the columns set to the database
+        clock; the filters are :meth:`operation_update`'s. True if the receipt matched."""
+        _check_operation_columns([*values, *stamp])
+        stamped = dict(values)
+        for column in stamp:
+            stamped[column] = db_epoch()
+        with self.autocommit() as conn:
+            return self.operation_update(
+                conn,
+                operation_id,
+                stamped,
+                unless_states=unless_states,
+                if_states=if_states,
+                if_attempts=if_attempts,
+            )
+
     def operation_list(
         self,
         conn: Connection,
@@ -618,6 +645,12 @@ class JobDriver:
         if skip_locked:
             query = query.with_for_update(skip_locked=True)
         return conn.execute(query).all()
+
+
+def _check_operation_columns(names: Sequence[str]) -> None:
+    for name in names:
+        if name not in operations.c:
+            raise ValueError(f"{name!r} is not a column of {operations.name}")
 
 
 class PostgresJobDriver(JobDriver):
@@ -724,6 +757,68 @@ class PostgresJobDriver(JobDriver):
         if not held:
             return "fenced"
         return "created" if created else "exists"
+
+    def operation_record(
+        self,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        stamp: Sequence[str] = (),
+        unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
+    ) -> bool:
+        # Every dispatch records its receipt: the statement goes to psycopg as text, built
+        # once per shape, instead of an UPDATE built and compiled by SQLAlchemy on each call
+        # (about two thirds of the statement's client cost).
+        shape = (
+            tuple(values),
+            tuple(stamp),
+            bool(unless_states),
+            bool(if_states),
+            if_attempts is not None,
+        )
+        sql = self._record_sql.get(shape)
+        if sql is None:
+            sql = self._record_sql[shape] = self._record_statement(*shape)
+        params = dict(values)
+        params.update(
+            _operation_id=operation_id,
+            _unless=list(unless_states),
+            _if=list(if_states),
+            _attempts=if_attempts,
+        )
+        with self.autocommit() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            return raw.execute(sql, params).fetchone() is not None
+
+    @cached_property
+    def _record_sql(self) -> dict[tuple[Any, ...], str]:
+        return {}
+
+    def _record_statement(
+        self,
+        columns: tuple[str, ...],
+        stamp: tuple[str, ...],
+        unless: bool,
+        if_states: bool,
+        if_attempts: bool,
+    ) -> str:
+        prep = self.engine.dialect.identifier_preparer
+        _check_operation_columns([*columns, *stamp])
+        sets = [f"{prep.quote(name)} = %({name})s" for name in columns]
+        sets += [f"{prep.quote(name)} = {EPOCH_SQL[POSTGRESQL]}" for name in stamp]
+        where = ["operation_id = %(_operation_id)s"]
+        if unless:
+            where.append("state <> ALL(%(_unless)s)")
+        if if_states:
+            where.append("state = ANY(%(_if)s)")
+        if if_attempts:
+            where.append("attempts = %(_attempts)s")
+        return (
+            f"UPDATE {prep.format_table(operations)} SET {', '.join(sets)}"
+            f" WHERE {' AND '.join(where)} RETURNING operation_id"
+        )
 
     @cached_property
     def _intent_sql(self) -> str:

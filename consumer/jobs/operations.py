@@ -546,23 +546,19 @@ class Operations:
         # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
         # about the provider, and losing it would cost a reconciliation later. An ACCEPTED
         # receipt never changes again.
-        values: dict[str, Any] = {
-            "state": state,
-            "provider_ref": ref,
-            "last_error": error,
-            "updated_at": db_epoch(),
-        }
+        values: dict[str, Any] = {"state": state, "provider_ref": ref, "last_error": error}
+        stamp: tuple[str, ...] = ("updated_at",)
         if settled is not None:
-            values.update(settled_by=settled[0], settled_reason=settled[1], settled_at=db_epoch())
-        with self.store.driver.autocommit() as conn:  # one statement: one round trip
-            return self.store.driver.operation_update(
-                conn,
-                operation_id,
-                values,
-                unless_states=(ACCEPTED,),
-                if_states=if_states,
-                if_attempts=if_attempts,
-            )
+            values.update(settled_by=settled[0], settled_reason=settled[1])
+            stamp += ("settled_at",)
+        return self.store.driver.operation_record(  # one statement: one round trip
+            operation_id,
+            values,
+            stamp=stamp,
+            unless_states=(ACCEPTED,),
+            if_states=if_states,
+            if_attempts=if_attempts,
+        )
 
     def _wake(self, job_id: int, reason: str) -> bool:
         """Make a waiting job READY (its receipt was settled); True if it moved."""
