@@ -82,10 +82,14 @@ def bulk_insert(
     *,
     conflict: Sequence[str] | None = None,
     returning: str | Sequence[str] | None = None,
+    notify: str | None = None,
 ) -> list[Any]:
     """Insert ``rows`` (same keys in each) in ONE statement; with ``conflict``, skip rows
     that collide on those columns; with ``returning``, return that column of the inserted
-    rows (a name: a list of values; a sequence of names: a list of tuples).
+    rows (a name: a list of values; a sequence of names: a list of tuples). ``notify``
+    (PostgreSQL; SQL giving a channel name): NOTIFY it, at commit, when a row was inserted.
+    It rides on the statement's RETURNING, evaluated for inserted rows only; the server
+    delivers one notification per channel and transaction however many rows there are.
 
     PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)``, one binary array per
     column, on the Connection's own psycopg connection (same transaction). The statement
@@ -97,7 +101,7 @@ def bulk_insert(
     if not rows:
         return []
     if is_postgresql(conn.dialect.name):
-        return _insert_unnest(conn, table, rows, conflict, returning)
+        return _insert_unnest(conn, table, rows, conflict, returning, notify)
     return _insert_values(conn, table, rows, conflict, returning)
 
 
@@ -128,6 +132,7 @@ def _insert_unnest(
     rows: Sequence[Mapping[str, Any]],
     conflict: Sequence[str] | None,
     returning: str | Sequence[str] | None,
+    notify: str | None = None,
 ) -> list[Any]:
     """PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)`` on the Connection's
     own psycopg connection (same transaction)."""
@@ -182,11 +187,15 @@ def _insert_unnest(
     params = scalars + arrays  # placeholders in the order they appear: select list first
     if conflict:
         sql += f" ON CONFLICT ({', '.join(prep.quote(c) for c in conflict)}) DO NOTHING"
-    if names:
-        sql += f" RETURNING {', '.join(prep.quote(name) for name in names)}"
+    returned = [prep.quote(name) for name in names]
+    if notify is not None:
+        returned.append(f"pg_notify({notify}, '')")  # last: dropped from the rows below
+    if returned:
+        sql += f" RETURNING {', '.join(returned)}"
     raw: Any = conn.connection.dbapi_connection
     with raw.cursor() as cursor:
         cursor.execute(sql, params)
         if not names:
             return []
-        return [row[0] if single else tuple(row) for row in cursor.fetchall()]
+        width = len(names)
+        return [row[0] if single else tuple(row[:width]) for row in cursor.fetchall()]

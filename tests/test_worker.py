@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,17 +29,10 @@ from consumer.jobs.states import (
 from consumer.jobs.store import Store, StoreConfig
 from consumer.jobs.worker import JobContext, Worker
 from outbox.hooks import Hooks
+from tests.services import wait_for
 
 DAY = 86400.0
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.02)
 
 
 class RecordingHooks(Hooks):
@@ -232,7 +225,11 @@ def test_handler_outcomes_are_recorded_and_hooked(store: Store) -> None:
     )
     assert hooks.cycles == 1
     # authentication failures stop after a small bounded number
-    wait_for(lambda: worker.run_once() == 0 and store.get("t", "auth-1").state != READY)
+    wait_for(
+        lambda: worker.run_once() == 0 and store.get("t", "auth-1").state != READY,
+        "the authentication failures to stop",
+        timeout=30,
+    )
     assert store.get("t", "auth-1").state == NEEDS_ATTENTION
 
 
@@ -270,7 +267,11 @@ def test_heartbeat_renews_only_while_the_handler_progresses(pg_url: str) -> None
     runner = threading.Thread(target=worker.run_once)
     runner.start()
     other = Store(pg_url, create_schema=False)
-    wait_for(lambda: other.claim("t", "stuck-1", "rescuer", ttl=60) is not None)
+    wait_for(
+        lambda: other.claim("t", "stuck-1", "rescuer", ttl=60) is not None,
+        "the stuck lease to expire",
+        timeout=30,
+    )
     release.set()
     runner.join(30)
     job = store.get("t", "stuck-1")
@@ -311,7 +312,7 @@ def test_cli_runs_a_worker_and_exits_zero_on_sigterm(db_url: str, tmp_path: Path
         },
     )
     try:
-        wait_for(lambda: store.counts()[DONE] == 12)
+        wait_for(lambda: store.counts()[DONE] == 12, "12 jobs done", timeout=30)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
@@ -350,7 +351,7 @@ def test_run_until_stop_drains_and_returns(db_url: str) -> None:
     store.enqueue("t", "noop-2")
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
-    wait_for(lambda: store.get("t", "noop-2").state == DONE)
+    wait_for(lambda: store.get("t", "noop-2").state == DONE, "noop-2 done", timeout=30)
     worker.stop()
     runner.join(30)
     assert not runner.is_alive()
@@ -389,13 +390,13 @@ def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
     try:
-        wait_for(lambda: _listening(store.engine))
+        wait_for(lambda: _listening(store.engine), "the worker to LISTEN", timeout=30)
         other.enqueue("t", "noop-1")
-        wait_for(lambda: store.get("t", "noop-1").state == DONE, timeout=60)
+        wait_for(lambda: store.get("t", "noop-1").state == DONE, "noop-1 done", timeout=60)
         job_id = other.enqueue("t", "review-1").job_id
-        wait_for(lambda: store.get(job_id).state == WAITING_REVIEW, timeout=60)
+        wait_for(lambda: store.get(job_id).state == WAITING_REVIEW, "review", timeout=60)
         other.resume(job_id)  # an operator's decision wakes the worker too
-        wait_for(lambda: store.get(job_id).state == DONE, timeout=60)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
     finally:
         worker.stop()
         runner.join(30)
@@ -427,7 +428,9 @@ def test_notify_is_a_choice(pg_url: str) -> None:
         loud.enqueue("t", "a-3")  # a duplicate creates nothing and wakes nobody
         assert notified() == 0
         loud.enqueue_many([{"tenant": "t", "action": "a-4"}, {"tenant": "t", "action": "a-5"}])
-        assert notified() == 1
+        assert notified() == 1  # one per transaction, however many rows it created
+        loud.enqueue_many([{"tenant": "t", "action": "a-4"}, {"tenant": "t", "action": "a-5"}])
+        assert notified() == 0  # all duplicates: nothing created, nobody woken
         quiet.dispose()
         loud.dispose()
 
@@ -451,7 +454,7 @@ def test_a_timer_already_due_when_learnt_still_fires(db_url: str) -> None:
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
     try:
-        wait_for(lambda: store.get(job_id).state == DONE, timeout=20)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=20)
     finally:
         worker.stop()
         runner.join(30)
@@ -476,7 +479,7 @@ def test_a_timer_fires_on_time_not_at_the_next_recovery(db_url: str) -> None:
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
     try:
-        wait_for(lambda: store.get(job_id).state == DONE, timeout=60)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
     finally:
         worker.stop()
         runner.join(30)

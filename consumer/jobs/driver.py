@@ -145,6 +145,11 @@ class JobDriver:
     def job_ready_notify(self, conn: Connection) -> None:
         """Tell listening workers that jobs became READY (at ``conn``'s commit)."""
 
+    @property
+    def ready_channel_sql(self) -> str | None:
+        """SQL naming the channel an INSERT of READY jobs notifies, or None (no NOTIFY)."""
+        return None
+
     def job_ready_listener(self) -> ReadyListener | None:
         """A listener for :meth:`job_ready_notify` and enqueues, or None (poll only)."""
         return None
@@ -198,6 +203,7 @@ class JobDriver:
                 rows[start : start + INSERT_CHUNK],
                 conflict=("tenant", "action"),
                 returning=("id", "tenant", "action"),
+                notify=self.ready_channel_sql,
             )
             for job_id, tenant, action in returned:
                 created[(tenant, action)] = int(job_id)
@@ -703,13 +709,11 @@ class PostgresJobDriver(JobDriver):
             return rows
         return super().stamped_rows(conn, rows)
 
-    def job_insert_many(
-        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
-    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
-        created, existing = super().job_insert_many(conn, rows)
-        if created:
-            self.job_ready_notify(conn)  # one statement per batch
-        return created, existing
+    @property
+    def ready_channel_sql(self) -> str | None:
+        # A batch of jobs notifies on its INSERT's RETURNING (bulk_insert): no statement of
+        # its own, and only when a row was created.
+        return READY_CHANNEL_SQL if self.notify else None
 
     @contextmanager
     def autocommit(self) -> Iterator[Connection]:
