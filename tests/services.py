@@ -15,6 +15,8 @@ the classes here, and the ``with`` block (or ``close()``) removes it with its da
   root, so when the test runs as root the binaries run as the ``postgres`` OS user, which
   owns the temporary directory. ``fsync=off``: the OS does not crash in these tests, and the
   data files survive a server restart either way.
+
+It also holds :func:`wait_for`, the suite's one helper for polling an observable condition.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/lib/postgresql/16/bin")
 
@@ -48,13 +53,39 @@ def _port_answers(port: int) -> bool:
         return False
 
 
-def _wait(condition: object, what: str, timeout: float) -> None:
+def wait_for(
+    condition: Callable[[], T],
+    what: str = "condition",
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    *,
+    ignore: tuple[type[BaseException], ...] = (),
+    diagnose: Callable[[], str] | None = None,
+) -> T:
+    """Poll ``condition()`` until it returns a truthy value, and return that value.
+
+    The condition is always asked at least once, and the deadline is looked at only after
+    each answer (a slow last answer still counts). An exception of a type in ``ignore``
+    counts as "not yet" (a server restarting, an app not listening yet); any other exception
+    propagates at once. On timeout: ``AssertionError`` naming ``what``, with the last value
+    or the last ignored exception, and the text of ``diagnose()`` if given.
+    """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"{what} within {timeout:.0f} s")
+    while True:
+        try:
+            value = condition()
+        except ignore as exc:
+            last = f"last error: {exc!r}"
+        else:
+            if value:
+                return value
+            last = f"last value: {value!r}"
+        if time.monotonic() > deadline:
+            message = f"timed out after {timeout}s waiting for {what} ({last})"
+            if diagnose is not None:
+                message += f"\n{diagnose()}"
+            raise AssertionError(message)
+        time.sleep(interval)
 
 
 # -- Redis -----------------------------------------------------------------------------------
@@ -102,7 +133,7 @@ class PrivateRedis:
         self.process = subprocess.Popen(
             self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _wait(lambda: self._ping(), f"private Redis on port {self.port} did not answer", timeout)
+        wait_for(self._ping, f"private Redis on port {self.port} to answer PING", timeout)
         return self
 
     def _ping(self) -> bool:
@@ -125,7 +156,9 @@ class PrivateRedis:
         process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
         process.wait(timeout)
         self.process = None
-        _wait(lambda: not _port_answers(self.port), "port still answering after stop", timeout)
+        wait_for(
+            lambda: not _port_answers(self.port), f"port {self.port} to close after stop", timeout
+        )
 
     def restart(self, *, kill: bool = False) -> None:
         self.stop(kill=kill)

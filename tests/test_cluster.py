@@ -48,7 +48,7 @@ from relay.relay import Relay, fence_key
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import PrivateCluster
-    from services import PrivateRedis
+    from services import PrivateRedis, wait_for
     from test_relay_faults import (
         WriterFactory,
         Writers,
@@ -63,7 +63,6 @@ try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
         relays,
         topic_of,
         wait_drained,
-        wait_for,
         writers_factory,  # noqa: F401 (a fixture)
     )
 except ImportError:  # pragma: no cover - if tests/ becomes a package
@@ -525,9 +524,10 @@ def test_master_killed_mid_load_with_wait_replicas_loses_nothing(
         writers = writers_factory(pg_url, keys, 6000, threads=4, per_tx=2, rate=800)
         wait_for(
             lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
-            30,
-            "the relays did not start publishing",
-            procs.tail,
+            "the relays to start publishing",
+            timeout=30,
+            interval=0.1,
+            diagnose=procs.tail,
         )
         victim = private_cluster.kill_master_of(victim_stream)
         # The replica takes over after the node timeout; the old master then rejoins as
@@ -570,9 +570,10 @@ def test_slot_migrated_under_load_loses_nothing_and_duplicates_nothing(
         writers = writers_factory(pg_url, keys, 6000, threads=4, per_tx=2, rate=800)
         wait_for(
             lambda: client.exists(stream) and client.xlen(stream) > 500,
-            30,
-            "the relays did not start publishing",
-            procs.tail,
+            "the relays to start publishing",
+            timeout=30,
+            interval=0.1,
+            diagnose=procs.tail,
         )
         source = private_cluster.master_of(stream)
         target = next(m for m in private_cluster.masters() if m.port != source.port)
@@ -805,9 +806,10 @@ def test_master_restarted_empty_without_wait_replicas_is_detected_and_republishe
         writers = writers_factory(pg_url, keys, 4000, threads=4, per_tx=2, rate=800)
         wait_for(
             lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
-            30,
-            "the relays did not start publishing",
-            procs.tail,
+            "the relays to start publishing",
+            timeout=30,
+            interval=0.1,
+            diagnose=procs.tail,
         )
         # Its replica must not be promoted meanwhile (on a loaded machine the restart can
         # take longer than the node timeout): then the loss is certain, not a race.

@@ -5,7 +5,6 @@ not depend on the relay."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -26,8 +25,10 @@ from outbox.hooks import Hooks
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import RedisTarget, target_for
+    from services import wait_for
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.cluster_support import RedisTarget, target_for
+    from tests.services import wait_for
 
 TOPIC = "quote.approved"
 
@@ -100,14 +101,6 @@ def drain(consumer: Consumer) -> int:
     while (n := consumer.run_once(block=False)) > 0:
         total += n
     return total
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -237,7 +230,7 @@ def test_a_dead_peer_is_found_by_its_heartbeat_and_a_live_one_keeps_its_entries(
         return next(int(i["idle"]) for i in infos if i["name"].decode() == live.name)
 
     # Idle longer than the survivor's TTL, but its key is there: alive, nothing taken.
-    wait_for(lambda: live_idle_ms() >= 300, "live idle past the survivor's ttl")
+    wait_for(lambda: live_idle_ms() >= 300, "live idle past the survivor's ttl", timeout=20)
     survivor._next_liveness_check = 0.0
     assert survivor.run_once(block=False) == 0
     assert job_identities(survivor.engine) == []
@@ -246,7 +239,7 @@ def test_a_dead_peer_is_found_by_its_heartbeat_and_a_live_one_keeps_its_entries(
 
     # Its key expires (the process was killed): the survivor takes the entry at once.
     redis_client.delete(live.heartbeat_key(live.name))
-    wait_for(lambda: survivor.run_once(block=False) == 1, "the survivor takes over")
+    wait_for(lambda: survivor.run_once(block=False) == 1, "the survivor takes over", timeout=20)
     assert job_identities(survivor.engine) == ["studio:a"]
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
@@ -261,7 +254,7 @@ def test_run_keeps_a_heartbeat_and_removes_it_on_stop(
     runner = threading.Thread(target=consumer.run, args=(threading.Event(),))
     runner.start()
     try:
-        wait_for(lambda: bool(redis_client.exists(key)), "heartbeat key")
+        wait_for(lambda: bool(redis_client.exists(key)), "heartbeat key", timeout=20)
         assert 0 < redis_client.pttl(key) <= 2000
     finally:
         consumer.stop()
@@ -374,6 +367,7 @@ def test_failing_handler_rolls_back_only_its_entry_then_dead_letters(
     wait_for(
         lambda: consumer.run_once(block=False) >= 0 and bool(consumer.dead_letters()),
         "dead letter",
+        timeout=20,
     )
     records = consumer.dead_letters()
     assert len(records) == 1
@@ -677,7 +671,9 @@ def test_stale_consumers_are_removed(
         return {c["name"].decode() for c in redis_client.xinfo_consumers(stream, "billing")}
 
     wait_for(
-        lambda: consumer.run_once(block=False) >= 0 and "old-incarnation" not in names(), "removal"
+        lambda: consumer.run_once(block=False) >= 0 and "old-incarnation" not in names(),
+        "removal",
+        timeout=20,
     )
     assert "busy-incarnation" in names()  # keeps its pending entry until claimed
 
@@ -834,6 +830,7 @@ def test_handler_enqueues_jobs_in_the_inbox_transaction(
     wait_for(
         lambda: consumer.run_once(block=False) >= 0 and bool(consumer.dead_letters()),
         "the exploding entry dead-lettered",
+        timeout=20,
     )
     with consumer.engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT action, payload FROM outbox_jobs")).all()
@@ -912,13 +909,17 @@ def test_redis_outage_waits_and_recovers(db_url: str) -> None:
         runner.start()
         try:
             publish(client, stream, "before", "evt-1")
-            wait_for(lambda: job_identities(consumer.engine) == ["before"], "first job")
+            wait_for(lambda: job_identities(consumer.engine) == ["before"], "first job", timeout=20)
             server.stop(kill=True)
             assert runner.is_alive()
             server.start()
             client = redis.Redis.from_url(server.url)
             publish(client, stream, "after", "evt-2")
-            wait_for(lambda: job_identities(consumer.engine) == ["before", "after"], "recovery")
+            wait_for(
+                lambda: job_identities(consumer.engine) == ["before", "after"],
+                "recovery",
+                timeout=20,
+            )
             assert runner.is_alive()
         finally:
             stop.set()

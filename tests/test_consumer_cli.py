@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,18 +26,11 @@ from consumer.event import encode_entry
 sys.path.insert(0, str(Path(__file__).parent))
 import consumer_app
 from cluster_support import RedisTarget
+from services import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 TOPIC = "job.requested"
 BIN = Path(sys.executable).parent / "outbox-consumer"
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def publish_many(client: redis.Redis, stream: str, specs: list[tuple[str, str]]) -> None:
@@ -324,12 +316,13 @@ def test_run_drains_and_exits_zero_on_sigterm(
     publish_many(redis_client, stream, specs)
     engine = sa.create_engine(pg_url)
     try:
-        wait_for(lambda: count_jobs(engine)[0] >= 300, "jobs")
-        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks")
+        wait_for(lambda: count_jobs(engine)[0] >= 300, "jobs", timeout=60)
+        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks", timeout=60)
         # The exporter serves the process counters and the dead-letter gauge of its database.
         wait_for(
             lambda: scrape(port).get('outbox_dead_letters{group="app",reason="poison"}') == 1.0,
             "dead-letter gauge",
+            timeout=60,
         )
         handled = f'outbox_consumer_handled_total{{group="app",stream="{stream}"}}'
         assert scrape(port)[handled] >= 300
@@ -382,12 +375,20 @@ def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defau
     try:
         victim = victim_app.start()
         # It read the whole stream in one batch and hangs in the middle of it.
-        wait_for(lambda: sum(pending_of(redis_client, stream).values()) == 201, "victim's batch")
+        wait_for(
+            lambda: sum(pending_of(redis_client, stream).values()) == 201,
+            "victim's batch",
+            timeout=60,
+        )
         survivor = survivor_app.start()
-        wait_for(lambda: survivor_app.started(survivor), "survivor started")
+        wait_for(lambda: survivor_app.started(survivor), "survivor started", timeout=60)
         # The victim is alive (its heartbeat thread runs) though idle in the group well past
         # the heartbeat TTL: the survivor must not take its entries.
-        wait_for(lambda: idle_ms_of(redis_client, stream, victim.pid) >= 6000, "victim idle 6 s")
+        wait_for(
+            lambda: idle_ms_of(redis_client, stream, victim.pid) >= 6000,
+            "victim idle 6 s",
+            timeout=60,
+        )
         assert list(pending_of(redis_client, stream).values()) == [201]
         assert count_jobs(engine) == (0, 0)
 
@@ -396,7 +397,7 @@ def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defau
         # Within a few seconds (heartbeat TTL 3 s), not claim_idle_ms (30 s): the bound
         # is generous for a loaded machine, the log says which path took the entries.
         wait_for(lambda: count_jobs(engine) == (201, 201), "survivor takes over", timeout=25)
-        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks")
+        wait_for(lambda: redis_client.xpending(stream, "app")["pending"] == 0, "acks", timeout=60)
         assert "claimed a dead consumer's pending entries" in survivor_app.logs_text()
         assert jobs_by(engine, survivor.pid) == 201
         survivor.send_signal(signal.SIGTERM)
@@ -432,6 +433,7 @@ def test_kill_test_exactly_one_job_per_identity(
             wait_for(
                 lambda p=victim.pid: jobs_by(engine, p) >= 100 or count_jobs(engine)[1] == 9000,
                 "victim progress",
+                timeout=60,
             )
             if jobs_by(engine, victim.pid) < 100:
                 break  # the others finished first
@@ -455,7 +457,7 @@ def test_kill_test_exactly_one_job_per_identity(
         wait_for(done, "every identity handled and nothing pending", timeout=120)
 
         for proc in (victim, survivor):
-            wait_for(lambda p=proc: app.started(p), "consumer started")
+            wait_for(lambda p=proc: app.started(p), "consumer started", timeout=60)
             proc.send_signal(signal.SIGTERM)
         for proc in (victim, survivor):
             assert proc.wait(timeout=30) == 0, app.logs_text()

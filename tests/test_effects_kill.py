@@ -25,13 +25,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from consumer import Operations, ProviderOutcomeUnknown, Store
 from consumer.jobs.states import DONE, WAITING_REVIEW
+from tests.services import wait_for
 from tests.simulator_support import ROOT, SimulatorProcess
 
 pytestmark = pytest.mark.slow
@@ -43,14 +44,6 @@ CAPABILITIES = {
     "both": {"SIM_LOOKUP": "1", "SIM_IDEMPOTENCY": "1"},
     "neither": {"SIM_LOOKUP": "0", "SIM_IDEMPOTENCY": "0"},
 }
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -123,7 +116,7 @@ def kill_after_acceptance(
         if fault["kind"] == "hang":  # accepted: the effect is listed while the call hangs
             sim.wait_for_effects(1, timeout=60)
         else:  # not acted yet: the request is in the simulator, nothing listed
-            wait_for(lambda: _attempts(db_url) >= 1, "the first call to start")
+            wait_for(lambda: _attempts(db_url) >= 1, "the first call to start", timeout=60)
         first.send_signal(signal.SIGKILL)
         assert first.wait(30) == -signal.SIGKILL
     finally:
@@ -158,7 +151,7 @@ def test_killed_after_acceptance_one_effect_and_a_reconciled_receipt(
 
     second = start_worker(pg_url, sim, capability)
     try:
-        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish", timeout=60)
     finally:
         stop(second)
 
@@ -197,6 +190,7 @@ def test_neither_capability_waits_for_review_then_settle_accepted(
         wait_for(
             lambda: store.get("studio", ACTION).state == WAITING_REVIEW,
             "the job to wait for review",
+            timeout=60,
         )
         receipt = ops.receipt(operation_id)
         assert receipt is not None and receipt.state == "UNKNOWN"
@@ -213,7 +207,7 @@ def test_neither_capability_waits_for_review_then_settle_accepted(
             "ops-ann",
         )
         assert done.returncode == 0, done.stderr
-        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish", timeout=60)
     finally:
         stop(second)
 
@@ -243,11 +237,12 @@ def test_neither_capability_settled_not_sent_sends_exactly_once(
         wait_for(
             lambda: store.get("studio", ACTION).state == WAITING_REVIEW,
             "the job to wait for review",
+            timeout=60,
         )
         assert sim.effects() == []  # the slow request was abandoned with its client
         done = settle(pg_url, operation_id, "--not-sent", "--reason", "nothing at the provider")
         assert done.returncode == 0, done.stderr
-        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish", timeout=60)
     finally:
         stop(second)
 
@@ -277,7 +272,7 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated_by_another_worker(
             proc = start_worker(pg_url, sim, "lookup", timeout="6")
             workers.append(proc)
         store.enqueue("studio", ACTION, subject="ann@example.com")
-        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish")
+        wait_for(lambda: store.get("studio", ACTION).state == DONE, "the job to finish", timeout=60)
     finally:
         for proc in workers:
             stop(proc)
@@ -355,6 +350,7 @@ def test_the_sweep_settles_an_unknown_receipt_without_claiming_the_job(
         wait_for(
             lambda: (ops.receipt(operation_id).call_deadline or 0) < time.time(),  # type: ignore[union-attr]
             "the call deadline to pass",
+            timeout=60,
         )
 
         result = reconcile_cli(pg_url, sim, "lookup")

@@ -12,12 +12,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.embedded_support import embedded_servers_in
+from tests.services import wait_for
 
 USER = textwrap.dedent(
     """
@@ -54,13 +54,14 @@ def finish(proc: subprocess.Popen[str]) -> None:
     assert proc.returncode == 0, err
 
 
-def wait_for(condition, seconds: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return bool(condition())
+def assert_no_server_left(directory: Path) -> None:
+    """Every embedded server of ``directory`` stops within 15 s."""
+    wait_for(
+        lambda: not embedded_servers_in(directory),
+        "every embedded server to stop",
+        timeout=15,
+        diagnose=lambda: f"still running: {embedded_servers_in(directory)}",
+    )
 
 
 def stream_length(directory: Path) -> int:
@@ -84,10 +85,10 @@ def test_two_processes_share_one_server_and_the_last_one_stops_it(tmp_path: Path
     # The second process still uses it: the server stays, and takes writes.
     assert embedded_servers_in(tmp_path) == servers
     finish(second)
-    assert wait_for(lambda: not embedded_servers_in(tmp_path)), embedded_servers_in(tmp_path)
+    assert_no_server_left(tmp_path)
     # Saved at the stop: the next start reads what both wrote (2 + 2 goodbyes).
     assert stream_length(tmp_path) == 4
-    assert wait_for(lambda: not embedded_servers_in(tmp_path))
+    assert_no_server_left(tmp_path)
 
 
 def test_after_sigkill_of_every_user_the_next_start_adopts_the_orphan(tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ def test_after_sigkill_of_every_user_the_next_start_adopts_the_orphan(tmp_path: 
     assert embedded_servers_in(tmp_path) == orphan
     assert third.entries_seen == 3  # type: ignore[attr-defined]
     finish(third)
-    assert wait_for(lambda: not embedded_servers_in(tmp_path)), embedded_servers_in(tmp_path)
+    assert_no_server_left(tmp_path)
 
 
 def test_sigterm_of_the_relay_on_the_embedded_default_leaves_no_server(tmp_path: Path) -> None:
@@ -118,14 +119,14 @@ def test_sigterm_of_the_relay_on_the_embedded_default_leaves_no_server(tmp_path:
         text=True,
     )
     try:
-        assert wait_for(lambda: bool(embedded_servers_in(tmp_path)), 60), "no embedded server"
+        wait_for(lambda: embedded_servers_in(tmp_path), "the relay's embedded server", timeout=60)
         relay.send_signal(signal.SIGTERM)
         _out, err = relay.communicate(timeout=60)
         assert relay.returncode == 0, err
     finally:
         if relay.poll() is None:
             relay.kill()
-    assert wait_for(lambda: not embedded_servers_in(tmp_path)), embedded_servers_in(tmp_path)
+    assert_no_server_left(tmp_path)
 
 
 @pytest.mark.slow

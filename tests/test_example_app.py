@@ -8,8 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import httpx
 import pytest
 
 from consumer import Store
+from tests.services import wait_for
 
 RUN = Path(__file__).resolve().parents[1] / "examples" / "fastapi_quotes" / "run.py"
 
@@ -25,21 +24,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    """Poll an observable condition (not a sleep standing in for one)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = condition()
-        except httpx.TransportError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -67,7 +51,13 @@ def test_quote_approved_over_http_becomes_a_job(
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=10) as http:
-            wait_for(lambda: http.get("/quotes/1").status_code == 404, "the app to answer")
+            wait_for(
+                lambda: http.get("/quotes/1").status_code == 404,
+                "the app to answer",
+                timeout=60,
+                interval=0.1,
+                ignore=(httpx.TransportError,),
+            )
             created = http.post("/quotes", json={"tenant": "studio", "total": 120})
             assert created.status_code == 201, created.text
             quote_id = created.json()["id"]
@@ -83,7 +73,13 @@ def test_quote_approved_over_http_becomes_a_job(
                 job = http.get(f"/quotes/{quote_id}").json()["job"]
                 return job if job and job["state"] == "DONE" else None
 
-            job = wait_for(job_done, "the job to be created and run")
+            job = wait_for(
+                job_done,
+                "the job to be created and run",
+                timeout=60,
+                interval=0.1,
+                ignore=(httpx.TransportError,),
+            )
             assert job["action"] == f"send-quote-{quote_id}"
         store = Store(pg_url, create_schema=False)
         try:

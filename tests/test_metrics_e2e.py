@@ -25,10 +25,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +39,7 @@ import sqlalchemy as sa
 from metrics.alerts import render_rules
 from outbox.db import make_engine
 from outbox.schema import OutboxSchema, build_schema, create_schema, db_now
+from tests.services import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,17 +48,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)  # polling interval of an observable condition, not a wait for it
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 def http_get(url: str) -> bytes | None:
@@ -234,17 +223,21 @@ def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
     prometheus, api = start_prometheus(prometheus_binary, tmp_path, metrics_port)
     try:
         wait_for(
-            "the relay to serve metrics",
             lambda: http_get(f"http://127.0.0.1:{metrics_port}/metrics"),
+            "the relay to serve metrics",
+            timeout=60,
+            interval=0.2,
         )
-        wait_for("Prometheus to scrape the relay", lambda: target_up(api))
+        wait_for(lambda: target_up(api), "Prometheus to scrape the relay", timeout=60, interval=0.2)
 
         # 1. A stuck record, and a flaky one under the threshold.
         insert_stuck(engine, schema, "ev-flaky", attempts=1)
         insert_stuck(engine, schema, "ev-poison", attempts=7)
         firing = wait_for(
-            "OutboxStuckRecord firing for ev-poison",
             lambda: stuck_alert(api, "ev-poison", "firing"),
+            "OutboxStuckRecord firing for ev-poison",
+            timeout=60,
+            interval=0.2,
         )
         assert firing["labels"]["topic"] == "orders"
         assert "outbox-relay status" in firing["annotations"]["description"]
@@ -258,8 +251,10 @@ def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
                 .values(available_at=db_now())
             )
         wait_for(
-            "OutboxStuckRecord to resolve",
             lambda: not any(a["labels"].get("event_id") == "ev-poison" for a in alerts(api)),
+            "OutboxStuckRecord to resolve",
+            timeout=60,
+            interval=0.2,
         )
         entries = redis_client.xrange(f"{stream_prefix}.orders")
         assert {fields[b"id"] for _, fields in entries} >= {b"ev-poison", b"ev-flaky"}
@@ -278,8 +273,10 @@ def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
                 )
             )
         quarantined = wait_for(
-            "OutboxQuarantinedEvents firing",
             lambda: alert_named(api, "OutboxQuarantinedEvents", "firing"),
+            "OutboxQuarantinedEvents firing",
+            timeout=60,
+            interval=0.2,
         )
         assert "outbox-relay requeue" in quarantined["annotations"]["description"]
         redis_client.delete(f"{stream_prefix}.invoices")
@@ -293,11 +290,13 @@ def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
         )
         assert requeue.returncode == 0, requeue.stdout + requeue.stderr
         wait_for(
-            "OutboxQuarantinedEvents to resolve",
             lambda: (
                 alert_named(api, "OutboxQuarantinedEvents", "firing") is None
                 and alert_named(api, "OutboxQuarantinedEvents", "pending") is None
             ),
+            "OutboxQuarantinedEvents to resolve",
+            timeout=60,
+            interval=0.2,
         )
         entries = redis_client.xrange(f"{stream_prefix}.invoices")
         assert [fields[b"id"] for _, fields in entries] == [b"ev-rejected"]
@@ -323,7 +322,10 @@ def test_outbox_relay_metrics_serves_the_gauges_and_stops_on_sigterm(
     )
     try:
         body = wait_for(
-            "the exporter to serve", lambda: http_get(f"http://127.0.0.1:{port}/metrics")
+            lambda: http_get(f"http://127.0.0.1:{port}/metrics"),
+            "the exporter to serve",
+            timeout=60,
+            interval=0.2,
         ).decode()
         assert 'outbox_stuck_record_attempts{event_id="ev-stuck",topic="orders"} 4.0' in body
         assert 'outbox_backlog{topic="orders"} 1.0' in body

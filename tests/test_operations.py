@@ -11,8 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import ACCEPTED, FAILED, UNKNOWN, OperationInFlight, Operations
 from consumer.jobs.states import DONE, READY, WAITING_REVIEW
 from consumer.jobs.store import Store
+from tests.services import wait_for
 from tests.simulator_support import SimulatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,14 +62,6 @@ def refs(simulator: SimulatorProcess) -> list[str]:
     return [effect["id"] for effect in simulator.effects()]
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.05)
-
-
 def past_deadline(store: Store, ops: Operations, operation_id: str) -> None:
     """Wait (observing the database clock) until the receipt's call deadline has passed."""
     receipt = ops.receipt(operation_id)
@@ -80,7 +72,7 @@ def past_deadline(store: Store, ops: Operations, operation_id: str) -> None:
         with store.driver.connect() as conn:
             return store.driver.clock_read(conn, None) > deadline
 
-    wait_for(passed, timeout=30)
+    wait_for(passed, "the call deadline to pass", timeout=30)
 
 
 def _claim(store: Store, action: str = "email-1"):  # type: ignore[no-untyped-def]
@@ -240,7 +232,11 @@ def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
     assert receipt is not None and receipt.state == "PENDING"
     second = _worker(pg_url, simulator)
     try:
-        wait_for(lambda: store.get("studio", "email-quote-017").state == DONE)
+        wait_for(
+            lambda: store.get("studio", "email-quote-017").state == DONE,
+            "the job to finish",
+            timeout=60,
+        )
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0
     finally:

@@ -14,8 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,18 +23,11 @@ from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import ACCEPTED, NOT_SENT, PENDING, UNKNOWN, Operations
 from consumer.jobs.states import DONE, LEASED, READY, WAITING_REVIEW
 from consumer.jobs.store import Store
+from tests.services import wait_for
 from tests.simulator_support import SimulatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 ACTION = "email-quote-017"
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.05)
 
 
 def _capabilities(name: str) -> tuple[bool, bool]:
@@ -122,7 +114,7 @@ def test_worker_killed_after_the_provider_accepted_gives_one_effect(
     second = _worker(pg_url, sim, capability)
     try:
         if capability != "neither":
-            wait_for(lambda: store.get(job_id).state == DONE)
+            wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
             receipt = ops.receipt(operation_id)
             assert receipt is not None and receipt.state == ACCEPTED
             effects = sim.effects()
@@ -131,7 +123,11 @@ def test_worker_killed_after_the_provider_accepted_gives_one_effect(
             # lookup finds the effect without a call; an idempotent resend is a second call
             assert receipt.attempts == (1 if lookup else 2)
         else:
-            wait_for(lambda: store.get(job_id).state == WAITING_REVIEW)
+            wait_for(
+                lambda: store.get(job_id).state == WAITING_REVIEW,
+                "the job to wait for review",
+                timeout=60,
+            )
             receipt = ops.receipt(operation_id)
             assert receipt is not None and receipt.state == UNKNOWN
             listed = _cli(pg_url, "receipts", "--state", "UNKNOWN", "--json")
@@ -142,7 +138,7 @@ def test_worker_killed_after_the_provider_accepted_gives_one_effect(
                 pg_url, "settle", operation_id, "--accepted", ref, "--reason", "seen", "--by", "ops"
             )
             assert settled.returncode == 0, settled.stderr
-            wait_for(lambda: store.get(job_id).state == DONE)
+            wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
             receipt = ops.receipt(operation_id)
             assert receipt is not None and receipt.state == ACCEPTED
             assert receipt.provider_ref == ref and receipt.settled_by == "ops"
@@ -167,11 +163,15 @@ def test_not_sent_settlement_sends_once(pg_url: str, sim: SimulatorProcess) -> N
     operation_id = f"{job_id}:send"
     worker = _worker(pg_url, sim, "neither", timeout=1.0)
     try:
-        wait_for(lambda: store.get(job_id).state == WAITING_REVIEW)
+        wait_for(
+            lambda: store.get(job_id).state == WAITING_REVIEW,
+            "the job to wait for review",
+            timeout=60,
+        )
         assert sim.effects() == []
         settled = _cli(pg_url, "settle", operation_id, "--not-sent", "--reason", "no effect")
         assert settled.returncode == 0, settled.stderr
-        wait_for(lambda: store.get(job_id).state == DONE)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
     finally:
         _stop(worker)
     receipt = Operations(store).receipt(operation_id)
@@ -213,7 +213,7 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated(
         with pytest.raises(OperationInFlight):
             ops.dispatch(lease, "send", "mail", {"to": "ann@example.com"})
         assert store.get(job_id).state == READY  # handed back until the deadline
-        wait_for(lambda: store.get(job_id).state == DONE)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=60)
     finally:
         _stop(first)
         provider.close()

@@ -54,10 +54,10 @@ from outbox.db import make_engine
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import RedisTarget
-    from services import PrivatePostgres, PrivateRedis
+    from services import PrivatePostgres, PrivateRedis, wait_for
 except ImportError:  # pragma: no cover - if tests/ becomes a package
     from tests.cluster_support import RedisTarget
-    from tests.services import PrivatePostgres, PrivateRedis
+    from tests.services import PrivatePostgres, PrivateRedis, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -454,20 +454,6 @@ def pending_count(engine: sa.Engine) -> tuple[int, int]:
     return int(rows.get("pending", 0)), int(rows.get("quarantined", 0))
 
 
-def wait_for(
-    condition: Callable[[], bool], timeout: float, what: str, diagnose: Callable[[], str]
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except DBAPIError:
-            pass  # a restarting server: ask again
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout} s\n{diagnose()}")
-
-
 def wait_drained(
     engine: sa.Engine,
     client: redis.Redis,
@@ -512,7 +498,14 @@ def wait_drained(
             f"{diagnose()}"
         )
 
-    wait_for(drained, timeout, "the relays did not publish every committed event", more)
+    wait_for(
+        drained,
+        "the relays to publish every committed event",
+        timeout=timeout,
+        interval=0.1,
+        ignore=(DBAPIError,),  # a restarting server: ask again
+        diagnose=more,
+    )
 
 
 _INCARNATION_PID = re.compile(r"-(\d+)-[0-9a-f]{8}$")
@@ -765,9 +758,10 @@ def test_redis_crash_restart_mid_run_loses_nothing_and_relay_survives(
             writers = writers_factory(pg_url, keys, 6000, threads=2, per_tx=2, rate=1000)
             wait_for(
                 lambda: writers.stats.count > 1500 and _xlen(client, prefix) > 500,
-                60,
-                "no progress before the Redis restart",
-                procs.tail,
+                "progress before the Redis restart",
+                timeout=60,
+                interval=0.1,
+                diagnose=procs.tail,
             )
             before = _xlen(client, prefix)
             server.stop(kill=True)
@@ -775,9 +769,10 @@ def test_redis_crash_restart_mid_run_loses_nothing_and_relay_survives(
             # Let the writers commit a few hundred events while Redis is down.
             wait_for(
                 lambda: writers.stats.count > outage_start + 300,
-                60,
-                "writers stalled during the outage",
-                procs.tail,
+                "the writers to commit 300 events during the outage",
+                timeout=60,
+                interval=0.1,
+                diagnose=procs.tail,
             )
             server.start()
             writers.join(60)
@@ -829,17 +824,19 @@ def test_postgres_restart_mid_run_loses_nothing_and_relay_recovers(
             writers = writers_factory(url, keys, 6000, threads=2, per_tx=2, rate=1000)
             wait_for(
                 lambda: writers.stats.count > 1500 and _xlen(redis_client, stream_prefix) > 500,
-                60,
-                "no progress before the PostgreSQL restart",
-                procs.tail,
+                "progress before the PostgreSQL restart",
+                timeout=60,
+                interval=0.1,
+                diagnose=procs.tail,
             )
             pg.restart("fast")
             after_first = writers.stats.count
             wait_for(
                 lambda: writers.stats.count > after_first + 300,
-                60,
-                "writers did not resume after the restart",
-                procs.tail,
+                "the writers to resume after the restart",
+                timeout=60,
+                interval=0.1,
+                diagnose=procs.tail,
             )
             pg.restart("immediate")  # and once more as a crash (recovery from WAL)
             writers.join(90)
@@ -880,9 +877,10 @@ def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
         relay = procs.spawn()
         wait_for(
             lambda: _xlen(redis_client, stream_prefix) > 300,
-            60,
-            "the relay published nothing",
-            procs.tail,
+            "the relay to publish",
+            timeout=60,
+            interval=0.1,
+            diagnose=procs.tail,
         )
         relay.send_signal(signal.SIGTERM)
         code = relay.wait(30)

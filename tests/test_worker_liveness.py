@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,17 +25,10 @@ from consumer.jobs.states import DONE, LEASED, READY
 from consumer.jobs.store import Store
 from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 from outbox.errors import ConfigError
+from tests.services import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 1_900_000_000.0  # a fixed "now" (the tests pass it; no clock needed)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.02)
 
 
 def _rows(store: Store) -> dict[str, float]:
@@ -129,7 +121,7 @@ def test_an_idle_handler_keeps_its_lease_and_a_clean_stop_removes_the_row(db_url
         job_id = store.enqueue("t", "hold-1").job_id
         assert started.wait(30)
         survivor = Worker(store, name="survivor", liveness_ttl=0.5, liveness_interval=0.1)
-        wait_for(lambda: "busy" in _rows(store))  # its first beat
+        wait_for(lambda: "busy" in _rows(store), "its first beat", timeout=30)
         alive = _rows(store)["busy"]
         # Sweep until the busy worker's row has been renewed past several ttls of idleness.
         while _rows(store)["busy"] < alive + 1.5:
@@ -137,7 +129,7 @@ def test_an_idle_handler_keeps_its_lease_and_a_clean_stop_removes_the_row(db_url
             assert store.get(job_id).lease_owner == "busy"
             time.sleep(0.05)
         release.set()
-        wait_for(lambda: store.get(job_id).state == DONE)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=30)
     finally:
         release.set()
         worker.stop()
@@ -208,16 +200,16 @@ def test_a_sigkilled_worker_s_job_is_finished_by_the_survivor_before_the_lease_t
         for _ in range(2)
     ]
     try:
-        wait_for(lambda: len(_rows(store)) == 2, timeout=60)  # both beat: both are running
+        wait_for(lambda: len(_rows(store)) == 2, "both to beat: both running", timeout=60)
         job_id = store.enqueue("t", "slow-1").job_id
-        wait_for(lambda: effects.read_text().strip() != "", timeout=60)
+        wait_for(lambda: effects.read_text().strip() != "", "an effect", timeout=60)
         holder_pid = int(effects.read_text().split()[0])
         holder = next(p for p in procs if p.pid == holder_pid)
         assert store.get(job_id).state == LEASED
         holder.send_signal(signal.SIGKILL)
         holder.wait(30)
         # Strictly less than the 30 s lease ttl: it did not wait for the lease to expire.
-        wait_for(lambda: store.get(job_id).state == DONE, timeout=20)
+        wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=20)
         lines = effects.read_text().split("\n")
         survivor_pid = next(p.pid for p in procs if p.pid != holder_pid)
         assert f"{survivor_pid} slow-1 2" in lines
