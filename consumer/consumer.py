@@ -12,7 +12,9 @@ One batch (``run_once``), in this order:
 3. Claim back entries left pending longer than ``claim_idle_ms`` by any consumer of the
    group (XAUTOCLAIM): this one's own entries whose handler failed (that idle time is the
    retry delay), and the fallback for a peer that hangs while its heartbeat thread lives.
-   Delivery counts come from XPENDING.
+   Delivery counts come from XPENDING. A stream whose scan found nothing is scanned again
+   after half of ``claim_idle_ms`` (at most 1 s), not on every batch: a small batch then
+   costs one Redis round trip less, and an entry is claimed back at most that much later.
 4. Read new entries (XREADGROUP ``>``), up to ``batch_size`` in all. The read blocks (up to
    ``block_ms``) only when nothing was claimed, and returns as soon as an entry arrives.
 5. Decode; an undecodable entry (missing fields, bad JSON, and data that can never be
@@ -22,10 +24,10 @@ One batch (``run_once``), in this order:
    dead-lettered.
 6. ONE database transaction for the batch: the inbox rows of the batch in one statement
    (insert-or-skip, RETURNING the new identities); handlers run for new identities only,
-   first all together in one savepoint with the writes they deferred (``consumer.bulk``)
-   and their ORM objects flushed at its end, and if one raises, again one savepoint per
-   entry so the failing entry rolls back its own work (and its inbox row) and the others
-   commit. A
+   first all together with no savepoint, the writes they deferred (``consumer.bulk``) and
+   their ORM objects flushed at the end; if one raises, the transaction is rolled back and
+   the batch runs again with one savepoint per entry, so the failing entry rolls back its
+   own work (and its inbox row) and the others commit. A
    failing entry at its ``max_deliveries``-th delivery is dead-lettered; before that it stays
    pending and is claimed back after ``claim_idle_ms``. Dead-letter records are written in
    the same transaction.
@@ -247,9 +249,29 @@ class _Outcome:
     def ack(self, entry: _Entry) -> None:
         self.acks.setdefault(entry.stream, []).append(entry.entry_id)
 
+    def copy(self) -> _Outcome:
+        return _Outcome(
+            acks={stream: list(ids) for stream, ids in self.acks.items()},
+            handled=dict(self.handled),
+            duplicates=self.duplicates,
+            dead=list(self.dead),
+            dead_ids=dict(self.dead_ids),
+        )
+
     @property
     def count(self) -> int:
         return sum(len(ids) for ids in self.acks.values())
+
+
+class _HandlersFailed(Exception):
+    """The optimistic pass over a batch's handlers (no savepoint) raised ``error``: the
+    transaction is rolled back and the batch runs again, a savepoint per entry. ``only``:
+    the entry's key when the pass had one entry (it is not run a second time)."""
+
+    def __init__(self, error: Exception, only: str | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.only = only
 
 
 def _text(value: Any) -> str:
@@ -323,6 +345,7 @@ class Consumer:
         self._ready = False
         self._schema_ready = False
         self._cursors: dict[str, str] = {}
+        self._next_autoclaim: dict[str, float] = {}  # per stream: its last scan was empty
         self._carry: list[_Entry] = []  # a batch whose transaction failed: retried first
         self._unacked: _Outcome | None = None  # committed but not yet acknowledged
         self._next_maintenance = 0.0
@@ -623,6 +646,7 @@ class Consumer:
         if "NOGROUP" in str(exc):
             self._ready = False
             self._cursors.clear()
+            self._next_autoclaim.clear()
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -725,9 +749,12 @@ class Consumer:
     def _claim(self, room: int) -> list[_Entry]:
         claimed = self._claim_from_dead(room)
         taken = {(entry.stream, entry.entry_id) for entry in claimed}
+        now = time.monotonic()
         for name in self.streams:
             if room - len(claimed) <= 0:
                 break
+            if now < self._next_autoclaim.get(name, 0.0):
+                continue
             try:
                 reply = self.redis.xautoclaim(
                     name,
@@ -742,6 +769,9 @@ class Consumer:
                 raise
             self._cursors[name] = _text(reply[0])
             entries = [(_text(eid), raw) for eid, raw in reply[1]]
+            if not entries and self._cursors[name] == "0-0":
+                # The whole pending list was scanned and nothing was idle long enough.
+                self._next_autoclaim[name] = now + self._autoclaim_pause
             entries = [(eid, raw) for eid, raw in entries if (name, eid) not in taken]
             if not entries:
                 continue
@@ -758,6 +788,10 @@ class Consumer:
                 extra=fields(group=self.group, stream=name, count=len(entries)),
             )
         return claimed
+
+    @property
+    def _autoclaim_pause(self) -> float:
+        return min(self.config.claim_idle_ms / 2, 1000) / 1000
 
     def _read(self, room: int, *, block: bool) -> list[_Entry]:
         groups = self._slot_groups()
@@ -848,21 +882,36 @@ class Consumer:
                 continue
             events.append((entry, event))
 
+        # Optimistic: the handlers run without a savepoint. If one raises, the transaction
+        # is rolled back and the batch runs again with a savepoint per entry.
+        decoded = outcome.copy()
+        try:
+            self._transact(events, outcome, None)
+        except _HandlersFailed as failed:
+            outcome = decoded
+            self._transact(events, outcome, failed)
+        for dead in outcome.dead:
+            outcome.ack(dead.entry)
+        return outcome
+
+    def _transact(
+        self,
+        events: list[tuple[_Entry, ConsumedEvent]],
+        outcome: _Outcome,
+        failed: _HandlersFailed | None,
+    ) -> None:
         session = self.inbox.session()
         defer_writes(session)
         try:
             with session.begin():
                 conn = session.connection()
-                self._deduplicate_and_handle(session, conn, events, outcome)
+                self._deduplicate_and_handle(session, conn, events, outcome, failed)
                 if outcome.dead:
                     outcome.dead_ids = self.inbox.dead_letter_insert(
                         conn, [self._dead_row(d) for d in outcome.dead]
                     )
         finally:
             session.close()
-        for dead in outcome.dead:
-            outcome.ack(dead.entry)
-        return outcome
 
     def _deduplicate_and_handle(
         self,
@@ -870,6 +919,7 @@ class Consumer:
         conn: Connection,
         events: list[tuple[_Entry, ConsumedEvent]],
         outcome: _Outcome,
+        failed: _HandlersFailed | None,
     ) -> None:
         if not events:
             return
@@ -917,7 +967,7 @@ class Consumer:
             else:
                 outcome.duplicates += 1
                 outcome.ack(entry)
-        failures = self._handle(session, [event for _entry, event in fresh])
+        failures = self._handle(session, [event for _entry, event in fresh], failed)
         failed_identities: set[str] = set()
         for entry, event in fresh:
             exc = failures.get(_key(event))
@@ -957,24 +1007,33 @@ class Consumer:
             outcome.duplicates += 1
             outcome.ack(entry)
 
-    def _handle(self, session: Session, events: list[ConsumedEvent]) -> dict[str, BaseException]:
+    def _handle(
+        self, session: Session, events: list[ConsumedEvent], failed: _HandlersFailed | None
+    ) -> dict[str, BaseException]:
         """Run the handlers of ``events``; return the failures by entry key.
 
-        Optimistic: all of them in ONE savepoint (two statements for the whole batch), their
-        deferred writes (``consumer.bulk``: ``Store.enqueue(..., session=tx.session)``) and
-        ORM objects (``tx.session.add``: insertmanyvalues) flushed once at its end. Only if a
-        handler or that flush raises is the savepoint rolled back and each entry run again in
-        a savepoint of its own, so only the failing ones lose their work: per-entry
-        savepoints are paid when a handler fails, never on the happy path.
+        First pass (``failed`` is None), optimistic: all of them together, with no savepoint,
+        their deferred writes (``consumer.bulk``: ``Store.enqueue(..., session=tx.session)``)
+        and ORM objects (``tx.session.add``: insertmanyvalues) flushed once at the end. If a
+        handler or that flush raises, :class:`_HandlersFailed` rolls the whole transaction
+        back and the batch runs again (``failed`` given): each entry in a savepoint of its
+        own, so only the failing ones lose their work. Savepoints are paid when a handler
+        fails, never on the happy path. A batch whose one handler failed is not run again.
         """
         if not events:
             return {}
         tx = ConsumerTx(session=session, group=self.group)
-        failure = self._attempt(session, events, tx)
-        if failure is None:
+        if failed is None:
+            try:
+                self._call(events, tx)
+                flush_deferred(session)
+                session.flush()
+            except Exception as exc:
+                discard_deferred(session)
+                raise _HandlersFailed(exc, _key(events[0]) if len(events) == 1 else None) from exc
             return {}
-        if len(events) == 1:
-            return {_key(events[0]): failure}
+        if len(events) == 1 and failed.only == _key(events[0]):
+            return {failed.only: failed.error}
         failures: dict[str, BaseException] = {}
         for event in events:
             failure = self._attempt(session, [event], tx)

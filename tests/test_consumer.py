@@ -5,6 +5,7 @@ not depend on the relay."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -207,6 +208,34 @@ def test_entry_of_a_dead_consumer_is_claimed_back_and_handled_once(
     got = redis_client.xreadgroup("billing", "ghost", {stream: ">"}, count=10)
     assert len(got[0][1]) == 1  # type: ignore[index]
     assert consumer.run_once(block=False) == 1  # XAUTOCLAIM takes it over
+    assert job_identities(consumer.engine) == ["studio:a"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_an_empty_idle_scan_waits_half_the_claim_idle_time_before_the_next(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    """XAUTOCLAIM is not paid on every batch: once a scan of the pending list finds nothing
+    idle, the next waits min(claim_idle_ms / 2, 1 s). A due entry is still claimed back."""
+    consumer = make(claim_idle_ms=600)
+    calls: list[float] = []
+    real = consumer.redis.xautoclaim
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    consumer.redis.xautoclaim = counting  # type: ignore[method-assign]
+    consumer.run_once(block=False)  # creates the group; the first scan finds nothing
+    started = time.monotonic()
+    while time.monotonic() - started < 0.2:
+        consumer.run_once(block=False)
+    assert len(calls) == 1  # 0.2 s of batches, one scan (the pause is 0.3 s)
+    publish(redis_client, stream, "studio:a", "evt-a")
+    got = redis_client.xreadgroup("billing", "ghost", {stream: ">"}, count=10)
+    assert len(got[0][1]) == 1  # type: ignore[index]
+    wait_for(lambda: consumer.run_once(block=False) == 1, "the idle entry claimed", timeout=20)
+    assert len(calls) >= 2 and calls[1] - calls[0] >= 0.3
     assert job_identities(consumer.engine) == ["studio:a"]
     assert redis_client.xpending(stream, "billing")["pending"] == 0
 
@@ -505,6 +534,48 @@ def test_deferred_writes_are_flushed_once_per_batch_and_dropped_with_a_failing_e
     assert flushes == [["d"], ["e"]]
     assert sorted(job_identities(consumer.engine)) == ["a", "b", "c", "d", "e"]
     assert redis_client.xpending(stream, "billing")["pending"] == 1
+
+
+def test_savepoints_are_paid_only_when_a_handler_fails(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    """The happy path runs the batch's handlers with no savepoint; a failure rolls the batch
+    back and runs it again, a savepoint per entry. A batch of one failing entry is not run a
+    second time: its handler runs once per delivery."""
+    calls: list[str] = []
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        calls.append(event.identity)
+        tx.session.execute(insert(jobs).values(identity=event.identity, event_id=event.id))
+        if event.identity.startswith("bad"):
+            raise ValueError("refused")
+
+    consumer = make(handler=handler)
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement.split()[0].upper())
+
+    sa.event.listen(consumer.engine, "before_cursor_execute", record)
+    for name in ("a", "b"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    assert consumer.run_once(block=False) == 2
+    assert "SAVEPOINT" not in statements and calls == ["a", "b"]
+
+    statements.clear()
+    calls.clear()
+    for name in ("c", "bad-1", "d"):
+        publish(redis_client, stream, name, f"evt-{name}")
+    assert consumer.run_once(block=False) == 2
+    assert statements.count("SAVEPOINT") == 3  # the second pass: one per entry
+    assert calls == ["c", "bad-1", "c", "bad-1", "d"]  # the first pass stopped at bad-1
+
+    calls.clear()
+    publish(redis_client, stream, "bad-2", "evt-bad-2")
+    assert consumer.run_once(block=False) == 0
+    assert calls == ["bad-2"]
+    assert sorted(job_identities(consumer.engine)) == ["a", "b", "c", "d"]
+    assert redis_client.xpending(stream, "billing")["pending"] == 2
 
 
 def test_orm_objects_added_by_handlers_commit_with_their_entry(
