@@ -84,6 +84,35 @@ def test_enqueue_is_idempotent_per_tenant(store: Store) -> None:
     assert store.get(first.job_id).payload == {"n": 1}
 
 
+def test_a_claimed_lease_carries_the_job_as_written(store: Store) -> None:
+    """The claim's row becomes the Lease (PostgreSQL: prepared text, psycopg's own types):
+    JSON payload, names, numbers and an unset timer come back as they were written."""
+    store.enqueue(
+        "studio",
+        "send-quote-017",
+        kind="email",
+        subject="quote-017",
+        subject_version="v3",
+        payload={"n": 1, "to": ["a@example.com"], "ok": True, "x": 1.5, "none": None},
+        provider="mail",
+    )
+    [lease] = store.claim_batch("worker-a", 10, ttl=60, now=100)
+    assert (lease.tenant, lease.action, lease.kind, lease.subject) == (
+        "studio",
+        "send-quote-017",
+        "email",
+        "quote-017",
+    )
+    assert lease.payload == {"n": 1, "to": ["a@example.com"], "ok": True, "x": 1.5, "none": None}
+    assert (lease.subject_version, lease.provider) == ("v3", "mail")
+    assert (lease.attempts, lease.epoch) == (1, 1)
+    assert (lease.worker, lease.expires_at, lease.timer) == ("worker-a", 160.0, None)
+    assert isinstance(lease.job_id, int) and isinstance(lease.expires_at, float)
+    result = store.finish_batch([lease])
+    assert (result.done, result.conflicts) == ([lease.job_id], [])
+    assert store.finish_batch([lease]).conflicts == [lease.job_id]  # already finished
+
+
 def test_enqueue_joins_the_callers_transaction(db_url: str) -> None:
     engine = make_engine(db_url)
     store = Store(engine)
