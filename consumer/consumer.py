@@ -1025,11 +1025,8 @@ class Consumer:
         tx = ConsumerTx(session=session, group=self.group)
         if failed is None:
             try:
-                self._call(events, tx)
-                flush_deferred(session)
-                session.flush()
+                self._run(session, events, tx)
             except Exception as exc:
-                discard_deferred(session)
                 raise _HandlersFailed(exc, _key(events[0]) if len(events) == 1 else None) from exc
             return {}
         if len(events) == 1 and failed.only == _key(events[0]):
@@ -1048,15 +1045,23 @@ class Consumer:
         it was released, else the exception that rolled it back."""
         savepoint = session.begin_nested()
         try:
-            self._call(events, tx)
-            flush_deferred(session)
-            session.flush()
+            self._run(session, events, tx)
         except Exception as exc:
-            discard_deferred(session)
             savepoint.rollback()  # raises if the connection itself is gone: batch retried
             return exc
         savepoint.commit()
         return None
+
+    def _run(self, session: Session, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        """Call ``events``' handlers, then write what they deferred and their ORM objects; if
+        anything raises, what they buffered is dropped and the exception goes on."""
+        try:
+            self._call(events, tx)
+            flush_deferred(session)
+            session.flush()
+        except Exception:
+            discard_deferred(session)
+            raise
 
     def _call(self, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
         batch: dict[str, list[ConsumedEvent]] = {}
