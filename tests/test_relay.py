@@ -27,6 +27,7 @@ from relay import (
     requeue,
     status,
 )
+from tests.services import wait_for
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import RedisTarget, target_for
@@ -219,10 +220,11 @@ def test_transient_failure_backs_off_and_holds_back_only_its_key(
         first = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
         assert b1 in first
         assert [i for i in first if i != b1] == [a1, a2, a3][: len(first) - 1]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and client.xlen(f"{stream_prefix}.t") < 4:
-            relay.run_once()
-            time.sleep(0.05)
+        wait_for(
+            lambda: relay.run_once() >= 0 and client.xlen(f"{stream_prefix}.t") >= 4,
+            "the four events in the stream",
+            timeout=10,
+        )
         got = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
         assert sorted(got) == sorted([b1, a1, a2, a3])
         assert [i for i in got if i != b1] == [a1, a2, a3]
@@ -364,10 +366,11 @@ def test_intent_without_receipt_is_reconciled_not_duplicated(
     relay.run_once()
     # The orphaned intents block their keys until the publish window has passed.
     assert [e["id"] for e in entries(redis_client, stream)] == [sent]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(entries(redis_client, stream)) < 3:
-        relay.run_once()
-        time.sleep(0.05)
+    wait_for(
+        lambda: relay.run_once() >= 0 and len(entries(redis_client, stream)) >= 3,
+        "the three events in the stream",
+        timeout=10,
+    )
     got = [e["id"] for e in entries(redis_client, stream)]
     assert sorted(got) == sorted([sent, unsent, later])  # nothing twice
     assert got.index(sent) < got.index(later)
@@ -387,11 +390,12 @@ def test_redis_down_keeps_intents_and_recovers_without_duplicates(
     broken.store.close()
     assert all(r["attempts"] == 1 and r["state"] == "pending" for r in rows(outbox))
     relay = make_relay(outbox, redis_client, stream_prefix)
-    deadline = time.monotonic() + 10
     stream = f"{stream_prefix}.t"
-    while time.monotonic() < deadline and len(entries(redis_client, stream)) < 9:
-        relay.run_once()
-        time.sleep(0.05)
+    wait_for(
+        lambda: relay.run_once() >= 0 and len(entries(redis_client, stream)) >= 9,
+        "the nine events in the stream",
+        timeout=10,
+    )
     got = [e["id"] for e in entries(redis_client, stream)]
     assert sorted(got) == sorted(ids)
     for k in range(3):
@@ -494,19 +498,15 @@ def test_replicas_share_partitions_and_publish_everything_once_in_order(
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not all(r.store.owned for r in relays):
-            time.sleep(0.05)  # the replicas even out their shares
-        assert all(r.store.owned for r in relays)
+        # The replicas even out their shares.
+        wait_for(lambda: all(r.store.owned for r in relays), "both replicas owning", timeout=20)
         for n in range(30):
             with outbox.transaction() as tx:
                 for k in keys[n % 4 :: 4]:
                     expected[k].append(tx.emit("t", key=k, payload={"n": n}))
         total = sum(len(v) for v in expected.values())
-        deadline = time.monotonic() + 30
         stream = f"{stream_prefix}.t"
-        while time.monotonic() < deadline and redis_client.xlen(stream) < total:
-            time.sleep(0.05)
+        wait_for(lambda: redis_client.xlen(stream) >= total, "every event published", timeout=30)
     finally:
         stop.set()
         for t in threads:
@@ -576,12 +576,14 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     assert not set(waiting) & {e["id"] for e in entries(redis_client, good)}
     redis_client.delete(f"{stream_prefix}.bad")
     requeue(outbox.engine, outbox.schema, [head])
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not set(waiting) <= {
-        e["id"] for e in entries(redis_client, good)
-    }:
-        relay.run_once()
-        time.sleep(0.01)
+    wait_for(
+        lambda: (
+            relay.run_once() >= 0 and set(waiting) <= {e["id"] for e in entries(redis_client, good)}
+        ),
+        "K's waiting rows published",
+        timeout=20,
+        interval=0.01,
+    )
     got = [e["id"] for e in entries(redis_client, good)]
     assert [i for i in got if i in waiting] == waiting
     assert set(others) <= set(got)
@@ -597,9 +599,7 @@ def test_run_until_stop_then_run_again(
         tx.emit("t", key="k", payload={"n": 1})
     thread = threading.Thread(target=relay.run)
     thread.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and relay.stats.published < 1:
-        time.sleep(0.02)
+    wait_for(lambda: relay.stats.published >= 1, "the first event published", timeout=20)
     relay.stop()
     thread.join(timeout=20)
     assert not thread.is_alive()
@@ -609,9 +609,7 @@ def test_run_until_stop_then_run_again(
     thread.start()
     with outbox.transaction() as tx:
         tx.emit("t", key="k", payload={"n": 2})
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and relay.stats.published < 2:
-        time.sleep(0.02)
+    wait_for(lambda: relay.stats.published >= 2, "the second event published", timeout=20)
     stop.set()
     thread.join(timeout=20)
     assert not thread.is_alive()

@@ -35,6 +35,7 @@ from relay.publisher import marker_key
 from relay.redis_health import check_persistence
 from relay.republish import parse_since, republish
 from relay.store import open_store
+from tests.services import wait_for
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from services import PrivateRedis
@@ -108,11 +109,14 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def run_until(relay: Relay, condition: Callable[[], bool], timeout: float = 10.0) -> None:
     """Run the relay's cycles until ``condition`` holds (its periodic checks are timed)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
+
+    def cycle() -> bool:
+        if condition():
+            return True
         relay.run_once()
-        time.sleep(0.02)
+        return False
+
+    wait_for(cycle, "the condition", timeout=timeout, interval=0.02)
 
 
 def checking_relay(outbox: Outbox, client: redis.Redis, hooks: Hooks) -> Relay:
@@ -533,12 +537,13 @@ def test_flush_after_half_consumed_then_republish_gives_one_job_per_identity(
             return int(conn.execute(sa.text(sql)).scalar_one())
 
     def wait(condition: Any, what: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{what}; relay log:\n{log_path.read_text()[-3000:]}")
+        wait_for(
+            condition,
+            what,
+            timeout=timeout,
+            interval=0.1,
+            diagnose=lambda: f"relay log:\n{log_path.read_text()[-3000:]}",
+        )
 
     log_path = tmp_path / "relay.log"
     with PrivateRedis() as server:
@@ -629,13 +634,19 @@ def test_a_relay_process_exports_persistence_and_a_data_loss(
             return ""
 
     def wait(text: str) -> str:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def exported() -> str | None:
             body = scrape()
-            if text in body:
-                return body
-            time.sleep(0.1)
-        raise AssertionError(f"{text!r} not exported; relay log:\n{log_path.read_text()[-3000:]}")
+            return body if text in body else None
+
+        body = wait_for(
+            exported,
+            f"{text!r} exported",
+            timeout=60,
+            interval=0.1,
+            diagnose=lambda: f"relay log:\n{log_path.read_text()[-3000:]}",
+        )
+        assert body is not None
+        return body
 
     log_path = tmp_path / "relay.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
@@ -652,9 +663,7 @@ def test_a_relay_process_exports_persistence_and_a_data_loss(
             assert 'outbox_relay_redis_persistence{mode="aof"} 0.0' in body
             assert "outbox_relay_redis_data_loss_timestamp_seconds" not in body
             emit(outbox, 3)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and client.xlen("outbox.t") < 3:
-                time.sleep(0.05)
+            wait_for(lambda: client.xlen("outbox.t") >= 3, "three events published", timeout=60)
             client.flushall()
             emit(outbox, 1, start=3)
             wait("outbox_relay_redis_data_loss_timestamp_seconds ")
