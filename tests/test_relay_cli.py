@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox
 from relay.cli import main
+from tests.services import wait_for
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import RedisTarget
@@ -162,9 +162,7 @@ def test_sigterm_drains_and_exits_zero(
             tx.emit_many(
                 [{"topic": "t", "key": f"k{i % 50}", "payload": {"i": i}} for i in range(2000)]
             )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and target_client.xlen(stream) == 0:
-            time.sleep(0.02)
+        wait_for(lambda: target_client.xlen(stream) > 0, "publishing to start", timeout=30)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
     finally:
@@ -202,10 +200,12 @@ def test_run_waits_for_database_instead_of_exiting(tmp_path: Path, redis_url: st
         proc = subprocess.Popen([sys.executable, "-m", "relay", "run"], env=env, stderr=log)
     try:
         # Observable: it logs a retry, backs off, and retries again instead of exiting.
-        deadline = time.monotonic() + 60
-        while log_path.read_text().count("retrying") < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.05)
+        wait_for(
+            lambda: log_path.read_text().count("retrying") >= 2 or proc.poll() is not None,
+            "two retries logged",
+            timeout=60,
+            diagnose=log_path.read_text,
+        )
         assert proc.poll() is None, log_path.read_text()  # still waiting, not exited
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log_path.read_text()
@@ -267,17 +267,13 @@ def test_run_serves_metrics(
     try:
         with outbox.transaction() as tx:
             tx.emit_many([{"topic": "t", "key": f"k{i}", "payload": {}} for i in range(10)])
-        deadline = time.monotonic() + 30
-        body = ""
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    body = r.read().decode()
-            except OSError:
-                body = ""
-            if 'outbox_relay_published_total{topic="t"} 10.0' in body:
-                break
-            time.sleep(0.1)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text: str = r.read().decode()
+            return text if 'outbox_relay_published_total{topic="t"} 10.0' in text else ""
+
+        body = wait_for(scrape, "ten events counted", timeout=30, interval=0.1, ignore=(OSError,))
         assert 'outbox_relay_published_total{topic="t"} 10.0' in body
         assert "outbox_relay_commit_to_stream_seconds_count" in body
         assert "outbox_relay_last_success_timestamp_seconds" in body

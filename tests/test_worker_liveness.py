@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -123,11 +122,14 @@ def test_an_idle_handler_keeps_its_lease_and_a_clean_stop_removes_the_row(db_url
         survivor = Worker(store, name="survivor", liveness_ttl=0.5, liveness_interval=0.1)
         wait_for(lambda: "busy" in _rows(store), "its first beat", timeout=30)
         alive = _rows(store)["busy"]
+
         # Sweep until the busy worker's row has been renewed past several ttls of idleness.
-        while _rows(store)["busy"] < alive + 1.5:
+        def swept_while_renewed() -> bool:
             assert survivor.beat().requeued == 0
             assert store.get(job_id).lease_owner == "busy"
-            time.sleep(0.05)
+            return _rows(store)["busy"] >= alive + 1.5
+
+        wait_for(swept_while_renewed, "the busy worker's row renewed", timeout=30)
         release.set()
         wait_for(lambda: store.get(job_id).state == DONE, "the job to finish", timeout=30)
     finally:
