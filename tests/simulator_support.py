@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from tests.services import wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -213,14 +215,12 @@ class SimulatorProcess:
     def wait_for_effects(self, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
         """Poll ``/effects`` until at least ``count`` effects exist (an observable condition,
         not a sleep)."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def enough() -> list[dict[str, Any]]:
             effects = self.effects()
-            if len(effects) >= count:
-                return effects
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(effects)} effects, expected {count}, in {timeout} s")
-            time.sleep(0.05)
+            return effects if len(effects) >= count else []
+
+        return wait_for(enough, f"{count} effects", timeout=timeout)
 
 
 # -- a worker app for ``outbox-worker run tests.simulator_support:build_http_worker`` ------------

@@ -277,10 +277,11 @@ def test_relay_reconciles_a_lost_reply_slot_by_slot_without_duplicates(
     with pytest.raises(redis.ConnectionError):
         relay.run_once()
     assert sorted(stream_ids(cluster_client, streams)) == sorted(ids)  # published, no receipt
-    deadline = time.monotonic() + 20
-    while relay.stats.reconciled_found < 200 and time.monotonic() < deadline:
-        relay.run_once()  # reconciles once the lost batch's publish window has passed
-        time.sleep(0.05)
+    wait_for(  # reconciles once the lost batch's publish window has passed
+        lambda: relay.run_once() >= 0 and relay.stats.reconciled_found >= 200,
+        "the lost batch reconciled",
+        timeout=20,
+    )
     assert relay.stats.reconciled_found == 200
     assert sorted(stream_ids(cluster_client, streams)) == sorted(ids)  # nothing twice
     assert status(outbox.engine, outbox.schema)["pending"] == 0
@@ -336,10 +337,11 @@ def test_wait_replicas_unconfirmed_on_one_server_is_reconciled_not_assumed(
         relay.store.close()
         # An operator drops the requirement (no replica here): the batch is found, once.
         relay = Relay(outbox, publisher, dataclasses.replace(config, wait_replicas=0))
-        deadline = time.monotonic() + 20
-        while relay.stats.reconciled_found < 20 and time.monotonic() < deadline:
-            relay.run_once()
-            time.sleep(0.05)
+        wait_for(
+            lambda: relay.run_once() >= 0 and relay.stats.reconciled_found >= 20,
+            "the batch reconciled",
+            timeout=20,
+        )
         assert relay.stats.reconciled_found == 20
         assert status(outbox.engine, outbox.schema)["pending"] == 0
         got = [f[b"id"].decode() for _e, f in client.xrange(f"{stream_prefix}.quote.approved")]
@@ -677,12 +679,13 @@ def test_cli_relay_consumer_and_worker_on_the_cluster(
                     )
             return effects_file.exists() and len(effects_file.read_text().split()) >= 90
 
-        deadline = time.monotonic() + 60
-        while not done():
-            if time.monotonic() > deadline:
-                tails = {n: p.read_text()[-1500:] for n, p in logs.items()}
-                raise AssertionError(f"not every identity got its effect: {tails}")
-            time.sleep(0.1)
+        wait_for(
+            done,
+            "every identity's effect",
+            timeout=60,
+            interval=0.1,
+            diagnose=lambda: str({n: p.read_text()[-1500:] for n, p in logs.items()}),
+        )
         codes = {}
         for name in ("relay", "consumer", "worker"):
             procs[name].send_signal(signal.SIGTERM)
@@ -724,10 +727,11 @@ def test_a_slot_that_lost_its_entries_is_detected_and_republished(
     cluster_client.delete(lost_stream)
     cluster_client.delete(publisher.marker_for(lost_stream))
     later = emit_events(outbox, topics, 4)
-    deadline = time.monotonic() + 20
-    while cluster_client.xlen(lost_stream) < 12 and time.monotonic() < deadline:
-        relay.run_once()
-        time.sleep(0.05)
+    wait_for(
+        lambda: relay.run_once() >= 0 and cluster_client.xlen(lost_stream) >= 12,
+        "the lost stream refilled",
+        timeout=20,
+    )
     assert relay.stats.data_loss_detected == 1
     lost_ids = stream_ids(cluster_client, [lost_stream])
     assert sorted(set(lost_ids)) == sorted(first[0::2] + later[0::2])  # republished + new
