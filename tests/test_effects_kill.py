@@ -110,6 +110,7 @@ def kill_after_acceptance(
 ) -> None:
     """Start a worker, let the simulator meet ``fault`` on the first send, SIGKILL the
     worker while its call is in flight."""
+    met = sim.stats()["faults"]
     sim.faults({**fault, "count": 1})
     first = start_worker(db_url, sim, capability)
     try:
@@ -117,6 +118,11 @@ def kill_after_acceptance(
             sim.wait_for_effects(1, timeout=60)
         else:  # not acted yet: the request is in the simulator, nothing listed
             wait_for(lambda: _attempts(db_url) >= 1, "the first call to start", timeout=60)
+            # The intent is written before the request leaves: kill only once the simulator
+            # has met the fault, or the unspent fault would meet the next worker's resend.
+            wait_for(
+                lambda: sim.stats()["faults"] > met, "the request at the simulator", timeout=60
+            )
         first.send_signal(signal.SIGKILL)
         assert first.wait(30) == -signal.SIGKILL
     finally:
