@@ -1,0 +1,104 @@
+"""The documentation cannot rot: every Python block of every page runs, and the site builds
+with ``mkdocs build --strict`` (docs/contributing.md, "Code blocks")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.docs_runner import blocks, marks, python_blocks
+from tests.services import PrivateRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+RUNNER = Path(__file__).resolve().parent / "docs_runner.py"
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+PAGES_WITH_CODE = [page for page in PAGES if any(not b.not_run for b in python_blocks(page))]
+
+
+@pytest.fixture(scope="module")
+def docs_redis() -> Iterator[str]:
+    server = PrivateRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
+def test_page_code_runs(page: Path, pg_url: str, docs_redis: str, tmp_path: Path) -> None:
+    """The page's blocks run as written, in order, in a fresh directory; PostgreSQL and Redis
+    URLs of the page point at a fresh schema and a private Redis server."""
+    client = redis.Redis.from_url(docs_redis)
+    client.flushall()
+    client.close()
+    env = {
+        **os.environ,
+        "OUTBOX_DOCS_DATABASE_URL": pg_url,
+        "OUTBOX_DOCS_REDIS_URL": docs_redis,
+    }
+    for name in list(env):
+        if name.startswith("OUTBOX_") and not name.startswith("OUTBOX_DOCS_"):
+            del env[name]  # a page runs as it would for a reader, not with this shell's settings
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), str(page)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"{_name(page)}: a code block failed\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    )
+
+
+def test_not_run_marks_are_few_and_give_a_reason() -> None:
+    """``<!-- docs: not run: REASON -->`` marks a fragment; it must say why, and most blocks run."""
+    total = 0
+    skipped: list[str] = []
+    for page in PAGES:
+        for block in python_blocks(page):
+            total += 1
+            if block.not_run is not None:
+                assert block.not_run, f"{_name(page)}:{block.line}: a not-run mark needs a reason"
+                skipped.append(f"{_name(page)}:{block.line}")
+    assert total > 0
+    assert len(skipped) * 4 <= total, f"too many blocks not run ({len(skipped)}/{total}): {skipped}"
+
+
+def test_not_run_marks_stand_before_python_blocks() -> None:
+    """A mark on anything but a python block (or a stray one) is a mistake the runner would
+    silently ignore."""
+    for page in PAGES:
+        found = marks(page)
+        marked = sum(1 for block in blocks(page) if block.not_run is not None and block.is_python)
+        assert len(found) == marked, (
+            f"{_name(page)}: a not-run mark (lines {found}) that is not before a python block"
+        )
+
+
+def test_site_builds_strict(tmp_path: Path) -> None:
+    """Every page is in the nav, every link and anchor resolves: ``mkdocs build --strict``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner about its future
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "index.html").exists()
