@@ -1,0 +1,63 @@
+"""What every part of the job store shares: its settings and its seam to the database.
+
+``Store`` (``consumer.jobs.store``) is assembled from parts by concern: enqueue, reads and
+claims in ``store``, the lease holder's and operators' moves in ``consumer.jobs.moves``,
+recovery in ``consumer.jobs.recovery``. Each part derives from :class:`StoreBase`, which
+holds the driver (every statement goes through it) and the settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy.engine import Connection
+
+from consumer.jobs.driver import JobDriver
+from consumer.jobs.retry import RetryPolicy
+from outbox.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries.
+
+    ``notify`` (PostgreSQL): enqueues, resumes and recoveries NOTIFY, so LISTENing workers
+    claim at once instead of at their next poll. False turns it off (a transaction that sent
+    NOTIFY takes a global lock at commit: heavy concurrent enqueuers may prefer polling)."""
+
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_tenants_scanned: int = 1000
+    recover_limit: int = 500
+    notify: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigError("retry", "must be a RetryPolicy")
+        if not isinstance(self.notify, bool):
+            raise ConfigError("notify", f"must be True or False, got {self.notify!r}")
+        for name in ("max_tenants_scanned", "recover_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+class StoreBase:
+    """The store's seam and settings, as its parts see them (``Store.__init__`` sets them)."""
+
+    driver: JobDriver
+    config: StoreConfig
+
+    def _clock(self, conn: Connection, now: float | None) -> float:
+        return self.driver.clock_read(conn, now)
+
+    def _record(
+        self,
+        conn: Connection,
+        job_id: int,
+        epoch: int | None,
+        worker: str | None,
+        outcome: str,
+        error: str | None,
+        clock: float,
+    ) -> None:
+        self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, error, clock)

@@ -1,0 +1,663 @@
+"""The job store's storage seam, the SQL both databases share: :class:`JobDriver`.
+
+In the spirit of River's ``riverdriver``: :class:`consumer.jobs.store.Store` validates, decides
+and keeps the contract; a :class:`JobDriver` runs the SQL. Methods are named noun first
+(``job_claim_batch``, ``job_update_fenced``, ``operation_insert``) and take an open
+:class:`~sqlalchemy.engine.Connection` so that several of them make one transaction
+(:meth:`JobDriver.begin`). What differs between the databases lives in the subclasses, each
+in its own module: ``consumer.jobs.driver_pg`` and ``consumer.jobs.driver_sqlite``;
+``consumer.jobs.driver`` picks one for an engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
+
+from sqlalchemy import (
+    ColumnElement,
+    case,
+    delete,
+    func,
+    insert,
+    inspect,
+    select,
+    text,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import StaticPool
+
+from consumer.bulk import bulk_insert
+from consumer.jobs.schema import (
+    OPEN_RECEIPTS_INDEX,
+    attempts,
+    jobs,
+    metadata,
+    operations,
+    workers,
+)
+from consumer.jobs.states import LEASED, WAITING
+from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
+
+READY_CHANNEL_SQL = "left('outbox_jobs_ready.' || current_schema(), 63)"
+"""PostgreSQL NOTIFY channel: jobs became READY (enqueued, resumed, recovered, timers fired).
+One channel per schema (``outbox_jobs_ready.<schema>``, computed by the server from the
+session's ``current_schema()``, where the job table resolves): NOTIFY channels are
+database-wide, and job stores in other schemas of the same database must not wake each
+other's workers (nor make a quiet store look loud). A transaction that sent NOTIFY takes a
+global lock at commit (it serialises heavy concurrent enqueuers): ``StoreConfig(notify=False)``
+turns it off, and workers poll."""
+
+INSERT_CHUNK = 500
+"""Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""
+
+_NO_TIMER: dict[str, Any] = {
+    "timer_scheduled_for": None,
+    "timer_reason": None,
+    "timer_subject_version": None,
+    "timer_cancellation_condition": None,
+}
+
+
+class _Fenced(Exception):
+    """Internal: the lease is not held; roll the transaction back."""
+
+
+class ReadyListener(Protocol):
+    """A wake-up source for idle workers: ``wait`` returns True when jobs became READY."""
+
+    def wait(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class JobDriver:
+    """The SQL both databases share; subclasses override what differs (module docstring)."""
+
+    name = "generic"
+
+    def __init__(self, engine: Engine, *, notify: bool = True) -> None:
+        self.engine = engine
+        self.notify = notify  # PostgreSQL: NOTIFY the ready channel when jobs become READY
+        # An in-memory SQLite database is ONE connection shared by every thread (StaticPool):
+        # transactions must not interleave on it.
+        self._lock: AbstractContextManager[Any] = (
+            threading.RLock() if isinstance(engine.pool, StaticPool) else nullcontext()
+        )
+
+    # -- connections and schema -----------------------------------------------------------
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A short read-write transaction owned by the store (commits on success)."""
+        with self._lock, self.engine.connect() as conn:
+            self._prepare(conn)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """For ONE write statement that commits on its own (PostgreSQL: no BEGIN and COMMIT
+        round trips; here: a short transaction)."""
+        with self.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A connection for reads."""
+        with self._lock, self.engine.connect() as conn:
+            yield conn
+
+    def _prepare(self, conn: Connection) -> None:
+        """Per-dialect set-up of a write transaction before it begins."""
+
+    def schema_create(self, conn: Connection) -> None:
+        """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
+        metadata.create_all(conn, checkfirst=True)
+        _add_missing_columns(conn)
+
+    # -- wake-up --------------------------------------------------------------------------
+
+    def job_ready_notify(self, conn: Connection) -> None:
+        """Tell listening workers that jobs became READY (at ``conn``'s commit)."""
+
+    @property
+    def ready_channel_sql(self) -> str | None:
+        """SQL naming the channel an INSERT of READY jobs notifies, or None (no NOTIFY)."""
+        return None
+
+    def job_ready_listener(self) -> ReadyListener | None:
+        """A listener for :meth:`job_ready_notify` and enqueues, or None (poll only)."""
+        return None
+
+    def clock_read(self, conn: Connection, now: float | None) -> float:
+        """``now`` if given, else the database clock in unix seconds."""
+        if now is not None:
+            return now
+        return float(conn.execute(select(db_epoch())).scalar_one())
+
+    # -- jobs: insert ---------------------------------------------------------------------
+
+    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+        """Insert one job or find the existing ``(tenant, action)``: ``(id, created)``.
+
+        ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
+        inserts, so RETURNING is how we learn whether this call created the row."""
+        stmt = (
+            insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
+            .values(**values)
+            .returning(jobs.c.id)
+        )
+        new_id = conn.execute(stmt).scalar()
+        if new_id is not None:
+            return int(new_id), True
+        existing = conn.execute(
+            select(jobs.c.id).where(
+                jobs.c.tenant == values["tenant"], jobs.c.action == values["action"]
+            )
+        ).scalar()
+        if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
+            raise LookupError(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
+        return int(existing), False
+
+    def job_insert_many(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """Insert many jobs, one statement per :data:`INSERT_CHUNK`; returns the ids of the
+        identities created and of those that existed (``consumer.bulk.bulk_insert``: binary
+        ``unnest`` arrays on PostgreSQL, insertmanyvalues on SQLite).
+
+        ``created_at``/``updated_at`` are numbers, or the database clock as an expression
+        (the same object in every row): :meth:`stamped_rows` makes them what this database
+        can bind."""
+        rows = self.stamped_rows(conn, rows)
+        created: dict[tuple[str, str], int] = {}
+        for start in range(0, len(rows), INSERT_CHUNK):
+            returned = bulk_insert(
+                conn,
+                jobs,
+                rows[start : start + INSERT_CHUNK],
+                conflict=("tenant", "action"),
+                returning=("id", "tenant", "action"),
+                notify=self.ready_channel_sql,
+            )
+            for job_id, tenant, action in returned:
+                created[(tenant, action)] = int(job_id)
+        missing = sorted({(r["tenant"], r["action"]) for r in rows} - set(created))
+        existing: dict[tuple[str, str], int] = {}
+        for start in range(0, len(missing), INSERT_CHUNK):
+            existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
+        return created, existing
+
+    def stamped_rows(
+        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+    ) -> Sequence[Mapping[str, Any]]:
+        """Rows whose timestamps are the database clock get the clock read once (one value
+        for the whole call, as ``now()`` is on PostgreSQL)."""
+        stamp = rows[0]["created_at"]
+        if isinstance(stamp, (int, float)):
+            return rows
+        value = self.clock_read(conn, None)
+        return [{**row, "created_at": value, "updated_at": value} for row in rows]
+
+    def job_ids(
+        self, conn: Connection, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], int]:
+        """The ids of existing jobs among ``(tenant, action)`` keys (SQLite: a row-value IN
+        list, which its planner answers from the unique index)."""
+        query = select(jobs.c.id, jobs.c.tenant, jobs.c.action).where(
+            tuple_(jobs.c.tenant, jobs.c.action).in_(list(keys))
+        )
+        return {(tenant, action): int(job_id) for job_id, tenant, action in conn.execute(query)}
+
+    # -- jobs: reads ----------------------------------------------------------------------
+
+    def job_get(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        return conn.execute(select(jobs).where(where)).first()
+
+    def job_state(self, conn: Connection, where: ColumnElement[bool]) -> str | None:
+        state = conn.execute(select(jobs.c.state).where(where)).scalar()
+        return None if state is None else str(state)
+
+    def job_lease_state(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        """State, epoch and owner: what a refused fenced move reports."""
+        return conn.execute(
+            select(jobs.c.state, jobs.c.lease_epoch, jobs.c.lease_owner).where(where)
+        ).first()
+
+    def job_count_by_state(self, conn: Connection) -> dict[str, int]:
+        rows = conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all()
+        return {str(state): int(n) for state, n in rows}
+
+    def job_next_timer(self, conn: Connection) -> float | None:
+        """The earliest ``run_after`` of a waiting job (``ix_outbox_jobs_waiting``: one probe)."""
+        value = conn.execute(
+            select(func.min(jobs.c.run_after)).where(jobs.c.state.in_(WAITING))
+        ).scalar()
+        return None if value is None else float(value)
+
+    def attempt_list(self, conn: Connection, job_id: int) -> Sequence[Any]:
+        return conn.execute(
+            select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)
+        ).all()
+
+    # -- jobs: claiming -------------------------------------------------------------------
+
+    def job_lock_for_claim(self, conn: Connection, where: ColumnElement[bool]) -> Any:
+        """Lock one job row (PostgreSQL; SQLite holds its write lock already) so a claim's
+        check and move are one step."""
+        return conn.execute(
+            select(
+                jobs.c.id,
+                jobs.c.state,
+                jobs.c.run_after,
+                jobs.c.lease_owner,
+                jobs.c.lease_epoch,
+                jobs.c.lease_expires_at,
+                jobs.c.attempts,
+            )
+            .where(where)
+            .with_for_update()
+        ).first()
+
+    def job_lease(
+        self,
+        conn: Connection,
+        job_id: int,
+        state: str,
+        epoch: int,
+        worker: str,
+        expires_at: float,
+        clock: float,
+    ) -> bool:
+        """Lease the job read as ``(state, epoch)`` to ``worker`` with the next epoch."""
+        moved = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.state == state, jobs.c.lease_epoch == epoch)
+            .values(
+                state=LEASED,
+                lease_owner=worker,
+                lease_epoch=epoch + 1,
+                lease_expires_at=expires_at,
+                attempts=jobs.c.attempts + 1,
+                updated_at=clock,
+            )
+            .returning(jobs.c.id)
+        ).first()
+        return moved is not None
+
+    def job_claim_batch(
+        self, conn: Connection, params: dict[str, Any], now_given: bool
+    ) -> Sequence[Any]:
+        """Lease up to ``params["limit"]`` READY jobs fairly across tenants; rows carry
+        ``consumer.jobs.queries.LEASE_COLUMNS``."""
+        raise NotImplementedError
+
+    # -- jobs: the lease holder's moves ---------------------------------------------------
+
+    def job_update_fenced(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        worker: str,
+        epoch: int,
+        values: Mapping[str, Any],
+    ) -> int | None:
+        """The fence: one UPDATE matching (job, epoch, owner, LEASED). The id, or None when
+        no row matched (the caller raises Conflict or JobNotFound)."""
+        row = conn.execute(
+            update(jobs)
+            .where(
+                where,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return None if row is None else int(row[0])
+
+    def job_lease_extend(
+        self, conn: Connection, job_id: int, worker: str, epoch: int, until: Any
+    ) -> bool:
+        """Fenced: make the lease last at least until ``until`` (a number or SQL expression),
+        never shorter than it is. False when the lease is not held."""
+        extended = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
+        moved = self.job_update_fenced(
+            conn, jobs.c.id == job_id, worker, epoch, {"lease_expires_at": extended}
+        )
+        return moved is not None
+
+    def job_lock_held(
+        self, conn: Connection, where: ColumnElement[bool], worker: str, epoch: int
+    ) -> Any:
+        """Lock the job if ``worker`` holds it at ``epoch``: its failure counters."""
+        return conn.execute(
+            select(jobs.c.attempts, jobs.c.auth_failures, jobs.c.first_failed_at, jobs.c.provider)
+            .where(
+                where,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .with_for_update()
+        ).first()
+
+    def job_finish_batch(
+        self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
+    ) -> list[int]:
+        """Finish ``(job_id, epoch)`` leases of ``worker``, each fenced on its own epoch, with
+        their history rows; returns the ids finished (the others lost their lease)."""
+        raise NotImplementedError
+
+    # -- jobs: moves by anyone (operators, timers, recovery) ------------------------------
+
+    def job_update_from(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        from_states: Sequence[str],
+        values: Mapping[str, Any],
+    ) -> int | None:
+        """Move the job if it is in one of ``from_states``: its id, or None."""
+        row = conn.execute(
+            update(jobs)
+            .where(where, jobs.c.state.in_(list(from_states)))
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return None if row is None else int(row[0])
+
+    def job_expired_list(self, conn: Connection, clock: float, limit: int) -> Sequence[Any]:
+        """Expired leases, oldest first, locked with SKIP LOCKED (PostgreSQL)."""
+        return conn.execute(
+            select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+            .where(jobs.c.state == LEASED, jobs.c.lease_expires_at <= clock)
+            .order_by(jobs.c.lease_expires_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+
+    def job_expire(
+        self, conn: Connection, job_id: int, epoch: int, clock: float, values: Mapping[str, Any]
+    ) -> bool:
+        """Take back an expired lease, re-checked against the epoch read: a lease renewed or
+        finished meanwhile is left alone."""
+        hit = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.state == LEASED,
+                jobs.c.lease_expires_at <= clock,
+            )
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return hit is not None
+
+    # -- worker liveness (outbox_workers) -------------------------------------------------
+
+    def worker_beat(self, conn: Connection, name: str, clock: float, ttl: float) -> None:
+        """Upsert ``name``'s liveness row: alive until ``clock + ttl``."""
+        make = postgresql.insert if is_postgresql(conn.dialect.name) else sqlite.insert
+        stmt = make(workers).values(name=name, alive_until=clock + ttl)
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[workers.c.name],
+                set_={"alive_until": stmt.excluded.alive_until},
+            )
+        )
+
+    def worker_delete(self, conn: Connection, name: str) -> None:
+        conn.execute(delete(workers).where(workers.c.name == name))
+
+    def worker_dead_list(self, conn: Connection, clock: float) -> list[str]:
+        """Workers whose liveness row expired (a tiny table: one row per running worker)."""
+        rows = conn.execute(select(workers.c.name).where(workers.c.alive_until <= clock))
+        return [str(r[0]) for r in rows]
+
+    def job_owned_list(self, conn: Connection, owners: Sequence[str], limit: int) -> Sequence[Any]:
+        """LEASED jobs held by ``owners``, locked with SKIP LOCKED (PostgreSQL)."""
+        return conn.execute(
+            select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+            .where(jobs.c.state == LEASED, jobs.c.lease_owner.in_(list(owners)))
+            .order_by(jobs.c.lease_expires_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+
+    def job_take_back(
+        self,
+        conn: Connection,
+        job_id: int,
+        epoch: int,
+        owner: str,
+        clock: float,
+        values: Mapping[str, Any],
+    ) -> bool:
+        """Take back a lease whose owner's liveness expired, re-checked against the epoch and
+        owner read and the owner's row (a worker that beat again meanwhile keeps it)."""
+        dead = (
+            select(workers.c.name)
+            .where(workers.c.name == owner, workers.c.alive_until <= clock)
+            .exists()
+        )
+        hit = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.lease_epoch == epoch,
+                jobs.c.state == LEASED,
+                jobs.c.lease_owner == owner,
+                dead,
+            )
+            .values(**values)
+            .returning(jobs.c.id)
+        ).first()
+        return hit is not None
+
+    def worker_forget_dead(self, conn: Connection, names: Sequence[str], clock: float) -> None:
+        """Delete expired liveness rows that no longer own a lease."""
+        owns = (
+            select(jobs.c.id)
+            .where(jobs.c.state == LEASED, jobs.c.lease_owner == workers.c.name)
+            .exists()
+        )
+        conn.execute(
+            delete(workers).where(
+                workers.c.name.in_(list(names)), workers.c.alive_until <= clock, ~owns
+            )
+        )
+
+    def job_due_list(self, conn: Connection, clock: float, limit: int) -> Sequence[Any]:
+        """Waiting jobs whose timer is due, locked with SKIP LOCKED (PostgreSQL)."""
+        return conn.execute(
+            select(jobs.c.id, jobs.c.state)
+            .where(jobs.c.state.in_(WAITING), jobs.c.run_after <= clock)
+            .order_by(jobs.c.run_after)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+
+    def attempt_insert(
+        self,
+        conn: Connection,
+        job_id: int,
+        epoch: int | None,
+        worker: str | None,
+        outcome: str,
+        error: str | None,
+        clock: float,
+    ) -> None:
+        conn.execute(
+            insert(attempts).values(
+                job_id=job_id, epoch=epoch, worker=worker, outcome=outcome, error=error, at=clock
+            )
+        )
+
+    # -- operation intents and receipts (consumer.jobs.operations) ------------------------
+
+    def operation_insert(self, conn: Connection, values: Mapping[str, Any]) -> float | None:
+        """Insert an intent unless its operation id exists: the call deadline it was created
+        with, or None when it existed."""
+        created = conn.execute(
+            insert_or_ignore(operations, ("operation_id",), conn.dialect.name)
+            .values(**values)
+            .returning(operations.c.call_deadline)
+        ).first()
+        return None if created is None else float(created[0])
+
+    def operation_intent(
+        self,
+        *,
+        operation_id: str,
+        job_id: int,
+        provider: str,
+        digest: str,
+        timeout: float,
+        worker: str,
+        epoch: int,
+    ) -> str:
+        """The fast path of a dispatch, committed on its own: create the intent of a call
+        (PENDING, its deadline now + ``timeout``, the call counted) and extend the lease to
+        that deadline, both or neither. ``"created"``; ``"exists"`` when the operation has
+        an intent already (nothing written; the caller reads it); ``"fenced"`` when the
+        lease is not held at ``epoch`` (nothing written)."""
+        try:
+            with self.begin() as conn:
+                created = self.operation_insert(
+                    conn,
+                    {
+                        "operation_id": operation_id,
+                        "job_id": job_id,
+                        "provider": provider,
+                        "request_digest": digest,
+                        "state": "PENDING",
+                        "attempts": 1,
+                        "call_deadline": db_epoch() + timeout,
+                        "created_at": db_epoch(),
+                        "updated_at": db_epoch(),
+                    },
+                )
+                if created is None:
+                    return "exists"
+                if not self.job_lease_extend(conn, job_id, worker, epoch, created):
+                    raise _Fenced  # rolls the intent back with the transaction
+        except _Fenced:
+            return "fenced"
+        return "created"
+
+    def operation_get(self, conn: Connection, operation_id: str, *, lock: bool = False) -> Any:
+        query = select(operations).where(operations.c.operation_id == operation_id)
+        if lock:
+            query = query.with_for_update()
+        return conn.execute(query).first()
+
+    def operation_update(
+        self,
+        conn: Connection,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
+    ) -> bool:
+        """Update one receipt; True if it matched. ``unless_states``/``if_states`` filter on
+        its state, ``if_attempts`` on its call count (compare-and-set: no new call was made
+        since it was read)."""
+        stmt = update(operations).where(operations.c.operation_id == operation_id)
+        if unless_states:
+            stmt = stmt.where(operations.c.state.not_in(list(unless_states)))
+        if if_states:
+            stmt = stmt.where(operations.c.state.in_(list(if_states)))
+        if if_attempts is not None:
+            stmt = stmt.where(operations.c.attempts == if_attempts)
+        row = conn.execute(stmt.values(**values).returning(operations.c.operation_id)).first()
+        return row is not None
+
+    def operation_record(
+        self,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        stamp: Sequence[str] = (),
+        unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
+    ) -> bool:
+        """Record a call's outcome on its receipt in one statement, committed on its own:
+        ``values`` are plain column values, ``stamp`` names the columns set to the database
+        clock; the filters are :meth:`operation_update`'s. True if the receipt matched."""
+        _check_operation_columns([*values, *stamp])
+        stamped = dict(values)
+        for column in stamp:
+            stamped[column] = db_epoch()
+        with self.autocommit() as conn:
+            return self.operation_update(
+                conn,
+                operation_id,
+                stamped,
+                unless_states=unless_states,
+                if_states=if_states,
+                if_attempts=if_attempts,
+            )
+
+    def operation_list(
+        self,
+        conn: Connection,
+        *,
+        states: Sequence[str] | None = None,
+        due_before: float | None = None,
+        limit: int = 1000,
+        skip_locked: bool = False,
+    ) -> Sequence[Any]:
+        """Receipts, oldest first; ``due_before``: only those whose call deadline passed
+        (no deadline counts as passed)."""
+        query = select(operations)
+        if states:
+            query = query.where(operations.c.state.in_(list(states)))
+        if due_before is not None:
+            query = query.where(
+                (operations.c.call_deadline.is_(None)) | (operations.c.call_deadline <= due_before)
+            )
+        query = query.order_by(operations.c.updated_at, operations.c.operation_id).limit(limit)
+        if skip_locked:
+            query = query.with_for_update(skip_locked=True)
+        return conn.execute(query).all()
+
+
+def _check_operation_columns(names: Sequence[str]) -> None:
+    for name in names:
+        if name not in operations.c:
+            raise ValueError(f"{name!r} is not a column of {operations.name}")
+
+
+_ADDED_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")
+"""Nullable columns ``outbox_operations`` gained after its first release (issue 11)."""
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    # create_all never alters an existing table: a database created before the call deadline
+    # and the operator's settlement existed gets those nullable columns here (ALTER TABLE ...
+    # ADD COLUMN is the same statement on both databases). Alembic users: include them in a
+    # migration instead.
+    present = {c["name"] for c in inspect(conn).get_columns(operations.name)}
+    prep = conn.dialect.identifier_preparer
+    for name in _ADDED_COLUMNS:
+        if name not in present:
+            column = operations.c[name]
+            conn.execute(
+                text(
+                    f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
+                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                )
+            )
+    OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)

@@ -1,0 +1,554 @@
+"""The moves of a job after its claim: the lease holder's (fenced compare-and-set on
+``(job, epoch)``) and the operators' (from the states ``TRANSITIONS`` allows).
+
+Part of :class:`consumer.jobs.store.Store` (see its module docstring for the contract).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import ColumnElement, case
+from sqlalchemy.engine import Connection
+
+from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.jobs.base import StoreBase
+from consumer.jobs.checks import (
+    _NO_TIMER,
+    Time,
+    _check_json,
+    _error_text,
+    _holder,
+    _key,
+    _name,
+    _time,
+    _ttl,
+    _version,
+)
+from consumer.jobs.rows import BatchResult, Lease
+from consumer.jobs.schema import jobs
+from consumer.jobs.states import (
+    CANCELLED,
+    DONE,
+    LEASED,
+    NEEDS_ATTENTION,
+    READY,
+    WAITING,
+    WAITING_EXTERNAL,
+    WAITING_REVIEW,
+    check_transition,
+    sources,
+)
+
+
+class LeaseMoves(StoreBase):
+    """Renew, finish, release, defer, fail, wait, schedule, cancel, resume, park."""
+
+    # -- the lease holder's moves (compare-and-set on (job, epoch)) ----------------------
+
+    def renew(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        ttl: float = 30,
+        now: Time | None = None,
+    ) -> float:
+        """Extend the lease to at least ``now + ttl``, never shorter than it is: a heartbeat
+        landing just after a dispatch extended the lease to its provider call's deadline must
+        not pull it back (the lease would expire mid-call). Returns the lease's expiry.
+        ``Conflict`` if fenced."""
+        seconds = _ttl(ttl)
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self.driver.begin() as conn:
+            clock = self._clock(conn, when)
+            until = clock + seconds
+            # One fenced UPDATE, max(current, until) in SQL on both databases (like
+            # JobDriver.job_lease_extend), so no concurrent extension is lost in between.
+            longest = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
+            job_id = self._cas(
+                conn, where, label, who, epoch_, LEASED, {"lease_expires_at": longest}, clock
+            )
+            row = self.driver.job_get(conn, jobs.c.id == job_id)
+        expires = None if row is None else row.lease_expires_at
+        return until if expires is None else max(until, float(expires))
+
+    def finish(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held."""
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self.driver.begin() as conn:
+            self._move(conn, where, label, who, epoch_, DONE, {}, "done", None, when)
+
+    def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
+        """Finish many leases in one transaction, each fenced on its own epoch. Leases that
+        were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
+        items = list(leases)
+        for lease in items:
+            if not isinstance(lease, Lease):
+                raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
+        when = _time("now", now)
+        if not items:
+            return BatchResult()
+        done: list[int] = []
+        by_worker: dict[str, list[Lease]] = {}
+        for lease in items:
+            by_worker.setdefault(lease.worker, []).append(lease)
+        with self.driver.begin() as conn:
+            for worker, group in by_worker.items():
+                pairs = [(lease.job_id, lease.epoch) for lease in group]
+                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
+        finished = set(done)
+        return BatchResult(
+            done=sorted(finished),
+            conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
+        )
+
+    def release(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> READY without counting a failure: a draining worker hands back a job it
+        claimed but did not start (the claim is not counted as an attempt)."""
+        self._hand_back(job, action, worker, epoch, None, "released", None, now)
+
+    def defer(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        until: Time,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> READY at ``until`` without counting a failure: the job cannot act yet
+        (an earlier provider call may still be in flight until its deadline)."""
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        at = _time("until", until)
+        if at is None:
+            raise JobError("until", "is required")
+        self._hand_back(job, action, worker, epoch, at, "deferred", reason, now)
+
+    def _hand_back(
+        self,
+        job: Any,
+        action: str | None,
+        worker: str | None,
+        epoch: int | None,
+        run_after: float | None,
+        outcome: str,
+        note: str | None,
+        now: Time | None,
+    ) -> None:
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        values: dict[str, Any] = {"attempts": jobs.c.attempts - 1}
+        if run_after is not None:
+            values["run_after"] = run_after
+        with self.driver.begin() as conn:
+            self._move(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                READY,
+                values,
+                outcome,
+                note,
+                when,
+                clear_timer=False,
+            )
+
+    def fail(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        error: str | BaseException = "",
+        kind: str = "transient",
+        provider: str | None = None,
+        now: Time | None = None,
+        rng: random.Random | None = None,
+        retry_after: float | None = None,
+    ) -> str:
+        """Record a failed attempt; returns the job's new state (see ``consumer.jobs.retry``):
+        transient -> READY after a jittered backoff (NEEDS_ATTENTION when spent), permanent
+        -> WAITING_REVIEW, auth -> READY then NEEDS_ATTENTION after a few. ``retry_after``
+        (seconds, a provider's ``Retry-After``) is the shortest delay before the retry."""
+        if kind not in ("transient", "permanent", "auth"):
+            raise JobError("kind", f"must be transient, permanent or auth, got {kind!r}")
+        if retry_after is not None and (
+            isinstance(retry_after, bool)
+            or not isinstance(retry_after, (int, float))
+            or not math.isfinite(retry_after)
+            or retry_after < 0
+        ):
+            raise JobError("retry_after", f"must be a non-negative number, got {retry_after!r}")
+        _name("provider", provider, optional=True)
+        text_error = _error_text(error)
+        when = _time("now", now)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self.driver.begin() as conn:
+            row = self.driver.job_lock_held(conn, where, who, epoch_)
+            if row is None:
+                self._diagnose(conn, where, label, who, epoch_)
+            assert row is not None
+            clock = self._clock(conn, when)
+            auth_failures = row.auth_failures + 1 if kind == "auth" else 0
+            started = row.first_failed_at if row.first_failed_at is not None else clock
+            decision = self.config.retry.decide(
+                kind,
+                attempts=int(row.attempts),
+                auth_failures=auth_failures,
+                elapsed=max(0.0, clock - started),
+                provider=provider or row.provider,
+                rng=rng,
+            )
+            values: dict[str, Any] = {
+                "auth_failures": auth_failures,
+                "first_failed_at": started,
+                "last_error": text_error,
+            }
+            if decision.state == READY:
+                values["run_after"] = clock + max(decision.delay, retry_after or 0.0)
+            else:
+                values["wait_reason"] = decision.reason
+            outcome = {READY: "retry"}.get(decision.state, decision.state.lower())
+            self._move(
+                conn, where, label, who, epoch_, decision.state, values, outcome, text_error, clock
+            )
+        return decision.state
+
+    def wait_external(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        until: Time | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> WAITING_EXTERNAL: the worker is released; ``resume`` (the reply) or the
+        timer at ``until`` (if given) makes the job READY again."""
+        self._wait(job, action, worker, epoch, WAITING_EXTERNAL, reason, until, now)
+
+    def wait_review(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        until: Time | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """LEASED -> WAITING_REVIEW: a person must decide (``resume`` or ``cancel``)."""
+        self._wait(job, action, worker, epoch, WAITING_REVIEW, reason, until, now)
+
+    def _wait(
+        self,
+        job: Any,
+        action: str | None,
+        worker: str | None,
+        epoch: int | None,
+        state: str,
+        reason: str | None,
+        until: Time | None,
+        now: Time | None,
+    ) -> None:
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        when = _time("now", now)
+        wake = _time("until", until)
+        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        with self.driver.begin() as conn:
+            self._move(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                state,
+                {"wait_reason": reason, "run_after": wake},
+                state.lower(),
+                reason,
+                when,
+            )
+
+    def schedule(
+        self,
+        job: Any,
+        scheduled_for: Time,
+        reason: str,
+        subject_version: str | int | None = None,
+        cancellation_condition: Any = None,
+        *,
+        now: Time | None = None,
+    ) -> None:
+        """Set a business timer on ``job``: at ``scheduled_for`` it becomes eligible, and its
+        handler re-reads the subject (``Lease.timer``): a changed version or a holding
+        cancellation condition means cancel or re-plan instead of acting.
+
+        ``job`` is a :class:`Lease` (the holder re-plans: LEASED -> READY, fenced by its
+        epoch) or a job id / ``(tenant, action)`` for a job that is READY (stays READY,
+        delayed) or waiting (stays waiting; the timer wakes it).
+        """
+        at = _time("scheduled_for", scheduled_for)
+        if at is None:
+            raise JobError("scheduled_for", "is required")
+        if not isinstance(reason, str) or not reason:
+            raise JobError("reason", "must be a non-empty string")
+        version = _version("subject_version", subject_version)
+        _check_json("cancellation_condition", cancellation_condition)
+        when = _time("now", now)
+        timer_values = {
+            "run_after": at,
+            "timer_scheduled_for": at,
+            "timer_reason": reason,
+            "timer_subject_version": version,
+            "timer_cancellation_condition": cancellation_condition,
+        }
+        if isinstance(job, Lease):
+            with self.driver.begin() as conn:
+                self._move(
+                    conn,
+                    jobs.c.id == job.job_id,
+                    str(job.job_id),
+                    job.worker,
+                    job.epoch,
+                    READY,
+                    {**timer_values, "wait_reason": None},
+                    "scheduled",
+                    reason,
+                    when,
+                    clear_timer=False,
+                )
+            return
+        where, label = _key(job, None)
+        with self.driver.begin() as conn:
+            clock = self._clock(conn, when)
+            moved = self.driver.job_update_from(
+                conn, where, (READY, *WAITING), {**timer_values, "updated_at": clock}
+            )
+            if moved is None:
+                state = self._state(conn, where, label)
+                # A timer on a leased, finished or attention-needing job is not ours to set.
+                if state == LEASED:
+                    raise Conflict(f"job {label} is leased: its holder schedules it")
+                check_transition(label, state, READY)
+                raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
+
+    def cancel(
+        self,
+        job: Any,
+        action: str | None = None,
+        worker: str | None = None,
+        epoch: int | None = None,
+        *,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """-> CANCELLED. Given a lease (or worker and epoch) it is the holder's fenced move;
+        otherwise an operator's, allowed from READY, waiting states and NEEDS_ATTENTION (a
+        leased job raises ``Conflict``: only its holder may cancel it)."""
+        when = _time("now", now)
+        if isinstance(job, Lease) or worker is not None or epoch is not None:
+            where, label, who, epoch_ = _holder(job, action, worker, epoch)
+            with self.driver.begin() as conn:
+                self._move(
+                    conn,
+                    where,
+                    label,
+                    who,
+                    epoch_,
+                    CANCELLED,
+                    {"wait_reason": reason},
+                    "cancelled",
+                    reason,
+                    when,
+                )
+            return
+        where, label = _key(job, action)
+        self._operator_move(
+            where, label, CANCELLED, {"wait_reason": reason}, "cancelled", reason, when
+        )
+
+    def resume(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        run_after: Time | None = None,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """A reply or an operator's decision: WAITING_EXTERNAL, WAITING_REVIEW or
+        NEEDS_ATTENTION -> READY (eligible at ``run_after``, default at once). The failure
+        counters restart, so a fixed job gets its full retry budget again."""
+        when = _time("now", now)
+        after = _time("run_after", run_after)
+        where, label = _key(job, action)
+        values = {
+            "run_after": after,
+            "wait_reason": None,
+            "auth_failures": 0,
+            "first_failed_at": None,
+            "attempts": 0,
+        }
+        self._operator_move(
+            where,
+            label,
+            READY,
+            values,
+            "resumed",
+            reason,
+            when,
+            allowed=(WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION),
+        )
+
+    def park(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        reason: str | None = None,
+        now: Time | None = None,
+    ) -> None:
+        """An operator's (or the reconciliation sweep's) READY or WAITING_EXTERNAL ->
+        WAITING_REVIEW: a person must decide before the job runs again."""
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
+        when = _time("now", now)
+        where, label = _key(job, action)
+        self._operator_move(
+            where,
+            label,
+            WAITING_REVIEW,
+            {"wait_reason": reason},
+            "waiting_review",
+            reason,
+            when,
+            allowed=(READY, WAITING_EXTERNAL),
+        )
+
+    def _operator_move(
+        self,
+        where: ColumnElement[bool],
+        label: str,
+        target: str,
+        values: dict[str, Any],
+        outcome: str,
+        note: str | None,
+        when: float | None,
+        allowed: tuple[str, ...] | None = None,
+    ) -> None:
+        from_states = tuple(s for s in (allowed or sources(target)) if s != LEASED)
+        with self.driver.begin() as conn:
+            clock = self._clock(conn, when)
+            job_id = self.driver.job_update_from(
+                conn,
+                where,
+                from_states,
+                {**values, "state": target, "updated_at": clock, **_NO_TIMER},
+            )
+            if job_id is None:
+                state = self._state(conn, where, label)
+                if state == LEASED and target in (CANCELLED,):
+                    raise Conflict(f"job {label} is leased: only its holder may move it")
+                if state not in from_states:
+                    check_transition(label, state, target)
+                    raise IllegalTransition(label, state, target)
+                raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
+            self._record(conn, job_id, None, None, outcome, note, clock)
+            if target == READY:
+                self.driver.job_ready_notify(conn)
+
+    def _move(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        label: str,
+        worker: str,
+        epoch: int,
+        target: str,
+        values: dict[str, Any],
+        outcome: str,
+        note: str | None,
+        when: float | None,
+        *,
+        clear_timer: bool = True,
+    ) -> int:
+        """The holder's move LEASED -> ``target``, ended lease, history row. Returns the id."""
+        check_transition(label, LEASED, target)
+        clock = self._clock(conn, when)
+        moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
+        if clear_timer:
+            moved.update(_NO_TIMER)
+        job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
+        self._record(conn, job_id, epoch, worker, outcome, note, clock)
+        return job_id
+
+    def _cas(
+        self,
+        conn: Connection,
+        where: ColumnElement[bool],
+        label: str,
+        worker: str,
+        epoch: int,
+        target: str,
+        values: dict[str, Any],
+        clock: float,
+    ) -> int:
+        # The fence: one UPDATE matching (job, epoch, owner, LEASED); no row = Conflict.
+        job_id = self.driver.job_update_fenced(
+            conn, where, worker, epoch, {**values, "updated_at": clock}
+        )
+        if job_id is None:
+            self._diagnose(conn, where, label, worker, epoch)
+        assert job_id is not None
+        return job_id
+
+    def _diagnose(
+        self, conn: Connection, where: ColumnElement[bool], label: str, worker: str, epoch: int
+    ) -> None:
+        row = self.driver.job_lease_state(conn, where)
+        if row is None:
+            raise JobNotFound(f"no job {label}")
+        raise Conflict(
+            f"job {label}: {worker} with epoch {epoch} is fenced out "
+            f"(state {row.state}, epoch {row.lease_epoch}, owner {row.lease_owner})"
+        )
+
+    def _state(self, conn: Connection, where: ColumnElement[bool], label: str) -> str:
+        state = self.driver.job_state(conn, where)
+        if state is None:
+            raise JobNotFound(f"no job {label}")
+        return str(state)

@@ -1,0 +1,211 @@
+"""The job store's row types and the mappers from result rows to them.
+
+Frozen dataclasses (STYLE: rows are values): what ``Store`` returns and takes. The mappers
+(:func:`lease_from_row`, :func:`job_from_row`) read the columns of ``outbox_jobs`` by name
+(``consumer.jobs.queries.LEASE_COLUMNS`` for a claim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class _Resolver(Protocol):
+    """What a :class:`DeferredEnqueue` asks for its answer (the store's enqueue buffer)."""
+
+    def result(self, index: int) -> EnqueueResult: ...
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """``job_id`` of the job; ``duplicate`` is True when the identity existed already."""
+
+    job_id: int
+    duplicate: bool
+
+
+class DeferredEnqueue(EnqueueResult):
+    """The result of an ``enqueue`` buffered in a consumer's batch transaction (see
+    ``Store.enqueue``): reading ``job_id`` or ``duplicate`` writes the buffer first (flush on
+    access), so the answer is always right; a handler that never reads it costs no round
+    trip of its own."""
+
+    def __init__(self, buffer: _Resolver, index: int) -> None:
+        object.__setattr__(self, "_buffer", buffer)
+        object.__setattr__(self, "_index", index)
+
+    def _resolved(self) -> EnqueueResult:
+        buffer: _Resolver = object.__getattribute__(self, "_buffer")
+        return buffer.result(object.__getattribute__(self, "_index"))
+
+    @property
+    def job_id(self) -> int:
+        return self._resolved().job_id
+
+    @property
+    def duplicate(self) -> bool:
+        return self._resolved().duplicate
+
+    def __repr__(self) -> str:
+        return f"DeferredEnqueue(job_id={self.job_id}, duplicate={self.duplicate})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EnqueueResult):
+            return NotImplemented
+        return (self.job_id, self.duplicate) == (other.job_id, other.duplicate)
+
+    def __hash__(self) -> int:
+        return hash((self.job_id, self.duplicate))
+
+
+@dataclass(frozen=True)
+class Timer:
+    """A business timer: when, why, against which subject version, and the condition (JSON
+    data the handler interprets) under which it must not act."""
+
+    scheduled_for: float
+    reason: str
+    subject_version: str | None = None
+    cancellation_condition: Any = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed job: what a worker needs to run it and to prove it still holds it."""
+
+    job_id: int
+    tenant: str
+    action: str
+    kind: str | None
+    subject: str | None
+    subject_version: str | None
+    payload: Any
+    provider: str | None
+    attempts: int
+    epoch: int
+    worker: str
+    expires_at: float
+    timer: Timer | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A snapshot of a job row (``Store.get``)."""
+
+    id: int
+    tenant: str
+    action: str
+    kind: str | None
+    subject: str | None
+    subject_version: str | None
+    payload: Any
+    provider: str | None
+    state: str
+    priority: int
+    run_after: float | None
+    attempts: int
+    auth_failures: int
+    last_error: str | None
+    wait_reason: str | None
+    lease_owner: str | None
+    lease_expires_at: float | None
+    lease_epoch: int
+    timer: Timer | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One row of a job's history."""
+
+    job_id: int
+    epoch: int | None
+    worker: str | None
+    outcome: str
+    error: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    requeued: int = 0
+    needs_attention: int = 0
+    woken: int = 0
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """``finish_batch``: the job ids finished, and those whose lease was lost (fenced)."""
+
+    done: list[int] = field(default_factory=list)
+    conflicts: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """``Store.depth``: the READY jobs of one queue, and how long its oldest eligible one has
+    waited (seconds, database clock; 0.0 when none is eligible yet)."""
+
+    queue: str
+    ready: int
+    oldest_ready_age_seconds: float
+
+
+# -- mappers ---------------------------------------------------------------------------------
+
+
+def timer_from_row(row: Any) -> Timer | None:
+    if row.timer_scheduled_for is None:
+        return None
+    return Timer(
+        scheduled_for=float(row.timer_scheduled_for),
+        reason=row.timer_reason or "",
+        subject_version=row.timer_subject_version,
+        cancellation_condition=row.timer_cancellation_condition,
+    )
+
+
+def lease_from_row(row: Any) -> Lease:
+    return Lease(
+        job_id=int(row.id),
+        tenant=row.tenant,
+        action=row.action,
+        kind=row.kind,
+        subject=row.subject,
+        subject_version=row.subject_version,
+        payload=row.payload,
+        provider=row.provider,
+        attempts=int(row.attempts),
+        epoch=int(row.lease_epoch),
+        worker=row.lease_owner,
+        expires_at=float(row.lease_expires_at),
+        timer=timer_from_row(row),
+    )
+
+
+def job_from_row(row: Any) -> Job:
+    return Job(
+        id=int(row.id),
+        tenant=row.tenant,
+        action=row.action,
+        kind=row.kind,
+        subject=row.subject,
+        subject_version=row.subject_version,
+        payload=row.payload,
+        provider=row.provider,
+        state=row.state,
+        priority=int(row.priority),
+        run_after=row.run_after,
+        attempts=int(row.attempts),
+        auth_failures=int(row.auth_failures),
+        last_error=row.last_error,
+        wait_reason=row.wait_reason,
+        lease_owner=row.lease_owner,
+        lease_expires_at=row.lease_expires_at,
+        lease_epoch=int(row.lease_epoch),
+        timer=timer_from_row(row),
+        created_at=float(row.created_at),
+        updated_at=float(row.updated_at),
+    )
