@@ -59,6 +59,7 @@ from consumer import inbox as q
 from consumer.bulk import bulk_insert, defer_writes, discard_deferred, flush_deferred
 from consumer.errors import UndecodableEntry
 from consumer.event import ConsumedEvent, decode_entry, text_fields
+from consumer.retention import dead_letter_duty
 from outbox.backoff import Backoff
 from outbox.db import make_engine
 from outbox.errors import ConfigError
@@ -67,6 +68,7 @@ from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum
 from outbox.redis_client import in_slot_of, is_cluster_url, redis_client, slot_of
+from outbox.retention import DEFAULT_DEAD_LETTER_RETENTION, check_seconds
 from outbox.schema import check_identifier
 from outbox.validate import check_name
 
@@ -126,6 +128,8 @@ class ConsumerConfig:
       removed (XGROUP DELCONSUMER); None keeps them.
     - ``purge_interval_seconds`` / ``purge_batch``: how often inbox retention runs, and how
       many rows one cycle deletes at most (a full batch purges again the next cycle).
+    - ``dead_letter_retention_seconds``: replayed dead letters go this long after their
+      replay (default 30 days, 0 never; ``consumer.retention``); unreplayed ones stay.
     - ``maintenance_interval_seconds``: how often lag is reported and stale consumers swept.
     - ``schema``: database schema of the consumer tables (None: the default search path).
     - ``create_schema``: create the tables on first use (idempotent).
@@ -144,6 +148,7 @@ class ConsumerConfig:
     stale_consumer_ms: int | None = 3_600_000
     purge_interval_seconds: float = 60.0
     purge_batch: int = 1000
+    dead_letter_retention_seconds: float = DEFAULT_DEAD_LETTER_RETENTION
     maintenance_interval_seconds: float = 5.0
     schema: str | None = None
     create_schema: bool = True
@@ -165,6 +170,7 @@ class ConsumerConfig:
         _positive_number("inbox_retention_seconds", self.inbox_retention_seconds)
         _positive_number("purge_interval_seconds", self.purge_interval_seconds)
         _positive_int("purge_batch", self.purge_batch)
+        check_seconds("dead_letter_retention_seconds", self.dead_letter_retention_seconds)
         _positive_number("maintenance_interval_seconds", self.maintenance_interval_seconds)
         if self.stale_consumer_ms is not None:
             _positive_int("stale_consumer_ms", self.stale_consumer_ms)
@@ -339,6 +345,12 @@ class Consumer:
         # Without autovacuum on the server, the consumer vacuums its inbox itself (every
         # inserted row is deleted by retention later: dead tuples all day). outbox.maintenance.
         self.vacuum = PeriodicVacuum.for_engine(self.engine, [self.inbox.hot_table], what="inbox")
+        self.retention = dead_letter_duty(
+            self.inbox,
+            self.config.dead_letter_retention_seconds,
+            interval=self.config.purge_interval_seconds,
+            batch=self.config.purge_batch,
+        )
         self.name = incarnation_name(self.config.name_prefix)
         self._handlers: dict[str, tuple[Callable[..., Any], bool]] = {}
         self._stop = threading.Event()
@@ -1164,6 +1176,7 @@ class Consumer:
                     self._remove_stale_consumers(name)
         if self.vacuum is not None:
             self.vacuum.maybe_start()  # background, when due and autovacuum is off
+        self.retention.maybe_start()  # dead letters (consumer.retention): background, when due
         if now >= self._next_purge:
             # One bounded batch per cycle, on the batch loop's path: entries arriving meanwhile
             # wait for one DELETE of purge_batch rows, not for a whole backlog. A full batch

@@ -159,6 +159,13 @@ def build_inbox_schema(schema: str | None = None, metadata: MetaData | None = No
         schema=schema_name,
     )
     Index(f"ix_{DEAD_LETTER_TABLE}_state", dead.c.state, dead.c.group_name)
+    # Retention (consumer.retention) deletes replayed records oldest first: a range of this.
+    Index(
+        f"ix_{DEAD_LETTER_TABLE}_replayed",
+        dead.c.replayed_at,
+        postgresql_where=dead.c.state == REPLAYED,
+        sqlite_where=dead.c.state == REPLAYED,
+    )
     return InboxSchema(metadata=md, inbox=inbox, dead_letters=dead)
 
 

@@ -67,6 +67,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
 from consumer.jobs.states import (
+    CANCELLED,
+    DONE,
     LEASED,
     NEEDS_ATTENTION,
     READY,
@@ -158,6 +160,16 @@ Index(
     sqlite_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
 )
 
+# Retention (consumer.jobs.retention) deletes finished jobs oldest first: a walk of this
+# index, never a scan of the table. Partial: READY and LEASED rows never enter it.
+FINISHED_JOBS_INDEX = Index(
+    "ix_outbox_jobs_finished",
+    jobs.c.updated_at,
+    jobs.c.id,
+    postgresql_where=jobs.c.state.in_([DONE, CANCELLED]),
+    sqlite_where=jobs.c.state.in_([DONE, CANCELLED]),
+)
+
 attempts = Table(
     ATTEMPTS_TABLE,
     metadata,
@@ -200,6 +212,8 @@ OPEN_RECEIPTS_INDEX = Index(
     postgresql_where=operations.c.state.in_(["PENDING", "UNKNOWN"]),
     sqlite_where=operations.c.state.in_(["PENDING", "UNKNOWN"]),
 )
+# Retention deletes a finished job's intents and receipts with it, found by job.
+JOB_OPERATIONS_INDEX = Index("ix_outbox_operations_job", operations.c.job_id)
 # The metrics read UNKNOWN receipts (count, oldest age): keep that lookup small.
 Index(
     "ix_outbox_operations_unknown",

@@ -57,6 +57,8 @@ Vacuum: finished jobs leave dead tuples and dead READY-index entries behind, whi
 claim would walk. When the server runs without autovacuum, ``run_once`` vacuums the job
 tables itself every ``vacuum_interval`` seconds (default 30, 0 never) in a background thread
 (``Worker.vacuum``, ``outbox.maintenance``); with autovacuum on, the tables' own settings do.
+Retention (``WorkerConfig.retention``, ``Worker.retention``; ``consumer.jobs.retention``)
+purges finished jobs with their history the same way, every minute by default.
 
 Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
 the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
@@ -76,14 +78,15 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved
-from consumer.jobs.schema import HOT_TABLES
+from consumer.jobs.duties import WorkerDuties
+from consumer.jobs.retention import JobRetentionConfig
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time, Timer, _time
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
-from outbox.maintenance import DEFAULT_VACUUM_INTERVAL, PeriodicVacuum, quoted_table
+from outbox.maintenance import DEFAULT_VACUUM_INTERVAL
 
 if TYPE_CHECKING:
     from consumer.jobs.operations import Operations, Provider, Receipt
@@ -109,6 +112,7 @@ class WorkerConfig:
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
     liveness_ttl: float = 3.0
     liveness_interval: float = 1.0
+    retention: JobRetentionConfig = field(default_factory=JobRetentionConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -135,6 +139,8 @@ class WorkerConfig:
             raise ConfigError(
                 "vacuum_interval", f"must be zero (never) or positive seconds, got {value!r}"
             )
+        if not isinstance(self.retention, JobRetentionConfig):
+            raise ConfigError("retention", "must be a consumer.jobs.retention.JobRetentionConfig")
         if self.liveness_interval >= self.liveness_ttl:
             raise ConfigError(
                 "liveness_interval",
@@ -289,9 +295,11 @@ class JobContext:
         return False
 
 
-class Worker:
+class Worker(WorkerDuties):
     """Runs job handlers (see the module docstring). ``store`` may be left None and bound
     later (the ``outbox-worker`` command binds it from ``--database-url``)."""
+
+    config: WorkerConfig
 
     def __init__(
         self,
@@ -321,8 +329,6 @@ class Worker:
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
-        self._vacuum: PeriodicVacuum | None = None
-        self._vacuum_store: Store | None = None
         if (
             isinstance(default_timeout, bool)
             or not isinstance(default_timeout, (int, float))
@@ -390,25 +396,6 @@ class Worker:
             )
         return self._operations
 
-    @property
-    def vacuum(self) -> PeriodicVacuum | None:
-        """The worker's vacuum of the job tables (``outbox.maintenance``): ``run_once``
-        starts it in the background every ``vacuum_interval`` seconds, and it vacuums only
-        the tables autovacuum does not take care of (the server runs without it). None off
-        PostgreSQL, with ``vacuum_interval=0``, or before a store is bound."""
-        store = self.store
-        if store is None:
-            return None
-        if self._vacuum_store is not store:
-            self._vacuum_store = store
-            self._vacuum = PeriodicVacuum.for_engine(
-                store.engine,
-                [quoted_table(t) for t in HOT_TABLES],
-                interval=self.config.vacuum_interval,
-                what="job tables",
-            )
-        return self._vacuum
-
     def _store(self) -> Store:
         if self.store is None:
             raise ConfigError("store", "the worker has no Store: pass one or bind worker.store")
@@ -421,9 +408,7 @@ class Worker:
         store = self._store()
         self._maybe_recover(store, now)
         self._maybe_reconcile()
-        vacuum = self.vacuum
-        if vacuum is not None:
-            vacuum.maybe_start()  # never blocks: a background thread, when due
+        self.step_duties()  # vacuum, retention (consumer.jobs.duties): background, when due
         leases = store.claim_batch(
             self.config.name, self.config.batch_size, self.config.ttl, now=now
         )

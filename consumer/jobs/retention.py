@@ -1,0 +1,383 @@
+"""Retention of the job store: finished jobs with their history, and gone workers' rows.
+
+Two tables grow without it (issue 25): every job ever enqueued stays in ``outbox_jobs`` with
+its attempt history (``outbox_job_attempts``) and its operation intents and receipts
+(``outbox_operations``), and the liveness rows of workers that died with nobody left to
+recover them stay in ``outbox_workers``. :class:`JobRetention` purges both, in bounded
+batches (:data:`outbox.retention.DEFAULT_PURGE_BATCH` rows per statement), as the targets of
+the worker's retention duty (``Worker.retention``) and of ``outbox-worker purge``.
+
+**What goes.** A job in DONE or CANCELLED (terminal: nothing moves it again) whose last
+change is older than ``job_retention_seconds``, together with its attempts and operation
+rows, in the same statement. A job with an open receipt (PENDING or UNKNOWN: an effect whose
+outcome is not settled) is kept whatever its age; so is every job in any other state
+(READY, LEASED, the waiting states, NEEDS_ATTENTION). A liveness row that expired more than
+``worker_grace_seconds`` ago and whose worker holds no lease any more.
+
+**The safety rule: no retention setting may make a second effect possible.** The job row
+is the deduplication of ``(tenant, action)``: enqueueing an identity that has a row returns
+that row. A copy of an event can reach a consumer again while its outbox row is retained
+(``outbox-relay republish``) or its stream entry is (a new consumer group, a pending
+entry); the consumer's inbox drops a copy whose identity it has seen within its window, and
+past that only the job row stops the copy from creating the job again. So the job row is
+kept at least as long as each of those windows, plus a margin for a copy still under way
+(:meth:`JobRetentionConfig.shortest_safe_retention`), and a configuration that would
+delete it sooner is refused with :class:`~outbox.errors.ConfigError` naming
+``job_retention_seconds``. The windows are those of other processes (the relay, the
+consumer): the config declares them, with the project's defaults, and the operator who
+lengthens one there declares it here too. ``docs/explanation/retention.md`` has the table.
+
+The job is kept whole rather than as a tombstone: the row IS the unique key that every
+enqueue already honours (no second lookup on the enqueue path), and its history goes with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from consumer.jobs.schema import (
+    ATTEMPTS_TABLE,
+    FINISHED_JOBS_INDEX,
+    JOB_OPERATIONS_INDEX,
+    JOBS_TABLE,
+    OPERATIONS_TABLE,
+    WORKERS_TABLE,
+)
+from consumer.jobs.states import CANCELLED, DONE, LEASED
+from consumer.jobs.store import Store
+from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE, is_postgresql
+from outbox.errors import ConfigError
+from outbox.retention import (
+    DEFAULT_INBOX_WINDOW,
+    DEFAULT_JOB_RETENTION,
+    DEFAULT_OUTBOX_RETENTION,
+    DEFAULT_PURGE_BATCH,
+    DEFAULT_PURGE_INTERVAL,
+    DEFAULT_REDELIVERY_MARGIN,
+    DEFAULT_STREAM_RETENTION,
+    DEFAULT_WORKER_GRACE,
+    PurgeTarget,
+    RetentionDuty,
+    check_batch,
+    check_seconds,
+)
+
+__all__ = ["JobRetention", "JobRetentionConfig", "job_retention_duty"]
+
+
+def _days(seconds: float) -> str:
+    if seconds >= 86400 and seconds % 3600 == 0:
+        return f"{seconds / 86400:g} days ({seconds:g} s)"
+    return f"{seconds:g} s"
+
+
+@dataclass(frozen=True)
+class JobRetentionConfig:
+    """How long the job store keeps what has finished (validated at construction).
+
+    - ``job_retention_seconds``: DONE and CANCELLED jobs, with their attempts, intents and
+      receipts, go this long after their last change. Default 7 days; 0 keeps them forever.
+    - ``inbox_window_seconds`` / ``outbox_retention_seconds`` / ``stream_retention_seconds``:
+      the windows of the other processes, declared here so the safety rule can be checked
+      (module docstring): the consumers' ``inbox_retention_seconds`` (default 7 days), the
+      relays' ``retention_seconds`` (1 day) and ``--stream-retention`` (1 day). 0 means that
+      process keeps forever, and then so must the jobs (``job_retention_seconds`` 0).
+    - ``redelivery_margin_seconds``: how late past the outbox's and the stream's retention a
+      copy may still arrive (default 1 hour).
+    - ``worker_grace_seconds``: liveness rows expired longer than this, holding no lease,
+      are deleted (default 1 hour; 0 never).
+    - ``purge_interval`` / ``purge_batch``: the duty's interval (default 60 s; 0 turns the
+      duty off in the worker, ``outbox-worker purge`` still works) and the rows per
+      statement (default 1,000).
+    """
+
+    job_retention_seconds: float = DEFAULT_JOB_RETENTION
+    inbox_window_seconds: float = DEFAULT_INBOX_WINDOW
+    outbox_retention_seconds: float = DEFAULT_OUTBOX_RETENTION
+    stream_retention_seconds: float = DEFAULT_STREAM_RETENTION
+    redelivery_margin_seconds: float = DEFAULT_REDELIVERY_MARGIN
+    worker_grace_seconds: float = DEFAULT_WORKER_GRACE
+    purge_interval: float = DEFAULT_PURGE_INTERVAL
+    purge_batch: int = DEFAULT_PURGE_BATCH
+
+    def __post_init__(self) -> None:
+        for name in (
+            "job_retention_seconds",
+            "inbox_window_seconds",
+            "outbox_retention_seconds",
+            "stream_retention_seconds",
+            "redelivery_margin_seconds",
+            "worker_grace_seconds",
+            "purge_interval",
+        ):
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
+        check_batch("purge_batch", self.purge_batch)
+        keep = self.job_retention_seconds
+        if keep == 0:
+            return  # jobs kept forever: always safe
+        forever = [
+            name
+            for name in (
+                "inbox_window_seconds",
+                "outbox_retention_seconds",
+                "stream_retention_seconds",
+            )
+            if getattr(self, name) == 0
+        ]
+        if forever:
+            raise ConfigError(
+                "job_retention_seconds",
+                f"{forever[0]} is 0 (kept forever), so a copy of an event may arrive at any "
+                "time and only the job row stops it from creating the job again: keep jobs "
+                "forever too (job_retention_seconds=0)",
+            )
+        safe = self.shortest_safe_retention()
+        if keep < safe:
+            raise ConfigError(
+                "job_retention_seconds",
+                f"{_days(keep)} is shorter than {_days(safe)}, the longest window in which a "
+                "copy of an event can still reach a consumer (inbox window; outbox and "
+                "stream retention + redelivery margin): a republished event would create "
+                "its job again. Keep jobs at least that long, or shorten those windows",
+            )
+
+    def shortest_safe_retention(self) -> float:
+        """The least job retention that keeps the safety rule with these windows."""
+        margin = self.redelivery_margin_seconds
+        return max(
+            self.inbox_window_seconds,
+            self.outbox_retention_seconds + margin,
+            self.stream_retention_seconds + margin,
+        )
+
+
+# SQLite: the batch, oldest first (its planner walks ix_outbox_jobs_finished for it).
+_FINISHED = f"""
+SELECT j.id FROM {JOBS_TABLE} j
+WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
+  AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
+                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
+ORDER BY j.updated_at"""
+
+# PostgreSQL: one statement per batch, whose only sensible plan is a walk of the index
+# whatever the statistics say (this server runs without autovacuum). A plain ``ORDER BY
+# updated_at LIMIT n`` is cheap only while the planner believes many rows match; on a
+# never-analyzed table it estimated a few hundred and read all 20,000 due rows through a
+# bitmap scan and a sort, per batch (tests/test_retention.py). So:
+# - ``walk``: a recursive walk of ix_outbox_jobs_finished (the partial index on
+#   (updated_at, id) of DONE/CANCELLED rows), one ``ORDER BY ... LIMIT 1`` probe per row,
+#   each starting after the previous row: every plan of a LIMIT 1 probe stops at one row.
+#   A job with an open receipt (PENDING, UNKNOWN: its effect is not settled) is stepped
+#   over and stays.
+# - ``doomed``: those rows by primary key, re-checked, locked with SKIP LOCKED (two workers
+#   purging at once take different rows).
+# - its attempts and operations go by their job_id indexes (= ANY of an array: an index
+#   probe per id, never a hash join over the table) in the same statement.
+_NEXT_FINISHED = f"""
+        SELECT j.id, j.updated_at FROM {JOBS_TABLE} j
+        WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
+          AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
+                          WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
+
+PG_JOB_PURGE = f"""
+WITH RECURSIVE walk(id, updated_at, n) AS (
+    (SELECT f.id, f.updated_at, 1 FROM ({_NEXT_FINISHED}
+        ORDER BY j.updated_at, j.id LIMIT 1) f)
+    UNION ALL
+    SELECT nxt.id, nxt.updated_at, w.n + 1 FROM walk w CROSS JOIN LATERAL ({_NEXT_FINISHED}
+          AND (j.updated_at, j.id) > (w.updated_at, w.id)
+        ORDER BY j.updated_at, j.id LIMIT 1) nxt
+    WHERE w.n < :limit),
+doomed AS MATERIALIZED (
+    SELECT j.id FROM {JOBS_TABLE} j
+    WHERE j.id = ANY(ARRAY(SELECT id FROM walk))
+      AND j.state IN ('{DONE}', '{CANCELLED}')
+      AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
+                      WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
+    FOR UPDATE OF j SKIP LOCKED),
+gone_attempts AS (
+    DELETE FROM {ATTEMPTS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))),
+gone_operations AS (
+    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)))
+DELETE FROM {JOBS_TABLE} WHERE id = ANY(ARRAY(SELECT id FROM doomed))"""
+
+# The same rows, counted for --dry-run (and the same on SQLite).
+JOB_DUE = f"""
+SELECT count(*) FROM {JOBS_TABLE} j
+WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
+  AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
+                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
+
+# Liveness rows of workers long gone and holding no lease (the liveness tick of a running
+# worker deletes most of them already; this covers a database whose workers all died).
+_GONE_WORKERS = f"""
+SELECT w.name FROM {WORKERS_TABLE} w
+WHERE w.alive_until < :cutoff
+  AND NOT EXISTS (SELECT 1 FROM {JOBS_TABLE} j
+                  WHERE j.state = '{LEASED}' AND j.lease_owner = w.name)"""
+
+
+class _FinishedJobs:
+    table = JOBS_TABLE
+
+    def __init__(self, owner: JobRetention) -> None:
+        self.owner = owner
+
+    def due(self) -> int:
+        return self.owner.count_finished()
+
+    def purge(self, limit: int) -> int:
+        return self.owner.purge_finished(limit)
+
+
+class _GoneWorkers:
+    table = WORKERS_TABLE
+
+    def __init__(self, owner: JobRetention) -> None:
+        self.owner = owner
+
+    def due(self) -> int:
+        return self.owner.count_gone_workers()
+
+    def purge(self, limit: int) -> int:
+        return self.owner.purge_gone_workers(limit)
+
+
+class JobRetention:
+    """The job store's retention (module docstring): targets for a duty or a purge command.
+
+    ``now`` (unix seconds) may be given to every method, as to the store's; otherwise the
+    database clock decides what is old.
+    """
+
+    def __init__(self, store: Store, config: JobRetentionConfig | None = None) -> None:
+        if not isinstance(store, Store):
+            raise ConfigError("store", f"must be a Store, got {type(store).__name__}")
+        self.store = store
+        self.config = config if config is not None else JobRetentionConfig()
+        if not isinstance(self.config, JobRetentionConfig):
+            raise ConfigError("config", "must be a JobRetentionConfig")
+        self._indexed = False
+
+    @property
+    def dialect(self) -> str:
+        return POSTGRESQL if is_postgresql(self.store.engine.dialect.name) else SQLITE
+
+    def targets(self) -> list[PurgeTarget]:
+        """The tables this retention purges (those whose window is not 0 = forever)."""
+        found: list[PurgeTarget] = []
+        if self.config.job_retention_seconds > 0:
+            found.append(_FinishedJobs(self))
+        if self.config.worker_grace_seconds > 0:
+            found.append(_GoneWorkers(self))
+        return found
+
+    # -- finished jobs ----------------------------------------------------------------------
+
+    def _cutoff(self, conn: Connection, age: float, now: float | None) -> float:
+        if now is not None:
+            return float(now) - age
+        clock = conn.execute(text(f"SELECT {EPOCH_SQL[self.dialect]}")).scalar_one()
+        return float(clock) - age
+
+    def ensure_indexes(self) -> None:
+        """The two indexes retention reads, on a job store created before they existed
+        (``create_all`` adds no index to an existing table). PostgreSQL builds them
+        CONCURRENTLY: writers are not blocked while a large table is indexed."""
+        if self._indexed:
+            return
+        engine = self.store.engine
+        if self.dialect == POSTGRESQL:
+            with engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                for index in (FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX):
+                    found = conn.execute(text("SELECT to_regclass(:n)"), {"n": index.name})
+                    if found.scalar() is None:  # CONCURRENTLY waits for every transaction
+                        conn.execute(text(_concurrent_index_sql(conn, index)))
+        else:
+            with self.store.driver.begin() as conn:
+                for index in (FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX):
+                    index.create(conn, checkfirst=True)
+        self._indexed = True
+
+    def count_finished(self, *, now: float | None = None) -> int:
+        """DONE and CANCELLED jobs a purge would delete now."""
+        self.ensure_indexes()
+        with self.store.driver.connect() as conn:
+            cutoff = self._cutoff(conn, self.config.job_retention_seconds, now)
+            return int(conn.execute(text(JOB_DUE), {"cutoff": cutoff}).scalar_one())
+
+    def purge_finished(self, limit: int, *, now: float | None = None) -> int:
+        """Delete at most ``limit`` finished jobs past the retention, with their attempts,
+        intents and receipts, in one transaction; how many jobs went."""
+        check_batch("limit", limit)
+        if self.config.job_retention_seconds <= 0:
+            return 0
+        self.ensure_indexes()
+        age = self.config.job_retention_seconds
+        with self.store.driver.begin() as conn:
+            cutoff = self._cutoff(conn, age, now)
+            if self.dialect == POSTGRESQL:
+                result = conn.execute(text(PG_JOB_PURGE), {"cutoff": cutoff, "limit": limit})
+                return int(result.rowcount)
+            # SQLite: the transaction holds the write lock (BEGIN IMMEDIATE), so the rows
+            # read stay as they are until the deletes below.
+            ids = [
+                int(row[0])
+                for row in conn.execute(
+                    text(_FINISHED + " LIMIT :limit"), {"cutoff": cutoff, "limit": limit}
+                )
+            ]
+            if not ids:
+                return 0
+            params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
+            marks = ", ".join(f":i{n}" for n in range(len(ids)))
+            conn.execute(text(f"DELETE FROM {ATTEMPTS_TABLE} WHERE job_id IN ({marks})"), params)
+            conn.execute(text(f"DELETE FROM {OPERATIONS_TABLE} WHERE job_id IN ({marks})"), params)
+            conn.execute(text(f"DELETE FROM {JOBS_TABLE} WHERE id IN ({marks})"), params)
+            return len(ids)
+
+    # -- liveness rows ----------------------------------------------------------------------
+
+    def count_gone_workers(self, *, now: float | None = None) -> int:
+        with self.store.driver.connect() as conn:
+            cutoff = self._cutoff(conn, self.config.worker_grace_seconds, now)
+            query = f"SELECT count(*) FROM ({_GONE_WORKERS}) g"
+            return int(conn.execute(text(query), {"cutoff": cutoff}).scalar_one())
+
+    def purge_gone_workers(self, limit: int, *, now: float | None = None) -> int:
+        check_batch("limit", limit)
+        if self.config.worker_grace_seconds <= 0:
+            return 0
+        with self.store.driver.begin() as conn:
+            cutoff = self._cutoff(conn, self.config.worker_grace_seconds, now)
+            result = conn.execute(
+                text(f"DELETE FROM {WORKERS_TABLE} WHERE name IN ({_GONE_WORKERS} LIMIT :limit)"),
+                {"cutoff": cutoff, "limit": limit},
+            )
+            return int(result.rowcount)
+
+
+def _concurrent_index_sql(conn: Connection, index: Any) -> str:
+    """``CREATE INDEX CONCURRENTLY IF NOT EXISTS`` for a metadata Index (PostgreSQL)."""
+    from sqlalchemy.schema import CreateIndex
+
+    ddl = str(CreateIndex(index, if_not_exists=True).compile(dialect=conn.dialect))
+    return ddl.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1)
+
+
+def job_retention_duty(store: Store, config: JobRetentionConfig | None = None) -> RetentionDuty:
+    """The worker's named duty: ``run_once()`` purges one batch per table now,
+    ``maybe_run()`` when ``config.purge_interval`` has passed."""
+    retention = JobRetention(store, config)
+    cfg = retention.config
+    return RetentionDuty(
+        "job retention",
+        retention.targets(),
+        interval=cfg.purge_interval,
+        batch=cfg.purge_batch,
+    )
