@@ -17,7 +17,7 @@ from tests.services import PrivateRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 RUNNER = Path(__file__).resolve().parent / "docs_runner.py"
 
 
@@ -37,6 +37,7 @@ def docs_redis() -> Iterator[str]:
         server.close()
 
 
+@pytest.mark.slow  # 3-11 s a page: a fresh interpreter, embedded Redis, the simulator
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
 def test_page_code_runs(page: Path, pg_url: str, docs_redis: str, tmp_path: Path) -> None:
     """The page's blocks run as written, in order, in a fresh directory; PostgreSQL and Redis
@@ -102,3 +103,21 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "index.html").exists()
+
+
+def _sh_blocks(page: Path) -> list[str]:
+    return [block.source.strip() for block in blocks(page) if block.language == "sh"]
+
+
+def test_readme_is_a_door() -> None:
+    """The README is the pitch, the two commands, a short tour and links (issue 26)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    """CI runs the README's test command, byte for byte: the newcomer's command is tested."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()
+    commands = _sh_blocks(ROOT / "README.md")
+    assert ci[-1] in commands, f"{ci[-1]!r} is not among the README's commands {commands}"
+    assert any(command.endswith("outbox-relay demo") for command in commands)
