@@ -7,7 +7,7 @@
     relay.run_once()     # one claim-publish-record cycle; how many it published
     relay.run()          # until SIGTERM/SIGINT or relay.stop() (or run(stop=event))
 
-See :mod:`relay.store` for how replicas share the work and keep per-key order.
+How replicas share the work and keep per-key order: docs/explanation/claims-and-order.md.
 """
 
 from outbox.lifecycle import GracefulStop

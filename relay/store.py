@@ -1,64 +1,10 @@
 """The relay's storage seam: every SQL statement the relay runs, PostgreSQL and SQLite.
 
-How replicas share the work and keep per-key order (the design, in one place)
-------------------------------------------------------------------------------
-Keys are split into ``partitions`` by ``key_hash % partitions``. On PostgreSQL each partition
-is owned by at most one relay at a time: ownership is a session-level advisory lock held by
-the relay's *claim connection*, and every claim runs on that connection, so a relay whose
-session died (process killed, connection cut, server restarted) can claim nothing more in the
-partitions it lost, and the server releases its locks the moment the session ends: another
-replica takes over within one rebalance interval, without waiting for a lease to expire.
-Replicas count each other through a second advisory lock each holds, and each takes a fair
-share (``ceil(partitions / replicas)``), releasing extras between batches.
-
-We chose owned partitions over a head-of-key claim because the claim then stays one indexed
-range scan over pending rows in ``seq`` order: a head-of-key claim needs, for every candidate,
-a probe for an earlier unpublished row of its key, and that probe walks the dead index
-entries that every published row leaves behind until vacuum (measured: it halves the claim
-rate within seconds). Within its partitions a relay claims in ``seq`` order and XADDs a batch
-in that order on one connection, so a key's events reach the stream in ``seq`` order, which is
-commit order when the domain serialises writes to a key.
-
-A record that failed (``attempts > 0`` and still pending: in backoff, or an intent awaiting
-reconciliation) or that is quarantined blocks the later records of *its key only*: the claim
-skips a row when an earlier row of the same key is in the small ``blocked`` partial index
-(``ix_<table>_blocked``; it holds only failing rows, so the probe is nearly free).
-
-Intent, publish, receipt
-------------------------
-The claim statement writes the intent (``claimed_by`` = the relay's incarnation name,
-``claim_epoch`` = its batch counter, ``claimed_at`` = database time) and commits before any
-XADD. The receipt (``state = 'published'``, ``stream``, ``stream_id``, ``published_at``) is a
-compare-and-set on ``(claimed_by, claim_epoch)``. A relay does not send a batch later than
-``publish_deadline`` after its claim, so an entry for an intent can only be in the stream
-between ``claimed_at - clock_margin`` and ``claimed_at + publish_deadline + clock_margin``.
-When a relay takes over a partition it marks the pending intents it finds there as an
-attempt (``attempts + 1``, which blocks their keys) available for reconciliation once that
-window has passed; reconciliation first fences the intents in Redis (the publish script
-refuses a batch whose fence key exists, atomically, so nothing more can be added for them),
-then reads the stream from the claim time on (XRANGE), records receipts for the events it
-finds and clears the intent of the others, which are then claimed and published as usual. A
-batch whose XADD failed with a connection error is left the same way.
-
-Late commits
-------------
-The claim selects by ``state``, not by a position in the table: a row whose transaction
-commits late (it holds a smaller ``seq`` than rows already published) is pending when it
-becomes visible and is claimed by the next cycle, never skipped. Under serialised writes no
-later event of its key can exist before it commits, so it is not overtaken either. To keep
-claims from walking the dead index entries of published rows, an ordinary claim starts at a
-*floor*: the highest sequence value allocated at a moment since which every transaction
-then in progress has finished (``pg_snapshot_xmin`` of the current snapshot has passed that
-moment's ``xmax``, as watermill-sql reasons). Nothing below the floor can still appear. A
-full sweep from the first row picks up rows that waited behind a blocked key: it runs when
-a failing key may have become free (after a retry, a reconciliation, a take-over, a
-``requeue``, which sends a ``sweep`` notification) and at least every ``sweep_interval``.
-
-SQLite
-------
-One relay at a time: it takes an exclusive lock on ``<database>.relay.lock`` (a second
-relay waits, logging), claims with ``BEGIN IMMEDIATE`` (the database's single write lock,
-taken before reading what it will update) and polls; there is no LISTEN/NOTIFY.
+Why the statements look as they do (partitions owned through advisory locks, the claim in
+``seq`` order that also writes the intent, the ``blocked`` index that holds back a failing
+key only, the claim floor that never skips a late commit, the receipt as a compare-and-set,
+the single relay on SQLite) is explained once, in docs/explanation/claims-and-order.md and
+docs/explanation/reconciliation.md; each statement below carries its own reason beside it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ with ``mkdocs build --strict`` (docs/contributing.md, "Code blocks")."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -121,3 +122,18 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     commands = _sh_blocks(ROOT / "README.md")
     assert ci[-1] in commands, f"{ci[-1]!r} is not among the README's commands {commands}"
     assert any(command.endswith("outbox-relay demo") for command in commands)
+
+
+REPO_PATH = re.compile(r"`((?:outbox|relay|consumer|metrics|bench|tests|examples|docs)/[\w./-]*)`")
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    """A page that names a file of the repository (`relay/store.py`) names one that exists:
+    moving code must move its mentions too."""
+    missing = [
+        f"{_name(page)}: {path}"
+        for page in PAGES
+        for path in REPO_PATH.findall(page.read_text(encoding="utf-8"))
+        if not (ROOT / path.rstrip("/")).exists()
+    ]
+    assert not missing, missing
