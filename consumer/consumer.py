@@ -367,6 +367,7 @@ class Consumer:
         self._next_purge = 0.0
         self._groups: list[list[str]] | None = None  # streams per XREADGROUP (slots)
         self._block_turn = 0
+        self._ahead_ms = 0  # run_once(now=): how far the caller's clock is ahead of ours
 
     # -- construction helpers ---------------------------------------------------------------
 
@@ -576,10 +577,16 @@ class Consumer:
                 while not stopping() and time.monotonic() < deadline:
                     self._stop.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
-    def run_once(self, *, block: bool = True) -> int:
+    def run_once(self, *, block: bool = True, now: float | None = None) -> int:
         """One batch. Returns how many entries it acknowledged (handled, duplicates, dead
         letters, skipped). Raises on infrastructure errors (``run`` retries them); the batch
-        is kept and retried first by the next call."""
+        is kept and retried first by the next call.
+
+        ``now`` (unix seconds, for tests that control time): the batch runs as if it were
+        then, so entries pending for ``claim_idle_ms`` by that clock are claimed back.
+        Redis measures idle times on its own clock, so how far ``now`` is ahead of this
+        host's comes off ``claim_idle_ms``."""
+        self._ahead_ms = 0 if now is None else max(0, int((now - time.time()) * 1000))
         self._prepare()
         if not self._beating and time.monotonic() >= self._next_beat:
             self._beat()
@@ -761,7 +768,7 @@ class Consumer:
     def _claim(self, room: int) -> list[_Entry]:
         claimed = self._claim_from_dead(room)
         taken = {(entry.stream, entry.entry_id) for entry in claimed}
-        now = time.monotonic()
+        now = time.monotonic() + self._ahead_ms / 1000
         for name in self.streams:
             if room - len(claimed) <= 0:
                 break
@@ -772,7 +779,7 @@ class Consumer:
                     name,
                     self.group,
                     self.name,
-                    min_idle_time=self.config.claim_idle_ms,
+                    min_idle_time=max(0, self.config.claim_idle_ms - self._ahead_ms),
                     start_id=self._cursors.get(name, "0-0"),
                     count=room - len(claimed),
                 )

@@ -12,7 +12,7 @@ in its own module: ``consumer.jobs.driver_pg`` and ``consumer.jobs.driver_sqlite
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -84,6 +84,9 @@ class JobDriver:
     def __init__(self, engine: Engine, *, notify: bool = True) -> None:
         self.engine = engine
         self.notify = notify  # PostgreSQL: NOTIFY the ready channel when jobs become READY
+        # Replaces the database clock where a call gives no ``now`` (``Store(clock=...)``: a
+        # test that controls time, ``outbox.testing``); None: the database server's clock.
+        self.clock: Callable[[], float] | None = None
         # An in-memory SQLite database is ONE connection shared by every thread (StaticPool):
         # transactions must not interleave on it.
         self._lock: AbstractContextManager[Any] = (
@@ -139,6 +142,8 @@ class JobDriver:
         """``now`` if given, else the database clock in unix seconds."""
         if now is not None:
             return now
+        if self.clock is not None:
+            return self.clock()
         return float(conn.execute(select(db_epoch())).scalar_one())
 
     # -- jobs: insert ---------------------------------------------------------------------
@@ -530,6 +535,7 @@ class JobDriver:
         that deadline, both or neither. ``"created"``; ``"exists"`` when the operation has
         an intent already (nothing written; the caller reads it); ``"fenced"`` when the
         lease is not held at ``epoch`` (nothing written)."""
+        now: Any = db_epoch() if self.clock is None else self.clock()
         try:
             with self.begin() as conn:
                 created = self.operation_insert(
@@ -541,9 +547,9 @@ class JobDriver:
                         "request_digest": digest,
                         "state": "PENDING",
                         "attempts": 1,
-                        "call_deadline": db_epoch() + timeout,
-                        "created_at": db_epoch(),
-                        "updated_at": db_epoch(),
+                        "call_deadline": now + timeout,
+                        "created_at": now,
+                        "updated_at": now,
                     },
                 )
                 if created is None:

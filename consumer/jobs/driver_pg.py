@@ -123,6 +123,16 @@ class PostgresJobDriver(JobDriver):
         # only FROM its row, so a fenced dispatch writes nothing; an existing intent is left
         # alone (the caller reads it under lock, as before). The job row is locked before the
         # operation row, the order of the slow path (job_lock_held, then operation_get).
+        if self.clock is not None:  # a clock of the caller's: the statement reads the server's
+            return super().operation_intent(
+                operation_id=operation_id,
+                job_id=job_id,
+                provider=provider,
+                digest=digest,
+                timeout=timeout,
+                worker=worker,
+                epoch=epoch,
+            )
         params = {
             "timeout": float(timeout),
             "job_id": job_id,

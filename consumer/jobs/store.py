@@ -155,7 +155,9 @@ class Store(LeaseMoves, Recovery):
     ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long
     as the Store); ``Store(url_or_engine)`` otherwise: a URL or the same Engine the rest of
     the application uses. The schema is created on construction (idempotent) unless
-    ``create_schema=False``.
+    ``create_schema=False``. ``clock`` (a callable returning unix seconds) replaces the
+    database clock in every call that gives no ``now``, the operation intents' deadlines
+    included: a test moves the whole job pipeline's time with it (``outbox.testing``).
 
     ``driver`` (:class:`consumer.jobs.driver.JobDriver`) is the storage seam: every statement
     the store runs goes through it, and the other modules of ``consumer.jobs`` (operation
@@ -168,6 +170,7 @@ class Store(LeaseMoves, Recovery):
         *,
         config: StoreConfig | None = None,
         create_schema: bool = True,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine
@@ -182,6 +185,11 @@ class Store(LeaseMoves, Recovery):
         if not isinstance(self.config, StoreConfig):
             raise ConfigError("config", "must be a StoreConfig")
         self.driver: JobDriver = driver_for(self.engine, notify=self.config.notify)
+        if clock is not None and not callable(clock):
+            raise ConfigError("clock", f"must be a callable returning unix seconds, got {clock!r}")
+        # ``clock``: unix seconds that replace the database clock wherever a call gives no
+        # ``now`` (leases, backoffs, timers, intents' deadlines): a test's own time.
+        self.driver.clock = clock
         self._cursor = ""  # fairness rotation: the tenant served first by the last claim
         self._cursor_lock = threading.Lock()
         if create_schema:
@@ -423,6 +431,8 @@ class Store(LeaseMoves, Recovery):
             raise JobError("limit", f"must be a positive integer, got {limit!r}")
         seconds = _ttl(ttl)
         when = _time("now", now)
+        if when is None and self.driver.clock is not None:
+            when = self.driver.clock()
         with self._cursor_lock:
             cursor = self._cursor
         params: dict[str, Any] = {
