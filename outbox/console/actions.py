@@ -1,0 +1,361 @@
+"""The console's actions: each one existing operation of the library, audited.
+
+| action  | target       | the library's operation                         |
+|---------|--------------|-------------------------------------------------|
+| requeue | event        | ``relay.admin.requeue`` (``outbox-relay requeue``) |
+| replay  | dead letter  | ``consumer.admin.replay_dead_letter`` (``outbox-consumer replay``) |
+| resume  | job          | ``Store.resume``                                |
+| cancel  | job          | ``Store.cancel``                                |
+| settle  | receipt      | ``Operations.settle`` (``outbox-worker settle``) |
+
+Each asks for a reason and writes one ``outbox_audit`` row (``outbox.console.schema``): who,
+what, when, the reason, the target before and after, and the outcome. A refused action
+(unknown id, a state that does not allow it) is audited too, with the refusal as its outcome,
+and raises :class:`ActionRefused` (the API answers 404 or 409). The library operation runs in
+its own transaction, as it does from its CLI; the audit row follows in the next one, so an
+audit row never claims a change that did not commit.
+
+Bulk actions take a list's filter: :func:`bulk_preview` counts what it matches (at most
+:data:`BULK_CAP`), :func:`bulk_apply` runs the one operation on each match, oldest first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import insert, select
+from sqlalchemy.engine import Engine
+
+from consumer.admin import replay_dead_letter
+from consumer.errors import (
+    AlreadyReplayed,
+    Conflict,
+    DeadLetterNotFound,
+    IllegalTransition,
+    JobError,
+    JobNotFound,
+    OperationError,
+)
+from consumer.inbox import NEEDS_ATTENTION as DL_NEEDS_ATTENTION
+from consumer.inbox import inbox_for
+from consumer.jobs.operations import Operations
+from consumer.jobs.schema import db_epoch, jobs, operations
+from consumer.jobs.states import STATES as JOB_STATES
+from consumer.jobs.store import Store
+from outbox.console import queries
+from outbox.console.queries import Tables
+from outbox.console.schema import audit
+from outbox.schema import QUARANTINED, OutboxSchema
+from relay.admin import requeue
+
+ACTIONS = ("requeue", "replay", "resume", "cancel", "settle")
+BULK_CAP = 1000
+"""A bulk action takes at most this many records (run it again for the next ones)."""
+MAX_REASON = 2000
+
+
+class ActionError(Exception):
+    """An action the console cannot take. ``status``: the HTTP status the API answers."""
+
+    status = 400
+
+
+class ActionRefused(ActionError):
+    """The target does not exist (404) or its state does not allow the action (409)."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who acts: the name the operator gave, how they signed in, from where."""
+
+    name: str = "console"
+    via: str = "bearer"
+    client: str | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one action did: the target before and after, and its audit row's id."""
+
+    action: str
+    target_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    audit_id: int
+    result: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "target_id": self.target_id,
+            "before": self.before,
+            "after": self.after,
+            "audit_id": self.audit_id,
+            "result": self.result,
+        }
+
+
+def check_reason(reason: Any) -> str:
+    if not isinstance(reason, str) or not reason.strip():
+        raise ActionError("reason: every action needs a reason (a non-empty text)")
+    if len(reason) > MAX_REASON or "\x00" in reason:
+        raise ActionError(f"reason: at most {MAX_REASON} characters, no NUL")
+    return reason.strip()
+
+
+class Actions:
+    """The actions on one database (and the Redis a replay writes to)."""
+
+    def __init__(
+        self, engine: Engine, outbox_schema: OutboxSchema, tables: Tables, redis: Any
+    ) -> None:
+        self.engine = engine
+        self.outbox_schema = outbox_schema
+        self.tables = tables
+        self.redis = redis
+        self.store = Store(engine, create_schema=False)
+        self.operations = Operations(self.store)
+        self.inbox = inbox_for(engine, tables.inbox)
+
+    # -- reading a target ----------------------------------------------------------------
+
+    def _read(self, kind: str, target_id: str) -> dict[str, Any] | None:
+        t = self.tables.outbox
+        dl = self.tables.inbox.dead_letters
+        with self.engine.connect() as conn:
+            if kind == "event":
+                query = select(t).where(t.c.event_id == target_id)
+            elif kind == "dead_letter":
+                query = select(dl).where(dl.c.id == int(target_id))
+            elif kind == "job":
+                query = select(jobs).where(jobs.c.id == int(target_id))
+            else:
+                query = select(operations).where(operations.c.operation_id == target_id)
+            row = conn.execute(query).first()
+        if row is None:
+            return None
+        return {k: queries.jsonable(v) for k, v in row._mapping.items()}
+
+    # -- the audit -----------------------------------------------------------------------
+
+    def _audit(
+        self,
+        actor: Actor,
+        action: str,
+        kind: str,
+        target_id: str,
+        reason: str,
+        outcome: str,
+        before: Any,
+        after: Any,
+        bulk: str | None,
+    ) -> int:
+        with self.engine.begin() as conn:
+            now = float(conn.execute(select(db_epoch())).scalar_one())
+            result = conn.execute(
+                insert(audit)
+                .values(
+                    at=now,
+                    actor=actor.name[:200],
+                    via=actor.via[:16],
+                    client=(actor.client or "")[:200] or None,
+                    action=action,
+                    target_kind=kind,
+                    target_id=target_id[:400],
+                    reason=reason,
+                    outcome=outcome[:4000],
+                    before=None if before is None else json.dumps(before, default=str),
+                    after=None if after is None else json.dumps(after, default=str),
+                    bulk=bulk,
+                )
+                .returning(audit.c.id)
+            )
+            return int(result.scalar_one())
+
+    def _run(
+        self,
+        actor: Actor,
+        action: str,
+        kind: str,
+        target_id: str,
+        reason: Any,
+        operation: Callable[[], Any],
+        bulk: str | None = None,
+    ) -> Outcome:
+        why = check_reason(reason)
+        before = self._read(kind, target_id)
+        if before is None:
+            self._audit(actor, action, kind, target_id, why, "refused: not found", None, None, bulk)
+            raise ActionRefused(f"no {kind.replace('_', ' ')} {target_id!r}", 404)
+        try:
+            result = operation()
+        except (
+            Conflict,
+            IllegalTransition,
+            OperationError,
+            AlreadyReplayed,
+            JobNotFound,
+            DeadLetterNotFound,
+            ActionRefused,
+        ) as exc:
+            after = self._read(kind, target_id)
+            self._audit(actor, action, kind, target_id, why, f"refused: {exc}", before, after, bulk)
+            status = 404 if isinstance(exc, LookupError) else 409
+            raise ActionRefused(str(exc), status) from None
+        except JobError as exc:
+            raise ActionError(str(exc)) from None
+        after = self._read(kind, target_id)
+        audit_id = self._audit(actor, action, kind, target_id, why, "ok", before, after, bulk)
+        return Outcome(action, target_id, before, after, audit_id, result)
+
+    # -- the five actions ----------------------------------------------------------------
+
+    def requeue_event(
+        self, event_id: str, reason: Any, actor: Actor, bulk: str | None = None
+    ) -> Outcome:
+        def operation() -> Any:
+            result = requeue(self.engine, self.outbox_schema, [event_id])
+            if result.not_quarantined:
+                state = result.not_quarantined[event_id]
+                raise ActionRefused(f"event {event_id} is {state}, not quarantined")
+            if result.unknown:
+                raise ActionRefused(f"no event {event_id!r}", 404)
+            return {"requeued": result.requeued}
+
+        return self._run(actor, "requeue", "event", event_id, reason, operation, bulk)
+
+    def replay_dead_letter(
+        self, entry_id: str, reason: Any, actor: Actor, bulk: str | None = None
+    ) -> Outcome:
+        record = _record_id(entry_id)
+
+        def operation() -> Any:
+            return {"new_entry_id": replay_dead_letter(self.inbox, self.redis, record)}
+
+        return self._run(actor, "replay", "dead_letter", str(record), reason, operation, bulk)
+
+    def resume_job(
+        self, job_id: str, reason: Any, actor: Actor, bulk: str | None = None
+    ) -> Outcome:
+        ident = _job_id(job_id)
+        why = reason if isinstance(reason, str) else None
+
+        def operation() -> Any:
+            self.store.resume(ident, reason=f"console: {why} (by {actor.name})")
+
+        return self._run(actor, "resume", "job", str(ident), reason, operation, bulk)
+
+    def cancel_job(
+        self, job_id: str, reason: Any, actor: Actor, bulk: str | None = None
+    ) -> Outcome:
+        ident = _job_id(job_id)
+        why = reason if isinstance(reason, str) else None
+
+        def operation() -> Any:
+            self.store.cancel(ident, reason=f"console: {why} (by {actor.name})")
+
+        return self._run(actor, "cancel", "job", str(ident), reason, operation, bulk)
+
+    def settle_receipt(
+        self,
+        operation_id: str,
+        reason: Any,
+        actor: Actor,
+        *,
+        accepted: Any = None,
+        not_sent: Any = False,
+    ) -> Outcome:
+        if accepted in ("", None) and not_sent is not True:
+            raise ActionError('settle: give {"accepted": REF} or {"not_sent": true}')
+        if accepted not in ("", None) and not_sent is True:
+            raise ActionError("settle: accepted and not_sent exclude each other")
+        if accepted not in ("", None) and not isinstance(accepted, str):
+            raise ActionError("accepted: the provider's reference, a text")
+        ref = accepted if accepted not in ("", None) else None
+        why = reason if isinstance(reason, str) else None
+
+        def operation() -> Any:
+            receipt = self.operations.settle(
+                operation_id, accepted=ref, not_sent=ref is None, reason=why, by=actor.name
+            )
+            return receipt.as_dict()
+
+        return self._run(actor, "settle", "receipt", operation_id, reason, operation)
+
+    # -- bulk ----------------------------------------------------------------------------
+
+    def bulk_targets(self, kind: str, filters: dict[str, str]) -> tuple[Any, Any, Any, Any]:
+        """(table, id column, where, order) of a bulk action's filter."""
+        if kind == "requeue":
+            t = self.tables.outbox
+            if (filters.get("state") or QUARANTINED) != QUARANTINED:
+                raise ActionError("state: only quarantined events can be requeued")
+            where = queries.event_filter(
+                t, filters.get("topic") or None, filters.get("key") or None, QUARANTINED
+            )
+            return t, t.c.event_id, where, t.c.seq
+        if kind in ("resume", "cancel"):
+            state = filters.get("state") or None
+            if state is not None and state not in JOB_STATES:
+                raise ActionError(f"state: not a job state: {state!r}")
+            if state is None:
+                raise ActionError("state: a bulk job action needs a state filter")
+            where = queries.job_filter(
+                state, filters.get("tenant") or None, filters.get("action") or None
+            )
+            return jobs, jobs.c.id, where, jobs.c.id
+        if kind == "replay":
+            dl = self.tables.inbox.dead_letters
+            where = queries.dead_letter_filter(dl, filters.get("group") or None, DL_NEEDS_ATTENTION)
+            return dl, dl.c.id, where, dl.c.id
+        raise ActionError(f"no bulk {kind!r}: one of requeue, replay, resume, cancel")
+
+    def bulk_preview(self, kind: str, filters: dict[str, str]) -> int:
+        """How many records the bulk action would take (``BULK_CAP`` + 1 means more)."""
+        table, _, where, _ = self.bulk_targets(kind, filters)
+        with self.engine.connect() as conn:
+            return queries.count_matching(conn, table, where, BULK_CAP)
+
+    def bulk_apply(
+        self, kind: str, filters: dict[str, str], reason: Any, actor: Actor
+    ) -> dict[str, Any]:
+        """Run the action on each match (at most ``BULK_CAP``), each audited."""
+        check_reason(reason)
+        _, column, where, order = self.bulk_targets(kind, filters)
+        with self.engine.connect() as conn:
+            targets = queries.ids_matching(conn, column, where, order, BULK_CAP)
+        tag = json.dumps({"action": kind, **filters}, sort_keys=True)[:400]
+        one = {
+            "requeue": self.requeue_event,
+            "replay": self.replay_dead_letter,
+            "resume": self.resume_job,
+            "cancel": self.cancel_job,
+        }[kind]
+        done, refused = [], {}
+        for target in targets:
+            try:
+                done.append(one(str(target), reason, actor, bulk=tag).target_id)
+            except ActionRefused as exc:
+                refused[str(target)] = str(exc)
+        return {"action": kind, "filters": filters, "done": done, "refused": refused}
+
+
+def _job_id(value: str) -> int:
+    text_value = str(value)
+    if not text_value.isdigit() or len(text_value) > 18:
+        raise ActionRefused(f"no job {value!r} (a job id is a number)", 404)
+    return int(text_value)
+
+
+def _record_id(value: str) -> int:
+    text_value = str(value)
+    if not text_value.isdigit() or len(text_value) > 18:
+        raise ActionRefused(f"no dead letter {value!r} (a record id is a number)", 404)
+    return int(text_value)

@@ -1,0 +1,274 @@
+"""``outbox-console``: the operator console, and one identity's story in a terminal.
+
+```
+outbox-console serve [--host 127.0.0.1] [--port 8780] [--read-only] [--token-file FILE]
+                     [--database-url URL] [--redis-url URL] [--redis-cluster]
+outbox-console trace QUERY [--json] [--database-url URL] [--redis-url URL] [--redis-cluster]
+outbox-console init-db [--database-url URL]
+```
+
+``serve`` needs a token: ``OUTBOX_CONSOLE_TOKEN``, else the first line of ``--token-file``,
+else one generated now and printed once with its login URL (as Jupyter does). It creates the
+audit table if missing and warns when the lookup indexes are (``init-db`` creates both).
+Binding another address than 127.0.0.1 logs a warning: the token is then the only
+protection. ``trace`` prints the story and exits 0 when something was found, 1 when not.
+
+Every flag defaults to an environment variable: ``OUTBOX_DATABASE_URL``, ``OUTBOX_REDIS_URL``,
+``OUTBOX_REDIS_CLUSTER=1``, ``OUTBOX_CONSOLE_HOST``, ``OUTBOX_CONSOLE_PORT``,
+``OUTBOX_CONSOLE_READ_ONLY=1``, ``OUTBOX_CONSOLE_TOKEN_FILE``, ``OUTBOX_LOG_LEVEL``. With no
+database URL, the SQLite file in the working directory; with no Redis URL, the embedded
+server. Exit codes: 0 success, 1 failure (or not found), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.db import default_database_url, describe_url, make_engine
+from outbox.env import env, env_int
+from outbox.errors import ConfigError, OutboxError
+from outbox.logs import fields, setup_logging
+from outbox.redis_client import is_cluster_url, redis_client
+
+log = logging.getLogger("outbox.console")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8780
+
+
+def _bool_env(name: str) -> bool:
+    raw = env(name)
+    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``serve`` runs with, validated at construction (``ConfigError`` names the field)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    read_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError("host", "must be a non-empty address")
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise ConfigError("port", f"must be an integer, got {self.port!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be from 0 to 65535, got {self.port}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-console", description="The operator console of the outbox toolkit."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the web console and its JSON API")
+    serve.add_argument(
+        "--host", default=None, help=f"bind address [OUTBOX_CONSOLE_HOST, {DEFAULT_HOST}]"
+    )
+    serve.add_argument(
+        "--port", type=int, default=None, help=f"port [OUTBOX_CONSOLE_PORT, {DEFAULT_PORT}]"
+    )
+    serve.add_argument(
+        "--read-only",
+        action="store_true",
+        default=None,
+        help="refuse every action with 403 [OUTBOX_CONSOLE_READ_ONLY=1]",
+    )
+    serve.add_argument(
+        "--token-file",
+        default=None,
+        help="file whose first line is the token [OUTBOX_CONSOLE_TOKEN_FILE]; "
+        "OUTBOX_CONSOLE_TOKEN wins over it",
+    )
+    trace = sub.add_parser("trace", help="one identity's story, from commit to receipt")
+    trace.add_argument("query", help="identity, event key, event id, job id or operation id")
+    trace.add_argument("--json", action="store_true", help="the trace as one JSON object")
+    init = sub.add_parser("init-db", help="create the audit table and the lookup indexes")
+    for p in (serve, trace, init):
+        p.add_argument(
+            "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
+        )
+        p.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+    for p in (serve, trace):
+        p.add_argument(
+            "--redis-url", default=None, help="Redis URL [OUTBOX_REDIS_URL, embedded server]"
+        )
+        p.add_argument(
+            "--redis-cluster",
+            action="store_true",
+            default=None,
+            help="--redis-url names any node of a Redis Cluster [OUTBOX_REDIS_CLUSTER=1]",
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
+        return int(exc.code or 0)
+    try:
+        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
+        url = args.database_url or env("DATABASE_URL") or default_database_url()
+        if args.command == "init-db":
+            return _init_db(url)
+        if args.command == "trace":
+            return _trace(args, url)
+        return _serve(args, url)
+    except OutboxError as exc:
+        print(f"outbox-console: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except Exception as exc:
+        log.exception("console failed", extra=fields(error=repr(exc)))
+        return 1
+
+
+def _redis(args: argparse.Namespace) -> Any:
+    redis_url = args.redis_url or env("REDIS_URL")
+    cluster = bool(args.redis_cluster) or _bool_env("REDIS_CLUSTER") or is_cluster_url(redis_url)
+    if cluster:
+        return redis_client(redis_url, cluster=True)
+    return redis_client(redis_url)
+
+
+def _redis_description(args: argparse.Namespace) -> str:
+    redis_url = args.redis_url or env("REDIS_URL")
+    return "embedded" if redis_url is None else describe_url(redis_url)
+
+
+def _init_db(url: str) -> int:
+    from outbox.console.schema import create_audit_table, create_lookup_indexes
+
+    engine = make_engine(url)
+    try:
+        create_audit_table(engine)
+        made = create_lookup_indexes(engine)
+    finally:
+        engine.dispose()
+    log.info(
+        "console tables ready",
+        extra=fields(database=describe_url(url), lookup_indexes_created=len(made)),
+    )
+    return 0
+
+
+def _token(args: argparse.Namespace) -> tuple[str, bool]:
+    """The token and whether it was generated now."""
+    from outbox.console.auth import generate_token
+
+    given = os.environ.get("OUTBOX_CONSOLE_TOKEN")
+    if given:
+        return given.strip(), False
+    path = args.token_file or env("CONSOLE_TOKEN_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                token = handle.readline().strip()
+        except OSError as exc:
+            raise ConfigError("token_file", f"cannot read {path!r}: {exc.strerror}") from None
+        if len(token) < 16:
+            raise ConfigError("token_file", f"{path!r}: the token needs 16 characters or more")
+        return token, False
+    return generate_token(), True
+
+
+def _serve(args: argparse.Namespace, url: str) -> int:
+    import uvicorn
+
+    from outbox.console.app import Console
+    from outbox.console.schema import create_audit_table, missing_lookup_indexes
+
+    port = args.port if args.port is not None else env_int("CONSOLE_PORT", DEFAULT_PORT)
+    config = ServeConfig(
+        host=args.host or env("CONSOLE_HOST", DEFAULT_HOST) or DEFAULT_HOST,
+        port=port,
+        read_only=bool(args.read_only) or _bool_env("CONSOLE_READ_ONLY"),
+    )
+    token, generated = _token(args)
+    if len(token) < 16:
+        raise ConfigError("OUTBOX_CONSOLE_TOKEN", "the token needs 16 characters or more")
+    engine = make_engine(url)
+    redis = _redis(args)
+    try:
+        create_audit_table(engine)
+        missing = missing_lookup_indexes(engine)
+        if missing:
+            log.warning(
+                "lookup indexes missing: lists with filters and traces scan their tables "
+                "(outbox-console init-db creates them)",
+                extra=fields(missing=",".join(missing)),
+            )
+        if config.host != DEFAULT_HOST:
+            log.warning(
+                "the console listens beyond this machine: the token is the only protection",
+                extra=fields(host=config.host),
+            )
+        console = Console(
+            engine,
+            redis,
+            token,
+            read_only=config.read_only,
+            describe={"database": describe_url(url), "redis": _redis_description(args)},
+        )
+        shown = f"[{config.host}]" if ":" in config.host else config.host
+        if generated:
+            print(
+                f"outbox-console: sign in at http://{shown}:{config.port}/login?token={token}",
+                flush=True,
+            )
+        else:
+            print(f"outbox-console: serving http://{shown}:{config.port}/", flush=True)
+        log.info(
+            "outbox-console serving",
+            extra=fields(
+                host=config.host,
+                port=config.port,
+                read_only=config.read_only,
+                database=describe_url(url),
+            ),
+        )
+        uvicorn.run(
+            console.app, host=config.host, port=config.port, log_level="warning", access_log=False
+        )
+        return 0
+    finally:
+        engine.dispose()
+        close = getattr(redis, "close", None)
+        if callable(close):
+            close()
+
+
+def _trace(args: argparse.Namespace, url: str) -> int:
+    from outbox.console.queries import Tables, present_tables
+    from outbox.console.render import print_trace
+    from outbox.console.trace import collect
+
+    engine = make_engine(url)
+    redis = _redis(args)
+    try:
+        tables = Tables.build()
+        with engine.connect() as conn:
+            trace = collect(conn, tables, args.query, present_tables(engine, tables), redis)
+        if args.json:
+            print(json.dumps(trace.as_dict(), indent=2, default=str))
+        else:
+            print_trace(trace, sys.stdout)
+        return 0 if trace.found else 1
+    finally:
+        engine.dispose()
+        close = getattr(redis, "close", None)
+        if callable(close):
+            close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

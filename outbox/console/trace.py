@@ -1,0 +1,358 @@
+"""One business identity's story, from the outbox row to the receipt, and its verdict.
+
+A query is an identity, an event key, an event id, a job id or an operation id. The trace
+finds every record it names, then follows the links between the parts:
+
+- outbox rows: by ``event_id`` (unique), ``identity`` and ``key`` (lookup indexes);
+- the stream entry of each published row: ``XRANGE stream id id`` in Redis;
+- inbox rows: per consumer group, by the rows' identities (the inbox's primary key is
+  (group, identity): the groups are found by a loose index scan, then one probe each);
+- dead letters of those identities or event ids;
+- jobs: by id, and the jobs a consumer made for these events. Nothing in the tables links a
+  job to the event that created it, so the trace follows the conventions of the README and
+  DESIGN: a handler enqueues with ``subject=event.subject`` (the event key) in the event's
+  tenant, or names the action after the identity (``identity = "tenant:action"`` or
+  ``action = identity``);
+- each job's history (``outbox_job_attempts``), timer, and operation intents and receipts;
+- the audit rows of every record found.
+
+The **verdict** answers "was it sent?" in words, receipts first (the receipt decides before
+the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``):
+
+1. ``not found``: no record at all;
+2. ``unknown``: a receipt UNKNOWN, or PENDING past its call deadline;
+3. ``sent``: an ACCEPTED receipt;
+4. ``not sent``: a receipt NOT_SENT or FAILED;
+5. ``in progress``: a receipt PENDING within its deadline (the call may be in flight);
+6. then the jobs: WAITING_REVIEW or NEEDS_ATTENTION ``needs review``; WAITING_EXTERNAL, or
+   a job with a timer or a ``run_after`` in the future, ``waiting``; READY or LEASED
+   ``in progress``; every job CANCELLED ``not sent``; DONE (no receipt recorded: the handler
+   finished) ``sent``;
+7. no job: a dead letter ``needs review``; an outbox row pending or quarantined
+   ``not published yet``; published (in the stream, no job yet) ``in progress``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, or_, select, text, tuple_
+from sqlalchemy.engine import Connection
+
+from consumer.jobs.schema import attempts, jobs, operations
+from outbox.codec import text_fields
+from outbox.console.queries import TRACE_LIMIT, Tables, jsonable
+from outbox.console.schema import audit
+from outbox.dialect import db_epoch
+from outbox.logs import fields
+
+log = logging.getLogger("outbox.console")
+
+SENT = "sent"
+UNKNOWN = "unknown"
+IN_PROGRESS = "in progress"
+WAITING = "waiting"
+NEEDS_REVIEW = "needs review"
+NOT_SENT = "not sent"
+NOT_PUBLISHED = "not published yet"
+NOT_FOUND = "not found"
+VERDICTS = (SENT, UNKNOWN, IN_PROGRESS, WAITING, NEEDS_REVIEW, NOT_SENT, NOT_PUBLISHED, NOT_FOUND)
+
+
+@dataclass
+class Trace:
+    """What a trace found, and its verdict with the sentence that explains it."""
+
+    query: str
+    verdict: str = NOT_FOUND
+    because: str = "nothing in the outbox, the inbox, the jobs or the receipts matches"
+    events: list[dict[str, Any]] = field(default_factory=list)
+    stream_entries: list[dict[str, Any]] = field(default_factory=list)
+    inbox: list[dict[str, Any]] = field(default_factory=list)
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    receipts: list[dict[str, Any]] = field(default_factory=list)
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    clock: float = 0.0
+
+    @property
+    def found(self) -> bool:
+        return self.verdict != NOT_FOUND
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "query": self.query,
+            "verdict": self.verdict,
+            "because": self.because,
+            "events": self.events,
+            "stream_entries": self.stream_entries,
+            "inbox": self.inbox,
+            "dead_letters": self.dead_letters,
+            "jobs": self.jobs,
+            "receipts": self.receipts,
+            "audit": self.audit,
+        }
+
+
+def _rows(result: Iterable[Any]) -> list[dict[str, Any]]:
+    return [{k: jsonable(v) for k, v in r._mapping.items()} for r in result]
+
+
+def _add(into: list[dict[str, Any]], rows: list[dict[str, Any]], key: str) -> None:
+    seen = {r[key] for r in into}
+    for row in rows:
+        if row[key] not in seen and len(into) < TRACE_LIMIT:
+            into.append(row)
+            seen.add(row[key])
+
+
+def _groups(conn: Connection, tables: Tables) -> list[str]:
+    """The consumer groups in the inbox, by a loose index scan of its primary key (one probe
+    per group, however many rows each has)."""
+    t = tables.inbox.inbox.name
+    sql = text(
+        f'WITH RECURSIVE g(name) AS (SELECT min(group_name) FROM "{t}" '
+        f'UNION ALL SELECT (SELECT min(group_name) FROM "{t}" WHERE group_name > g.name) '
+        "FROM g WHERE g.name IS NOT NULL) SELECT name FROM g WHERE name IS NOT NULL"
+    )
+    return [str(r[0]) for r in conn.execute(sql)]
+
+
+def _as_int(q: str) -> int | None:
+    digits = q[1:] if q.startswith("#") else q
+    if digits.isdigit() and len(digits) < 19:
+        return int(digits)
+    return None
+
+
+def collect(
+    conn: Connection, tables: Tables, q: str, present: set[str], redis: Any = None
+) -> Trace:
+    """Find everything ``q`` names and what it links to (see the module docstring)."""
+    trace = Trace(query=q)
+    trace.clock = float(conn.execute(select(db_epoch())).scalar_one())
+    t = tables.outbox
+    has = present.__contains__
+    if has(t.name):
+        found = _rows(
+            conn.execute(
+                select(t)
+                .where(or_(t.c.event_id == q, t.c.identity == q, t.c.key == q))
+                .order_by(t.c.seq)
+                .limit(TRACE_LIMIT)
+            )
+        )
+        _add(trace.events, found, "event_id")
+    job_ids: set[int] = set()
+    if has(operations.name):
+        ops = _rows(conn.execute(select(operations).where(operations.c.operation_id == q)))
+        _add(trace.receipts, ops, "operation_id")
+        job_ids.update(int(r["job_id"]) for r in ops)
+    number = _as_int(q)
+    if has(jobs.name):
+        if number is not None:
+            job_ids.add(number)
+        direct = or_(jobs.c.subject == q, jobs.c.action == q)
+        if job_ids:
+            direct = or_(direct, jobs.c.id.in_(sorted(job_ids)))
+        _add(trace.jobs, _rows(conn.execute(select(jobs).where(direct).limit(TRACE_LIMIT))), "id")
+    # Events of the jobs found directly (a job id or an operation id was asked).
+    if has(t.name) and trace.jobs and not trace.events:
+        subjects = {j["subject"] for j in trace.jobs if j["subject"]}
+        actions = {j["action"] for j in trace.jobs}
+        names = actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs}
+        link = or_(t.c.identity.in_(sorted(names)), t.c.key.in_(sorted(subjects)))
+        _add(
+            trace.events,
+            _rows(conn.execute(select(t).where(link).order_by(t.c.seq).limit(TRACE_LIMIT))),
+            "event_id",
+        )
+    identities = {e["identity"] for e in trace.events}
+    event_ids = {e["event_id"] for e in trace.events}
+    if not trace.events:
+        identities.add(q)  # an identity whose outbox row retention removed
+    inbox = tables.inbox.inbox
+    if has(inbox.name):
+        groups = _groups(conn, tables)
+        if groups:
+            pairs = [(g, i) for g in groups for i in sorted(identities)][: TRACE_LIMIT * 4]
+            rows = conn.execute(
+                select(inbox)
+                .where(tuple_(inbox.c.group_name, inbox.c.identity).in_(pairs))
+                .order_by(inbox.c.group_name)
+            )
+            trace.inbox = _rows(rows)[:TRACE_LIMIT]
+            event_ids.update(r["event_id"] for r in trace.inbox)
+    dl = tables.inbox.dead_letters
+    if has(dl.name):
+        match: Any = dl.c.identity.in_(sorted(identities))
+        if event_ids:
+            match = or_(match, dl.c.event_id.in_(sorted(event_ids)))
+        trace.dead_letters = _rows(
+            conn.execute(select(dl).where(match).order_by(dl.c.id).limit(TRACE_LIMIT))
+        )
+    if has(jobs.name) and trace.events:
+        _add(trace.jobs, _event_jobs(conn, trace.events), "id")
+    if trace.jobs:
+        ids = sorted(int(j["id"]) for j in trace.jobs)
+        history: dict[int, list[dict[str, Any]]] = {}
+        if has(attempts.name):
+            for row in _rows(
+                conn.execute(
+                    select(attempts).where(attempts.c.job_id.in_(ids)).order_by(attempts.c.id)
+                )
+            ):
+                history.setdefault(int(row["job_id"]), []).append(row)
+        for job in trace.jobs:
+            job["history"] = history.get(int(job["id"]), [])[-TRACE_LIMIT:]
+        if has(operations.name):
+            _add(
+                trace.receipts,
+                _rows(
+                    conn.execute(
+                        select(operations)
+                        .where(operations.c.job_id.in_(ids))
+                        .order_by(operations.c.created_at)
+                        .limit(TRACE_LIMIT)
+                    )
+                ),
+                "operation_id",
+            )
+    if redis is not None:
+        trace.stream_entries = stream_entries(redis, trace.events)
+    if has(audit.name):
+        trace.audit = _audit_of(conn, trace)
+    trace.verdict, trace.because = verdict(trace)
+    return trace
+
+
+def _event_jobs(conn: Connection, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The jobs a consumer made for these events, by the conventions (module docstring)."""
+    pairs: set[tuple[str, str]] = set()
+    plain: set[str] = set()
+    by_subject: list[Any] = []
+    for event in events:
+        identity, tenant, key = event["identity"], event["tenant"], event["key"]
+        plain.add(identity)
+        prefix, sep, rest = identity.partition(":")
+        if sep and rest:
+            pairs.add((prefix, rest))
+        if tenant is not None:
+            by_subject.append(and_(jobs.c.subject == key, jobs.c.tenant == tenant))
+        else:
+            by_subject.append(jobs.c.subject == key)
+    links = [jobs.c.action.in_(sorted(plain)), *by_subject]
+    if pairs:
+        links.append(tuple_(jobs.c.tenant, jobs.c.action).in_(sorted(pairs)))
+    return _rows(
+        conn.execute(select(jobs).where(or_(*links)).order_by(jobs.c.id).limit(TRACE_LIMIT))
+    )
+
+
+def _audit_of(conn: Connection, trace: Trace) -> list[dict[str, Any]]:
+    targets = [("event", e["event_id"]) for e in trace.events]
+    targets += [("job", str(j["id"])) for j in trace.jobs]
+    targets += [("receipt", r["operation_id"]) for r in trace.receipts]
+    targets += [("dead_letter", str(d["id"])) for d in trace.dead_letters]
+    if not targets:
+        return []
+    rows = conn.execute(
+        select(audit)
+        .where(tuple_(audit.c.target_kind, audit.c.target_id).in_(targets[: TRACE_LIMIT * 4]))
+        .order_by(audit.c.id)
+        .limit(TRACE_LIMIT)
+    )
+    return _rows(rows)
+
+
+def stream_entries(redis: Any, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each published row's stream entry, read back from Redis (``XRANGE id id``), with its
+    CloudEvents fields; ``missing`` when the stream no longer holds it (trimmed, or a Redis
+    that lost it: ``outbox-relay republish``)."""
+    out = []
+    for event in events:
+        stream, entry_id = event.get("stream"), event.get("stream_id")
+        if not stream or not entry_id:
+            continue
+        item: dict[str, Any] = {"event_id": event["event_id"], "stream": stream, "id": entry_id}
+        try:
+            found = redis.xrange(stream, min=entry_id, max=entry_id, count=1)
+        except Exception as exc:  # Redis down: the page still shows the database's story
+            log.warning("stream entry not read", extra=fields(stream=stream, error=repr(exc)))
+            item.update(state="unreadable", error=f"{type(exc).__name__}: {exc}", fields={})
+        else:
+            if found:
+                item.update(state="present", fields=text_fields(found[0][1]))
+            else:
+                item.update(state="missing", fields={})
+        out.append(item)
+    return out
+
+
+def verdict(trace: Trace) -> tuple[str, str]:
+    """The verdict and its reason (the rules are the module docstring's)."""
+    if not (trace.events or trace.jobs or trace.receipts or trace.inbox or trace.dead_letters):
+        return NOT_FOUND, "nothing in the outbox, the inbox, the jobs or the receipts matches"
+    now = trace.clock
+    by_state: dict[str, list[dict[str, Any]]] = {}
+    for receipt in trace.receipts:
+        by_state.setdefault(receipt["state"], []).append(receipt)
+    overdue = [
+        r
+        for r in by_state.get("PENDING", [])
+        if r["call_deadline"] is not None and float(r["call_deadline"]) <= now
+    ]
+    if by_state.get("UNKNOWN") or overdue:
+        r = (by_state.get("UNKNOWN") or overdue)[0]
+        return UNKNOWN, (
+            f"receipt {r['operation_id']} is {r['state']}"
+            + (" past its call deadline" if r["state"] == "PENDING" else "")
+            + ": the provider may or may not have acted; settle it"
+        )
+    if by_state.get("ACCEPTED"):
+        r = by_state["ACCEPTED"][0]
+        return SENT, f"receipt {r['operation_id']} is ACCEPTED (ref {r['provider_ref']})"
+    for state in ("NOT_SENT", "FAILED"):
+        if by_state.get(state):
+            r = by_state[state][0]
+            return NOT_SENT, f"receipt {r['operation_id']} is {state}"
+    if by_state.get("PENDING"):
+        r = by_state["PENDING"][0]
+        return IN_PROGRESS, f"receipt {r['operation_id']} is PENDING: a call may be in flight"
+    if trace.jobs:
+        return _job_verdict(trace.jobs, now)
+    if trace.dead_letters and any(d["state"] == "needs_attention" for d in trace.dead_letters):
+        d = trace.dead_letters[0]
+        return NEEDS_REVIEW, f"consumer group {d['group_name']} dead-lettered it ({d['reason']})"
+    unpublished = [e for e in trace.events if e["state"] in ("pending", "quarantined")]
+    if unpublished:
+        e = unpublished[0]
+        return NOT_PUBLISHED, f"outbox event {e['event_id']} is {e['state']}"
+    if trace.inbox:
+        return IN_PROGRESS, "consumed, and no job found for it yet"
+    return IN_PROGRESS, "published to its stream; no consumer has made a job for it yet"
+
+
+def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
+    def label(job: dict[str, Any]) -> str:
+        return f"job {job['id']} ({job['tenant']}/{job['action']}) is {job['state']}"
+
+    for job in found:
+        if job["state"] in ("WAITING_REVIEW", "NEEDS_ATTENTION"):
+            return NEEDS_REVIEW, label(job)
+    for job in found:
+        if job["state"] == "WAITING_EXTERNAL":
+            return WAITING, label(job)
+        future = job["run_after"] is not None and float(job["run_after"]) > now
+        if job["state"] == "READY" and (job["timer_scheduled_for"] is not None or future):
+            return WAITING, label(job) + " with a timer"
+    for job in found:
+        if job["state"] in ("READY", "LEASED"):
+            return IN_PROGRESS, label(job)
+    if all(job["state"] == "CANCELLED" for job in found):
+        return NOT_SENT, label(found[0])
+    done = next(job for job in found if job["state"] == "DONE")
+    return SENT, label(done) + " (no receipt recorded: its handler finished)"
