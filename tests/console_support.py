@@ -70,13 +70,18 @@ class World:
             group="billing",
             topics=[TOPIC],
             stream=self.stream_template,
-            config=ConsumerConfig(block_ms=50, batch_size=100),
+            # One failed delivery dead-letters an entry (the tests' poison quotes).
+            config=ConsumerConfig(block_ms=50, batch_size=100, max_deliveries=1),
         )
         self.consumer.create_schema()
         store = self.store
+        self.failing: set[str] = set()
+        failing = self.failing
 
         @self.consumer.handler(TOPIC)
         def on_quote(event: Any, tx: Any) -> None:
+            if event.identity in failing:
+                raise RuntimeError(f"cannot handle {event.identity}")
             store.enqueue(
                 event.tenant,
                 f"send-{event.subject}",
@@ -129,6 +134,13 @@ class World:
         event_id = self.approve(n, payload)
         self.publish()
         self.consume()
+        return event_id
+
+    def dead_letter(self, n: int) -> str:
+        """Quote n's event, dead-lettered by the group (its handler fails once)."""
+        self.failing.add(f"{TENANT}:send-quote-{n:03d}")
+        event_id = self.through_consumer(n)
+        self.failing.clear()
         return event_id
 
     def quarantine(self, n: int, topic: str = "quote.poison") -> str:
