@@ -3,11 +3,14 @@ with ``mkdocs build --strict`` (docs/contributing.md, "Code blocks")."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,52 @@ def test_paths_named_in_the_docs_exist() -> None:
         if not (ROOT / path.rstrip("/")).exists()
     ]
     assert not missing, missing
+
+
+COMMANDS = ("outbox-relay", "outbox-consumer", "outbox-worker", "outbox-simulator")
+
+
+def _command_lines() -> list[tuple[str, list[str]]]:
+    """The ``outbox-*`` command lines of the pages' ``sh`` blocks, as tokens, comments off."""
+    found = []
+    for page in PAGES:
+        for source in _sh_blocks(page):
+            for line in source.splitlines():
+                tokens = line.split("#")[0].split()
+                if tokens and tokens[0] in COMMANDS:
+                    found.append((_name(page), tokens))
+    return found
+
+
+def _help(command: str, subcommand: str) -> str:
+    """``COMMAND SUBCOMMAND --help``, in this process (through the installed entry point):
+    its text, or "" when it does not exit 0."""
+    [entry] = [e for e in entry_points(group="console_scripts") if e.name == command]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = entry.load()([subcommand, "--help"])
+    except SystemExit as exit:
+        code = exit.code
+    return out.getvalue() if code in (0, None) else ""
+
+
+def test_command_lines_in_the_docs_exist() -> None:
+    """Every ``outbox-*`` line of a ``sh`` block names a real subcommand, and each of its
+    flags is one that subcommand's ``--help`` lists (shell blocks do not run: this is what
+    keeps them honest)."""
+    helps: dict[tuple[str, str], str] = {}
+    problems = []
+    for page, tokens in _command_lines():
+        command, subcommand = tokens[0], tokens[1]
+        if (command, subcommand) not in helps:
+            helps[command, subcommand] = _help(command, subcommand)
+        text = helps[command, subcommand]
+        if not text:
+            problems.append(f"{page}: {command} {subcommand}: no such subcommand")
+            continue
+        for token in tokens[2:]:
+            flag = token.strip("[]|").split("=")[0]
+            if flag.startswith("--") and flag not in text:
+                problems.append(f"{page}: {command} {subcommand}: no flag {flag}")
+    assert not problems, problems
