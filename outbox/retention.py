@@ -99,8 +99,9 @@ class PurgeTarget(Protocol):
         ...
 
 
-ProgressFn = Callable[[str, int, int], None]
-"""``progress(table, deleted_by_this_batch, deleted_so_far)``."""
+ProgressFn = Callable[[str, int, int, bool], None]
+"""``progress(table, deleted_by_this_batch, deleted_so_far, finished)`` after each batch;
+``finished`` on the table's last one."""
 
 
 def purge_all(
@@ -122,9 +123,10 @@ def purge_all(
             removed = target.purge(batch)
             rounds += 1
             total += removed
-            if progress is not None and (removed or rounds == 1):
-                progress(target.table, removed, total)
-            if removed < batch:
+            finished = removed < batch or (max_batches is not None and rounds >= max_batches)
+            if progress is not None:
+                progress(target.table, removed, total, finished)
+            if finished:
                 break
         deleted[target.table] = deleted.get(target.table, 0) + total
     return deleted

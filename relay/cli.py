@@ -211,6 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--all", action="store_true", help="every quarantined event")
     rq.set_defaults(func=cmd_requeue)
 
+    pg = sub.add_parser(
+        "purge",
+        help="retention of published events (--dry-run shows what would go)",
+        description="Delete published rows older than --retention, in batches (each its own "
+        "short transaction), as the running relay does every minute. Pending and quarantined "
+        "rows are never deleted. Progress on stderr, rows per table on stdout.",
+    )
+    _common(pg)
+    pg.add_argument(
+        "--retention",
+        type=float,
+        default=None,
+        help="seconds published rows are kept (env OUTBOX_RETENTION; default "
+        f"{int(DEFAULT_RETENTION_SECONDS)}; 0 keeps them)",
+    )
+    pg.add_argument("--batch-size", type=int, default=1000, help="rows per statement [1000]")
+    pg.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
+    pg.add_argument("--json", action="store_true", help='{"dry_run": .., "tables": {..}}')
+    pg.set_defaults(func=cmd_purge)
+
     init = sub.add_parser("init-db", help="create the outbox table, indexes and trigger")
     _common(init)
     init.add_argument(
@@ -394,6 +414,28 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     for event_id in result.unknown:
         print(f"{PROG}: unknown event id: {event_id}", file=sys.stderr)
     return 1 if result.unknown else 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from relay.retention import purge_command
+
+    retention = _float_flag(args.retention, "retention", DEFAULT_RETENTION_SECONDS)
+    engine, schema = _engine_and_schema(args)
+    try:
+        return purge_command(
+            engine,
+            schema,
+            retention,
+            dry_run=args.dry_run,
+            as_json=args.json,
+            batch=args.batch_size,
+        )
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    except Exception as exc:
+        return _fail(_db_problem(exc, args))
+    finally:
+        engine.dispose()
 
 
 def cmd_init_db(args: argparse.Namespace) -> int:

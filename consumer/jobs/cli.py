@@ -11,7 +11,11 @@ outbox-worker init-db [--database-url URL]
 outbox-worker receipts [--state STATE] [--limit N] [--json]
 outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
+outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
 ```
+
+``purge`` runs the job store's retention now (``consumer.jobs.purge`` has its flags; ``run``
+takes the same window flags for its retention duty).
 
 ``receipts`` lists operation receipts (oldest change first; ``--state UNKNOWN`` filters).
 ``settle`` records an operator's decision on an operation the system cannot settle itself:
@@ -43,6 +47,14 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from consumer.jobs.purge import (
+    WINDOWS,
+    add_purge_command,
+    add_window_flags,
+    configured_from_environment,
+    purge_command,
+    retention_config,
+)
 from outbox.db import default_database_url, describe_url
 from outbox.env import env, env_float, env_int
 from outbox.errors import OutboxError
@@ -135,7 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--limit", type=int, default=100, help="receipts per sweep [100]")
     sweep.add_argument("--json", action="store_true", help="the result as JSON")
-    for p in (run, init, receipts, settle, sweep):
+    purge = add_purge_command(sub)
+    add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
+    for p in (run, init, receipts, settle, sweep, purge):
         p.add_argument(
             "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
         )
@@ -183,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             Store(url).dispose()
             log.info("job tables ready", extra=fields(database=describe_url(url)))
             return 0
+        if args.command == "purge":
+            return purge_command(args, url)
         if args.command in ("receipts", "settle", "reconcile"):
             return _operations_command(args, url)
         return _run(args, url)
@@ -229,6 +245,10 @@ def _run(args: argparse.Namespace, url: str) -> int:
         value = flag if flag is not None else _env_opt_float(option.upper())
         if value is not None:
             options[option] = value
+    if configured_from_environment() or any(
+        getattr(args, flag.replace("-", "_")) is not None for flag, *_ in WINDOWS
+    ):
+        options["retention"] = retention_config(args)
     if options:
         worker.config = replace(worker.config, **options)
     if worker.store is None:

@@ -200,17 +200,25 @@ doomed AS MATERIALIZED (
                       WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
     FOR UPDATE OF j SKIP LOCKED),
 gone_attempts AS (
-    DELETE FROM {ATTEMPTS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))),
+    DELETE FROM {ATTEMPTS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1),
 gone_operations AS (
-    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)))
-DELETE FROM {JOBS_TABLE} WHERE id = ANY(ARRAY(SELECT id FROM doomed))"""
+    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1),
+gone_jobs AS (
+    DELETE FROM {JOBS_TABLE} WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1)
+SELECT (SELECT count(*) FROM gone_jobs), (SELECT count(*) FROM gone_attempts),
+       (SELECT count(*) FROM gone_operations)"""
 
-# The same rows, counted for --dry-run (and the same on SQLite).
-JOB_DUE = f"""
-SELECT count(*) FROM {JOBS_TABLE} j
+# The same rows and their history, counted for --dry-run (the same SQL on SQLite).
+_DUE_JOBS = f"""
+SELECT j.id FROM {JOBS_TABLE} j
 WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
   AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
                   WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
+
+JOB_DUE = f"""
+SELECT (SELECT count(*) FROM ({_DUE_JOBS}) d),
+       (SELECT count(*) FROM {ATTEMPTS_TABLE} WHERE job_id IN ({_DUE_JOBS})),
+       (SELECT count(*) FROM {OPERATIONS_TABLE} WHERE job_id IN ({_DUE_JOBS}))"""
 
 # Liveness rows of workers long gone and holding no lease (the liveness tick of a running
 # worker deletes most of them already; this covers a database whose workers all died).
@@ -262,6 +270,8 @@ class JobRetention:
         if not isinstance(self.config, JobRetentionConfig):
             raise ConfigError("config", "must be a JobRetentionConfig")
         self._indexed = False
+        self.deleted: dict[str, int] = {JOBS_TABLE: 0, ATTEMPTS_TABLE: 0, OPERATIONS_TABLE: 0}
+        """Rows this retention deleted so far, per table (jobs with their history)."""
 
     @property
     def dialect(self) -> str:
@@ -306,10 +316,17 @@ class JobRetention:
 
     def count_finished(self, *, now: float | None = None) -> int:
         """DONE and CANCELLED jobs a purge would delete now."""
+        return self.due_by_table(now=now)[JOBS_TABLE]
+
+    def due_by_table(self, *, now: float | None = None) -> dict[str, int]:
+        """What a purge would delete now: the jobs, their attempts and operation rows."""
+        if self.config.job_retention_seconds <= 0:
+            return {JOBS_TABLE: 0, ATTEMPTS_TABLE: 0, OPERATIONS_TABLE: 0}
         self.ensure_indexes()
         with self.store.driver.connect() as conn:
             cutoff = self._cutoff(conn, self.config.job_retention_seconds, now)
-            return int(conn.execute(text(JOB_DUE), {"cutoff": cutoff}).scalar_one())
+            row = conn.execute(text(JOB_DUE), {"cutoff": cutoff}).one()
+        return {JOBS_TABLE: int(row[0]), ATTEMPTS_TABLE: int(row[1]), OPERATIONS_TABLE: int(row[2])}
 
     def purge_finished(self, limit: int, *, now: float | None = None) -> int:
         """Delete at most ``limit`` finished jobs past the retention, with their attempts,
@@ -322,8 +339,8 @@ class JobRetention:
         with self.store.driver.begin() as conn:
             cutoff = self._cutoff(conn, age, now)
             if self.dialect == POSTGRESQL:
-                result = conn.execute(text(PG_JOB_PURGE), {"cutoff": cutoff, "limit": limit})
-                return int(result.rowcount)
+                row = conn.execute(text(PG_JOB_PURGE), {"cutoff": cutoff, "limit": limit}).one()
+                return self._count(int(row[0]), int(row[1]), int(row[2]))
             # SQLite: the transaction holds the write lock (BEGIN IMMEDIATE), so the rows
             # read stay as they are until the deletes below.
             ids = [
@@ -336,10 +353,25 @@ class JobRetention:
                 return 0
             params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
             marks = ", ".join(f":i{n}" for n in range(len(ids)))
-            conn.execute(text(f"DELETE FROM {ATTEMPTS_TABLE} WHERE job_id IN ({marks})"), params)
-            conn.execute(text(f"DELETE FROM {OPERATIONS_TABLE} WHERE job_id IN ({marks})"), params)
-            conn.execute(text(f"DELETE FROM {JOBS_TABLE} WHERE id IN ({marks})"), params)
-            return len(ids)
+            gone = [
+                int(
+                    conn.execute(
+                        text(f"DELETE FROM {table} WHERE {column} IN ({marks})"), params
+                    ).rowcount
+                )
+                for table, column in (
+                    (JOBS_TABLE, "id"),
+                    (ATTEMPTS_TABLE, "job_id"),
+                    (OPERATIONS_TABLE, "job_id"),
+                )
+            ]
+            return self._count(*gone)
+
+    def _count(self, jobs_gone: int, attempts_gone: int, operations_gone: int) -> int:
+        self.deleted[JOBS_TABLE] += jobs_gone
+        self.deleted[ATTEMPTS_TABLE] += attempts_gone
+        self.deleted[OPERATIONS_TABLE] += operations_gone
+        return jobs_gone
 
     # -- liveness rows ----------------------------------------------------------------------
 
