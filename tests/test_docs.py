@@ -142,7 +142,13 @@ def test_paths_named_in_the_docs_exist() -> None:
     assert not missing, missing
 
 
-COMMANDS = ("outbox-relay", "outbox-consumer", "outbox-worker", "outbox-simulator")
+COMMANDS = (
+    "outbox-relay",
+    "outbox-consumer",
+    "outbox-worker",
+    "outbox-simulator",
+    "outbox-console",
+)
 
 
 def _command_lines() -> list[tuple[str, list[str]]]:
