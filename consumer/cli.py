@@ -18,7 +18,8 @@ that is not set leaves it.
 Without a database URL the tools use the SQLite file in the working directory, without a
 Redis URL the embedded Redis server.
 
-Exit codes: 0 success, 1 failure (an unknown dead-letter id, ...), 2 bad usage.
+Exit codes: 0 success, 1 failure (an unknown dead-letter id, ...), 2 bad usage, 130
+interrupted (Ctrl-C). The flags are declared with :mod:`outbox.cli`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import sys
@@ -35,10 +35,19 @@ from typing import Any
 
 from consumer.admin import list_dead_letters, replay_dead_letter
 from consumer.consumer import Consumer, ConsumerConfig
-from consumer.errors import AlreadyReplayed, DeadLetterNotFound
 from consumer.inbox import Inbox, build_inbox_schema, inbox_for
+from outbox.cli import (
+    DATABASE,
+    LOGGING,
+    METRICS,
+    REDIS,
+    Flag,
+    Parser,
+    add_flags,
+    load_target,
+    run_main,
+)
 from outbox.db import describe_url, make_engine
-from outbox.env import env, env_int
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
@@ -59,44 +68,20 @@ RECOVERY_SETTINGS = {
 """ConsumerConfig settings that ``run`` takes as ``--flag`` and ``OUTBOX_<SETTING>``."""
 
 
-class UsageError(Exception):
-    """Bad usage the parser could not see (a MODULE:ATTRIBUTE that is not a consumer)."""
+PROG = "outbox-consumer"
+
+CONSUMER_SCHEMA = Flag(
+    "--schema",
+    help="database schema of the consumer tables",
+    env="OUTBOX_CONSUMER_SCHEMA",
+    shown_default="the search path",
+)
+GROUP = Flag("--group", help="consumer group", shown_default="the application's")
 
 
-def _common(parser: argparse.ArgumentParser, *, redis_url: bool) -> None:
-    parser.add_argument(
-        "--database-url",
-        default=env("DATABASE_URL"),
-        help="database URL (env OUTBOX_DATABASE_URL; default: the SQLite file outbox.db)",
-    )
-    if redis_url:
-        parser.add_argument(
-            "--redis-url",
-            default=env("REDIS_URL"),
-            help="Redis URL (env OUTBOX_REDIS_URL; default: the embedded Redis server)",
-        )
-        parser.add_argument(
-            "--redis-cluster",
-            action="store_true",
-            default=(env("REDIS_CLUSTER") or "").strip().lower() in ("1", "true", "yes", "on"),
-            help="--redis-url names any node of a Redis Cluster (env OUTBOX_REDIS_CLUSTER=1; "
-            "a redis+cluster:// URL says the same)",
-        )
-    parser.add_argument(
-        "--schema",
-        default=env("CONSUMER_SCHEMA"),
-        help="database schema of the consumer tables (env OUTBOX_CONSUMER_SCHEMA)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=env("LOG_LEVEL", "info"),
-        help="debug, info, warning, error (env OUTBOX_LOG_LEVEL; default info)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox-consumer",
+def build_parser() -> Parser:
+    parser = Parser(
+        prog=PROG,
         description="Consume outbox streams with deduplication by business identity.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -109,44 +94,48 @@ def build_parser() -> argparse.ArgumentParser:
         "committed and acknowledged, then exit 0.",
     )
     run.add_argument("target", metavar="MODULE:ATTRIBUTE", help="e.g. myapp.consumers:billing")
-    _common(run, redis_url=True)
-    run.add_argument("--group", default=env("GROUP"), help="consumer group (env OUTBOX_GROUP)")
-    run.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="entries per batch and transaction (env OUTBOX_BATCH_SIZE)",
+    add_flags(
+        run,
+        *DATABASE,
+        *REDIS,
+        CONSUMER_SCHEMA,
+        *LOGGING,
+        GROUP,
+        Flag(
+            "--batch-size",
+            int,
+            "entries per batch and transaction",
+            shown_default="the application's",
+            metavar="N",
+        ),
     )
     for setting, text in RECOVERY_SETTINGS.items():
-        run.add_argument(
+        Flag(
             "--" + setting.replace("_", "-"),
-            type=int,
-            default=None,
-            help=f"{text} (env OUTBOX_{setting.upper()}; default: the application's, "
-            f"else {getattr(ConsumerConfig(), setting)})",
-        )
-    run.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (env OUTBOX_METRICS_PORT)",
-    )
-    run.add_argument(
-        "--metrics-host",
-        default=env("METRICS_HOST", "127.0.0.1"),
-        help="address of the metrics server (env OUTBOX_METRICS_HOST; default 127.0.0.1)",
-    )
+            int,
+            text,
+            shown_default=f"the application's, else {getattr(ConsumerConfig(), setting)}",
+            metavar="MS" if setting.endswith("_ms") else "N",
+        ).add_to(run)
+    add_flags(run, *METRICS)
+    run.set_defaults(func=_run)
 
     dead = commands.add_parser(
         "dead-letters",
         help="list NEEDS_ATTENTION records",
         description="List dead-lettered entries (oldest first): a table, or --json.",
     )
-    _common(dead, redis_url=False)
-    dead.add_argument("--group", default=env("GROUP"), help="only this group (env OUTBOX_GROUP)")
-    dead.add_argument("--all", action="store_true", help="include replayed records")
-    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
-    dead.add_argument("--json", action="store_true", help="print a JSON array")
+    add_flags(
+        dead,
+        *DATABASE,
+        CONSUMER_SCHEMA,
+        *LOGGING,
+        Flag("--group", help="only this group", shown_default="every group"),
+        Flag("--all", bool, "include replayed records", env=None),
+        Flag("--limit", int, "at most this many", default=100, env=None, metavar="N"),
+        Flag("--json", bool, "print a JSON array", env=None),
+    )
+    dead.set_defaults(func=_dead_letters)
 
     replay = commands.add_parser(
         "replay",
@@ -155,73 +144,40 @@ def build_parser() -> argparse.ArgumentParser:
         "stream as a new entry, after the handler or producer was fixed.",
     )
     replay.add_argument("record_id", metavar="ID", type=int, help="dead-letter record id")
-    _common(replay, redis_url=True)
+    add_flags(replay, *DATABASE, *REDIS, CONSUMER_SCHEMA, *LOGGING)
+    replay.set_defaults(func=_replay)
 
     init = commands.add_parser("init-db", help="create the inbox and dead-letter tables")
-    _common(init, redis_url=False)
+    add_flags(init, *DATABASE, CONSUMER_SCHEMA, *LOGGING)
+    init.set_defaults(func=_init_db)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as exc:  # argparse: 0 for --help, 2 for bad usage
-        return int(exc.code) if isinstance(exc.code, int) else 2
-    try:
-        setup_logging(args.log_level)
-        config = ConsumerConfig(schema=args.schema)
-        if args.command == "run":
-            return _run(args)
-        if args.command == "dead-letters":
-            return _dead_letters(args, config)
-        if args.command == "replay":
-            return _replay(args, config)
-        return _init_db(args, config)
-    except (ConfigError, UsageError) as exc:
-        print(f"outbox-consumer: {exc}", file=sys.stderr)
-        return 2
-    except (DeadLetterNotFound, AlreadyReplayed) as exc:
-        print(f"outbox-consumer: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 1
-    except Exception as exc:
-        log.exception("outbox-consumer failed")
-        print(f"outbox-consumer: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return run_main(PROG, build_parser(), argv, command=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    ConsumerConfig(schema=args.schema)  # a bad --schema is bad usage before anything runs
+    return int(args.func(args))
 
 
 # -- run ---------------------------------------------------------------------------------------
 
 
 def load_consumer(target: str) -> Consumer:
-    """Import ``MODULE:ATTRIBUTE``; the attribute is a Consumer or a factory returning one."""
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise UsageError(f"{target!r} is not MODULE:ATTRIBUTE (e.g. myapp.consumers:billing)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
-    obj: Any = module
-    for part in attribute.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{module_name!r} has no attribute {attribute!r}") from None
-    if not isinstance(obj, Consumer) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, Consumer):
-        raise UsageError(f"{target} is {type(obj).__name__}, not a Consumer or a factory of one")
-    return obj
+    """Import ``MODULE:ATTRIBUTE`` (from the working directory too); the attribute is a
+    Consumer or a factory returning one."""
+    loaded: Consumer = load_target(target, Consumer, example="myapp.consumers:billing")
+    return loaded
 
 
 def _run(args: argparse.Namespace) -> int:
-    batch_size = args.batch_size if args.batch_size is not None else env_int("BATCH_SIZE", 0)
-    if args.batch_size is not None and batch_size <= 0:
+    batch_size = args.batch_size
+    if batch_size is not None and batch_size <= 0:
         raise ConfigError("batch_size", f"--batch-size must be positive, got {batch_size}")
-    port = args.metrics_port if args.metrics_port is not None else env_int("METRICS_PORT", -1)
+    port = args.metrics_port
     consumer = load_consumer(args.target)
     config = consumer.config
     if batch_size:
@@ -229,8 +185,6 @@ def _run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     for setting in RECOVERY_SETTINGS:
         value = getattr(args, setting)
-        if value is None and env(setting) is not None:
-            value = env_int(setting, 0)
         if value is not None:
             overrides[setting] = value
     if overrides:
@@ -243,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         group=args.group,
         config=config,
     )
-    if port >= 0:
+    if port is not None and port >= 0:
         from metrics import start_metrics  # imported only when asked for
 
         # With the engine, the exporter also serves the dead-letter gauges (the collector
@@ -272,18 +226,18 @@ def _run(args: argparse.Namespace) -> int:
 # -- dead letters ------------------------------------------------------------------------------
 
 
-def _inbox(args: argparse.Namespace, config: ConsumerConfig) -> Inbox:
+def _inbox(args: argparse.Namespace) -> Inbox:
     """The consumer tables of ``--database-url``, created if missing."""
-    inbox = inbox_for(make_engine(args.database_url), build_inbox_schema(config.schema))
+    inbox = inbox_for(make_engine(args.database_url), build_inbox_schema(args.schema))
     inbox.schema_create()
     return inbox
 
 
-def _dead_letters(args: argparse.Namespace, config: ConsumerConfig) -> int:
+def _dead_letters(args: argparse.Namespace) -> int:
     if args.limit <= 0:
         raise ConfigError("--limit", "must be positive")
     rows = list_dead_letters(
-        _inbox(args, config), group=args.group, include_replayed=args.all, limit=args.limit
+        _inbox(args), group=args.group, include_replayed=args.all, limit=args.limit
     )
     if args.json:
         print(json.dumps([_jsonable(row) for row in rows], indent=2, default=str))
@@ -326,18 +280,18 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _replay(args: argparse.Namespace, config: ConsumerConfig) -> int:
+def _replay(args: argparse.Namespace) -> int:
     if args.redis_cluster or is_cluster_url(args.redis_url):
         client: Any = redis_client(args.redis_url, cluster=True)
     else:
         client = redis_client(args.redis_url)
-    entry_id = replay_dead_letter(_inbox(args, config), client, args.record_id)
+    entry_id = replay_dead_letter(_inbox(args), client, args.record_id)
     print(f"replayed dead-letter record {args.record_id} as entry {entry_id}")
     return 0
 
 
-def _init_db(args: argparse.Namespace, config: ConsumerConfig) -> int:
-    inbox = _inbox(args, config)
+def _init_db(args: argparse.Namespace) -> int:
+    inbox = _inbox(args)
     print(f"consumer tables ready in {describe_url(inbox.engine.url)}")
     return 0
 

@@ -15,7 +15,8 @@ Flags default to ``OUTBOX_*`` environment variables: ``OUTBOX_DATABASE_URL``,
 ``OUTBOX_CONSUMER_SCHEMA``, ``OUTBOX_METRICS_CACHE_SECONDS``, ``OUTBOX_METRICS_TOP_N``,
 ``OUTBOX_METRICS_STATEMENT_TIMEOUT_MS``, ``OUTBOX_LOG_LEVEL``.
 
-Exit codes: 0 stopped by a signal, 1 failure (cannot reach the database), 2 bad usage.
+Exit codes: 0 stopped by a signal, 1 failure (cannot reach the database), 2 bad usage, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 from metrics.collector import DEFAULT_CACHE_SECONDS, DEFAULT_STATEMENT_TIMEOUT_MS, DEFAULT_TOP_N
 from metrics.exporter import DEFAULT_HOST, DEFAULT_PORT, serve_forever
+from outbox.cli import DATABASE, LOGGING, Flag, Parser, add_flags, run_main
 from outbox.db import describe_url, make_engine
-from outbox.env import env
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
@@ -40,69 +41,53 @@ log = logging.getLogger("outbox.metrics.cli")
 HELP = "serve the database-derived Prometheus gauges (standalone exporter)"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the standalone exporter, defaults from ``OUTBOX_*``.
-
-    Numeric defaults stay strings so argparse converts them with ``type``: a bad
-    ``OUTBOX_METRICS_PORT`` is reported like a bad ``--port`` (exit 2), not a traceback."""
-    parser.add_argument(
-        "--database-url",
-        default=env("DATABASE_URL"),
-        help="database URL (env OUTBOX_DATABASE_URL; default: the SQLite file outbox.db)",
-    )
-    parser.add_argument(
+FLAGS = (
+    *DATABASE,
+    Flag(
         "--port",
-        type=int,
-        default=env("METRICS_PORT", str(DEFAULT_PORT)),
-        help=f"TCP port to serve /metrics on (env OUTBOX_METRICS_PORT; default {DEFAULT_PORT})",
-    )
-    parser.add_argument(
-        "--host",
-        default=env("METRICS_HOST", DEFAULT_HOST),
-        help=f"address to bind (env OUTBOX_METRICS_HOST; default {DEFAULT_HOST})",
-    )
-    parser.add_argument(
-        "--table",
-        default=env("TABLE", DEFAULT_TABLE),
-        help=f"outbox table name (env OUTBOX_TABLE; default {DEFAULT_TABLE})",
-    )
-    parser.add_argument(
-        "--schema",
-        default=env("SCHEMA"),
-        help="database schema of the outbox table (env OUTBOX_SCHEMA; default: search path)",
-    )
-    parser.add_argument(
-        "--consumer-schema",
-        default=env("CONSUMER_SCHEMA"),
-        help="database schema of the consumer tables (env OUTBOX_CONSUMER_SCHEMA)",
-    )
-    parser.add_argument(
+        int,
+        "TCP port to serve /metrics on",
+        default=DEFAULT_PORT,
+        env="OUTBOX_METRICS_PORT",
+        metavar="PORT",
+    ),
+    Flag("--host", help="address to bind", default=DEFAULT_HOST, env="OUTBOX_METRICS_HOST"),
+    Flag("--table", help="outbox table name", default=DEFAULT_TABLE),
+    Flag("--schema", help="database schema of the outbox table", shown_default="search path"),
+    Flag("--consumer-schema", help="database schema of the consumer tables"),
+    Flag(
         "--cache-seconds",
-        type=float,
-        default=env("METRICS_CACHE_SECONDS", str(DEFAULT_CACHE_SECONDS)),
-        help="reuse query results for this long across scrapes (env "
-        f"OUTBOX_METRICS_CACHE_SECONDS; default {DEFAULT_CACHE_SECONDS:g})",
-    )
-    parser.add_argument(
+        float,
+        "reuse query results for this long across scrapes",
+        default=DEFAULT_CACHE_SECONDS,
+        env="OUTBOX_METRICS_CACHE_SECONDS",
+        metavar="SECONDS",
+    ),
+    Flag(
         "--top-n",
-        type=int,
-        default=env("METRICS_TOP_N", str(DEFAULT_TOP_N)),
-        help="most-attempted pending events exported with their event id (env "
-        f"OUTBOX_METRICS_TOP_N; default {DEFAULT_TOP_N})",
-    )
-    parser.add_argument(
+        int,
+        "most-attempted pending events exported with their event id",
+        default=DEFAULT_TOP_N,
+        env="OUTBOX_METRICS_TOP_N",
+        metavar="N",
+    ),
+    Flag(
         "--statement-timeout-ms",
-        type=int,
-        default=env("METRICS_STATEMENT_TIMEOUT_MS", str(DEFAULT_STATEMENT_TIMEOUT_MS)),
-        help="bound on each gauge query (env OUTBOX_METRICS_STATEMENT_TIMEOUT_MS; default "
-        f"{DEFAULT_STATEMENT_TIMEOUT_MS})",
-    )
-    if not any(a.dest == "log_level" for a in parser._actions):
-        parser.add_argument(
-            "--log-level",
-            default=env("LOG_LEVEL", "info"),
-            help="debug, info, warning, error (env OUTBOX_LOG_LEVEL; default info)",
-        )
+        int,
+        "bound on each gauge query",
+        default=DEFAULT_STATEMENT_TIMEOUT_MS,
+        env="OUTBOX_METRICS_STATEMENT_TIMEOUT_MS",
+        metavar="MS",
+    ),
+    *LOGGING,
+)
+"""The standalone exporter's flags (outbox.cli declarations: a bad ``OUTBOX_METRICS_PORT``
+is reported like a bad ``--port``, exit 2)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the standalone exporter, defaults from ``OUTBOX_*``."""
+    add_flags(parser, *FLAGS)
 
 
 def add_metrics_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -157,11 +142,15 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
         engine.dispose()
 
 
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m metrics", description=HELP + ".")
+    add_arguments(parser)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m metrics``: the same exporter without the relay's CLI."""
-    parser = argparse.ArgumentParser(prog="python -m metrics", description=HELP + ".")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_main("outbox-relay metrics", build_parser(), argv, command=run)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Every flag defaults from an ``OUTBOX_<FLAG>`` environment variable (``--database-url`` from
 ``OUTBOX_DATABASE_URL``, ``--batch-size`` from ``OUTBOX_BATCH_SIZE``, ...). With no database
 URL the tools use ``outbox.db`` in the working directory; with no Redis URL an embedded
-Redis server (``outbox-redis.db``). Exit status: 0 success, 1 failure, 2 bad usage.
+Redis server (``outbox-redis.db``). Exit status: 0 success, 1 failure, 2 bad usage, 130
+interrupted (Ctrl-C). The flags are declared with :mod:`outbox.cli`.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from outbox.backoff import Backoff, retry_forever
+from outbox.cli import DATABASE, LOGGING, METRICS, REDIS, Flag, Parser, add_flags, run_main
 from outbox.db import describe_url, make_engine
-from outbox.env import env, env_float, env_int
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
@@ -39,36 +38,97 @@ from relay.publisher import DEFAULT_STREAM_RETENTION, RedisStreamPublisher, Stre
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
 
+# -- flags: one declaration each (outbox.cli), shared by the subcommands that take them ----------
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad usage, as we want; keep its message on stderr."""
+TABLE = Flag("--table", help="outbox table", default=DEFAULT_TABLE)
+SCHEMA = Flag("--schema", help="database schema of the table", shown_default="the search path")
+COMMON = (*DATABASE, TABLE, SCHEMA, *LOGGING)
+STREAM = Flag(
+    "--stream",
+    help="stream name template with {topic}, {tenant}, {partition}",
+    default="outbox.{topic}",
+    metavar="TEMPLATE",
+)
+SOURCE = Flag("--source", help="CloudEvents source", default="outbox")
+STREAM_RETENTION = Flag(
+    "--stream-retention",
+    float,
+    "seconds of entries a stream keeps (XADD MINID ~), never one a consumer group still has "
+    "pending; 0 never trims",
+    default=DEFAULT_STREAM_RETENTION,
+    metavar="SECONDS",
+)
+RETENTION = Flag(
+    "--retention",
+    float,
+    "seconds to keep published rows; 0 keeps them",
+    default=DEFAULT_RETENTION_SECONDS,
+    metavar="SECONDS",
+)
+RUN_FLAGS = (
+    *COMMON,
+    *REDIS,
+    Flag(
+        "--wait-replicas",
+        int,
+        "record a receipt only after N replicas have the batch (WAIT N); 0: do not wait",
+        default=0,
+        metavar="N",
+    ),
+    Flag(
+        "--wait-timeout",
+        float,
+        "seconds WAIT may take before the batch is reconciled instead",
+        default=1.0,
+        metavar="SECONDS",
+    ),
+    STREAM,
+    Flag("--batch-size", int, "rows per cycle", default=DEFAULT_BATCH_SIZE, metavar="N"),
+    Flag(
+        "--partitions",
+        int,
+        "key partitions shared by replicas, same on every replica",
+        default=DEFAULT_PARTITIONS,
+        metavar="N",
+    ),
+    *METRICS,
+    Flag("--poll-interval", float, "seconds between polls", default=0.05, metavar="SECONDS"),
+    Flag(
+        "--max-poll-interval",
+        float,
+        "idle polling ceiling",
+        shown_default="1 (or --poll-interval if longer)",
+        metavar="SECONDS",
+    ),
+    Flag("--no-listen", bool, "PostgreSQL: poll only, no LISTEN/NOTIFY"),
+    RETENTION,
+    Flag(
+        "--maxlen",
+        int,
+        "approximate MAXLEN per stream, instead of --stream-retention; 0: none",
+        metavar="N",
+    ),
+    STREAM_RETENTION,
+    Flag("--require-aof", bool, "refuse to start unless Redis runs with appendonly yes"),
+    Flag(
+        "--auto-republish",
+        bool,
+        "when Redis lost published entries, republish them without waiting for an operator",
+    ),
+    Flag(
+        "--redis-check-interval",
+        float,
+        "seconds between checks of Redis's persistence and of lost entries",
+        default=60.0,
+        metavar="SECONDS",
+    ),
+    SOURCE,
+    Flag("--once", bool, "run one cycle and exit", env=None),
+)
 
 
-def _bool_env(name: str) -> bool:
-    raw = env(name)
-    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--database-url",
-        default=env("database_url"),
-        help="SQLAlchemy URL (postgresql://... or sqlite:///file.db); "
-        "env OUTBOX_DATABASE_URL; default: outbox.db in the working directory",
-    )
-    parser.add_argument(
-        "--table", default=env("table", DEFAULT_TABLE), help="outbox table (env OUTBOX_TABLE)"
-    )
-    parser.add_argument(
-        "--schema", default=env("schema"), help="database schema of the table (env OUTBOX_SCHEMA)"
-    )
-    parser.add_argument(
-        "--log-level", default=env("log_level", "info"), help="log level (env OUTBOX_LOG_LEVEL)"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog=PROG,
         description="Relay committed outbox events to Redis Streams.",
         epilog="Every flag defaults from OUTBOX_<FLAG> (e.g. OUTBOX_DATABASE_URL).",
@@ -77,96 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     run = sub.add_parser("run", help="run the relay until SIGTERM")
-    _common(run)
-    run.add_argument(
-        "--redis-url",
-        default=env("redis_url"),
-        help="redis://host:port/db (env OUTBOX_REDIS_URL); default: an embedded Redis server",
-    )
-    _cluster_flag(run)
-    run.add_argument(
-        "--wait-replicas",
-        type=int,
-        default=None,
-        metavar="N",
-        help="record a receipt only after N replicas have the batch (WAIT N; env "
-        "OUTBOX_WAIT_REPLICAS; default 0: do not wait)",
-    )
-    run.add_argument(
-        "--wait-timeout",
-        type=float,
-        default=None,
-        help="seconds WAIT may take before the batch is reconciled instead (env "
-        "OUTBOX_WAIT_TIMEOUT; default 1)",
-    )
-    run.add_argument(
-        "--stream",
-        default=env("stream", "outbox.{topic}"),
-        help="stream name template with {topic}, {tenant}, {partition} (env OUTBOX_STREAM; "
-        "default outbox.{topic})",
-    )
-    run.add_argument("--batch-size", type=int, default=None, help="rows per cycle (default 500)")
-    run.add_argument(
-        "--partitions",
-        type=int,
-        default=None,
-        help=f"key partitions shared by replicas, same on every replica (default "
-        f"{DEFAULT_PARTITIONS})",
-    )
-    run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
-    run.add_argument("--metrics-host", default=env("metrics_host", "127.0.0.1"))
-    run.add_argument("--poll-interval", type=float, default=None, help="seconds (default 0.05)")
-    run.add_argument(
-        "--max-poll-interval", type=float, default=None, help="idle polling ceiling (default 1)"
-    )
-    run.add_argument(
-        "--no-listen",
-        action="store_true",
-        default=_bool_env("no_listen"),
-        help="PostgreSQL: poll only, no LISTEN/NOTIFY (env OUTBOX_NO_LISTEN=1)",
-    )
-    run.add_argument(
-        "--retention",
-        type=float,
-        default=None,
-        help=f"seconds to keep published rows; 0 keeps them (default "
-        f"{int(DEFAULT_RETENTION_SECONDS)})",
-    )
-    run.add_argument(
-        "--maxlen",
-        type=int,
-        default=None,
-        help="approximate MAXLEN per stream, instead of --stream-retention (env OUTBOX_MAXLEN)",
-    )
-    run.add_argument(
-        "--stream-retention",
-        type=float,
-        default=None,
-        help=f"seconds of entries a stream keeps (XADD MINID ~), never one a consumer group "
-        f"still has pending; 0 never trims (env OUTBOX_STREAM_RETENTION; default "
-        f"{int(DEFAULT_STREAM_RETENTION)})",
-    )
-    run.add_argument(
-        "--require-aof",
-        action="store_true",
-        default=_bool_env("require_aof"),
-        help="refuse to start unless Redis runs with appendonly yes (env OUTBOX_REQUIRE_AOF=1)",
-    )
-    run.add_argument(
-        "--auto-republish",
-        action="store_true",
-        default=_bool_env("auto_republish"),
-        help="when Redis lost published entries, republish them without waiting for an "
-        "operator (env OUTBOX_AUTO_REPUBLISH=1)",
-    )
-    run.add_argument(
-        "--redis-check-interval",
-        type=float,
-        default=None,
-        help="seconds between checks of Redis's persistence and of lost entries (default 60)",
-    )
-    run.add_argument("--source", default=env("source", "outbox"), help="CloudEvents source")
-    run.add_argument("--once", action="store_true", help="run one cycle and exit")
+    add_flags(run, *RUN_FLAGS)
     run.set_defaults(func=cmd_run)
 
     rp = sub.add_parser(
@@ -177,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "outbox's retention (default one day) is the recovery window. Progress on stderr, "
         "the count on stdout.",
     )
-    _common(rp)
-    rp.add_argument("--redis-url", default=env("redis_url"), help="env OUTBOX_REDIS_URL")
-    _cluster_flag(rp)
+    add_flags(rp, *COMMON, *REDIS)
     window = rp.add_mutually_exclusive_group(required=True)
     window.add_argument(
         "--since",
@@ -188,27 +157,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(2026-11-30T12:00:00Z) or unix seconds",
     )
     window.add_argument("--from-seq", type=int, metavar="N", help="events with seq >= N")
-    rp.add_argument("--topic", default=None, help="only this topic")
-    rp.add_argument(
-        "--stream",
-        default=None,
-        metavar="TEMPLATE",
-        help="route through this template instead of the stream each receipt names",
+    add_flags(
+        rp,
+        Flag("--topic", help="only this topic", env=None),
+        # Given, it routes every event; not given, each goes to the stream its receipt
+        # names, and OUTBOX_STREAM (the relay's template) only routes events without one.
+        Flag(
+            "--stream",
+            help="route through this template instead of the stream each receipt names",
+            env=None,
+            metavar="TEMPLATE",
+        ),
+        Flag("--dry-run", bool, "count, publish nothing", env=None),
+        Flag("--batch-size", int, "events per round trip", default=500, env=None, metavar="N"),
+        SOURCE,
     )
-    rp.add_argument("--dry-run", action="store_true", help="count, publish nothing")
-    rp.add_argument("--batch-size", type=int, default=500, help="events per round trip")
-    rp.add_argument("--source", default=env("source", "outbox"), help="CloudEvents source")
     rp.set_defaults(func=cmd_republish)
 
     st = sub.add_parser("status", help="backlog, oldest age, quarantined and attempts per topic")
-    _common(st)
-    st.add_argument("--json", action="store_true", help="print one JSON object")
+    add_flags(st, *COMMON, Flag("--json", bool, "print one JSON object", env=None))
     st.set_defaults(func=cmd_status)
 
     rq = sub.add_parser("requeue", help="put quarantined events back, after a fix")
-    _common(rq)
-    rq.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
-    rq.add_argument("--all", action="store_true", help="every quarantined event")
+    add_flags(rq, *COMMON)
+    rq.add_argument("event_ids", nargs="*", metavar="EVENT_ID", help="the events to put back")
+    add_flags(rq, Flag("--all", bool, "every quarantined event", env=None))
     rq.set_defaults(func=cmd_requeue)
 
     pg = sub.add_parser(
@@ -218,21 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
         "short transaction), as the running relay does every minute. Pending and quarantined "
         "rows are never deleted. Progress on stderr, rows per table on stdout.",
     )
-    _common(pg)
-    pg.add_argument(
-        "--retention",
-        type=float,
-        default=None,
-        help="seconds published rows are kept (env OUTBOX_RETENTION; default "
-        f"{int(DEFAULT_RETENTION_SECONDS)}; 0 keeps them)",
+    add_flags(
+        pg,
+        *COMMON,
+        RETENTION,
+        Flag("--batch-size", int, "rows per statement", default=1000, env=None, metavar="N"),
+        Flag("--dry-run", bool, "count what would go, delete nothing", env=None),
+        Flag("--json", bool, '{"dry_run": .., "tables": {..}}', env=None),
     )
-    pg.add_argument("--batch-size", type=int, default=1000, help="rows per statement [1000]")
-    pg.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
-    pg.add_argument("--json", action="store_true", help='{"dry_run": .., "tables": {..}}')
     pg.set_defaults(func=cmd_purge)
 
     init = sub.add_parser("init-db", help="create the outbox table, indexes and trigger")
-    _common(init)
+    add_flags(init, *COMMON)
     init.add_argument(
         "--no-notify",
         dest="notify",
@@ -246,39 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the whole loop on the embedded default: writes, relay, consumer dedup, jobs",
     )
-    _common(demo)
-    demo.add_argument("--redis-url", default=env("redis_url"))
-    _cluster_flag(demo)
-    demo.add_argument("--rate", type=float, default=20.0, help="quotes approved per second")
-    demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    demo.add_argument(
-        "--chaos",
-        action="store_true",
-        help="worker processes send each quote's email through the connector simulator "
-        "service, and one is SIGKILLed mid-send every 1-2 s: still one email per quote",
-    )
-    demo.add_argument(
-        "--workers", type=int, default=3, help="worker processes with --chaos (default 3)"
+    add_flags(
+        demo,
+        *COMMON,
+        *REDIS,
+        Flag("--rate", float, "quotes approved per second", default=20.0, env=None),
+        Flag("--duration", float, "stop after this many seconds", env=None, metavar="SECONDS"),
+        Flag(
+            "--chaos",
+            bool,
+            "worker processes send each quote's email through the connector simulator "
+            "service, and one is SIGKILLed mid-send every 1-2 s: still one email per quote",
+            env=None,
+        ),
+        Flag("--workers", int, "worker processes with --chaos", default=3, env=None, metavar="N"),
     )
     demo.set_defaults(func=cmd_demo)
 
-    try:  # `outbox-relay metrics` when the metrics package provides it
-        from metrics.cli import add_metrics_command
+    from metrics.cli import add_metrics_command  # `outbox-relay metrics`
 
-        add_metrics_command(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    add_metrics_command(sub)
     return parser
-
-
-def _cluster_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        default=_bool_env("redis_cluster"),
-        help="--redis-url names any node of a Redis Cluster (env OUTBOX_REDIS_CLUSTER=1; "
-        "a redis+cluster:// URL says the same)",
-    )
 
 
 def uses_cluster(args: argparse.Namespace) -> bool:
@@ -305,28 +263,21 @@ def connect_redis(args: argparse.Namespace, stop: GracefulStop | None = None) ->
     )
 
 
-def _int_flag(value: int | None, name: str, default: int) -> int:
-    return value if value is not None else env_int(name, default)
-
-
-def _float_flag(value: float | None, name: str, default: float) -> float:
-    return value if value is not None else env_float(name, default)
-
-
 def relay_config(args: argparse.Namespace) -> RelayConfig:
     """Flags and environment into the frozen config (ConfigError names a bad value)."""
-    poll = _float_flag(args.poll_interval, "poll_interval", 0.05)
+    poll = args.poll_interval
+    max_poll = args.max_poll_interval
     return RelayConfig(
-        batch_size=_int_flag(args.batch_size, "batch_size", DEFAULT_BATCH_SIZE),
-        partitions=_int_flag(args.partitions, "partitions", DEFAULT_PARTITIONS),
+        batch_size=args.batch_size,
+        partitions=args.partitions,
         poll_interval=poll,
-        max_poll_interval=_float_flag(args.max_poll_interval, "max_poll_interval", max(1.0, poll)),
+        max_poll_interval=max_poll if max_poll is not None else max(1.0, poll),
         listen=not args.no_listen,
-        retention_seconds=_float_flag(args.retention, "retention", DEFAULT_RETENTION_SECONDS),
-        redis_check_interval=_float_flag(args.redis_check_interval, "redis_check_interval", 60.0),
+        retention_seconds=args.retention,
+        redis_check_interval=args.redis_check_interval,
         auto_republish=bool(args.auto_republish),
-        wait_replicas=_int_flag(args.wait_replicas, "wait_replicas", 0),
-        wait_timeout=_float_flag(args.wait_timeout, "wait_timeout", 1.0),
+        wait_replicas=args.wait_replicas,
+        wait_timeout=args.wait_timeout,
     )
 
 
@@ -419,7 +370,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 def cmd_purge(args: argparse.Namespace) -> int:
     from relay.retention import purge_command
 
-    retention = _float_flag(args.retention, "retention", DEFAULT_RETENTION_SECONDS)
+    retention = args.retention
     engine, schema = _engine_and_schema(args)
     try:
         return purge_command(
@@ -461,24 +412,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     client = connect_redis(args, stop)
     if client is None:
         return 0  # stopped while waiting for the cluster
-    maxlen = args.maxlen if args.maxlen is not None else (env_int("maxlen", 0) or None)
+    maxlen = args.maxlen or None
     publisher = RedisStreamPublisher(
         client,
         args.stream,
         maxlen,
         source=args.source,
-        stream_retention=_float_flag(
-            args.stream_retention, "stream_retention", DEFAULT_STREAM_RETENTION
-        ),
+        stream_retention=args.stream_retention,
     )
     if args.require_aof:
         refusal = _aof_refusal(client, stop, args)
         if refusal is not None:
             return _fail(refusal)
     hooks: Hooks | None = None
-    metrics_port = (
-        args.metrics_port if args.metrics_port is not None else (env_int("metrics_port", -1))
-    )
+    metrics_port = args.metrics_port
     if metrics_port is not None and metrics_port >= 0:
         from metrics import start_metrics
 
@@ -557,7 +504,7 @@ def cmd_republish(args: argparse.Namespace) -> int:
         raise ConfigError("from_seq", f"must be >= 0, got {args.from_seq}")
     if args.batch_size < 1 or args.batch_size > 10_000:
         raise ConfigError("batch_size", f"must be between 1 and 10000, got {args.batch_size}")
-    template = args.stream or env("stream", "outbox.{topic}") or "outbox.{topic}"
+    template = args.stream or STREAM.resolve()
     StreamTemplate.parse(template)
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
@@ -566,7 +513,7 @@ def cmd_republish(args: argparse.Namespace) -> int:
         client,
         template,
         source=args.source,
-        stream_retention=env_float("stream_retention", DEFAULT_STREAM_RETENTION),
+        stream_retention=STREAM_RETENTION.resolve(),
     )
 
     def show(result: Any) -> None:
@@ -635,24 +582,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    # A SIGTERM before a command installs its graceful stop (during imports, connecting,
-    # start-up) exits cleanly through SystemExit instead of dying by the signal.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        return int(args.func(args))
-    except ConfigError as exc:
-        print(f"{PROG} {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_main(PROG, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

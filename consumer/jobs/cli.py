@@ -33,16 +33,14 @@ environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_
 ``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_METRICS_PORT``,
 ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no database URL, a SQLite file in the
 working directory. Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain the jobs in hand),
-1 on failure, 2 on bad usage.
+1 on failure, 2 on bad usage, 130 interrupted. The flags are declared with :mod:`outbox.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
-import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -55,163 +53,144 @@ from consumer.jobs.purge import (
     purge_command,
     retention_config,
 )
+from outbox.cli import DATABASE, LOGGING, METRICS, Flag, Parser, add_flags, load_target, run_main
 from outbox.db import default_database_url, describe_url
-from outbox.env import env, env_float, env_int
-from outbox.errors import OutboxError
 from outbox.logs import fields, setup_logging
 
 log = logging.getLogger("outbox.worker")
 
 
-class UsageError(Exception):
-    """Bad usage: exit 2."""
+PROG = "outbox-worker"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox-worker", description="Run durable job handlers (fenced leases)."
-    )
+def _worker_default(setting: str) -> str:
+    from consumer.jobs.worker import WorkerConfig
+
+    return f"the Worker's, else {getattr(WorkerConfig(), setting)}"
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description="Run durable job handlers (fenced leases).")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the handlers of a Worker until SIGTERM")
     run.add_argument("target", help="MODULE:ATTRIBUTE naming a Worker or a factory of one")
-    run.add_argument(
-        "--concurrency", type=int, default=None, help="worker loops (threads) [OUTBOX_CONCURRENCY]"
+    add_flags(
+        run,
+        Flag(
+            "--concurrency",
+            int,
+            "worker loops (threads)",
+            shown_default=_worker_default("concurrency"),
+            metavar="N",
+        ),
+        Flag(
+            "--batch-size",
+            int,
+            "jobs claimed per cycle",
+            shown_default=_worker_default("batch_size"),
+            metavar="N",
+        ),
+        Flag("--ttl", float, "lease seconds", shown_default=_worker_default("ttl"), metavar="S"),
+        Flag("--no-listen", bool, "PostgreSQL: poll only, no LISTEN for new jobs"),
+        Flag(
+            "--reconcile-interval",
+            float,
+            "seconds between receipt sweeps when the Worker has providers",
+            shown_default=_worker_default("reconcile_interval"),
+            metavar="S",
+        ),
+        Flag(
+            "--recover-interval",
+            float,
+            "seconds between sweeps of expired leases and due timers",
+            shown_default=_worker_default("recover_interval"),
+            metavar="S",
+        ),
+        Flag(
+            "--liveness-ttl",
+            float,
+            "a worker that has not beaten for this long is dead: its leases are taken back",
+            shown_default=_worker_default("liveness_ttl"),
+            metavar="S",
+        ),
+        Flag(
+            "--liveness-interval",
+            float,
+            "seconds between liveness beats (and sweeps for dead workers)",
+            shown_default=_worker_default("liveness_interval"),
+            metavar="S",
+        ),
+        *METRICS,
     )
-    run.add_argument(
-        "--batch-size", type=int, default=None, help="jobs claimed per cycle [OUTBOX_BATCH_SIZE]"
-    )
-    run.add_argument("--ttl", type=float, default=None, help="lease seconds [OUTBOX_TTL]")
-    run.add_argument(
-        "--no-listen",
-        action="store_true",
-        default=None,
-        help="PostgreSQL: poll only, no LISTEN for new jobs [OUTBOX_NO_LISTEN=1]",
-    )
-    run.add_argument(
-        "--reconcile-interval",
-        type=float,
-        default=None,
-        help="seconds between receipt sweeps when the Worker has providers "
-        "[OUTBOX_RECONCILE_INTERVAL, 10]",
-    )
-    run.add_argument(
-        "--recover-interval",
-        type=float,
-        default=None,
-        help="seconds between sweeps of expired leases and due timers [OUTBOX_RECOVER_INTERVAL, 5]",
-    )
-    run.add_argument(
-        "--liveness-ttl",
-        type=float,
-        default=None,
-        help="a worker that has not beaten for this long is dead: its leases are taken back "
-        "[OUTBOX_LIVENESS_TTL, 3]",
-    )
-    run.add_argument(
-        "--liveness-interval",
-        type=float,
-        default=None,
-        help="seconds between liveness beats (and sweeps for dead workers) "
-        "[OUTBOX_LIVENESS_INTERVAL, 1]",
-    )
-    run.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port [OUTBOX_METRICS_PORT]",
-    )
-    run.add_argument(
-        "--metrics-host", default=None, help="metrics bind address [OUTBOX_METRICS_HOST, 127.0.0.1]"
-    )
+    run.set_defaults(func=_run)
     init = sub.add_parser("init-db", help="create the job tables")
+    init.set_defaults(func=_init_db)
     receipts = sub.add_parser("receipts", help="list operation receipts")
-    receipts.add_argument(
-        "--state",
-        default=None,
-        help="only receipts in this state (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED)",
+    add_flags(
+        receipts,
+        Flag(
+            "--state",
+            help="only receipts in this state (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED)",
+            env=None,
+        ),
+        Flag("--limit", int, "at most this many", default=100, env=None, metavar="N"),
+        Flag("--json", bool, "one JSON array", env=None),
     )
-    receipts.add_argument("--limit", type=int, default=100, help="at most this many [100]")
-    receipts.add_argument("--json", action="store_true", help="one JSON array")
     settle = sub.add_parser("settle", help="record an operator's decision on an operation")
     settle.add_argument("operation_id", help="the operation id (see receipts)")
     decision = settle.add_mutually_exclusive_group(required=True)
     decision.add_argument("--accepted", metavar="REF", help="it happened: the provider's ref")
     decision.add_argument("--not-sent", action="store_true", help="it did not happen: send once")
-    settle.add_argument("--reason", default=None, help="why (kept with the receipt)")
-    settle.add_argument("--by", default=None, help="who decides [the OS user]")
+    add_flags(
+        settle,
+        Flag("--reason", help="why (kept with the receipt)", env=None),
+        Flag("--by", help="who decides", shown_default="the OS user", env=None),
+    )
     sweep = sub.add_parser(
         "reconcile", help="settle PENDING/UNKNOWN receipts whose call deadline passed"
     )
     sweep.add_argument(
         "target", nargs="?", default=None, help="MODULE:ATTRIBUTE: the Worker with the providers"
     )
-    sweep.add_argument("--limit", type=int, default=100, help="receipts per sweep [100]")
-    sweep.add_argument("--json", action="store_true", help="the result as JSON")
+    add_flags(
+        sweep,
+        Flag("--limit", int, "receipts per sweep", default=100, env=None, metavar="N"),
+        Flag("--json", bool, "the result as JSON", env=None),
+    )
+    for p in (receipts, settle, sweep):
+        p.set_defaults(func=_operations_command)
     purge = add_purge_command(sub)
+    purge.set_defaults(func=purge_command)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for p in (run, init, receipts, settle, sweep, purge):
-        p.add_argument(
-            "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
-        )
-        p.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+    for command in (run, init, receipts, settle, sweep, purge):
+        add_flags(command, *DATABASE, *LOGGING)
     return parser
 
 
 def load_worker(target: str) -> Any:
-    """Import ``MODULE:ATTRIBUTE`` and return the Worker (calling a factory if needed)."""
+    """Import ``MODULE:ATTRIBUTE`` (from the working directory too) and return the Worker,
+    calling a factory if needed."""
     from consumer.jobs.worker import Worker
 
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise UsageError(f"target {target!r} must be MODULE:ATTRIBUTE")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
-    obj: Any = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise UsageError(f"{module_name!r} has no attribute {attribute!r}")
-        obj = getattr(obj, part)
-    if not isinstance(obj, Worker) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, Worker):
-        raise UsageError(f"{target!r} is not a Worker nor a factory returning one")
-    return obj
+    return load_target(target, Worker, example="myapp.jobs:worker")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
-        return int(exc.code or 0)
-    try:
-        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
-        url = args.database_url or env("DATABASE_URL") or default_database_url()
-        if args.command == "init-db":
-            from consumer.jobs.store import Store
+    return run_main(PROG, build_parser(), argv, command=_command)
 
-            Store(url).dispose()
-            log.info("job tables ready", extra=fields(database=describe_url(url)))
-            return 0
-        if args.command == "purge":
-            return purge_command(args, url)
-        if args.command in ("receipts", "settle", "reconcile"):
-            return _operations_command(args, url)
-        return _run(args, url)
-    except UsageError as exc:
-        print(f"outbox-worker: {exc}", file=sys.stderr)
-        return 2
-    except OutboxError as exc:
-        # configuration problems (ConfigError, JobError) are bad usage too
-        print(f"outbox-worker: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
-    except Exception as exc:
-        log.exception("worker failed", extra=fields(error=repr(exc)))
-        return 1
+
+def _command(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    url = args.database_url or default_database_url()
+    return int(args.func(args, url))
+
+
+def _init_db(args: argparse.Namespace, url: str) -> int:
+    from consumer.jobs.store import Store
+
+    Store(url).dispose()
+    log.info("job tables ready", extra=fields(database=describe_url(url)))
+    return 0
 
 
 def _run(args: argparse.Namespace, url: str) -> int:
@@ -219,32 +198,20 @@ def _run(args: argparse.Namespace, url: str) -> int:
 
     worker = load_worker(args.target)
     options: dict[str, Any] = {}
-    concurrency = args.concurrency if args.concurrency is not None else _env_opt_int("CONCURRENCY")
-    batch = args.batch_size if args.batch_size is not None else _env_opt_int("BATCH_SIZE")
-    ttl = args.ttl if args.ttl is not None else _env_opt_float("TTL")
-    if concurrency is not None:
-        options["concurrency"] = concurrency
-    if batch is not None:
-        options["batch_size"] = batch
-    if ttl is not None:
-        options["ttl"] = ttl
-    if args.no_listen or env("NO_LISTEN") == "1":
-        options["listen"] = False
-    sweep = (
-        args.reconcile_interval
-        if args.reconcile_interval is not None
-        else _env_opt_float("RECONCILE_INTERVAL")
-    )
-    if sweep is not None:
-        options["reconcile_interval"] = sweep
-    for option, flag in (
-        ("recover_interval", args.recover_interval),
-        ("liveness_ttl", args.liveness_ttl),
-        ("liveness_interval", args.liveness_interval),
+    for option in (
+        "concurrency",
+        "batch_size",
+        "ttl",
+        "reconcile_interval",
+        "recover_interval",
+        "liveness_ttl",
+        "liveness_interval",
     ):
-        value = flag if flag is not None else _env_opt_float(option.upper())
+        value = getattr(args, option)
         if value is not None:
             options[option] = value
+    if args.no_listen:
+        options["listen"] = False
     if configured_from_environment() or any(
         getattr(args, flag.replace("-", "_")) is not None for flag, *_ in WINDOWS
     ):
@@ -253,12 +220,11 @@ def _run(args: argparse.Namespace, url: str) -> int:
         worker.config = replace(worker.config, **options)
     if worker.store is None:
         worker.store = Store(url)
-    port = args.metrics_port if args.metrics_port is not None else _env_opt_int("METRICS_PORT")
+    port = args.metrics_port
     if port is not None:
         from metrics import start_metrics  # lazily: only with the flag
 
-        host = args.metrics_host or env("METRICS_HOST", "127.0.0.1") or "127.0.0.1"
-        worker.hooks = start_metrics(port, host, engine=worker.store.engine)
+        worker.hooks = start_metrics(port, args.metrics_host, engine=worker.store.engine)
     log.info(
         "outbox-worker starting",
         extra=fields(
@@ -335,14 +301,6 @@ def _print_receipts(receipts: list[Any]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     for row in (header, *rows):
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
-
-
-def _env_opt_int(name: str) -> int | None:
-    return env_int(name, 0) if env(name) is not None else None
-
-
-def _env_opt_float(name: str) -> float | None:
-    return env_float(name, 0.0) if env(name) is not None else None
 
 
 if __name__ == "__main__":  # pragma: no cover

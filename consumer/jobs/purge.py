@@ -27,12 +27,13 @@ same variables for its duty.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import inspect
 
-from outbox.env import env, env_float
+from outbox.cli import Flag, add_flags
 from outbox.retention import (
     DEFAULT_DEAD_LETTER_RETENTION,
     DEFAULT_INBOX_WINDOW,
@@ -65,24 +66,33 @@ WINDOWS: tuple[tuple[str, str | None, str, float, str], ...] = (
 )  # fmt: skip
 
 
+def window_flags() -> tuple[Flag, ...]:
+    """The windows' declarations (outbox.cli): ``--job-retention`` ... with their variables;
+    None when neither is set, so a Worker's own retention config stays."""
+    return tuple(
+        Flag(
+            f"--{flag}",
+            float,
+            text,
+            env=f"OUTBOX_{var}",
+            shown_default=f"{default:g}",
+            metavar="SECONDS",
+        )
+        for flag, _field, var, default, text in WINDOWS
+    )
+
+
 def add_window_flags(parser: argparse.ArgumentParser) -> None:
     """The windows' flags (``--job-retention`` ...), each defaulting from its variable."""
-    for flag, _field, var, default, text in WINDOWS:
-        parser.add_argument(
-            f"--{flag}",
-            type=float,
-            default=None,
-            metavar="SECONDS",
-            help=f"{text} [OUTBOX_{var}, {default:g}]",
-        )
+    add_flags(parser, *window_flags())
 
 
 def window_values(args: argparse.Namespace) -> dict[str, float]:
     """Flag, else environment, else default, per window flag name (``job_retention`` ...)."""
     values: dict[str, float] = {}
-    for flag, _field, var, default, _text in WINDOWS:
+    for flag, _field, _var, default, _text in WINDOWS:
         given = getattr(args, flag.replace("-", "_"), None)
-        values[flag] = given if given is not None else env_float(var, default)
+        values[flag] = given if given is not None else default
     return values
 
 
@@ -101,7 +111,7 @@ def retention_config(args: argparse.Namespace, **overrides: Any) -> Any:
 def configured_from_environment() -> bool:
     """Whether any window is set in the environment (``outbox-worker run`` then builds its
     duty's config from it rather than keep the Worker's own)."""
-    return any(env(var) is not None for _flag, _field, var, _default, _text in WINDOWS)
+    return any(os.environ.get(f"OUTBOX_{var}") for _flag, _field, var, _default, _text in WINDOWS)
 
 
 def add_purge_command(sub: Any) -> argparse.ArgumentParser:
@@ -110,9 +120,12 @@ def add_purge_command(sub: Any) -> argparse.ArgumentParser:
         help="retention of DONE/CANCELLED jobs with their history and receipts "
         "(--dry-run shows what would go)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="count, delete nothing")
-    parser.add_argument("--json", action="store_true", help='{"dry_run": .., "tables": {..}}')
-    parser.add_argument("--batch-size", type=int, default=1000, help="rows per statement [1000]")
+    add_flags(
+        parser,
+        Flag("--dry-run", bool, "count, delete nothing", env=None),
+        Flag("--json", bool, '{"dry_run": .., "tables": {..}}', env=None),
+        Flag("--batch-size", int, "rows per statement", default=1000, env=None, metavar="N"),
+    )
     add_window_flags(parser)
     return parser
 

@@ -101,7 +101,7 @@ from consumer.jobs.simulation import (
     SimulatorConfig,
     wait_before_acting,
 )
-from outbox.env import env
+from outbox.cli import LOGGING, Flag, Parser, add_flags, run_main
 from outbox.errors import ConfigError
 from outbox.logs import fields, setup_logging
 
@@ -316,83 +316,69 @@ def serve(
 # -- command line ---------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox-simulator",
+PROG = "outbox-simulator"
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog=PROG,
         description="A connector simulator: an HTTP service standing in for a provider, with "
         "scriptable faults. A simulator, not a promise about real providers.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("serve", help="serve the simulator until SIGTERM")
-    run.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="port, 0 for a free one [OUTBOX_SIMULATOR_PORT, 8025]",
+    add_flags(
+        run,
+        Flag(
+            "--port",
+            int,
+            "port, 0 for a free one",
+            default=8025,
+            env="OUTBOX_SIMULATOR_PORT",
+            metavar="PORT",
+        ),
+        Flag("--host", help="bind address", default="127.0.0.1", env="OUTBOX_SIMULATOR_HOST"),
+        Flag(
+            "--data",
+            help="SQLite file of the effects",
+            default="simulator.db",
+            env="OUTBOX_SIMULATOR_DATA",
+            metavar="FILE",
+        ),
+        Flag(
+            "--no-idempotency",
+            bool,
+            "ignore Idempotency-Key",
+            env="OUTBOX_SIMULATOR_IDEMPOTENCY",
+            env_negates=True,
+        ),
+        Flag(
+            "--no-lookup",
+            bool,
+            "answer every lookup 404",
+            env="OUTBOX_SIMULATOR_LOOKUP",
+            env_negates=True,
+        ),
+        *LOGGING,
     )
-    run.add_argument("--host", default=None, help="bind address [OUTBOX_SIMULATOR_HOST, 127.0.0.1]")
-    run.add_argument(
-        "--data",
-        default=None,
-        help="SQLite file of the effects [OUTBOX_SIMULATOR_DATA, ./simulator.db]",
-    )
-    run.add_argument(
-        "--no-idempotency",
-        action="store_true",
-        default=None,
-        help="ignore Idempotency-Key [OUTBOX_SIMULATOR_IDEMPOTENCY=0]",
-    )
-    run.add_argument(
-        "--no-lookup",
-        action="store_true",
-        default=None,
-        help="answer every lookup 404 [OUTBOX_SIMULATOR_LOOKUP=0]",
-    )
-    run.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+    run.set_defaults(func=_serve)
     return parser
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    raw = env(name)
-    if raw is None:
-        return default
-    if raw.strip().lower() in ("1", "true", "on", "yes"):
-        return True
-    if raw.strip().lower() in ("0", "false", "off", "no"):
-        return False
-    raise ConfigError("OUTBOX_" + name, f"{raw!r} is not 0 or 1")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
-        return int(exc.code or 0)
-    try:
-        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
-        port = args.port
-        if port is None:
-            raw_port = env("SIMULATOR_PORT", "8025") or "8025"
-            try:
-                port = int(raw_port)
-            except ValueError:
-                raise ConfigError("OUTBOX_SIMULATOR_PORT", f"{raw_port!r} is not a port") from None
-        if not 0 <= port <= 65535:
-            raise ConfigError("port", f"{port} is not a TCP port")
-        host = args.host or env("SIMULATOR_HOST", "127.0.0.1") or "127.0.0.1"
-        data = args.data or env("SIMULATOR_DATA", "simulator.db") or "simulator.db"
-        config = SimulatorConfig(
-            idempotency=False if args.no_idempotency else _env_flag("SIMULATOR_IDEMPOTENCY", True),
-            lookup=False if args.no_lookup else _env_flag("SIMULATOR_LOOKUP", True),
-        )
-    except ConfigError as exc:
-        print(f"outbox-simulator: {exc}", file=sys.stderr)
-        return 2
+    return run_main(PROG, build_parser(), argv)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    port, host, data = args.port, args.host, args.data
+    if not 0 <= port <= 65535:
+        raise ConfigError("port", f"{port} is not a TCP port")
+    config = SimulatorConfig(idempotency=not args.no_idempotency, lookup=not args.no_lookup)
     try:
         server = serve(host, port, data, config)
     except (ConfigError, OSError) as exc:
-        print(f"outbox-simulator: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     bound_host, bound_port = server.server_address[:2]
 
@@ -415,9 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         server.serve_forever(poll_interval=0.2)
-    except Exception as exc:
-        log.exception("simulator failed", extra=fields(error=repr(exc)))
-        return 1
     finally:
         server.server_close()
         server.simulator.effects.close()

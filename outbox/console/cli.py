@@ -17,7 +17,8 @@ Every flag defaults to an environment variable: ``OUTBOX_DATABASE_URL``, ``OUTBO
 ``OUTBOX_REDIS_CLUSTER=1``, ``OUTBOX_CONSOLE_HOST``, ``OUTBOX_CONSOLE_PORT``,
 ``OUTBOX_CONSOLE_READ_ONLY=1``, ``OUTBOX_CONSOLE_TOKEN_FILE``, ``OUTBOX_LOG_LEVEL``. With no
 database URL, the SQLite file in the working directory; with no Redis URL, the embedded
-server. Exit codes: 0 success, 1 failure (or not found), 2 bad usage.
+server. Exit codes: 0 success, 1 failure (or not found), 2 bad usage, 130 interrupted. The
+flags are declared with :mod:`outbox.cli`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, run_main
 from outbox.db import default_database_url, describe_url, make_engine
-from outbox.env import env, env_int
-from outbox.errors import ConfigError, OutboxError
+from outbox.errors import ConfigError
 from outbox.logs import fields, setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 
@@ -40,11 +41,6 @@ log = logging.getLogger("outbox.console")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8780
-
-
-def _bool_env(name: str) -> bool:
-    raw = env(name)
-    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -64,84 +60,64 @@ class ServeConfig:
             raise ConfigError("port", f"must be from 0 to 65535, got {self.port}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="outbox-console", description="The operator console of the outbox toolkit."
-    )
+PROG = "outbox-console"
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description="The operator console of the outbox toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the web console and its JSON API")
-    serve.add_argument(
-        "--host", default=None, help=f"bind address [OUTBOX_CONSOLE_HOST, {DEFAULT_HOST}]"
+    add_flags(
+        serve,
+        Flag("--host", help="bind address", default=DEFAULT_HOST, env="OUTBOX_CONSOLE_HOST"),
+        Flag("--port", int, "port", default=DEFAULT_PORT, env="OUTBOX_CONSOLE_PORT"),
+        Flag(
+            "--read-only",
+            bool,
+            "refuse every action with 403",
+            env="OUTBOX_CONSOLE_READ_ONLY",
+        ),
+        Flag(
+            "--token-file",
+            help="file whose first line is the token; OUTBOX_CONSOLE_TOKEN wins over it",
+            env="OUTBOX_CONSOLE_TOKEN_FILE",
+            metavar="FILE",
+        ),
     )
-    serve.add_argument(
-        "--port", type=int, default=None, help=f"port [OUTBOX_CONSOLE_PORT, {DEFAULT_PORT}]"
-    )
-    serve.add_argument(
-        "--read-only",
-        action="store_true",
-        default=None,
-        help="refuse every action with 403 [OUTBOX_CONSOLE_READ_ONLY=1]",
-    )
-    serve.add_argument(
-        "--token-file",
-        default=None,
-        help="file whose first line is the token [OUTBOX_CONSOLE_TOKEN_FILE]; "
-        "OUTBOX_CONSOLE_TOKEN wins over it",
-    )
+    serve.set_defaults(func=_serve)
     trace = sub.add_parser("trace", help="one identity's story, from commit to receipt")
     trace.add_argument("query", help="identity, event key, event id, job id or operation id")
-    trace.add_argument("--json", action="store_true", help="the trace as one JSON object")
+    add_flags(trace, Flag("--json", bool, "the trace as one JSON object", env=None))
+    trace.set_defaults(func=_trace)
     init = sub.add_parser("init-db", help="create the audit table and the lookup indexes")
+    init.set_defaults(func=lambda args, url: _init_db(url))
     for p in (serve, trace, init):
-        p.add_argument(
-            "--database-url", default=None, help="SQLAlchemy URL [OUTBOX_DATABASE_URL, ./outbox.db]"
-        )
-        p.add_argument("--log-level", default=None, help="log level [OUTBOX_LOG_LEVEL, info]")
+        add_flags(p, *DATABASE, *LOGGING)
     for p in (serve, trace):
-        p.add_argument(
-            "--redis-url", default=None, help="Redis URL [OUTBOX_REDIS_URL, embedded server]"
-        )
-        p.add_argument(
-            "--redis-cluster",
-            action="store_true",
-            default=None,
-            help="--redis-url names any node of a Redis Cluster [OUTBOX_REDIS_CLUSTER=1]",
-        )
+        add_flags(p, *REDIS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help is 0, bad usage 2
-        return int(exc.code or 0)
-    try:
-        setup_logging(args.log_level or env("LOG_LEVEL", "info") or "info")
-        url = args.database_url or env("DATABASE_URL") or default_database_url()
-        if args.command == "init-db":
-            return _init_db(url)
-        if args.command == "trace":
-            return _trace(args, url)
-        return _serve(args, url)
-    except OutboxError as exc:
-        print(f"outbox-console: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
-    except Exception as exc:
-        log.exception("console failed", extra=fields(error=repr(exc)))
-        return 1
+    return run_main(PROG, build_parser(), argv, command=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    url = args.database_url or default_database_url()
+    return int(args.func(args, url))
 
 
 def _redis(args: argparse.Namespace) -> Any:
-    redis_url = args.redis_url or env("REDIS_URL")
-    cluster = bool(args.redis_cluster) or _bool_env("REDIS_CLUSTER") or is_cluster_url(redis_url)
+    redis_url = args.redis_url
+    cluster = bool(args.redis_cluster) or is_cluster_url(redis_url)
     if cluster:
         return redis_client(redis_url, cluster=True)
     return redis_client(redis_url)
 
 
 def _redis_description(args: argparse.Namespace) -> str:
-    redis_url = args.redis_url or env("REDIS_URL")
+    redis_url = args.redis_url
     return "embedded" if redis_url is None else describe_url(redis_url)
 
 
@@ -168,7 +144,7 @@ def _token(args: argparse.Namespace) -> tuple[str, bool]:
     given = os.environ.get("OUTBOX_CONSOLE_TOKEN")
     if given:
         return given.strip(), False
-    path = args.token_file or env("CONSOLE_TOKEN_FILE")
+    path = args.token_file
     if path:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -187,12 +163,7 @@ def _serve(args: argparse.Namespace, url: str) -> int:
     from outbox.console.app import Console
     from outbox.console.schema import create_audit_table, missing_lookup_indexes
 
-    port = args.port if args.port is not None else env_int("CONSOLE_PORT", DEFAULT_PORT)
-    config = ServeConfig(
-        host=args.host or env("CONSOLE_HOST", DEFAULT_HOST) or DEFAULT_HOST,
-        port=port,
-        read_only=bool(args.read_only) or _bool_env("CONSOLE_READ_ONLY"),
-    )
+    config = ServeConfig(host=args.host, port=args.port, read_only=bool(args.read_only))
     token, generated = _token(args)
     if len(token) < 16:
         raise ConfigError("OUTBOX_CONSOLE_TOKEN", "the token needs 16 characters or more")
