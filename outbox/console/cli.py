@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,11 @@ def _serve(args: argparse.Namespace, url: str) -> int:
                 database=describe_url(url),
             ),
         )
+        # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handler it
+        # found at start: with these no-op handlers that second delivery does nothing, and a
+        # drained console exits 0 (DESIGN: SIGTERM drains, exit 0).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         uvicorn.run(
             console.app, host=config.host, port=config.port, log_level="warning", access_log=False
         )
