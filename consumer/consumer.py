@@ -60,6 +60,7 @@ from consumer.bulk import bulk_insert, defer_writes, discard_deferred, flush_def
 from consumer.errors import UndecodableEntry
 from consumer.event import ConsumedEvent, decode_entry, text_fields
 from consumer.retention import dead_letter_duty
+from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.db import make_engine
 from outbox.errors import ConfigError
@@ -960,6 +961,7 @@ class Consumer:
                 del first[identity]
                 if identity in seen:
                     outcome.duplicates += 1
+                    tracing.duplicate(event, self.group)
                     outcome.ack(entry)
                 else:
                     error = (
@@ -985,6 +987,7 @@ class Consumer:
                 fresh.append((entry, event))
             else:
                 outcome.duplicates += 1
+                tracing.duplicate(event, self.group)
                 outcome.ack(entry)
         failures = self._handle(session, [event for _entry, event in fresh], failed)
         failed_identities: set[str] = set()
@@ -1024,6 +1027,7 @@ class Consumer:
             if event.identity in failed_identities:
                 continue  # its twin failed: stays pending, claimed back and retried later
             outcome.duplicates += 1
+            tracing.duplicate(event, self.group)
             outcome.ack(entry)
 
     def _handle(
@@ -1089,9 +1093,11 @@ class Consumer:
             if is_batch:
                 batch.setdefault(event.type, []).append(event)
             else:
-                fn(event, tx)
+                with tracing.consuming(event, self.group):  # the event's trace goes on
+                    fn(event, tx)
         for event_type, group in batch.items():
-            self._handlers[event_type][0](group, tx)
+            with tracing.consuming_batch(group, self.group):
+                self._handlers[event_type][0](group, tx)
 
     def _dead_row(self, dead: _Dead) -> dict[str, Any]:
         entry, event = dead.entry, dead.event

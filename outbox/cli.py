@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from outbox import tracing
 from outbox.db import describe_url
 from outbox.errors import ConfigError, OutboxError
 
@@ -419,6 +420,10 @@ def run_main(
         name = f"{prog} {sub}" if sub and exit_code(exc) == Exit.USAGE else prog
         print(f"{name}: {error_message(exc, args)}", file=sys.stderr)
         return exit_code(exc)
+    finally:
+        # Under opentelemetry-instrument: export the spans still buffered before the process
+        # exits, the last batch's too when SIGTERM drained the loop (outbox.tracing).
+        tracing.flush()
 
 
 def fail(prog: str, message: str, code: int = Exit.FAILURE) -> int:

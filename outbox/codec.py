@@ -15,7 +15,8 @@ One flat hash per event, in CloudEvents attribute names so other tools can read 
 ``tenant``         the tenant, when set
 ``identity``       the business identity consumers deduplicate on
 ``partitionkey``   the key (CloudEvents partitioning extension)
-``traceparent``    the ``traceparent`` header, when set
+``traceparent``    the ``traceparent`` header, when set (W3C trace context)
+``tracestate``     the ``tracestate`` header, when set
 ``header.<name>``  every other header
 =================  =============================================================
 
@@ -42,6 +43,9 @@ SPECVERSION = "1.0"
 CONTENT_TYPE = "application/json"
 HEADER_PREFIX = "header."
 TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+# Headers lifted to CloudEvents attributes (the distributed tracing extension).
+_LIFTED = frozenset({TRACEPARENT, TRACESTATE})
 REQUIRED = ("id", "type", "data")
 
 
@@ -72,11 +76,11 @@ _F_DATA = _bulk(b"data")
 _F_TENANT = _bulk(b"tenant")
 _F_IDENTITY = _bulk(b"identity")
 _F_PARTITIONKEY = _bulk(b"partitionkey")
-_F_TRACEPARENT = _bulk(TRACEPARENT.encode())
+_F_LIFTED = {name: _bulk(name.encode()) for name in _LIFTED}
 
 
 def _header_field(name: str) -> str:
-    return TRACEPARENT if name == TRACEPARENT else HEADER_PREFIX + name
+    return name if name in _LIFTED else HEADER_PREFIX + name
 
 
 class EntryEncoder:
@@ -157,9 +161,7 @@ class EntryEncoder:
         parts.append(_bulk(key.encode()))
         count += 4
         for name, value in headers.items():
-            field = (
-                _F_TRACEPARENT if name == TRACEPARENT else _bulk((HEADER_PREFIX + name).encode())
-            )
+            field = _F_LIFTED.get(name) or _bulk((HEADER_PREFIX + name).encode())
             parts.append(field)
             parts.append(_bulk(value.encode()))
             count += 2
@@ -316,8 +318,11 @@ def decode(raw: Mapping[Any, Any] | None, error: ErrorFactory = EntryFormatError
     }
     traceparent = fields.get(TRACEPARENT) or None
     if traceparent is not None:
-        # The relay lifts the traceparent header to a CloudEvents attribute; give it back.
+        # The relay lifts the trace headers to CloudEvents attributes; give them back.
         headers.setdefault(TRACEPARENT, traceparent)
+        tracestate = fields.get(TRACESTATE)
+        if tracestate:
+            headers.setdefault(TRACESTATE, tracestate)
     return DecodedEntry(
         id=event_id,
         type=topic,

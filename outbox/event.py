@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox import validate
+from outbox import tracing, validate
 from outbox.errors import InvalidEvent
 from outbox.ids import new_event_id
 
@@ -136,6 +136,7 @@ def make_event(
     checked_identity = check_name("identity", identity, required=False) or checked_id
     payload_json = encode_payload(payload, max_payload_bytes)
     checked_headers = check_headers(headers)
+    tracing.add_trace_headers(checked_headers)  # the active span's context, unless given
     assert checked_topic is not None and checked_key is not None
     return NewEvent(
         event_id=checked_id,

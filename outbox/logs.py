@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from outbox import tracing
 from outbox.errors import ConfigError
 
 
@@ -25,6 +26,9 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             entry.update(fields)
+        ids = tracing.log_ids()  # the active span's, when there is one (outbox.tracing)
+        if ids is not None:
+            entry["trace_id"], entry["span_id"] = ids
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

@@ -38,6 +38,7 @@ import redis
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from outbox import tracing
 from outbox.core import Outbox
 from outbox.db import make_engine
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
@@ -283,12 +284,13 @@ class Relay:
             self._record(outcome, held | {p.record.key for p in prepared})
             return 0
         try:
-            results = self.publisher.publish(
-                prepared,
-                fence_key(self.name, epoch),
-                wait_replicas=self.config.wait_replicas,
-                wait_timeout=self.config.wait_timeout,
-            )
+            with tracing.publishing(prepared):  # one span, linked to every event's trace
+                results = self.publisher.publish(
+                    prepared,
+                    fence_key(self.name, epoch),
+                    wait_replicas=self.config.wait_replicas,
+                    wait_timeout=self.config.wait_timeout,
+                )
         except Exception as exc:
             # Any prefix of the batch may be in the stream: keep the intents (they are
             # reconciled before the next attempt) and count the attempt on every record.

@@ -179,3 +179,37 @@ def test_the_migration_extras_know_every_hot_table() -> None:
     from outbox.migrations import HOT_TABLES
 
     assert set(HOT_TABLES) == {build_inbox_schema().inbox.name, *JOB_HOT_TABLES}
+
+
+def test_a_database_migrated_before_tracing_gets_the_trace_context_column_by_autogenerate(
+    tmp_path: Path, fresh_databases: tuple[str, str]
+) -> None:
+    """The recipe for existing databases (issue 23): ``outbox_jobs.trace_context`` is a plain
+    nullable column, so the next ``alembic revision --autogenerate`` adds it."""
+    migrated_url, _ = fresh_databases
+    directory = tmp_path / "migrations"
+    config = Config(str(tmp_path / "alembic.ini"))
+    config.set_main_option("script_location", str(directory))
+    config.set_main_option("sqlalchemy.url", migrated_url)
+    command.init(config, str(directory))
+    (directory / "env.py").write_text(ENV_PY)
+    command.revision(config, message="outbox tables", autogenerate=True)
+    command.upgrade(config, "head")
+    engine = sa.create_engine(migrated_url)
+    try:
+        with engine.begin() as conn:  # the table as it was before the column existed
+            conn.execute(sa.text("ALTER TABLE outbox_jobs DROP COLUMN trace_context"))
+        command.revision(config, message="trace context", autogenerate=True)
+        [added] = [
+            path
+            for path in (directory / "versions").glob("*.py")
+            if "trace context" in path.read_text()
+        ]
+        source = added.read_text()
+        assert "op.add_column('outbox_jobs', sa.Column('trace_context'" in source
+        command.upgrade(config, "head")
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("outbox_jobs")}
+        assert "trace_context" in columns
+        command.check(config)  # nothing left to migrate
+    finally:
+        engine.dispose()

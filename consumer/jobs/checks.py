@@ -17,6 +17,7 @@ from consumer.errors import JobError
 from consumer.jobs.rows import Lease
 from consumer.jobs.schema import db_epoch, jobs
 from consumer.jobs.states import READY
+from outbox import tracing
 from outbox.validate import check_name
 
 Time = float | int | datetime
@@ -98,6 +99,7 @@ def _job_values(
         "run_after": after,
         "created_at": stamp,
         "updated_at": stamp,
+        "trace_context": tracing.job_trace_context(),  # the enqueuing span's, if any
     }
 
 

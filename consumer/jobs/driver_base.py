@@ -646,24 +646,28 @@ def _check_operation_columns(names: Sequence[str]) -> None:
             raise ValueError(f"{name!r} is not a column of {operations.name}")
 
 
-_ADDED_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")
-"""Nullable columns ``outbox_operations`` gained after its first release (issue 11)."""
+_ADDED_COLUMNS = (
+    (operations, ("call_deadline", "settled_by", "settled_reason", "settled_at")),
+    (jobs, ("trace_context",)),
+)
+"""Nullable columns the tables gained after their first release: ``outbox_operations`` the
+call deadline and the settlement (issue 11), ``outbox_jobs`` the trace context (issue 23)."""
 
 
 def _add_missing_columns(conn: Connection) -> None:
-    # create_all never alters an existing table: a database created before the call deadline
-    # and the operator's settlement existed gets those nullable columns here (ALTER TABLE ...
-    # ADD COLUMN is the same statement on both databases). Alembic users: include them in a
-    # migration instead.
-    present = {c["name"] for c in inspect(conn).get_columns(operations.name)}
+    # create_all never alters an existing table: a database created before these columns
+    # existed gets them here (ALTER TABLE ... ADD COLUMN of a nullable column is the same
+    # statement on both databases, and instant). Alembic users: include them in a migration.
     prep = conn.dialect.identifier_preparer
-    for name in _ADDED_COLUMNS:
-        if name not in present:
-            column = operations.c[name]
-            conn.execute(
-                text(
-                    f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
-                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+    for table, names in _ADDED_COLUMNS:
+        present = {c["name"] for c in inspect(conn).get_columns(table.name)}
+        for name in names:
+            if name not in present:
+                column = table.c[name]
+                conn.execute(
+                    text(
+                        f"ALTER TABLE {prep.format_table(table)} ADD COLUMN "
+                        f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                    )
                 )
-            )
     OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)

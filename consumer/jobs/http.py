@@ -64,6 +64,7 @@ from consumer.errors import (
     ProviderTimeout,
     ProviderUnavailable,
 )
+from outbox import tracing
 from outbox.errors import ConfigError
 
 #: Statuses after which the provider certainly did not act on the request.
@@ -261,6 +262,7 @@ class HttpProvider:
     def _headers(self, operation_id: str) -> dict[str, str]:
         headers = dict(self.headers)
         headers[self.operation_id_header] = operation_id
+        tracing.inject_http(headers)  # traceparent: the dispatch span's context
         return headers
 
     def _exchange(

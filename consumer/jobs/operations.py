@@ -71,6 +71,7 @@ from consumer.errors import (
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store
+from outbox import tracing
 from outbox.logs import fields
 from outbox.validate import check_name
 
@@ -229,13 +230,14 @@ class Operations:
         digest = request_digest(request)
         operation_id = f"{lease.job_id}:{name}"
         timeout = self.timeout_of(connector)
-        for _ in range(_MAX_RESTARTS):
-            receipt = self._dispatch_once(
-                job, lease, connector, operation_id, digest, request, timeout
-            )
-            if receipt is not None:
-                return receipt
-        raise Conflict(f"operation {operation_id} kept changing under this dispatch")
+        with tracing.dispatching(lease, operation_id, connector.name, name):
+            for _ in range(_MAX_RESTARTS):
+                receipt = self._dispatch_once(
+                    job, lease, connector, operation_id, digest, request, timeout
+                )
+                if receipt is not None:
+                    return receipt
+            raise Conflict(f"operation {operation_id} kept changing under this dispatch")
 
     def _dispatch_once(
         self,
@@ -265,7 +267,8 @@ class Operations:
         resend = step == "reconcile"
         if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
-                found = connector.lookup(operation_id)  # lookups are not counted in attempts
+                with tracing.reconciling(connector.name, operation_id, lease.job_id):
+                    found = connector.lookup(operation_id)  # lookups are not counted in attempts
                 if found is not None:
                     if not self._update(
                         operation_id,
@@ -339,7 +342,7 @@ class Operations:
                 conn, states=(PENDING, UNKNOWN), due_before=clock, limit=limit
             )
         counts = dict.fromkeys(("accepted", "not_sent", "resend", "review", "skipped"), 0)
-        for row in rows:
+        for row in tracing.each_reconciliation(rows, self._trace_contexts):  # a span each
             connector = self.providers.get(row.provider)
             if connector is None:
                 counts["skipped"] += 1
@@ -546,6 +549,7 @@ class Operations:
         # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
         # about the provider, and losing it would cost a reconciliation later. An ACCEPTED
         # receipt never changes again.
+        tracing.receipt_state(state)  # on the dispatch's or the reconciliation's span
         values: dict[str, Any] = {"state": state, "provider_ref": ref, "last_error": error}
         stamp: tuple[str, ...] = ("updated_at",)
         if settled is not None:
@@ -559,6 +563,14 @@ class Operations:
             if_states=if_states,
             if_attempts=if_attempts,
         )
+
+    def _trace_contexts(self, job_ids: Sequence[int]) -> dict[int, str | None]:
+        """The jobs' trace contexts (``outbox.tracing``: only asked for while recording)."""
+        from sqlalchemy import select
+
+        query = select(jobs.c.id, jobs.c.trace_context).where(jobs.c.id.in_(list(job_ids)))
+        with self.store.driver.connect() as conn:
+            return {int(job_id): context for job_id, context in conn.execute(query)}
 
     def _wake(self, job_id: int, reason: str) -> bool:
         """Make a waiting job READY (its receipt was settled); True if it moved."""

@@ -35,6 +35,7 @@ LEASE_COLUMNS = (
     "timer_reason",
     "timer_subject_version",
     "timer_cancellation_condition",
+    "trace_context",
 )
 
 # Fairness, step 1: the tenants that have READY rows, found by a loose index scan over

@@ -87,6 +87,8 @@ class Lease:
     worker: str
     expires_at: float
     timer: Timer | None = None
+    trace_context: str | None = None
+    """The trace the job belongs to (``outbox.tracing``): its run span continues it."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class Job:
     timer: Timer | None
     created_at: float
     updated_at: float
+    trace_context: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def lease_from_row(row: Any) -> Lease:
         worker=row.lease_owner,
         expires_at=float(row.lease_expires_at),
         timer=timer_from_row(row),
+        trace_context=row.trace_context,
     )
 
 
@@ -208,4 +212,5 @@ def job_from_row(row: Any) -> Job:
         timer=timer_from_row(row),
         created_at=float(row.created_at),
         updated_at=float(row.updated_at),
+        trace_context=row.trace_context,
     )

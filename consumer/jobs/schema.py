@@ -124,6 +124,8 @@ jobs = Table(
     Column("timer_cancellation_condition", _json(), nullable=True),
     Column("created_at", Double, nullable=False),
     Column("updated_at", Double, nullable=False),
+    # The W3C trace context of the span that enqueued the job (outbox.tracing), as JSON.
+    Column("trace_context", Text, nullable=True),
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 

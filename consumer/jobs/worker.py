@@ -81,6 +81,7 @@ from consumer.errors import Conflict, JobFailure, OperationUnresolved
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.retention import JobRetentionConfig
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time, Timer, _time
+from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
@@ -427,7 +428,9 @@ class Worker(WorkerDuties):
                 if self.stop_flag.stopped:
                     self._release(contexts[index:])
                     break
-                outcome, label, started = self._run_one(ctx)
+                with tracing.running(ctx.lease, self.route):  # the job's trace goes on
+                    outcome, label, started = self._run_one(ctx)
+                    tracing.note("outbox.job.outcome", outcome)
                 handled += 1
                 if outcome == "done":
                     done.append((ctx, label, started))
