@@ -448,11 +448,14 @@ class LeaseMoves(StoreBase):
             raise JobError("reason", "must be a string")
         when = _time("now", now)
         where, label = _key(job, action)
+        # No wake-up: a READY job's run_after ("not before", a backoff or a call's deadline)
+        # would read as a due timer in WAITING_REVIEW, and recovery would make it READY
+        # again at once, only for the sweep to park it again, for ever.
         self._operator_move(
             where,
             label,
             WAITING_REVIEW,
-            {"wait_reason": reason},
+            {"wait_reason": reason, "run_after": None},
             "waiting_review",
             reason,
             when,
