@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,8 +17,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from consumer import Store
+from consumer.errors import JobNotFound
+from outbox import Outbox
 from tests.docs_runner import blocks, marks, python_blocks
-from tests.services import PrivateRedis
+from tests.services import PrivateRedis, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -195,3 +199,49 @@ def test_command_lines_in_the_docs_exist() -> None:
             if flag.startswith("--") and flag not in text:
                 problems.append(f"{page}: {command} {subcommand}: no flag {flag}")
     assert not problems, problems
+
+
+@pytest.mark.slow  # three processes on the embedded default
+def test_quickstart_processes_run_as_written(tmp_path: Path) -> None:
+    """The quick start's "Run it as processes" commands, exactly as the page writes them,
+    carry a new approved quote from the outbox to its job done, and stop cleanly on SIGTERM."""
+    page = DOCS / "quickstart.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    ran = subprocess.run(
+        [sys.executable, str(RUNNER), str(page)], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert ran.returncode == 0, ran.stderr.decode()[-4000:]
+    [commands] = [s for s in _sh_blocks(page) if s.startswith("outbox-relay run")]
+
+    outbox = Outbox(f"sqlite:///{tmp_path / 'app.db'}")
+    with outbox.transaction() as tx:
+        tx.emit("quote.approved", key="quote-19", payload={"quote": 19, "total": 60})
+    outbox.engine.dispose()
+
+    store = Store(f"sqlite:///{tmp_path / 'app.db'}")
+    processes = [
+        subprocess.Popen(
+            line.split(),
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for line in commands.splitlines()
+    ]
+    try:
+        wait_for(
+            lambda: store.get("default", "send-quote-19").state == "DONE",
+            "the quote's job to be done by the processes",
+            timeout=60,
+            ignore=(JobNotFound,),
+        )
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(timeout=60) for process in processes]
+        logs = [process.stderr.read()[-2000:] if process.stderr else "" for process in processes]
+        store.dispose()
+    assert codes == [0, 0, 0], logs
