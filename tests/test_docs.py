@@ -245,3 +245,52 @@ def test_quickstart_processes_run_as_written(tmp_path: Path) -> None:
         logs = [process.stderr.read()[-2000:] if process.stderr else "" for process in processes]
         store.dispose()
     assert codes == [0, 0, 0], logs
+
+
+def _metric_names(tmp_path: Path) -> set[str]:
+    """Every metric the toolkit exports: the families of a registry built on a database with
+    every part's tables, and every ``"outbox_..."`` name in ``metrics/`` that is not a table."""
+    from consumer.inbox import build_inbox_schema
+    from consumer.jobs.schema import metadata as jobs_metadata
+    from metrics import build_metrics
+    from outbox import build_schema
+
+    outbox = Outbox(f"sqlite:///{tmp_path / 'metrics.db'}")
+    outbox.create_schema()
+    Store(outbox.engine).create_schema()
+    families = {family.name for family in build_metrics(engine=outbox.engine).registry.collect()}
+    outbox.engine.dispose()
+    tables = {
+        table.name
+        for metadata in (build_schema().metadata, build_inbox_schema().metadata, jobs_metadata)
+        for table in metadata.tables.values()
+    }
+    named = {
+        name
+        for path in (ROOT / "metrics").glob("*.py")
+        for name in re.findall(r'"(outbox_[a-z_]+)"', path.read_text(encoding="utf-8"))
+    }
+    return families | {name for name in named if name not in tables or name in families}
+
+
+def test_every_metric_is_documented(tmp_path: Path) -> None:
+    """The metrics table of docs/how-to/metrics.md lists every metric the code exports."""
+    text = (DOCS / "how-to" / "metrics.md").read_text(encoding="utf-8")
+    missing = sorted(
+        name for name in _metric_names(tmp_path) if not re.search(rf"`{name}(_total)?`", text)
+    )
+    assert not missing, f"metrics not in docs/how-to/metrics.md: {missing}"
+
+
+def test_every_alert_rule_is_documented() -> None:
+    """docs/reference/alert-rules.md names every rule of metrics/alerts.yml and every
+    threshold that ``render_rules`` can tune."""
+    from metrics.alerts import default_thresholds
+
+    rules = (ROOT / "metrics" / "alerts.yml").read_text(encoding="utf-8")
+    text = (DOCS / "reference" / "alert-rules.md").read_text(encoding="utf-8")
+    alerts = re.findall(r"^\s*- alert: (\w+)", rules, flags=re.MULTILINE)
+    assert alerts
+    missing = [f"alert {name}" for name in alerts if f"`{name}`" not in text]
+    missing += [f"threshold {name}" for name in default_thresholds() if f"`{name}`" not in text]
+    assert not missing, f"not in docs/reference/alert-rules.md: {missing}"
