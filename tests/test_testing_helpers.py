@@ -554,3 +554,21 @@ def test_a_parked_job_waits_for_an_operator_not_for_its_old_run_after(db_url: st
         assert job.state == "WAITING_REVIEW" and job.run_after is None
     finally:
         store.dispose()
+
+
+def test_the_docs_page_shows_the_example_files_as_they_are() -> None:
+    """docs/testing.md walks through examples/testing/, which CI runs: the page's module
+    blocks must be those files, byte for byte, so neither can drift from the other."""
+    from tests.docs_runner import python_blocks
+
+    shown = {
+        block.title: block.source
+        for block in python_blocks(ROOT / "docs" / "testing.md")
+        if block.title is not None
+    }
+    examples = ROOT / "examples" / "testing"
+    files = {path.name: path.read_text() for path in examples.glob("*.py")}
+    assert set(shown) == set(files)
+    for name, source in files.items():
+        assert shown[name] == source, f"docs/testing.md shows another {name}"
+    assert (examples / "test_worker_killed_after_accepted.py").read_text().count("\n") < 30

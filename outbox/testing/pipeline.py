@@ -444,7 +444,8 @@ class Pipeline(Assertions):
             spec = _WorkerSpec(
                 handlers=dict(handlers_or_worker),
                 providers=dict(providers or {}),
-                config=config or WorkerConfig(),
+                # Claims of 100: fewer drain cycles for a big test; nothing else changes.
+                config=config or WorkerConfig(batch_size=100),
                 hooks=hooks,
                 default_timeout=default_timeout,
             )
