@@ -156,9 +156,10 @@ class Outbox:
     def create_schema(self, *, notify: bool | None = None) -> None:
         """Create the outbox table and its indexes if they do not exist (idempotent).
 
-        ``notify`` (PostgreSQL): True adds the NOTIFY trigger that wakes relays at once,
-        False drops it (relays then wake by polling); None, the default, gives a new table
-        the trigger and leaves an existing table as it is. See ``outbox.schema``.
+        ``notify`` (PostgreSQL): True adds the NOTIFY trigger that wakes relays at once (at
+        the price of a global lock at every writer's commit), False drops it; None, the
+        default, creates a new table without it (relays poll, quickly while busy) and leaves
+        an existing table as it is. See ``outbox.schema``.
         """
         create_schema(self.engine, self.schema, notify=notify)
 

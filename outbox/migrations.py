@@ -24,7 +24,7 @@ migration that creates the outbox table::
 
     def upgrade() -> None:
         ...                                 # the generated create_table / create_index
-        create_extras(op)                   # or create_extras(op, notify=False)
+        create_extras(op)                   # or create_extras(op, notify=True)
 
 ``create_extras`` is idempotent (each piece is checked first) and is what
 ``Outbox.create_schema()`` runs, so a database migrated by Alembic and one made by
@@ -54,10 +54,12 @@ def create_extras(
     *,
     table: str = DEFAULT_TABLE,
     schema: str | None = None,
-    notify: bool = True,
+    notify: bool | None = None,
     hot_tables: tuple[str, ...] = HOT_TABLES,
 ) -> None:
-    """In a migration: the outbox table's NOTIFY trigger (unless ``notify=False``), storage
+    """In a migration: the outbox table's NOTIFY trigger (added with ``notify=True``, dropped
+    with False; None, the default, adds none and keeps an existing one: relays poll and
+    writers' commits take no NOTIFY lock; ``outbox.schema``), storage
     parameters and blocked-key index, and the storage parameters of the ``hot_tables`` that
     exist, each added only if missing. ``op`` is ``alembic.op``; on SQLite only the index
     applies."""

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from outbox.errors import ConfigError
 from outbox.logs import fields
@@ -224,3 +224,44 @@ class RetentionDuty:
             return deleted
         finally:
             self._lock.release()
+
+
+DEFAULT_AUDIT_RETENTION = 90 * DAY
+"""Operator actions (``outbox_audit``, the console's) are kept ninety days."""
+
+
+class AuditRetention:
+    """The console's audit rows older than ``retention_seconds`` (a purge target), through
+    ``outbox.console.schema.purge_audit``. A database without the console's table has
+    nothing to purge (``due`` and ``purge`` are 0)."""
+
+    table = "outbox_audit"
+
+    def __init__(self, engine: Any, retention_seconds: float = DEFAULT_AUDIT_RETENTION) -> None:
+        self.engine = engine
+        self.retention_seconds = check_seconds("audit_retention_seconds", retention_seconds)
+
+    def _present(self) -> bool:
+        from sqlalchemy import inspect
+
+        return bool(inspect(self.engine).has_table(self.table))
+
+    def due(self) -> int:
+        if self.retention_seconds <= 0 or not self._present():
+            return 0
+        from sqlalchemy import func, select
+
+        from outbox.console.schema import audit
+        from outbox.dialect import db_epoch
+
+        with self.engine.connect() as conn:
+            cutoff = float(conn.execute(select(db_epoch())).scalar_one()) - self.retention_seconds
+            query = select(func.count()).select_from(audit).where(audit.c.at < cutoff)
+            return int(conn.execute(query).scalar_one())
+
+    def purge(self, limit: int) -> int:
+        if self.retention_seconds <= 0 or not self._present():
+            return 0
+        from outbox.console.schema import purge_audit
+
+        return purge_audit(self.engine, self.retention_seconds, check_batch("limit", limit))

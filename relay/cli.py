@@ -30,6 +30,7 @@ from relay.admin import requeue, status
 from relay.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_PARTITIONS,
+    DEFAULT_POLL_INTERVAL,
     DEFAULT_RETENTION_SECONDS,
     RelayConfig,
 )
@@ -92,7 +93,13 @@ RUN_FLAGS = (
         metavar="N",
     ),
     *METRICS,
-    Flag("--poll-interval", float, "seconds between polls", default=0.05, metavar="SECONDS"),
+    Flag(
+        "--poll-interval",
+        float,
+        "seconds before the next claim after a busy cycle (each idle one doubles it)",
+        default=DEFAULT_POLL_INTERVAL,
+        metavar="SECONDS",
+    ),
     Flag(
         "--max-poll-interval",
         float,
@@ -201,14 +208,27 @@ def build_parser() -> Parser:
     )
     pg.set_defaults(func=cmd_purge)
 
-    init = sub.add_parser("init-db", help="create the outbox table, indexes and trigger")
+    init = sub.add_parser(
+        "init-db", help="create the outbox table and indexes (the NOTIFY trigger with --notify)"
+    )
     add_flags(init, *COMMON)
-    init.add_argument(
+    wake = init.add_mutually_exclusive_group()
+    wake.add_argument(
         "--no-notify",
         dest="notify",
         action="store_false",
+        default=None,
         help="no NOTIFY trigger (PostgreSQL; drops an existing one): relays wake by polling, "
-        "and concurrent writers' commits do not queue on NOTIFY's global lock",
+        "and concurrent writers' commits do not queue on NOTIFY's global lock. A new table "
+        "has none by default; an existing one keeps its choice",
+    )
+    wake.add_argument(
+        "--notify",
+        dest="notify",
+        action="store_true",
+        default=None,
+        help="add the NOTIFY trigger (PostgreSQL): relays wake at each commit, but every "
+        "writer's commit takes NOTIFY's global lock (heavy concurrent writers slow down)",
     )
     init.set_defaults(func=cmd_init_db)
 

@@ -45,9 +45,9 @@ def test_an_outbox_in_another_schema_does_not_wake_this_one(
     pg_url: str, pg_schema: str, other_schema: str
 ) -> None:
     mine = Outbox(pg_url)
-    mine.create_schema()
+    mine.create_schema(notify=True)
     theirs = Outbox(pg_url_for_schema(other_schema))
-    theirs.create_schema()
+    theirs.create_schema(notify=True)
     listener = _listen(pg_url, mine)
     try:
         _emit(theirs)
@@ -63,7 +63,7 @@ def test_an_outbox_in_another_schema_does_not_wake_this_one(
 
 def test_a_trigger_made_by_an_earlier_version_is_brought_up_to_date(pg_url: str) -> None:
     outbox = Outbox(pg_url)
-    outbox.create_schema()
+    outbox.create_schema(notify=True)  # a table made with the trigger (init-db --notify)
     with outbox.engine.begin() as conn:  # the body an earlier version wrote: one fixed channel
         conn.execute(
             sa.text(

@@ -835,23 +835,26 @@ def test_notify_trigger_is_a_choice_kept_by_later_default_calls(pg_url: str) -> 
     box.engine.dispose()
 
 
-def test_new_table_gets_the_trigger_by_default_and_async_create_schema_chooses(
+def test_new_table_has_no_trigger_by_default_and_async_create_schema_chooses(
     pg_url: str,
 ) -> None:
     from outbox.schema import has_notify_trigger
 
     async def scenario() -> tuple[bool, bool]:
         box = AsyncOutbox(pg_url)
-        await box.create_schema()
+        await box.create_schema()  # issue 25: no NOTIFY lock at writers' commits by default
         async with box.engine.connect() as conn:
             first = await conn.run_sync(has_notify_trigger, box.schema)
-        await box.create_schema(notify=False)
+        await box.create_schema(notify=True)
         async with box.engine.connect() as conn:
             second = await conn.run_sync(has_notify_trigger, box.schema)
+        await box.create_schema()  # the default keeps an existing table's choice
+        async with box.engine.connect() as conn:
+            third = await conn.run_sync(has_notify_trigger, box.schema)
         await box.dispose()
-        return first, second
+        return first, second, third
 
-    assert asyncio.run(scenario()) == (True, False)
+    assert asyncio.run(scenario()) == (False, True, True)
 
 
 def test_init_db_no_notify(pg_url: str) -> None:
@@ -862,9 +865,15 @@ def test_init_db_no_notify(pg_url: str) -> None:
     box = Outbox(pg_url)
     with box.engine.connect() as conn:
         assert not has_notify_trigger(conn, box.schema)
-    assert main(["init-db", "--database-url", pg_url]) == 0
+    assert main(["init-db", "--database-url", pg_url, "--notify"]) == 0  # opting back in
     with box.engine.connect() as conn:
         assert has_notify_trigger(conn, box.schema)
+    assert main(["init-db", "--database-url", pg_url]) == 0  # the default keeps the choice
+    with box.engine.connect() as conn:
+        assert has_notify_trigger(conn, box.schema)
+    assert main(["init-db", "--database-url", pg_url, "--no-notify"]) == 0
+    with box.engine.connect() as conn:
+        assert not has_notify_trigger(conn, box.schema)
     box.engine.dispose()
 
 

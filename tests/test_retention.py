@@ -527,3 +527,69 @@ def test_outbox_relay_purge_dry_run_then_purge(
     assert count(outbox.engine, "outbox_events") == 1
     assert main(["purge", "--database-url", db_url, "--retention", "-1"]) == 2
     outbox.engine.dispose()
+
+
+# -- the console's audit ---------------------------------------------------------------------
+
+
+def test_the_consoles_audit_rows_go_after_their_retention(store: Store) -> None:
+    from outbox.console.schema import audit, create_audit_table
+    from outbox.retention import DEFAULT_AUDIT_RETENTION, AuditRetention
+
+    target = AuditRetention(store.engine)
+    assert target.due() == 0 and target.purge(10) == 0  # no console table: nothing to do
+    create_audit_table(store.engine)
+    with store.engine.begin() as conn:
+        for n, at in enumerate([0.0, 1.0, 9e12]):  # two long ago, one in the future
+            conn.execute(
+                sa.insert(audit).values(
+                    at=at,
+                    actor="op",
+                    via="api",
+                    action="requeue",
+                    target_kind="event",
+                    target_id=str(n),
+                    reason="r",
+                    outcome="ok",
+                )
+            )
+    assert target.due() == 2
+    retention = JobRetention(store)
+    assert any(isinstance(t, AuditRetention) for t in retention.targets())  # the worker's duty
+    assert purge_all(retention.targets(), batch=1)["outbox_audit"] == 2
+    assert count(store.engine, "outbox_audit") == 1
+    assert JobRetentionConfig().audit_retention_seconds == DEFAULT_AUDIT_RETENTION
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+def test_table_stats_show_rows_sizes_and_the_oldest_rows_age(store: Store, db_url: str) -> None:
+    from outbox.tablestats import DEFAULT_WINDOWS, table_stats
+
+    outbox = Outbox(store.engine)
+    outbox.create_schema()
+    with outbox.transaction() as tx:
+        tx.emit(TOPIC, key="k", payload={})
+    store.enqueue_many([{"tenant": "t", "action": f"a-{i}"} for i in range(4)])
+    assert finish_all(store) == 4
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE outbox_events SET state = 'published', published_at = created_at")
+        )
+    age(store.engine, 3600)
+    with store.engine.connect() as conn:
+        stats = {s.table: s for s in table_stats(conn)}
+    assert set(stats) >= {"outbox_events", "outbox_jobs", "outbox_job_attempts"}
+    assert "consumer_inbox" not in stats  # absent tables are left out
+    jobs = stats["outbox_jobs"]
+    assert jobs.retention_seconds == DEFAULT_WINDOWS["outbox_jobs"]
+    assert jobs.oldest_age_seconds is not None and 3500 < jobs.oldest_age_seconds < 3700
+    events = stats["outbox_events"]
+    assert events.oldest_age_seconds is not None and 3500 < events.oldest_age_seconds < 3700
+    if store.engine.dialect.name == "postgresql":
+        assert jobs.table_bytes and jobs.index_bytes  # from the catalog
+        assert jobs.dead_rows is not None
+    else:
+        assert jobs.rows == 4  # counted
+    assert jobs.as_dict()["oldest_age_seconds"] == round(jobs.oldest_age_seconds, 3)

@@ -4,12 +4,13 @@
 outbox-worker purge [--database-url URL] [--dry-run] [--json] [--batch-size N]
                     [--job-retention S] [--inbox-window S] [--outbox-retention S]
                     [--stream-retention S] [--redelivery-margin S] [--worker-grace S]
-                    [--dead-letter-retention S]
+                    [--dead-letter-retention S] [--audit-retention S]
 ```
 
 Deletes what the workers' retention duty deletes every minute (``consumer.jobs.retention``):
 DONE and CANCELLED jobs past ``--job-retention`` with their attempts, intents and receipts,
-and the liveness rows of workers gone longer than ``--worker-grace``; and, when the
+the liveness rows of workers gone longer than ``--worker-grace``, the operator console's
+audit rows past ``--audit-retention`` (``outbox_audit``, when present); and, when the
 consumer's tables are in the same database, replayed dead letters past
 ``--dead-letter-retention`` (``consumer.retention``). Batches of ``--batch-size`` rows, each
 its own short transaction, until nothing is due; progress on stderr, rows per table on
@@ -20,7 +21,8 @@ retention shorter than the inbox window, or than the outbox's or the stream's re
 the redelivery margin, is refused (exit 2). Each flag defaults from its environment variable
 (``OUTBOX_JOB_RETENTION``, ``OUTBOX_INBOX_WINDOW``, ``OUTBOX_RETENTION`` and
 ``OUTBOX_STREAM_RETENTION`` as the relay reads them, ``OUTBOX_REDELIVERY_MARGIN``,
-``OUTBOX_WORKER_GRACE``, ``OUTBOX_DEAD_LETTER_RETENTION``); ``outbox-worker run`` reads the
+``OUTBOX_WORKER_GRACE``, ``OUTBOX_DEAD_LETTER_RETENTION``, ``OUTBOX_AUDIT_RETENTION``);
+``outbox-worker run`` reads the
 same variables for its duty.
 """
 
@@ -35,6 +37,7 @@ from sqlalchemy import inspect
 
 from outbox.cli import Flag, add_flags
 from outbox.retention import (
+    DEFAULT_AUDIT_RETENTION,
     DEFAULT_DEAD_LETTER_RETENTION,
     DEFAULT_INBOX_WINDOW,
     DEFAULT_JOB_RETENTION,
@@ -63,6 +66,8 @@ WINDOWS: tuple[tuple[str, str | None, str, float, str], ...] = (
      "liveness rows of workers gone this long, holding no lease, are deleted (0: never)"),
     ("dead-letter-retention", None, "DEAD_LETTER_RETENTION", DEFAULT_DEAD_LETTER_RETENTION,
      "replayed dead letters are kept this long (0: forever)"),
+    ("audit-retention", "audit_retention_seconds", "AUDIT_RETENTION", DEFAULT_AUDIT_RETENTION,
+     "the console's audit rows are kept this long (0: forever)"),
 )  # fmt: skip
 
 

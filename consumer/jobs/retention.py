@@ -52,6 +52,7 @@ from consumer.jobs.store import Store
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE, is_postgresql
 from outbox.errors import ConfigError
 from outbox.retention import (
+    DEFAULT_AUDIT_RETENTION,
     DEFAULT_INBOX_WINDOW,
     DEFAULT_JOB_RETENTION,
     DEFAULT_OUTBOX_RETENTION,
@@ -60,6 +61,7 @@ from outbox.retention import (
     DEFAULT_REDELIVERY_MARGIN,
     DEFAULT_STREAM_RETENTION,
     DEFAULT_WORKER_GRACE,
+    AuditRetention,
     PurgeTarget,
     RetentionDuty,
     check_batch,
@@ -90,6 +92,8 @@ class JobRetentionConfig:
       copy may still arrive (default 1 hour).
     - ``worker_grace_seconds``: liveness rows expired longer than this, holding no lease,
       are deleted (default 1 hour; 0 never).
+    - ``audit_retention_seconds``: the operator console's audit rows (``outbox_audit``, when
+      that table is in the job store's database) go after this (default 90 days; 0 never).
     - ``purge_interval`` / ``purge_batch``: the duty's interval (default 60 s; 0 turns the
       duty off in the worker, ``outbox-worker purge`` still works) and the rows per
       statement (default 1,000).
@@ -101,6 +105,7 @@ class JobRetentionConfig:
     stream_retention_seconds: float = DEFAULT_STREAM_RETENTION
     redelivery_margin_seconds: float = DEFAULT_REDELIVERY_MARGIN
     worker_grace_seconds: float = DEFAULT_WORKER_GRACE
+    audit_retention_seconds: float = DEFAULT_AUDIT_RETENTION
     purge_interval: float = DEFAULT_PURGE_INTERVAL
     purge_batch: int = DEFAULT_PURGE_BATCH
 
@@ -112,6 +117,7 @@ class JobRetentionConfig:
             "stream_retention_seconds",
             "redelivery_margin_seconds",
             "worker_grace_seconds",
+            "audit_retention_seconds",
             "purge_interval",
         ):
             object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
@@ -284,6 +290,8 @@ class JobRetention:
             found.append(_FinishedJobs(self))
         if self.config.worker_grace_seconds > 0:
             found.append(_GoneWorkers(self))
+        if self.config.audit_retention_seconds > 0:
+            found.append(AuditRetention(self.store.engine, self.config.audit_retention_seconds))
         return found
 
     # -- finished jobs ----------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""``python -m bench relay_latency``: commit -> stream latency of a real ``outbox-relay run``
+at a steady rate, on PostgreSQL (issue 25: <= 20 ms p99 at 1,000 events/s without NOTIFY).
+
+Writer threads commit ``--per-tx`` events per transaction at ``--rate`` events/s in all
+(paced on a schedule, not as fast as they can) and note each event's commit time; a reader
+XREADs the stream and notes each entry's arrival; the relay is a subprocess with the
+defaults (``--poll-interval`` to try others). The schema is ``create_schema()``'s default
+(no NOTIFY trigger) or, with ``--notify``, the trigger. Figures after ``--warmup`` seconds:
+p50 / p99 / max of arrival - commit (the same host's clock), and the rates reached.
+
+    python -m bench relay_latency [--rate 1000] [--per-tx 10] [--seconds 20] [--notify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import redis
+import sqlalchemy as sa
+
+from outbox import Outbox
+
+DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench relay_latency", description=__doc__)
+    parser.add_argument("--database-url", default=DEFAULT_URL)
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS)
+    parser.add_argument("--rate", type=float, default=1000.0, help="events/s in all [1000]")
+    parser.add_argument("--per-tx", type=int, default=10, help="events per transaction [10]")
+    parser.add_argument("--writers", type=int, default=4, help="writer threads [4]")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured run [20]")
+    parser.add_argument("--warmup", type=float, default=3.0, help="not counted [3]")
+    parser.add_argument("--notify", action="store_true", help="with the NOTIFY trigger")
+    parser.add_argument("--poll-interval", default=None, help="the relay's, if not default")
+    args = parser.parse_args(argv)
+
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    url = f"{args.database_url}?options=-csearch_path%3D{schema}"
+    box = Outbox(url)
+    box.create_schema(notify=True if args.notify else None)
+    stream = f"{schema}.quote"
+    client = redis.Redis.from_url(args.redis_url)
+    command = [
+        sys.executable,
+        "-m",
+        "relay",
+        "run",
+        "--database-url",
+        url,
+        "--redis-url",
+        args.redis_url,
+        "--stream",
+        f"{schema}.{{topic}}",
+        "--log-level",
+        "warning",
+    ]
+    if args.poll_interval is not None:
+        command += ["--poll-interval", str(args.poll_interval)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    relay = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    committed: dict[str, float] = {}
+    arrived: list[tuple[float, float]] = []  # (commit time, latency)
+    stop = threading.Event()
+    lock = threading.Lock()
+    start = time.time() + 1.0
+    end = start + args.warmup + args.seconds
+    tx_interval = args.per_tx * args.writers / args.rate  # per writer
+
+    def write(n: int) -> None:
+        due = start + n * tx_interval / args.writers
+        while not stop.is_set() and due < end:
+            pause = due - time.time()
+            if pause > 0:
+                time.sleep(pause)
+            with box.transaction() as tx:
+                ids = [
+                    tx.emit("quote", key=f"q-{n}-{i % 50}", payload={"n": i})
+                    for i in range(args.per_tx)
+                ]
+            now = time.time()
+            with lock:
+                for event_id in ids:
+                    committed[str(event_id)] = now
+            due += tx_interval
+
+    def read() -> None:
+        last = "0"
+        reader = redis.Redis.from_url(args.redis_url)
+        while not stop.is_set():
+            found = reader.xread({stream: last}, count=1000, block=200)
+            now = time.time()
+            for _name, entries in found or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    event_id = fields[b"id"].decode()
+                    with lock:
+                        at = committed.get(event_id)
+                    if at is not None:
+                        arrived.append((at, now - at))
+        reader.close()
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(args.writers)]
+    reader_thread = threading.Thread(target=read)
+    try:
+        reader_thread.start()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(1.0)  # the last events reach the stream
+    finally:
+        stop.set()
+        reader_thread.join()
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(30)
+        client.delete(stream)
+        client.close()
+        box.engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+    measured = sorted(lat for at, lat in arrived if at >= start + args.warmup)
+    written = sum(1 for at in committed.values() if at >= start + args.warmup)
+    if not measured:
+        print("no events measured")
+        return 1
+    ms = [x * 1000 for x in measured]
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    label = "NOTIFY trigger" if args.notify else "default schema (no trigger)"
+    print(
+        f"commit -> stream, {label}, poll interval "
+        f"{args.poll_interval or 'default'}: {written / args.seconds:.0f} events/s committed, "
+        f"{len(measured)} measured: p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, "
+        f"max {ms[-1]:.1f} ms"
+    )
+    return 0
