@@ -403,7 +403,10 @@ def test_a_job_retention_duty_is_built_from_the_config(store: Store) -> None:
     duty = job_retention_duty(store, JobRetentionConfig(purge_interval=0.0))
     assert duty.maybe_run() is None  # interval 0: never runs
     off = job_retention_duty(
-        store, JobRetentionConfig(job_retention_seconds=0.0, worker_grace_seconds=0.0)
+        store,
+        JobRetentionConfig(
+            job_retention_seconds=0.0, worker_grace_seconds=0.0, audit_retention_seconds=0.0
+        ),
     )
     assert off.targets == []
 
