@@ -153,3 +153,16 @@ class OperationInFlight(OperationUnresolved):
     def __init__(self, message: str, deadline: float) -> None:
         super().__init__(message)
         self.deadline = deadline
+
+
+class ProviderThrottled(OperationUnresolved):
+    """The provider is paused (it answered 429/503 with ``Retry-After``) or at its limit
+    (``rate_limit``, or as many calls in flight as it serves): nothing was sent, no intent
+    was written, and the job was handed back READY again at ``until`` (unix seconds, database
+    clock) without counting a failure. The handler must stop, as for any unresolved
+    operation; the worker's slot is free for other providers' jobs meanwhile."""
+
+    def __init__(self, message: str, provider: str, until: float) -> None:
+        super().__init__(message)
+        self.provider = provider
+        self.until = until

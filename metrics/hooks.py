@@ -194,6 +194,34 @@ class PrometheusHooks(Hooks):
             ["action"],
             registry=r,
         )
+        self.worker_slots_busy = Gauge(
+            "outbox_worker_slots_busy",
+            "Slots of this worker holding a job now (jobs in flight).",
+            registry=r,
+        )
+        self.worker_slots_total = Gauge(
+            "outbox_worker_slots", "Slots of this worker (--concurrency).", registry=r
+        )
+        self.provider_limit_waiting_jobs = Gauge(
+            "outbox_provider_limit_waiting",
+            "Jobs of this process waiting in their slot on a provider's limit (its rate_limit "
+            "or its adaptive calls in flight).",
+            ["provider"],
+            registry=r,
+        )
+        self.provider_pauses_total = Counter(
+            "outbox_provider_pauses",
+            "Times a provider answered 429/503 with Retry-After and was paused for the fleet.",
+            ["provider"],
+            registry=r,
+        )
+        self.provider_paused_until = Gauge(
+            "outbox_provider_paused_until_timestamp_seconds",
+            "Unix time (database clock) until which the provider is paused, as this process "
+            "last paused it.",
+            ["provider"],
+            registry=r,
+        )
         self.worker_last_success = Gauge(
             "outbox_worker_last_success_timestamp_seconds",
             "Unix time of the worker's last loop iteration without an infrastructure error.",
@@ -274,6 +302,17 @@ class PrometheusHooks(Hooks):
     def worker_cycle_ok(self, timestamp: float) -> None:
         self._register_once(self.worker_last_success)
         self.worker_last_success.set(float(timestamp))
+
+    def worker_slots(self, busy: int, total: int) -> None:
+        self.worker_slots_busy.set(max(0, int(busy)))
+        self.worker_slots_total.set(max(0, int(total)))
+
+    def provider_limit_waiting(self, provider: str, delta: int) -> None:
+        self.provider_limit_waiting_jobs.labels(_label(provider)).inc(int(delta))
+
+    def provider_paused(self, provider: str, seconds: float, until: float) -> None:
+        self.provider_pauses_total.labels(_label(provider)).inc()
+        self.provider_paused_until.labels(_label(provider)).set(float(until))
 
     def _register_once(self, metric: Gauge) -> None:
         # The last-success gauges appear only once a part reports a cycle: a consumer process

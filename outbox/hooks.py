@@ -72,6 +72,16 @@ class Hooks:
     def worker_cycle_ok(self, timestamp: float) -> None:
         """A worker loop iteration completed without an infrastructure error (unix time)."""
 
+    def worker_slots(self, busy: int, total: int) -> None:
+        """A worker's slots changed: ``busy`` of ``total`` hold a job now."""
+
+    def provider_limit_waiting(self, provider: str, delta: int) -> None:
+        """A job started (+1) or stopped (-1) waiting on a provider's limit (its rate, or
+        its calls in flight), holding its slot."""
+
+    def provider_paused(self, provider: str, seconds: float, until: float) -> None:
+        """A 429/503 with Retry-After paused ``provider`` for every worker until ``until``."""
+
 
 NO_HOOKS = Hooks()
 

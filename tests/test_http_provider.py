@@ -499,6 +499,11 @@ def test_retry_after_is_honoured_by_the_worker_then_it_sends_once(
         receipt = Operations(store).receipt(operation_id)
         assert receipt is not None and receipt.state == "NOT_SENT"
         assert sim.effects(operation_id) == []
+        # the 429 paused the provider for every worker, until its Retry-After
+        limits = Operations(store).limits
+        paused = limits.paused_until("mail")
+        assert paused is not None and abs(paused - job.run_after) < 1.0
+        limits.unpause("mail")  # the provider's time has come (the test cannot wait 40 s)
         # at the provider's time, the retry sends (once)
         assert worker.store is store
         assert store.claim_next("worker-b", ttl=30, now=job.run_after - 1) is None

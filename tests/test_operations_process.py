@@ -38,7 +38,13 @@ def _capabilities(name: str) -> tuple[bool, bool]:
 
 
 def _worker(
-    db_url: str, sim: SimulatorProcess, capability: str, *, timeout: float = 3.0, ttl: float = 1.0
+    db_url: str,
+    sim: SimulatorProcess,
+    capability: str,
+    *,
+    timeout: float = 3.0,
+    ttl: float = 1.0,
+    concurrency: int | None = None,
 ) -> subprocess.Popen[bytes]:
     lookup, idempotency = _capabilities(capability)
     env = {
@@ -51,6 +57,8 @@ def _worker(
         "SIM_TIMEOUT": str(timeout),
         "JOBS_TTL": str(ttl),
     }
+    if concurrency is not None:
+        env["OUTBOX_CONCURRENCY"] = str(concurrency)
     return subprocess.Popen(
         [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.jobs_support:build_http"],
         cwd=ROOT,
@@ -195,7 +203,8 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated(
     operation_id = f"{job_id}:send"
     provider = HttpProvider("mail", sim.send_url, lookup_url=sim.lookup_url, timeout=6.0)
     ops = Operations(store, {"mail": provider})
-    first = _worker(pg_url, sim, "lookup", timeout=6.0, ttl=1.0)
+    # One slot, busy with the late call: the test, not this worker, takes the job back.
+    first = _worker(pg_url, sim, "lookup", timeout=6.0, ttl=1.0, concurrency=1)
     try:
         sim.wait_for_effects(1)
         receipt = ops.receipt(operation_id)
@@ -286,6 +295,11 @@ def test_each_status_class_lands_in_its_receipt_state(
     assert job.state == job_state
     if "retry_after" in fault:  # honoured: not eligible before the provider's Retry-After
         assert job.run_after is not None and job.run_after >= job.updated_at + 119
+        # and the provider is paused for every worker until then (database clock): the test
+        # travels in time with ``now``, the pause lives on the real clock, so lift it
+        limits = worker.operations.limits  # type: ignore[union-attr]
+        assert (Operations(store).limits.paused_until("mail") or 0) >= job.updated_at + 119
+        limits.unpause("mail")
     if state == NOT_SENT:  # the provider did not act: the retry sends, once
         store.resume(job_id) if job.state != READY else None
         assert worker.run_once(now=(job.run_after or 0) + 1) == 1

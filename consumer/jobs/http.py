@@ -1,4 +1,5 @@
-"""``HttpProvider``: the Provider protocol over HTTP (httpx, synchronous).
+"""``HttpProvider``: the Provider protocol over HTTP (httpx: ``send``/``lookup`` on a
+synchronous ``httpx.Client``, ``asend``/``alookup`` on an ``httpx.AsyncClient``).
 
 A real provider (email, payments, CRM) is an HTTP API. ``HttpProvider`` POSTs the request as
 JSON to ``send_url`` and reads the provider's reference from a JSON field of the answer
@@ -40,10 +41,20 @@ sent), and the body is streamed with the same deadline. It is also declared to
 ``Operations`` (``provider.timeout``), which records the call's deadline in the intent so that
 no reconciler looks the operation up while the call may still be in flight. (A transport
 of your own that is not httpcore's keeps httpx's per-phase timeouts only.)
+
+``asend``/``alookup`` are the same calls for ``async def`` handlers (``await
+job.adispatch(...)``), on an ``httpx.AsyncClient`` the provider makes on first use in the
+worker's event loop, bounded by one ``asyncio.timeout``. A ``client`` passed in is the sync
+client only. ``rate_limit`` (calls per second for the whole fleet, None: none) is read by
+``Operations`` (``consumer.jobs.limits``), which spaces the calls of every worker; a 429/503
+with ``Retry-After`` pauses the provider for every worker. ``max_connections`` (256) bounds the
+connections kept alive per client: as many as a worker's slots may call at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import email.utils
 import json
 import math
@@ -117,6 +128,8 @@ class HttpProvider:
         client: httpx.Client | None = None,
         ref_field: str = "id",
         operation_id_header: str = "Operation-Id",
+        rate_limit: float | None = None,
+        max_connections: int = 256,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError("name", "must be a non-empty string")
@@ -152,6 +165,23 @@ class HttpProvider:
             raise ConfigError("client", "must be an httpx.Client (the provider is synchronous)")
         if not isinstance(ref_field, str) or not ref_field or "" in ref_field.split("."):
             raise ConfigError("ref_field", "must be a JSON field name or a dotted path")
+        if rate_limit is not None and (
+            isinstance(rate_limit, bool)
+            or not isinstance(rate_limit, int | float)
+            or not math.isfinite(rate_limit)
+            or rate_limit <= 0
+        ):
+            raise ConfigError(
+                "rate_limit", f"must be positive calls per second, not {rate_limit!r}"
+            )
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise ConfigError(
+                "max_connections", f"must be a positive integer, not {max_connections!r}"
+            )
 
         self.name = name
         self.send_url = send_url
@@ -163,16 +193,24 @@ class HttpProvider:
         self.ref_field = ref_field
         self.supports_lookup = lookup_url is not None
         self.supports_idempotency = idempotency_header is not None
+        self.rate_limit = None if rate_limit is None else float(rate_limit)
+        # A worker's slots may all call one provider at once: as many connections, kept alive
+        # (a new TCP connection per call costs more CPU than the call itself).
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
         self._owns_client = client is None
         self.client = (
             client
             if client is not None
             else httpx.Client(
                 timeout=httpx.Timeout(self.timeout),
-                limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+                limits=self._limits,
                 headers={"User-Agent": "outbox-toolkit HttpProvider"},
             )
         )
+        self._aclient: httpx.AsyncClient | None = None
+        self._aclient_loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return (
@@ -185,6 +223,42 @@ class HttpProvider:
         self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
     ) -> str:
         """POST the request; return the provider's reference (see the mapping above)."""
+        headers, body = self._send_request(request, operation_id, idempotency_key)
+        return self._send_result(*self._exchange("POST", self.send_url, headers, body))
+
+    async def asend(
+        self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
+    ) -> str:
+        """:meth:`send` on ``httpx.AsyncClient`` (``Operations.adispatch`` calls it)."""
+        headers, body = self._send_request(request, operation_id, idempotency_key)
+        return self._send_result(*await self._aexchange("POST", self.send_url, headers, body))
+
+    def lookup(self, operation_id: str) -> str | None:
+        """GET ``lookup_url``: the reference of the effect made for ``operation_id``, or None.
+
+        A lookup sends nothing, so every failure here is one to retry later (or a
+        misconfiguration: ``PermanentFailure`` / ``AuthFailure``); it never makes a receipt
+        UNKNOWN.
+        """
+        url = self._lookup_url(operation_id)
+        try:
+            answer = self._exchange("GET", url, self._headers(operation_id), None)
+        except ProviderTimeout as exc:  # nothing to be unsure about: a lookup acts on nothing
+            raise self._lookup_silent(exc) from None
+        return self._lookup_result(*answer)
+
+    async def alookup(self, operation_id: str) -> str | None:
+        """:meth:`lookup` on ``httpx.AsyncClient``."""
+        url = self._lookup_url(operation_id)
+        try:
+            answer = await self._aexchange("GET", url, self._headers(operation_id), None)
+        except ProviderTimeout as exc:
+            raise self._lookup_silent(exc) from None
+        return self._lookup_result(*answer)
+
+    def _send_request(
+        self, request: Mapping[str, Any], operation_id: str, idempotency_key: str | None
+    ) -> tuple[dict[str, str], bytes]:
         try:
             body = json.dumps(request, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
@@ -195,7 +269,9 @@ class HttpProvider:
         headers["Content-Type"] = "application/json"
         if self.idempotency_header is not None and idempotency_key is not None:
             headers[self.idempotency_header] = idempotency_key
-        status, payload, retry_after = self._exchange("POST", self.send_url, headers, body)
+        return headers, body
+
+    def _send_result(self, status: int, payload: Any, retry_after: float | None) -> str:
         if 200 <= status < 300:
             ref = self._ref(payload)
             if ref is None:
@@ -207,24 +283,17 @@ class HttpProvider:
             return ref
         raise self._error(status, payload, retry_after, "send")
 
-    def lookup(self, operation_id: str) -> str | None:
-        """GET ``lookup_url``: the reference of the effect made for ``operation_id``, or None.
-
-        A lookup sends nothing, so every failure here is one to retry later (or a
-        misconfiguration: ``PermanentFailure`` / ``AuthFailure``); it never makes a receipt
-        UNKNOWN.
-        """
+    def _lookup_url(self, operation_id: str) -> str:
         if self.lookup_url is None:
             raise OperationError(f"provider {self.name!r} has no lookup_url")
-        url = self.lookup_url.format(operation_id=quote(operation_id, safe=""))
-        try:
-            status, payload, retry_after = self._exchange(
-                "GET", url, self._headers(operation_id), None
-            )
-        except ProviderTimeout as exc:  # nothing to be unsure about: a lookup acts on nothing
-            raise ProviderUnavailable(
-                f"{self.name}: lookup did not answer ({exc})", provider=self.name
-            ) from None
+        return self.lookup_url.format(operation_id=quote(operation_id, safe=""))
+
+    def _lookup_silent(self, exc: ProviderTimeout) -> ProviderUnavailable:
+        return ProviderUnavailable(
+            f"{self.name}: lookup did not answer ({exc})", provider=self.name
+        )
+
+    def _lookup_result(self, status: int, payload: Any, retry_after: float | None) -> str | None:
         if status == 404:
             return None
         if status == 200:
@@ -246,6 +315,20 @@ class HttpProvider:
         """Close the client this provider created (a client passed in stays open)."""
         if self._owns_client:
             self.client.close()
+        aclient, self._aclient = self._aclient, None
+        if aclient is not None and self._aclient_loop is not None:
+            loop = self._aclient_loop
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing to release
+                if loop.is_running():
+                    asyncio.run_coroutine_threadsafe(aclient.aclose(), loop)
+                else:
+                    loop.run_until_complete(aclient.aclose())
+
+    async def aclose(self) -> None:
+        """Close the async client (the worker does it when its event loop stops)."""
+        aclient, self._aclient = self._aclient, None
+        if aclient is not None:
+            await aclient.aclose()
 
     def __enter__(self) -> HttpProvider:
         return self
@@ -346,6 +429,74 @@ class HttpProvider:
         except ValueError:
             payload = None
         return status, payload, retry_after
+
+    def _async_client(self) -> httpx.AsyncClient:
+        # One AsyncClient per event loop (a client's connections belong to the loop that
+        # opened them); a worker has one loop, so this is made once.
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aclient_loop is not loop:
+            self._aclient = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout),
+                limits=self._limits,
+                headers={"User-Agent": "outbox-toolkit HttpProvider"},
+            )
+            self._aclient_loop = loop
+        return self._aclient
+
+    async def _aexchange(
+        self, method: str, url: str, headers: dict[str, str], body: bytes | None
+    ) -> tuple[int, Any, float | None]:
+        """:meth:`_exchange` on the event loop. The whole call is bounded by one
+        ``asyncio.timeout(timeout)``; the trace hook only notes when the first byte is about to
+        be written, which sorts a timeout into "not sent" (NOT_SENT) or "may have landed"
+        (UNKNOWN) exactly as the sync form does."""
+        sent = False
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal sent
+            if event.endswith("send_request_headers.started"):
+                sent = True
+
+        client = self._async_client()
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await client.request(
+                    method, url, headers=headers, content=body, extensions={"trace": trace}
+                )
+        except TimeoutError:
+            if not sent:
+                raise ProviderUnavailable(
+                    f"{self.name}: {method} {url}: not sent (connecting took the whole "
+                    f"{self.timeout:g} s)",
+                    provider=self.name,
+                ) from None
+            raise ProviderTimeout(
+                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s",
+                provider=self.name,
+            ) from None
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ProviderUnavailable(
+                f"{self.name}: {method} {url}: not sent ({type(exc).__name__}: {exc})",
+                provider=self.name,
+            ) from None
+        except httpx.TimeoutException as exc:
+            raise ProviderTimeout(
+                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s "
+                f"({type(exc).__name__})",
+                provider=self.name,
+            ) from None
+        except httpx.TransportError as exc:
+            raise ProviderTimeout(
+                f"{self.name}: {method} {url}: connection lost after sending "
+                f"({type(exc).__name__}: {exc})",
+                provider=self.name,
+            ) from None
+        raw = response.content[:MAX_BODY_BYTES]
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        return response.status_code, payload, parse_retry_after(response.headers.get("Retry-After"))
 
     def _ref(self, payload: Any) -> str | None:
         value = payload

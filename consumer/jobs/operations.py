@@ -52,7 +52,9 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Generator, Mapping, Sequence
+from concurrent.futures import Executor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -66,12 +68,16 @@ from consumer.errors import (
     OperationInFlight,
     OperationUnresolved,
     PermanentFailure,
+    ProviderThrottled,
     ProviderTimeout,
 )
+from consumer.jobs.limits import FleetLimits, ProviderGate, Ticket
+from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
+from outbox.hooks import NO_HOOKS, Hooks
 from outbox.logs import fields
 from outbox.validate import check_name
 
@@ -176,12 +182,21 @@ class Operations:
         providers: Mapping[str, Provider] | None = None,
         *,
         default_timeout: float = 30.0,
+        slots: int = 64,
+        hooks: Hooks | None = None,
     ) -> None:
         if not isinstance(store, Store):
             raise JobError("store", f"must be a Store, got {type(store).__name__}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise JobError("slots", f"must be a positive integer, got {slots!r}")
         self.store = store
         self.providers: dict[str, Provider] = dict(providers or {})
         self.default_timeout = _positive("default_timeout", default_timeout)
+        self.slots = slots
+        self.hooks = hooks if hooks is not None else NO_HOOKS
+        self.limits = FleetLimits(store)
+        self._gates: dict[str, ProviderGate] = {}
+        self._gates_lock = threading.Lock()
 
     def register(self, provider: Provider) -> None:
         self.providers[provider.name] = provider
@@ -192,6 +207,21 @@ class Operations:
         if declared is None:
             return self.default_timeout
         return _positive(f"{connector.name}.timeout", declared)
+
+    def gate(self, connector: Provider) -> ProviderGate:
+        """The limits between this process and ``connector`` (``consumer.jobs.limits``): the
+        fleet's pause and ``rate_limit``, this process's adaptive calls in flight."""
+        with self._gates_lock:
+            gate = self._gates.get(connector.name)
+            if gate is None:
+                rate = getattr(connector, "rate_limit", None)
+                if rate is not None:
+                    rate = _positive(f"{connector.name}.rate_limit", rate)
+                gate = ProviderGate(
+                    connector.name, self.limits, rate_limit=rate, slots=self.slots, hooks=self.hooks
+                )
+                self._gates[connector.name] = gate
+            return gate
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -217,8 +247,30 @@ class Operations:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
-        """Persist the intent, reconcile an earlier attempt if any, call the provider once,
-        record the receipt. ``job`` is a Lease or a ``consumer.jobs.worker.JobContext``."""
+        """Pass the provider's limits, persist the intent, reconcile an earlier attempt if
+        any, call the provider once, record the receipt. ``job`` is a Lease or a
+        ``consumer.jobs.worker.JobContext``. Blocks this thread (a ``def`` handler)."""
+        receipt: Receipt = run_plan(self._plan(job, name, provider, request))
+        return receipt
+
+    async def adispatch(
+        self,
+        job: Any,
+        name: str,
+        provider: str,
+        request: Mapping[str, Any],
+        *,
+        executor: Executor | None = None,
+    ) -> Receipt:
+        """:meth:`dispatch` for an ``async def`` handler: the same steps and guarantees, with
+        the provider called through its async form (``asend``/``alookup``, e.g.
+        ``HttpProvider`` on ``httpx.AsyncClient``; a provider without them runs in a thread)
+        and the database statements in ``executor`` (the worker's; the loop's default
+        otherwise), so the event loop keeps many calls in flight."""
+        receipt: Receipt = await arun_plan(self._plan(job, name, provider, request), executor)
+        return receipt
+
+    def _plan(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Plan:
         lease: Lease = getattr(job, "lease", job)
         if not isinstance(lease, Lease):
             raise JobError("job", "must be a Lease or a JobContext")
@@ -230,25 +282,43 @@ class Operations:
         digest = request_digest(request)
         operation_id = f"{lease.job_id}:{name}"
         timeout = self.timeout_of(connector)
-        with tracing.dispatching(lease, operation_id, connector.name, name):
-            for _ in range(_MAX_RESTARTS):
-                receipt = self._dispatch_once(
-                    job, lease, connector, operation_id, digest, request, timeout
-                )
-                if receipt is not None:
-                    return receipt
-            raise Conflict(f"operation {operation_id} kept changing under this dispatch")
+        gate = self.gate(connector)
+        progress = getattr(job, "progress", None)
+        try:
+            ticket = yield Step(
+                lambda: gate.enter(progress), lambda run: gate.aenter(run, progress)
+            )
+        except ProviderThrottled as exc:
+            # Nothing written, nothing sent: hand the job back until the provider may be
+            # called again, without counting a failure.
+            if hasattr(job, "defer"):
+                job.defer(exc.until, str(exc))
+            else:
+                self.store.defer(lease, until=exc.until, reason=str(exc))
+            raise
+        try:
+            with tracing.dispatching(lease, operation_id, connector.name, name):
+                for _ in range(_MAX_RESTARTS):
+                    receipt = yield from self._attempt(
+                        job, lease, connector, ticket, operation_id, digest, request, timeout
+                    )
+                    if receipt is not None:
+                        return receipt
+                raise Conflict(f"operation {operation_id} kept changing under this dispatch")
+        finally:
+            gate.leave(ticket, timed_out=ticket.timed_out, retry_after=ticket.retry_after)
 
-    def _dispatch_once(
+    def _attempt(
         self,
         job: Any,
         lease: Lease,
         connector: Provider,
+        ticket: Ticket,
         operation_id: str,
         digest: str,
         request: Mapping[str, Any],
         timeout: float,
-    ) -> Receipt | None:
+    ) -> Generator[Step, Any, Receipt | None]:
         step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
         if step == ACCEPTED:
             return _receipt(row)
@@ -268,7 +338,8 @@ class Operations:
         if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
                 with tracing.reconciling(connector.name, operation_id, lease.job_id):
-                    found = connector.lookup(operation_id)  # lookups are not counted in attempts
+                    # lookups are not counted in attempts
+                    found = yield provider_step(connector, "lookup", operation_id)
                 if found is not None:
                     if not self._update(
                         operation_id,
@@ -300,8 +371,11 @@ class Operations:
         scope = calling(timeout) if calling is not None else nullcontext()
         try:
             with scope:
-                ref = connector.send(request, operation_id=operation_id, idempotency_key=key)
+                ref = yield provider_step(
+                    connector, "send", request, operation_id=operation_id, idempotency_key=key
+                )
         except ProviderTimeout as exc:
+            ticket.timed_out = True
             self._update(operation_id, UNKNOWN, None, f"{type(exc).__name__}: {exc}")
             raise
         except PermanentFailure as exc:
@@ -311,6 +385,8 @@ class Operations:
             if isinstance(exc, AuthFailure) or getattr(exc, "not_sent", False):
                 # 401/403/429/503, a connection refused: the provider did not act.
                 self._update(operation_id, NOT_SENT, None, _failure_text(exc))
+                if getattr(exc, "status", None) in (429, 503):
+                    ticket.retry_after = getattr(exc, "retry_after", None)
             else:
                 self._update(operation_id, UNKNOWN, None, _failure_text(exc))
             raise
@@ -349,15 +425,24 @@ class Operations:
                 continue
             job_id = int(row.job_id)
             if connector.supports_lookup:
+                # At the provider's pace: a sweep's lookups pass its limits like any call.
+                gate = self.gate(connector)
+                try:
+                    ticket = gate.enter()
+                except ProviderThrottled:
+                    counts["skipped"] += 1
+                    continue
                 try:
                     found = connector.lookup(row.operation_id)
                 except Exception as exc:
+                    gate.leave(ticket, timed_out=isinstance(exc, ProviderTimeout))
                     log.warning(
                         "receipt lookup failed",
                         extra=fields(operation_id=row.operation_id, error=repr(exc)[:500]),
                     )
                     counts["skipped"] += 1
                     continue
+                gate.leave(ticket)
                 state = ACCEPTED if found is not None else NOT_SENT
                 note = "lookup found the effect" if found else "lookup: no effect by the deadline"
                 if self._update(

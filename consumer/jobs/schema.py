@@ -81,6 +81,7 @@ from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 
 __all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
+__all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -237,6 +238,21 @@ workers = Table(
     Column("alive_until", Double, nullable=False),
 )
 
+PROVIDER_LIMITS_TABLE = "outbox_provider_limits"
+
+# Provider limits that bind the whole fleet (consumer/jobs/limits.py): one row per provider,
+# written by whichever worker calls it. ``next_call_at``: the earliest time the next call may
+# start (a ``rate_limit`` spaces calls by reserving slots here); ``paused_until``: a 429/503
+# with Retry-After pauses the provider for every worker until then; ``pauses`` counts them
+# (unix seconds, database clock).
+provider_limits = Table(
+    PROVIDER_LIMITS_TABLE,
+    metadata,
+    Column("provider", String(NAME_LENGTH), primary_key=True),
+    Column("next_call_at", Double, nullable=False, server_default=text("0")),
+    Column("paused_until", Double, nullable=False, server_default=text("0")),
+    Column("pauses", Integer, nullable=False, server_default=text("0")),
+)
 
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
 """The job tables written all day (every claim and finish updates a job, every outcome adds

@@ -11,9 +11,19 @@ def send_quote(job):                     # action starts with "send-quote-", ":"
     job.progress()                       # long handlers report progress: the lease is
     ...                                  # renewed only while they do
 
+@worker.handler("send-invoice")          # an ``async def`` handler runs on the worker's
+async def send_invoice(job):             # event loop, many jobs in flight per process
+    await job.adispatch("email", "mail", {"to": job.subject})
+
 worker.run_once()                        # one cycle; returns how many jobs it handled
 worker.run()                             # until SIGTERM: finishes the jobs in hand, exits
 ```
+
+Slots: ``run`` gives the worker ``concurrency`` slots (``DEFAULT_CONCURRENCY``, 256): it
+claims at most its free slots in one statement and starts every claimed job at once; ``def``
+handlers on a thread pool, ``async def`` handlers on the worker's event loop
+(``consumer.jobs.slots``). ``run_once`` is the steppable form: it claims up to
+``batch_size`` jobs and runs them one after another in the calling thread.
 
 Outcomes: a handler that returns finishes the job (DONE; successes of one cycle are
 finished together in one fenced batch). It may instead move the job itself through its
@@ -66,21 +76,23 @@ the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outco
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from consumer.errors import Conflict, JobFailure, OperationUnresolved
+from consumer.errors import Conflict, JobFailure, OperationUnresolved, ProviderThrottled
+from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.retention import JobRetentionConfig
-from consumer.jobs.store import Lease, RecoveryResult, Store, Time, Timer, _time
+from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
@@ -90,12 +102,21 @@ from outbox.logs import fields
 from outbox.maintenance import DEFAULT_VACUUM_INTERVAL
 
 if TYPE_CHECKING:
-    from consumer.jobs.operations import Operations, Provider, Receipt
+    from consumer.jobs.operations import Operations, Provider
+
+__all__ = ["DEFAULT_CONCURRENCY", "Handler", "JobContext", "Worker", "WorkerConfig"]
 
 log = logging.getLogger("outbox.worker")
 
 Handler = Callable[["JobContext"], Any]
 _SEPARATORS = "-:/.#_"
+
+#: Slots per worker process (``--concurrency``). Effects are I/O: a slot mostly waits on a
+#: provider. 256 holds, against a 300 ms provider, ~800 calls/s in flight per process: the
+#: measured effects/s of an async handler and of a plain one on this 2-core machine are bound
+#: by CPU, not by slots (docs/how-to/effects.md has the figures). A slot costs nothing while
+#: free: threads and connections are made as needed.
+DEFAULT_CONCURRENCY = 256
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,7 @@ class WorkerConfig:
     """Frozen worker settings (validated; errors name the field)."""
 
     name: str = field(default_factory=lambda: incarnation_name("worker"))
-    concurrency: int = 1
+    concurrency: int = DEFAULT_CONCURRENCY
     batch_size: int = 10
     ttl: float = 30.0
     poll_interval: float = 0.5
@@ -148,152 +169,6 @@ class WorkerConfig:
                 f"must be less than liveness_ttl ({self.liveness_ttl!r}), "
                 f"got {self.liveness_interval!r}",
             )
-
-
-class JobContext:
-    """What a handler gets: the lease's facts and the moves it may make on its job."""
-
-    def __init__(self, store: Store, lease: Lease, operations: Operations | None = None) -> None:
-        self.store = store
-        self.lease = lease
-        self.operations = operations
-        self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
-        self.outcome: str | None = None  # set when the handler moved the job itself
-        self.lost = False  # set by the heartbeat when the lease was lost (fenced)
-        self._progress = 1
-        self._renewed = 0
-        self._lock = threading.Lock()
-
-    # -- facts ----------------------------------------------------------------------------
-    @property
-    def job_id(self) -> int:
-        return self.lease.job_id
-
-    @property
-    def tenant(self) -> str:
-        return self.lease.tenant
-
-    @property
-    def action(self) -> str:
-        return self.lease.action
-
-    @property
-    def subject(self) -> str | None:
-        return self.lease.subject
-
-    @property
-    def subject_version(self) -> str | None:
-        return self.lease.subject_version
-
-    @property
-    def payload(self) -> Any:
-        return self.lease.payload
-
-    @property
-    def timer(self) -> Timer | None:
-        return self.lease.timer
-
-    @property
-    def attempt(self) -> int:
-        return self.lease.attempts
-
-    # -- heartbeat ------------------------------------------------------------------------
-    def progress(self) -> None:
-        """Say the handler is still making progress: the next heartbeat renews the lease."""
-        with self._lock:
-            self._progress += 1
-
-    @contextmanager
-    def provider_call(self, timeout: float) -> Iterator[None]:
-        """Around one provider call (``Operations.dispatch``): its intent extended the lease
-        to the call's deadline, so renewals pause; the call's end counts as progress."""
-        with self._lock:
-            self._call_depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._call_depth -= 1
-                self._progress += 1
-
-    def _due_for_renewal(self) -> bool:
-        with self._lock:
-            if self._call_depth:
-                return False
-            if self._progress > self._renewed and self.outcome is None and not self.lost:
-                self._renewed = self._progress
-                return True
-            return False
-
-    # -- moves ----------------------------------------------------------------------------
-    def wait_external(self, reason: str | None = None, *, until: Time | None = None) -> None:
-        """Release the worker until a reply (``Store.resume``) or the timer ``until``."""
-        self.store.wait_external(self.lease, reason=reason, until=until)
-        self.outcome = "waiting_external"
-
-    def wait_review(self, reason: str | None = None) -> None:
-        self.store.wait_review(self.lease, reason=reason)
-        self.outcome = "waiting_review"
-
-    def defer(self, until: Time, reason: str | None = None) -> None:
-        """Hand the job back, READY again at ``until``, without counting a failure."""
-        self.store.defer(self.lease, until=until, reason=reason)
-        self.outcome = "deferred"
-
-    def dispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
-        """``Operations.dispatch`` for this job, through the worker's providers."""
-        if self.operations is None:
-            raise ConfigError("providers", "this worker has no providers: Worker(providers=...)")
-        return self.operations.dispatch(self, name, provider, request)
-
-    def schedule(
-        self,
-        scheduled_for: Time,
-        reason: str,
-        subject_version: str | int | None = None,
-        cancellation_condition: Any = None,
-    ) -> None:
-        """Re-plan: READY again at ``scheduled_for`` with this business timer."""
-        self.store.schedule(
-            self.lease, scheduled_for, reason, subject_version, cancellation_condition
-        )
-        self.outcome = "scheduled"
-
-    def cancel(self, reason: str | None = None) -> None:
-        self.store.cancel(self.lease, reason=reason)
-        self.outcome = "cancelled"
-
-    def recheck(
-        self,
-        current_version: str | int | None,
-        *,
-        cancelled: bool = False,
-        replan_at: Time | None = None,
-    ) -> bool:
-        """Compare the subject's current facts with the timer's; True means act now.
-
-        ``cancelled``: the handler evaluated the timer's ``cancellation_condition`` against
-        the subject and it holds -> the job is cancelled. A ``current_version`` different
-        from the timer's ``subject_version`` -> re-planned at ``replan_at`` (same reason and
-        condition, the new version), or cancelled when no ``replan_at`` is given.
-        """
-        timer = self.timer
-        if cancelled:
-            reason = timer.reason if timer else "timer"
-            self.cancel(f"{reason}: cancellation condition holds")
-            return False
-        if timer is None or timer.subject_version is None:
-            return True
-        current = None if current_version is None else str(current_version)
-        if current == timer.subject_version:
-            return True
-        if replan_at is None:
-            self.cancel(f"{timer.reason}: subject changed ({timer.subject_version} -> {current})")
-            return False
-        if _time("replan_at", replan_at) is None:  # pragma: no cover - checked above
-            return False
-        self.schedule(replan_at, timer.reason, current, timer.cancellation_condition)
-        return False
 
 
 class Worker(WorkerDuties):
@@ -344,8 +219,7 @@ class Worker(WorkerDuties):
         self._last_reconcile = time.monotonic()  # the first sweep after one interval
         # Wake-ups of idle loops: the LISTEN thread (PostgreSQL) counts notifications, an idle
         # loop sleeps only if none came since its last empty claim (no lost wake-up).
-        self._wake = threading.Condition()
-        self._wakes = 0
+        self._kick: Callable[[], None] | None = None  # while ``run`` runs: wake its slots
         self._listening = False  # a LISTEN connection is up: idle loops rely on NOTIFY
 
     # -- registry -------------------------------------------------------------------------
@@ -393,7 +267,11 @@ class Worker(WorkerDuties):
             from consumer.jobs.operations import Operations
 
             self._operations = Operations(
-                store, self.providers, default_timeout=self.default_timeout
+                store,
+                self.providers,
+                default_timeout=self.default_timeout,
+                slots=self.config.concurrency,
+                hooks=self.hooks,
             )
         return self._operations
 
@@ -410,9 +288,7 @@ class Worker(WorkerDuties):
         self._maybe_recover(store, now)
         self._maybe_reconcile()
         self.step_duties()  # vacuum, retention (consumer.jobs.duties): background, when due
-        leases = store.claim_batch(
-            self.config.name, self.config.batch_size, self.config.ttl, now=now
-        )
+        leases = self._claim(self.config.batch_size, now=now)
         if not leases:
             return 0
         operations = self.operations
@@ -428,9 +304,7 @@ class Worker(WorkerDuties):
                 if self.stop_flag.stopped:
                     self._release(contexts[index:])
                     break
-                with tracing.running(ctx.lease, self.route):  # the job's trace goes on
-                    outcome, label, started = self._run_one(ctx)
-                    tracing.note("outbox.job.outcome", outcome)
+                outcome, label, started = self._run_traced(ctx)
                 handled += 1
                 if outcome == "done":
                     done.append((ctx, label, started))
@@ -461,10 +335,51 @@ class Worker(WorkerDuties):
         self._hook("worker_cycle_ok", time.time())
         return handled
 
-    def _run_one(self, ctx: JobContext) -> tuple[str, str, float]:
+    def _claim(self, free: int, *, now: Time | None = None) -> list[Lease]:
+        """The one claim of this worker: at most ``free`` jobs (its free slots), one statement."""
+        return self._store().claim_batch(self.config.name, free, self.config.ttl, now=now)
+
+    def _maintain(self) -> bool:
+        """What ``run`` does beside claiming (``consumer.jobs.slots``): recovery and the
+        receipt sweep when due, the vacuum in the background. True if jobs became READY."""
         store = self._store()
+        moved = self._maybe_recover(store, None)
+        self._maybe_reconcile()
+        self.step_duties()  # vacuum, retention: background threads, when due
+        return moved
+
+    def _run_traced(self, ctx: JobContext) -> tuple[str, str, float]:
+        with tracing.running(ctx.lease, self.route):  # the job's trace goes on
+            result = self._run_one(ctx)
+            tracing.note("outbox.job.outcome", result[0])
+        return result
+
+    def _run_one(self, ctx: JobContext) -> tuple[str, str, float]:
+        """Run one job's handler in this thread and record its outcome (a ``def`` handler;
+        an ``async def`` one called here runs to its end on an event loop of its own)."""
         started = time.monotonic()
         routed = self.route(ctx.lease)
+        error: BaseException | None = None
+        if routed is not None:
+            try:
+                result = routed[1](ctx)
+                if inspect.isawaitable(result):
+                    asyncio.run(_awaited(result))
+            except Exception as exc:
+                error = exc
+        return self._settle(ctx, routed, started, error)
+
+    def _settle(
+        self,
+        ctx: JobContext,
+        routed: tuple[str, Handler] | None,
+        started: float,
+        error: BaseException | None,
+    ) -> tuple[str, str, float]:
+        """Record a handler's outcome (``error``: what it raised, None if it returned); the
+        same for ``def`` and ``async def`` handlers. A success is left to the caller, which
+        finishes jobs in batches."""
+        store = self._store()
         label = routed[0] if routed else "unrouted"
         try:
             if routed is None:
@@ -476,9 +391,12 @@ class Worker(WorkerDuties):
                 outcome = "no_handler"
             else:
                 try:
-                    routed[1](ctx)
+                    if error is not None:
+                        raise error
                 except Conflict:
                     raise
+                except ProviderThrottled:
+                    outcome = "throttled"  # dispatch handed the job back until the provider
                 except OperationUnresolved:
                     outcome = ctx.outcome or "waiting_review"  # dispatch moved the job
                 except JobFailure as failure:
@@ -527,7 +445,7 @@ class Worker(WorkerDuties):
             except Conflict:
                 continue
 
-    def _maybe_recover(self, store: Store, now: Time | None) -> None:
+    def _maybe_recover(self, store: Store, now: Time | None) -> bool:
         # Due every recover_interval, and as soon as the earliest timer of a waiting job
         # (read after each recovery) comes due, so a timer fires on time, not up to an
         # interval late. A timer the clocks disagree on is dropped: the interval remains.
@@ -539,11 +457,14 @@ class Worker(WorkerDuties):
             if due:
                 self._last_recover = time.monotonic()
                 self._next_timer = None
-        if due:
-            result = store.recover(now=now)
-            if result.requeued or result.needs_attention or result.woken:
-                log.info("recovered jobs", extra=fields(**result.__dict__))
-            self._learn_timer(store)
+        if not due:
+            return False
+        result = store.recover(now=now)
+        moved = bool(result.requeued or result.needs_attention or result.woken)
+        if moved:
+            log.info("recovered jobs", extra=fields(**result.__dict__))
+        self._learn_timer(store)
+        return moved
 
     def _learn_timer(self, store: Store) -> None:
         upcoming = store.next_timer()
@@ -640,8 +561,10 @@ class Worker(WorkerDuties):
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, *, install_signals: bool = True) -> None:
-        """Run ``concurrency`` loops until SIGTERM/SIGINT or ``stop()``; each drains the job
-        in hand (jobs claimed but not started are released) and the call returns."""
+        """Run the worker's slots (``consumer.jobs.slots``) until SIGTERM/SIGINT or
+        ``stop()``: no new claims, every job in hand runs to its end, the call returns."""
+        from consumer.jobs.slots import SlotRunner  # it imports this module
+
         self._store()
         if install_signals:
             self.stop_flag.install()
@@ -658,23 +581,23 @@ class Worker(WorkerDuties):
             target=self._liveness, name=f"{self.config.name}-liveness", daemon=True
         )
         liveness.start()
-        threads = [
-            threading.Thread(target=self._loop, name=f"{self.config.name}-{i}", daemon=True)
-            for i in range(self.config.concurrency)
-        ]
+        runner = SlotRunner(self)
+        self._kick = runner.kick
+        listener = None
         if self.config.listen:
-            threads.append(
-                threading.Thread(
-                    target=self._listen, name=f"{self.config.name}-listen", daemon=True
-                )
+            listener = threading.Thread(
+                target=self._listen, name=f"{self.config.name}-listen", daemon=True
             )
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)
-        self._liveness_stop.set()  # the jobs in hand are drained: this worker stops beating
-        liveness.join()
+            listener.start()
+        try:
+            runner.run()
+        finally:
+            self._kick = None
+            self.stop_flag.stop()
+            if listener is not None:
+                listener.join(5)
+            self._liveness_stop.set()  # the jobs in hand are drained: this worker stops beating
+            liveness.join()
         try:
             self._store().worker_gone(self.config.name)
         except SQLAlchemyError as exc:  # its row expires by itself
@@ -683,25 +606,14 @@ class Worker(WorkerDuties):
 
     def stop(self) -> None:
         self.stop_flag.stop()
-        self._notified(every_loop=True)
+        self._notified()
 
-    def _notified(self, *, every_loop: bool = False) -> None:
-        """Work may be waiting: wake ONE idle loop (it wakes the next when it claims a full
-        batch), or all of them to stop. Waking every loop for each NOTIFY made all but one
-        claim nothing: at a job at a time, most of a worker's CPU went to empty claims. A
-        loop busy meanwhile sees the count move and claims before it sleeps again."""
-        with self._wake:
-            self._wakes += 1
-            if every_loop:
-                self._wake.notify_all()
-            else:
-                self._wake.notify()
-
-    def _idle(self, seen: int, seconds: float) -> None:
-        """Sleep up to ``seconds`` unless a wake-up came since ``seen`` was read."""
-        with self._wake:
-            if self._wakes == seen and not self.stop_flag.stopped:
-                self._wake.wait(seconds)
+    def _notified(self) -> None:
+        """Work may be waiting (a NOTIFY, a recovery) or the worker stops: the slots' claim
+        loop looks now instead of at its next poll."""
+        kick = self._kick
+        if kick is not None:
+            kick()
 
     def _listen(self) -> None:
         """Wake idle loops on NOTIFY (PostgreSQL); returns at once where there is none."""
@@ -735,42 +647,6 @@ class Worker(WorkerDuties):
             with contextlib.suppress(Exception):
                 listener.close()
 
-    def _loop(self) -> None:
-        backoff = Backoff(0.2, 10.0)
-        idle = Backoff(0.01, self.config.poll_interval)
-        failures = 0
-        empty = 0
-        while not self.stop_flag.stopped:
-            with self._wake:
-                seen = self._wakes
-            try:
-                handled = self.run_once()
-            except SQLAlchemyError as exc:
-                delay = backoff.delay(failures)
-                failures += 1
-                log.warning(
-                    "worker cycle failed, retrying",
-                    extra=fields(
-                        error=f"{type(exc).__name__}: {exc}"[:500],
-                        attempt=failures,
-                        retry_in_seconds=round(delay, 3),
-                    ),
-                )
-                self.stop_flag.wait(delay)
-                continue
-            failures = 0
-            if handled:
-                empty = 0
-                if handled >= self.config.batch_size:
-                    self._notified()  # a full batch: there may be more, wake another loop
-            else:
-                empty += 1
-                limit = self._sleep_limit()
-                # While LISTEN works a NOTIFY wakes this loop: no quick re-polls after an
-                # empty claim. Without it, poll soon after work and back off when idle.
-                pause = self.config.poll_interval if self._listening else idle.cap(empty)
-                self._idle(seen, pause if limit is None else min(pause, limit))
-
     def _hook(self, name: str, *args: Any) -> None:
         call_hook(self.hooks, name, *args)
 
@@ -781,6 +657,10 @@ def _retry_after(failure: JobFailure) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     return None
+
+
+async def _awaited(result: Awaitable[Any]) -> Any:
+    return await result
 
 
 def _since(started: float) -> float:

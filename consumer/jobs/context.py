@@ -1,0 +1,190 @@
+"""What a handler gets: :class:`JobContext`, the lease's facts and the moves it may make.
+
+A handler runs with one ``JobContext`` per job (``consumer.jobs.worker`` documents the
+outcomes). ``job.dispatch(...)`` (a ``def`` handler) and ``await job.adispatch(...)`` (an
+``async def`` handler) go through the worker's providers (``consumer.jobs.operations``);
+``job.progress()`` keeps the lease renewed; ``wait_external``, ``wait_review``, ``defer``,
+``schedule``, ``cancel`` and ``recheck`` move the job (these are short database statements:
+an ``async def`` handler may call them, they block the loop for one round trip).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from consumer.jobs.store import Lease, Store, Time, Timer, _time
+from outbox.errors import ConfigError
+
+if TYPE_CHECKING:
+    from consumer.jobs.operations import Operations, Receipt
+
+__all__ = ["JobContext"]
+
+
+class JobContext:
+    """What a handler gets: the lease's facts and the moves it may make on its job."""
+
+    def __init__(
+        self,
+        store: Store,
+        lease: Lease,
+        operations: Operations | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.operations = operations
+        self.executor = executor  # where adispatch runs its database statements
+        self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
+        self.outcome: str | None = None  # set when the handler moved the job itself
+        self.lost = False  # set by the heartbeat when the lease was lost (fenced)
+        self._progress = 1
+        self._renewed = 0
+        self._lock = threading.Lock()
+
+    # -- facts ----------------------------------------------------------------------------
+    @property
+    def job_id(self) -> int:
+        return self.lease.job_id
+
+    @property
+    def tenant(self) -> str:
+        return self.lease.tenant
+
+    @property
+    def action(self) -> str:
+        return self.lease.action
+
+    @property
+    def subject(self) -> str | None:
+        return self.lease.subject
+
+    @property
+    def subject_version(self) -> str | None:
+        return self.lease.subject_version
+
+    @property
+    def payload(self) -> Any:
+        return self.lease.payload
+
+    @property
+    def timer(self) -> Timer | None:
+        return self.lease.timer
+
+    @property
+    def attempt(self) -> int:
+        return self.lease.attempts
+
+    # -- heartbeat ------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Say the handler is still making progress: the next heartbeat renews the lease."""
+        with self._lock:
+            self._progress += 1
+
+    @contextmanager
+    def provider_call(self, timeout: float) -> Iterator[None]:
+        """Around one provider call (``Operations.dispatch``): its intent extended the lease
+        to the call's deadline, so renewals pause; the call's end counts as progress."""
+        with self._lock:
+            self._call_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._call_depth -= 1
+                self._progress += 1
+
+    def _due_for_renewal(self) -> bool:
+        with self._lock:
+            if self._call_depth:
+                return False
+            if self._progress > self._renewed and self.outcome is None and not self.lost:
+                self._renewed = self._progress
+                return True
+            return False
+
+    # -- moves ----------------------------------------------------------------------------
+    def wait_external(self, reason: str | None = None, *, until: Time | None = None) -> None:
+        """Release the worker until a reply (``Store.resume``) or the timer ``until``."""
+        self.store.wait_external(self.lease, reason=reason, until=until)
+        self.outcome = "waiting_external"
+
+    def wait_review(self, reason: str | None = None) -> None:
+        self.store.wait_review(self.lease, reason=reason)
+        self.outcome = "waiting_review"
+
+    def defer(self, until: Time, reason: str | None = None) -> None:
+        """Hand the job back, READY again at ``until``, without counting a failure."""
+        self.store.defer(self.lease, until=until, reason=reason)
+        self.outcome = "deferred"
+
+    def dispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
+        """``Operations.dispatch`` for this job, through the worker's providers (a ``def``
+        handler: it blocks its thread until the receipt is recorded)."""
+        return self._operations().dispatch(self, name, provider, request)
+
+    async def adispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
+        """``await job.adispatch(...)`` in an ``async def`` handler: ``Operations.adispatch``
+        (the same intent, limits and receipt; the provider's async form on the worker's event
+        loop, the database statements in the worker's executor)."""
+        return await self._operations().adispatch(
+            self, name, provider, request, executor=self.executor
+        )
+
+    def _operations(self) -> Operations:
+        if self.operations is None:
+            raise ConfigError("providers", "this worker has no providers: Worker(providers=...)")
+        return self.operations
+
+    def schedule(
+        self,
+        scheduled_for: Time,
+        reason: str,
+        subject_version: str | int | None = None,
+        cancellation_condition: Any = None,
+    ) -> None:
+        """Re-plan: READY again at ``scheduled_for`` with this business timer."""
+        self.store.schedule(
+            self.lease, scheduled_for, reason, subject_version, cancellation_condition
+        )
+        self.outcome = "scheduled"
+
+    def cancel(self, reason: str | None = None) -> None:
+        self.store.cancel(self.lease, reason=reason)
+        self.outcome = "cancelled"
+
+    def recheck(
+        self,
+        current_version: str | int | None,
+        *,
+        cancelled: bool = False,
+        replan_at: Time | None = None,
+    ) -> bool:
+        """Compare the subject's current facts with the timer's; True means act now.
+
+        ``cancelled``: the handler evaluated the timer's ``cancellation_condition`` against
+        the subject and it holds -> the job is cancelled. A ``current_version`` different
+        from the timer's ``subject_version`` -> re-planned at ``replan_at`` (same reason and
+        condition, the new version), or cancelled when no ``replan_at`` is given.
+        """
+        timer = self.timer
+        if cancelled:
+            reason = timer.reason if timer else "timer"
+            self.cancel(f"{reason}: cancellation condition holds")
+            return False
+        if timer is None or timer.subject_version is None:
+            return True
+        current = None if current_version is None else str(current_version)
+        if current == timer.subject_version:
+            return True
+        if replan_at is None:
+            self.cancel(f"{timer.reason}: subject changed ({timer.subject_version} -> {current})")
+            return False
+        if _time("replan_at", replan_at) is None:  # pragma: no cover - checked above
+            return False
+        self.schedule(replan_at, timer.reason, current, timer.cancellation_condition)
+        return False

@@ -1,0 +1,454 @@
+"""Provider limits: what a provider can take, held for the whole fleet and learnt per process.
+
+Three limits stand between a job and its provider (``Operations.dispatch`` passes them all
+before it writes the intent, so a job that must wait has sent nothing and holds no call
+deadline):
+
+- **A pause, for every worker.** A ``429`` or ``503`` with ``Retry-After`` pauses the
+  provider until then: the worker that got the answer writes ``paused_until`` into
+  ``outbox_provider_limits`` (database clock), and every worker reads it before each call
+  (a process that has seen the pause skips the read until it ends). Only calls already in
+  flight reach the provider during a pause.
+- **A rate, for every worker.** A provider that declares ``rate_limit`` (calls per second
+  for the whole fleet) gets its calls spaced, not burst: each call reserves the next start
+  time in the provider's row in one fenced UPDATE (``next_call_at = max(next_call_at, now)
+  + spacing``) and sleeps until it. The spacing is ``1.1 / rate_limit``: the 10 % is a
+  margin for the delays between a worker and the provider (thread scheduling on a busy
+  machine, the network), so that no one-second window at the provider holds more than
+  ``rate_limit`` calls. Reservations reach at most ``max_wait`` seconds ahead.
+- **Calls in flight, learnt per process (AIMD).** :class:`AdaptiveLimit` starts at the
+  worker's slots and halves on a timeout, takes 10 % off when a call's latency exceeds
+  ``tolerance`` times the provider's best recent latency (a queue building up at the
+  provider), and adds about one per round of successes otherwise; at most one decrease per
+  recent latency, so one wave of slow answers does not collapse it. A provider that serves
+  8 sends at once is then sent about that many, not buried under calls that time out and
+  come back as lookups and resends (the metastable overload of retrying clients).
+
+A job that would wait longer than the limit allows (the pause, a rate reservation more than
+``max_wait`` ahead, more than ``max_waiting`` jobs of this process already waiting for a
+permit) is handed back READY with a ``run_after`` (:class:`~consumer.errors.ProviderThrottled`,
+no failure counted): a throttled or paused provider never holds every slot of a worker, and
+never stops the jobs of other providers. A job waiting within the limit keeps its slot and
+its lease (it reports progress, the heartbeat renews it); no intent exists yet, so a SIGKILL
+meanwhile loses nothing and sends nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql import ColumnElement
+
+from consumer.errors import ProviderThrottled
+from consumer.jobs.schema import provider_limits
+from consumer.jobs.store import Store
+from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
+from outbox.hooks import NO_HOOKS, Hooks, call_hook
+
+__all__ = ["RATE_MARGIN", "AdaptiveLimit", "FleetLimits", "ProviderGate", "Ticket"]
+
+RATE_MARGIN = 1.1  # calls are spaced RATE_MARGIN / rate_limit apart (see the docstring)
+MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
+RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
+
+
+def _greatest(conn: Connection, a: Any, b: Any) -> ColumnElement[float]:
+    # PostgreSQL's greatest(); SQLite's two-argument max() is the same scalar function.
+    name = "greatest" if is_postgresql(conn.dialect.name) else "max"
+    return getattr(func, name)(a, b)  # type: ignore[no-any-return]
+
+
+class FleetLimits:
+    """The fleet-wide side (``outbox_provider_limits``): pauses and rate reservations, every
+    time from the database clock so that every worker agrees."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._paused: dict[str, tuple[float, float]] = {}  # provider -> (until, local deadline)
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+
+    def _ensure(self, conn: Connection, provider: str) -> None:
+        if provider in self._known:
+            return
+        conn.execute(
+            insert_or_ignore(provider_limits, ("provider",), conn.dialect.name).values(
+                provider=provider
+            )
+        )
+        self._known.add(provider)
+
+    def _remember_pause(self, provider: str, until: float, clock: float) -> None:
+        with self._lock:
+            self._paused[provider] = (until, time.monotonic() + (until - clock))
+
+    def paused_locally(self, provider: str) -> float | None:
+        """``paused_until`` as this process learnt it, while it lasts (no round trip)."""
+        with self._lock:
+            known = self._paused.get(provider)
+            if known is None:
+                return None
+            if time.monotonic() >= known[1]:
+                del self._paused[provider]
+                return None
+            return known[0]
+
+    def paused_until(self, provider: str) -> float | None:
+        """The end of the provider's pause if it is paused now (database clock), else None."""
+        local = self.paused_locally(provider)
+        if local is not None:
+            return local
+        with self.store.driver.connect() as conn:
+            row = conn.execute(
+                select(provider_limits.c.paused_until, db_epoch()).where(
+                    provider_limits.c.provider == provider
+                )
+            ).first()
+        if row is None or float(row[0]) <= float(row[1]):
+            return None
+        self._remember_pause(provider, float(row[0]), float(row[1]))
+        return float(row[0])
+
+    def pause(self, provider: str, seconds: float) -> float:
+        """Pause the provider for every worker for ``seconds`` from now (a pause already
+        reaching further stays); returns its end (database clock)."""
+        with self.store.driver.begin() as conn:
+            self._ensure(conn, provider)
+            clock = float(conn.execute(select(db_epoch())).scalar_one())
+            until = clock + max(0.0, seconds)
+            conn.execute(
+                update(provider_limits)
+                .where(provider_limits.c.provider == provider)
+                .values(
+                    paused_until=_greatest(conn, provider_limits.c.paused_until, until),
+                    pauses=provider_limits.c.pauses + 1,
+                )
+            )
+        self._remember_pause(provider, until, clock)
+        return until
+
+    def unpause(self, provider: str) -> None:
+        """Lift a provider's pause now (an operator who knows better than its Retry-After).
+        Processes that have seen the pause keep to it until its end (they do not read it
+        again meanwhile); this one forgets it at once."""
+        with self.store.driver.begin() as conn:
+            conn.execute(
+                update(provider_limits)
+                .where(provider_limits.c.provider == provider)
+                .values(paused_until=0.0)
+            )
+        with self._lock:
+            self._paused.pop(provider, None)
+
+    def reserve(self, provider: str, spacing: float, max_wait: float) -> tuple[float, float | None]:
+        """Reserve the provider's next call start: ``(seconds to wait, None)``, or ``(0,
+        until)`` when the provider is paused or its reservations reach past ``max_wait``
+        (nothing reserved; try again at ``until``, database clock). One UPDATE when it
+        succeeds."""
+        with self.store.driver.begin() as conn:
+            self._ensure(conn, provider)
+            now = db_epoch()
+            row = conn.execute(
+                update(provider_limits)
+                .where(
+                    provider_limits.c.provider == provider,
+                    provider_limits.c.paused_until <= now,
+                    provider_limits.c.next_call_at <= now + max_wait,
+                )
+                .values(next_call_at=_greatest(conn, provider_limits.c.next_call_at, now) + spacing)
+                .returning(provider_limits.c.next_call_at, now)
+            ).first()
+            if row is not None:
+                start = float(row[0]) - spacing
+                return max(0.0, start - float(row[1])), None
+            held = conn.execute(
+                select(
+                    provider_limits.c.paused_until, provider_limits.c.next_call_at, db_epoch()
+                ).where(provider_limits.c.provider == provider)
+            ).one()
+        paused, booked, clock = float(held[0]), float(held[1]), float(held[2])
+        if paused > clock:
+            self._remember_pause(provider, paused, clock)
+        return 0.0, max(paused, booked - max_wait, clock + spacing)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Every provider's row: ``{"paused_for": seconds, "booked_ahead": seconds, "pauses"}``."""
+        with self.store.driver.connect() as conn:
+            rows = conn.execute(
+                select(
+                    provider_limits.c.provider,
+                    provider_limits.c.paused_until,
+                    provider_limits.c.next_call_at,
+                    provider_limits.c.pauses,
+                    db_epoch(),
+                )
+            ).all()
+        return {
+            str(r[0]): {
+                "paused_for": max(0.0, float(r[1]) - float(r[4])),
+                "booked_ahead": max(0.0, float(r[2]) - float(r[4])),
+                "pauses": float(r[3]),
+            }
+            for r in rows
+        }
+
+
+class _Waiter:
+    __slots__ = ("event", "future", "granted", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.granted = False
+        self.loop = loop
+        self.event: threading.Event | None = None if loop else threading.Event()
+        self.future: asyncio.Future[None] | None = loop.create_future() if loop else None
+
+    def wake(self) -> None:
+        self.granted = True
+        if self.event is not None:
+            self.event.set()
+        elif self.loop is not None and self.future is not None:
+            self.loop.call_soon_threadsafe(_resolve, self.future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class AdaptiveLimit:
+    """Calls in flight to one provider, adapted to what it serves (AIMD; module docstring).
+    Thread-safe, shared by a worker's thread pool and its event loop."""
+
+    def __init__(
+        self,
+        maximum: int,
+        *,
+        minimum: int = 1,
+        tolerance: float = 4.0,
+        backoff: float = 0.9,
+        timeout_backoff: float = 0.5,
+    ) -> None:
+        self.maximum = max(1, maximum)
+        self.minimum = max(1, min(minimum, self.maximum))
+        self.tolerance = tolerance
+        self.backoff = backoff
+        self.timeout_backoff = timeout_backoff
+        self.limit = float(self.maximum)
+        self.in_flight = 0
+        self._waiters: deque[_Waiter] = deque()
+        self._samples: deque[float] = deque(maxlen=100)
+        self._best = 0.0
+        self._last_decrease = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if not self._waiters and self.in_flight < int(self.limit):
+                self.in_flight += 1
+                return True
+            return False
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a permit (a thread)."""
+        if self.try_acquire():
+            return True
+        waiter = _Waiter()
+        with self._lock:
+            self._waiters.append(waiter)
+        assert waiter.event is not None
+        waiter.event.wait(timeout)
+        return self._settle(waiter)
+
+    async def aacquire(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a permit (a coroutine on the worker's loop)."""
+        if self.try_acquire():
+            return True
+        waiter = _Waiter(asyncio.get_running_loop())
+        with self._lock:
+            self._waiters.append(waiter)
+        assert waiter.future is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            if self._settle(waiter):
+                self.release(None)
+            raise
+        return self._settle(waiter)
+
+    def _settle(self, waiter: _Waiter) -> bool:
+        with self._lock:
+            if waiter.granted:
+                return True
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:  # pragma: no cover - granted between the checks
+                return True
+            return False
+
+    def release(self, latency: float | None, *, timed_out: bool = False) -> None:
+        """A call ended after ``latency`` seconds (None: not made); ``timed_out``: no answer
+        in time, the strongest sign of overload."""
+        with self._lock:
+            self.in_flight -= 1
+            if latency is not None:
+                self._learn(latency, timed_out)
+            self._grant()
+
+    def _learn(self, latency: float, timed_out: bool) -> None:
+        now = time.monotonic()
+        self._samples.append(latency)
+        if len(self._samples) % 10 == 1 or latency < self._best:
+            self._best = min(self._samples)
+        cooled = now - self._last_decrease >= max(self._best, 0.05)
+        if timed_out and cooled:
+            self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
+            self._last_decrease = now
+        elif latency > self.tolerance * self._best and len(self._samples) >= 10:
+            if cooled:
+                self.limit = max(float(self.minimum), self.limit * self.backoff)
+                self._last_decrease = now
+        else:
+            self.limit = min(float(self.maximum), self.limit + 1.0 / max(self.limit, 1.0))
+
+    def _grant(self) -> None:
+        while self._waiters and self.in_flight < int(self.limit):
+            waiter = self._waiters.popleft()
+            self.in_flight += 1
+            waiter.wake()
+
+
+@dataclass
+class Ticket:
+    """A permit to call a provider now; give it back with :meth:`ProviderGate.leave`."""
+
+    provider: str
+    started: float = 0.0
+    waited: float = 0.0
+    timed_out: bool = False  # the call got no answer in time (AIMD's strongest signal)
+    retry_after: float | None = None  # a 429/503's Retry-After: the fleet pauses
+
+
+class ProviderGate:
+    """One provider's limits in one process: the fleet's pause and rate, this process's
+    AIMD permits. :meth:`enter` / :meth:`aenter` before a call (they raise
+    :class:`ProviderThrottled` when the job must be handed back), :meth:`leave` after."""
+
+    def __init__(
+        self,
+        name: str,
+        fleet: FleetLimits | None,
+        *,
+        rate_limit: float | None,
+        slots: int,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.name = name
+        self.fleet = fleet
+        self.spacing = RATE_MARGIN / rate_limit if rate_limit else 0.0
+        self.max_waiting = max(1, slots // 2)
+        self.permits = AdaptiveLimit(slots)
+        self.hooks = hooks if hooks is not None else NO_HOOKS
+        self.patience = 5.0  # seconds a job waits for a permit before it is handed back
+
+    def _throttled(self, why: str, until: float) -> ProviderThrottled:
+        return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
+
+    def _check_pause(self) -> None:
+        if self.fleet is None or self.spacing:
+            return  # a rate reservation reads the pause in the same statement
+        until = self.fleet.paused_until(self.name)
+        if until is not None:
+            raise self._throttled(f"is paused until {until:.3f}", until)
+
+    def _full(self) -> ProviderThrottled:
+        # Hand back rather than queue: the jobs already waiting would take about this long.
+        estimate = (self.permits.waiting + 1) / max(self.permits.limit, 1.0)
+        delay = max(RETRY_SOON, estimate * max(self.permits._best, 0.05))
+        return self._throttled("has as many calls waiting as it may", time.time() + delay)
+
+    def _reserve(self) -> float:
+        if self.fleet is None or not self.spacing:
+            return 0.0
+        wait, until = self.fleet.reserve(self.name, self.spacing, MAX_WAIT)
+        if until is not None:
+            raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
+        return wait
+
+    def enter(self, progress: Callable[[], None] | None = None) -> Ticket:
+        """Wait (in this thread) for the right to call the provider now."""
+        self._check_pause()
+        if not self.permits.try_acquire():
+            if self.permits.waiting >= self.max_waiting:
+                raise self._full()
+            self._waiting(+1, progress)
+            try:
+                granted = self.permits.acquire(self.patience)
+            finally:
+                self._waiting(-1, progress)
+            if not granted:
+                raise self._full()
+        try:
+            wait = self._reserve()
+        except BaseException:
+            self.permits.release(None)
+            raise
+        if wait > 0:
+            self._waiting(+1, progress)
+            time.sleep(wait)
+            self._waiting(-1, progress)
+        return Ticket(self.name, time.monotonic(), wait)
+
+    async def aenter(
+        self, run: Callable[..., Any], progress: Callable[[], None] | None = None
+    ) -> Ticket:
+        """:meth:`enter` for a coroutine: the database reads go through ``run`` (the worker's
+        executor), the waits are the event loop's."""
+        await run(self._check_pause)
+        if not self.permits.try_acquire():
+            if self.permits.waiting >= self.max_waiting:
+                raise self._full()
+            self._waiting(+1, progress)
+            try:
+                granted = await self.permits.aacquire(self.patience)
+            finally:
+                self._waiting(-1, progress)
+            if not granted:
+                raise self._full()
+        try:
+            wait = await run(self._reserve)
+        except BaseException:
+            self.permits.release(None)
+            raise
+        if wait > 0:
+            self._waiting(+1, progress)
+            await asyncio.sleep(wait)
+            self._waiting(-1, progress)
+        return Ticket(self.name, time.monotonic(), wait)
+
+    def leave(
+        self, ticket: Ticket, *, timed_out: bool = False, retry_after: float | None = None
+    ) -> None:
+        """The call ended: learn from its latency; a Retry-After pauses the fleet."""
+        self.permits.release(time.monotonic() - ticket.started, timed_out=timed_out)
+        if retry_after is not None and self.fleet is not None:
+            until = self.fleet.pause(self.name, retry_after)
+            call_hook(self.hooks, "provider_paused", self.name, retry_after, until)
+
+    def _waiting(self, delta: int, progress: Callable[[], None] | None) -> None:
+        if progress is not None:
+            progress()  # the lease stays renewed while the job waits
+        call_hook(self.hooks, "provider_limit_waiting", self.name, delta)

@@ -1,0 +1,282 @@
+"""The worker's run loop: N slots on one event loop, each claimed job started at once.
+
+``Worker.run`` hands its loop to a :class:`SlotRunner`. A worker has
+``WorkerConfig.concurrency`` **slots** (jobs in flight in this process). The runner claims at
+most as many jobs as it has free slots, all of them in **one** ``Store.claim_batch``
+statement, and starts each job the moment it is claimed: no job is leased to a process that
+cannot start it now (a batch model let a claimed job wait behind its batch-mates while it
+held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old defaults).
+
+- A ``def`` handler runs on a pool of threads (one per slot, made as needed).
+- An ``async def`` handler runs on the runner's event loop; ``await job.adispatch(...)``
+  keeps the provider call there and its database statements in a small executor, so one
+  process holds hundreds of calls in flight for little CPU.
+- Claims never cost a round trip per slot: a claim takes every slot free at that moment,
+  and while jobs run, claims are at least ``CLAIM_SPACING`` apart, so slots freed meanwhile
+  are claimed together (2 workers x 16 threads claiming one job each was CPU-bound on this
+  machine). When a claim fills every free slot there may be more: the next slot freed
+  claims again; otherwise the runner waits for a NOTIFY (PostgreSQL), a timer or the poll.
+- Finishes are recorded in batches: a finished job joins the batch being written, and the
+  first one waiting writes everyone's in one ``finish_batch`` (group commit). Its slot is
+  freed once its finish is recorded, so the leases a worker holds never exceed its slots.
+
+Recovery, the receipt sweep and the vacuum run beside it (``Worker._maintain``, every
+``MAINTENANCE_TICK``), in the executor, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from consumer.jobs.context import JobContext
+from consumer.jobs.store import Lease
+from outbox import tracing
+from outbox.backoff import Backoff
+from outbox.logs import fields
+
+if TYPE_CHECKING:
+    from consumer.jobs.worker import Worker
+
+__all__ = ["CLAIM_SPACING", "SlotRunner", "is_async_handler"]
+
+log = logging.getLogger("outbox.worker")
+
+CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
+MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
+
+
+def is_async_handler(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` handler (or a callable object whose ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's method
+    )
+
+
+class SlotRunner:
+    """One worker process's slots (see the module docstring). ``run()`` blocks until the
+    worker is stopped and every job in hand has ended."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.slots = worker.config.concurrency
+        self.busy = 0
+        name = worker.config.name
+        self.threads = ThreadPoolExecutor(self.slots, thread_name_prefix=f"{name}-slot")
+        # Claims, finishes, maintenance and the database statements of async dispatches:
+        # short statements, bounded by the store's connection pool anyway.
+        self.db = ThreadPoolExecutor(min(16, max(4, self.slots)), thread_name_prefix=f"{name}-db")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kick: asyncio.Event | None = None
+        self._freed: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[JobContext, str, float, asyncio.Future[bool]]] = []
+        self._flushing = False
+
+    # -- from other threads ---------------------------------------------------------------
+    def kick(self) -> None:
+        """Work may be waiting (a NOTIFY, a recovery, a stop): claim now. Thread-safe."""
+        loop, kick = self._loop, self._kick
+        if loop is not None and kick is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
+                loop.call_soon_threadsafe(kick.set)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.threads.shutdown(wait=True)
+            self.db.shutdown(wait=True)
+
+    async def _db(self, fn: Callable[..., Any], *args: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self.db, fn, *args)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        self._freed = asyncio.Event()
+        self._kick.set()  # claim at once
+        maintenance = asyncio.create_task(self._maintenance())
+        try:
+            await self._claim_loop()
+            while self._tasks:  # drain: every job in hand runs to its end
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        finally:
+            maintenance.cancel()
+            await asyncio.gather(maintenance, return_exceptions=True)
+            await self._close_providers()
+
+    async def _close_providers(self) -> None:
+        for provider in self.worker.providers.values():
+            aclose = getattr(provider, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception as exc:  # closing is best effort at exit
+                    log.debug("provider close failed", extra=fields(error=repr(exc)))
+
+    async def _maintenance(self) -> None:
+        backoff = Backoff(0.2, 10.0)
+        failures = 0
+        while True:
+            try:
+                if await self._db(self.worker._maintain):
+                    self.kick()
+                failures = 0
+            except SQLAlchemyError as exc:
+                failures += 1
+                log.warning(
+                    "worker maintenance failed, retrying",
+                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
+                )
+                await asyncio.sleep(backoff.delay(failures))
+            except Exception as exc:  # a provider's lookup in the sweep: logged, retried
+                log.warning("receipt sweep failed", extra=fields(error=repr(exc)[:500]))
+            await asyncio.sleep(MAINTENANCE_TICK)
+
+    async def _claim_loop(self) -> None:
+        assert self._kick is not None and self._freed is not None
+        worker = self.worker
+        stop = worker.stop_flag
+        backoff = Backoff(0.2, 10.0)
+        idle = Backoff(0.01, worker.config.poll_interval)
+        failures = 0
+        empty = 0
+        more = True  # the last claim filled every free slot: there may be more
+        last_claim = 0.0
+        while not stop.stopped:
+            if self.busy >= self.slots:
+                self._freed.clear()
+                await self._freed.wait()
+                continue
+            if not more and not self._kick.is_set():
+                limit = worker._sleep_limit()
+                pause = worker.config.poll_interval if worker._listening else idle.cap(empty)
+                pause = pause if limit is None else min(pause, limit)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), pause)
+                if stop.stopped:
+                    break
+            self._kick.clear()
+            spacing = CLAIM_SPACING - (time.monotonic() - last_claim)
+            if self.busy and spacing > 0:
+                await asyncio.sleep(spacing)  # slots freed meanwhile join this claim
+            free = self.slots - self.busy
+            last_claim = time.monotonic()
+            try:
+                leases: list[Lease] = await self._db(worker._claim, free)
+            except SQLAlchemyError as exc:
+                delay = backoff.delay(failures)
+                failures += 1
+                log.warning(
+                    "worker claim failed, retrying",
+                    extra=fields(
+                        error=f"{type(exc).__name__}: {exc}"[:500],
+                        attempt=failures,
+                        retry_in_seconds=round(delay, 3),
+                    ),
+                )
+                await asyncio.sleep(delay)
+                continue
+            failures = 0
+            for lease in leases:
+                self._start(lease)
+            more = len(leases) >= free
+            empty = 0 if leases else empty + 1
+            worker._hook("worker_cycle_ok", time.time())
+
+    # -- one job --------------------------------------------------------------------------
+    def _start(self, lease: Lease) -> None:
+        worker = self.worker
+        ctx = JobContext(worker._store(), lease, worker.operations, executor=self.db)
+        with worker._active_lock:
+            worker._active[ctx.job_id] = ctx
+        worker._ensure_heartbeat()
+        self.busy += 1
+        worker._hook("worker_slots", self.busy, self.slots)
+        task = asyncio.create_task(self._run(ctx))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, ctx: JobContext) -> None:
+        worker = self.worker
+        assert self._loop is not None and self._freed is not None
+        try:
+            routed = worker.route(ctx.lease)
+            if routed is not None and is_async_handler(routed[1]):
+                started = time.monotonic()
+                error: BaseException | None = None
+                with tracing.running(ctx.lease, worker.route):  # this task's context
+                    try:
+                        await routed[1](ctx)
+                    except Exception as exc:
+                        error = exc
+                    result = await self._db(worker._settle, ctx, routed, started, error)
+                    tracing.note("outbox.job.outcome", result[0])
+            else:
+                result = await self._loop.run_in_executor(self.threads, worker._run_traced, ctx)
+            outcome, label, started = result
+            if outcome in ("waiting_external", "waiting_review"):
+                # a wait with ``until`` may come before every timer the worker knows
+                await self._db(worker._learn_timer, worker._store())
+            if outcome == "done":
+                ctx.outcome = "done"  # the heartbeat leaves it alone from here
+                await self._finish(ctx, label, started)
+        except SQLAlchemyError as exc:
+            # The database went away mid-job: hand the lease back so the job runs again now
+            # (a dispatch already made finds its receipt and sends nothing).
+            log.warning("job interrupted by a database error", extra=fields(error=repr(exc)))
+            with contextlib.suppress(Exception):  # unreachable still: the lease expires by its ttl
+                await self._db(worker._hand_back_after_error, [ctx])
+        finally:
+            with worker._active_lock:
+                worker._active.pop(ctx.job_id, None)
+            self.busy -= 1
+            self._freed.set()
+            worker._hook("worker_slots", self.busy, self.slots)
+
+    async def _finish(self, ctx: JobContext, label: str, started: float) -> None:
+        """Record this job's finish in the next batch (group commit, module docstring)."""
+        assert self._loop is not None
+        done: asyncio.Future[bool] = self._loop.create_future()
+        self._pending.append((ctx, label, started, done))
+        if not self._flushing:
+            self._flushing = True
+            try:
+                while self._pending:
+                    batch, self._pending = self._pending, []
+                    try:
+                        result = await self._db(
+                            worker_store_finish, self.worker, [c.lease for c, _, _, _ in batch]
+                        )
+                    except BaseException as exc:
+                        for _, _, _, future in batch:
+                            if not future.done():
+                                future.set_exception(exc)
+                        continue
+                    lost = set(result.conflicts)
+                    for c, name, began, future in batch:
+                        outcome = "conflict" if c.job_id in lost else "done"
+                        if outcome == "conflict":
+                            self.worker._hook("worker_lease_conflict", name)
+                        self.worker._hook(
+                            "worker_job_finished", name, outcome, time.monotonic() - began
+                        )
+                        future.set_result(outcome == "done")
+            finally:
+                self._flushing = False
+        await done
+
+
+def worker_store_finish(worker: Worker, leases: list[Lease]) -> Any:
+    return worker._store().finish_batch(leases)
