@@ -157,8 +157,9 @@ class Console:
         async def endpoint(request: Request) -> Response:
             if self._who(request) is None:
                 return _json({"error": "a valid token is required (Authorization: Bearer)"}, 401)
+            started = time.perf_counter()
             try:
-                return _json(await handler(request))
+                return _timed(_json(await handler(request)), started)
             except FilterError as exc:
                 return _json({"error": str(exc)}, 400)
 
@@ -169,8 +170,9 @@ class Console:
             who = self._who(request)
             if who is None:
                 return self._render("login.html", 401, error=None, next=_local(request.url.path))
+            started = time.perf_counter()
             try:
-                return await handler(request, who)
+                return _timed(await handler(request, who), started)
             except FilterError as exc:
                 return self._render("error.html", 400, who=who, message=str(exc), csrf="")
 
@@ -436,6 +438,14 @@ def _headers() -> dict[str, str]:
         "Referrer-Policy": "no-referrer",
         "Cache-Control": "no-store",
     }
+
+
+def _timed(response: Response, started: float) -> Response:
+    """The server's time for the request (reads and rendering), as a Server-Timing header:
+    what a browser's developer tools and ``python -m bench console`` show."""
+    elapsed_ms = (time.perf_counter() - started) * 1000.0
+    response.headers["Server-Timing"] = f"app;dur={elapsed_ms:.1f}"
+    return response
 
 
 def _json(data: Any, status: int = 200) -> JSONResponse:

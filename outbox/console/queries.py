@@ -61,8 +61,8 @@ from outbox.schema import STATES as EVENT_STATES
 RECEIPT_STATES = ("PENDING", "ACCEPTED", "UNKNOWN", "NOT_SENT", "FAILED")
 DEAD_LETTER_STATES = (DL_NEEDS_ATTENTION, DL_REPLAYED)
 ACTIVE_JOB_STATES = (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION)
-TERMINAL_COUNT_CAP = 100_000
-"""DONE and CANCELLED jobs are counted up to this many (then shown as "100000+"): an exact
+TERMINAL_COUNT_CAP = 10_000
+"""DONE and CANCELLED jobs are counted up to this many (then shown as "10000+"): an exact
 count of a terminal state reads every row of it, and those only grow until retention."""
 
 MAX_PAGE = 500
@@ -463,7 +463,7 @@ def dead_letters_by_group(conn: Connection, tables: Tables) -> dict[str, int]:
     return {str(g): int(n) for g, n in rows}
 
 
-def recent_streams(conn: Connection, tables: Tables, sample: int = 1000) -> list[str]:
+def recent_streams(conn: Connection, tables: Tables, sample: int = 200) -> list[str]:
     """The streams named by the latest published rows' receipts (a bounded read of the
     primary key's end): where the consumer groups whose lag the overview shows read."""
     t = tables.outbox

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, or_, select, text, tuple_
+from sqlalchemy import or_, select, text, tuple_
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.schema import attempts, jobs, operations
@@ -137,15 +137,8 @@ def collect(
     t = tables.outbox
     has = present.__contains__
     if has(t.name):
-        found = _rows(
-            conn.execute(
-                select(t)
-                .where(or_(t.c.event_id == q, t.c.identity == q, t.c.key == q))
-                .order_by(t.c.seq)
-                .limit(TRACE_LIMIT)
-            )
-        )
-        _add(trace.events, found, "event_id")
+        for column in (t.c.event_id, t.c.identity, t.c.key):
+            _add(trace.events, _lookup(conn, t, column, [q], t.c.seq), "event_id")
     job_ids: set[int] = set()
     if has(operations.name):
         ops = _rows(conn.execute(select(operations).where(operations.c.operation_id == q)))
@@ -155,21 +148,17 @@ def collect(
     if has(jobs.name):
         if number is not None:
             job_ids.add(number)
-        direct = or_(jobs.c.subject == q, jobs.c.action == q)
-        if job_ids:
-            direct = or_(direct, jobs.c.id.in_(sorted(job_ids)))
-        _add(trace.jobs, _rows(conn.execute(select(jobs).where(direct).limit(TRACE_LIMIT))), "id")
+        for column, values in ((jobs.c.id, sorted(job_ids)), (jobs.c.subject, [q])):
+            _add(trace.jobs, _lookup(conn, jobs, column, values, jobs.c.id), "id")
+        _add(trace.jobs, _lookup(conn, jobs, jobs.c.action, [q], jobs.c.id), "id")
     # Events of the jobs found directly (a job id or an operation id was asked).
     if has(t.name) and trace.jobs and not trace.events:
-        subjects = {j["subject"] for j in trace.jobs if j["subject"]}
+        subjects = sorted({j["subject"] for j in trace.jobs if j["subject"]})
         actions = {j["action"] for j in trace.jobs}
-        names = actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs}
-        link = or_(t.c.identity.in_(sorted(names)), t.c.key.in_(sorted(subjects)))
-        _add(
-            trace.events,
-            _rows(conn.execute(select(t).where(link).order_by(t.c.seq).limit(TRACE_LIMIT))),
-            "event_id",
-        )
+        names = sorted(actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs})
+        for column, values in ((t.c.identity, names), (t.c.key, subjects)):
+            _add(trace.events, _lookup(conn, t, column, values, t.c.seq), "event_id")
+        trace.events.sort(key=lambda e: int(e["seq"]))
     identities = {e["identity"] for e in trace.events}
     event_ids = {e["event_id"] for e in trace.events}
     if not trace.events:
@@ -229,27 +218,46 @@ def collect(
     return trace
 
 
+def _lookup(
+    conn: Connection, table: Any, column: Any, values: list[Any], then: Any
+) -> list[dict[str, Any]]:
+    """Rows whose ``column`` is one of ``values``, through that column's index.
+
+    One statement per column, ordered by the column itself (then ``then``): with LIMIT and no
+    planner statistics (autovacuum off), an OR of several columns, or an order by another
+    column, lets PostgreSQL pick a sequential scan that it hopes stops early. Ordered by the
+    indexed column, the index scan is the only plan that can stop early, so it is chosen."""
+    if not values:
+        return []
+    where = column == values[0] if len(values) == 1 else column.in_(values)
+    query = select(table).where(where).order_by(column, then).limit(TRACE_LIMIT)
+    return _rows(conn.execute(query))
+
+
 def _event_jobs(conn: Connection, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The jobs a consumer made for these events, by the conventions (module docstring)."""
     pairs: set[tuple[str, str]] = set()
     plain: set[str] = set()
-    by_subject: list[Any] = []
+    keys: dict[str, str | None] = {}
     for event in events:
         identity, tenant, key = event["identity"], event["tenant"], event["key"]
         plain.add(identity)
         prefix, sep, rest = identity.partition(":")
         if sep and rest:
             pairs.add((prefix, rest))
-        if tenant is not None:
-            by_subject.append(and_(jobs.c.subject == key, jobs.c.tenant == tenant))
-        else:
-            by_subject.append(jobs.c.subject == key)
-    links = [jobs.c.action.in_(sorted(plain)), *by_subject]
-    if pairs:
-        links.append(tuple_(jobs.c.tenant, jobs.c.action).in_(sorted(pairs)))
-    return _rows(
-        conn.execute(select(jobs).where(or_(*links)).order_by(jobs.c.id).limit(TRACE_LIMIT))
-    )
+        keys[key] = tenant
+    found: list[dict[str, Any]] = []
+    _add(found, _lookup(conn, jobs, jobs.c.action, sorted(plain), jobs.c.id), "id")
+    by_subject = _lookup(conn, jobs, jobs.c.subject, sorted(keys), jobs.c.id)
+    same_tenant = [j for j in by_subject if keys[j["subject"]] in (None, j["tenant"])]
+    _add(found, same_tenant, "id")
+    for tenant, action in sorted(pairs):  # the unique (tenant, action) index, one probe each
+        row = conn.execute(
+            select(jobs).where(jobs.c.tenant == tenant, jobs.c.action == action)
+        ).first()
+        if row is not None:
+            _add(found, _rows([row]), "id")
+    return sorted(found, key=lambda j: int(j["id"]))
 
 
 def _audit_of(conn: Connection, trace: Trace) -> list[dict[str, Any]]:
