@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
 
 import httpx
 import sqlalchemy as sa
@@ -162,8 +161,20 @@ def _serve(url: str) -> tuple[subprocess.Popen[bytes], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["OUTBOX_CONSOLE_TOKEN"] = TOKEN
     proc = subprocess.Popen(
-        [sys.executable, "-m", "outbox.console.cli", "serve", "--database-url", url]
-        + ["--redis-url", REDIS, "--port", str(port), "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "outbox.console.cli",
+            "serve",
+            "--database-url",
+            url,
+            "--redis-url",
+            REDIS,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -218,8 +229,11 @@ def run_times(args: argparse.Namespace, url: str) -> None:
             engine = sa.create_engine(url)
             made = create_lookup_indexes(engine)
             engine.dispose()
-            print(f"\ninit-db: {len(made)} lookup indexes in {time.perf_counter() - started:.1f} s")
-            after = _print("with the lookup indexes (outbox-console init-db)", _measure(c, paths, args.rounds))
+            took = time.perf_counter() - started
+            print(f"\ninit-db: {len(made)} lookup indexes in {took:.1f} s")
+            after = _print(
+                "with the lookup indexes (outbox-console init-db)", _measure(c, paths, args.rounds)
+            )
         print("\nratio without / with:")
         for path in paths:
             print(f"  {path:60s} x{before[path] / max(after[path], 0.01):7.1f}")
@@ -242,7 +256,7 @@ def run_rss(args: argparse.Namespace, url: str) -> None:
     engine = sa.create_engine(url)
     create_lookup_indexes(engine)
     engine.dispose()
-    paths = _paths(args.events, args.jobs) + ["/events", "/receipts", "/dead-letters", "/audit"]
+    paths = [*_paths(args.events, args.jobs), "/events", "/receipts", "/dead-letters", "/audit"]
     proc, base = _serve(url)
     rng = random.Random(7)
     requests = 0
@@ -253,7 +267,7 @@ def run_rss(args: argparse.Namespace, url: str) -> None:
             next_report = start + 60
             while time.monotonic() - start < args.rss:
                 n = rng.randrange(1, args.events)
-                path = rng.choice(paths + [f"/trace?q=quote-{n}", f"/api/trace?q=ev-{n}"])
+                path = rng.choice([*paths, f"/trace?q=quote-{n}", f"/api/trace?q=ev-{n}"])
                 response = c.get(path)
                 assert response.status_code in (200, 404), (path, response.status_code)
                 requests += 1
@@ -262,7 +276,8 @@ def run_rss(args: argparse.Namespace, url: str) -> None:
                     rss = _rss_kb(proc.pid) / 1024
                     print(f"  {minutes:5.1f} min  {requests:7d} requests  RSS {rss:7.1f} MiB")
                     next_report += 60
-            print(f"RSS after {args.rss:.0f} s and {requests} requests: {_rss_kb(proc.pid) / 1024:.1f} MiB")
+            rss = _rss_kb(proc.pid) / 1024
+            print(f"RSS after {args.rss:.0f} s and {requests} requests: {rss:.1f} MiB")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
