@@ -531,6 +531,48 @@ def test_the_plugin_is_registered_only_where_a_conftest_enables_it(tmp_path: Pat
     assert "1 passed" in result.stdout
 
 
+@pytest.mark.slow
+def test_the_plugin_options_put_the_pipeline_on_your_servers(
+    tmp_path: Path, pg_admin_engine: sa.Engine, redis_url: str
+) -> None:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["outbox.testing"]\n')
+    (tmp_path / "test_user.py").write_text(
+        USER_TEST
+        + textwrap.dedent(
+            """
+            def test_on_postgresql(outbox_pipeline):
+                assert outbox_pipeline.engine.dialect.name == "postgresql"
+                assert "search_path%3Doutbox_test_" in outbox_pipeline.database_url
+                assert outbox_pipeline.prefix.startswith("outbox-test-")
+            """
+        )
+    )
+    base = pg_admin_engine.url.render_as_string(hide_password=False)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+            "--outbox-database-url",
+            base,
+            "--outbox-redis-url",
+            redis_url,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
 def test_the_fake_provider_checks_its_settings() -> None:
     with pytest.raises(ConfigError) as err:
         FakeProvider(lookup="yes")  # type: ignore[arg-type]
