@@ -37,6 +37,8 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
+from metrics.tables import Source as Source
+from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
 from outbox.errors import ConfigError
 from outbox.schema import OutboxSchema, build_schema, check_identifier
@@ -52,15 +54,6 @@ DEFAULT_TABLE_RECHECK_SECONDS = 60.0
 ATTEMPTS_BUCKETS: tuple[int, ...] = (0, 1, 2, 3, 5, 10, 20, 50, 100)
 
 SourceFn = Callable[["ScrapeContext"], list[Metric]]
-
-
-@dataclass(frozen=True)
-class Source:
-    """One group of gauges and the tables (name, schema) it reads."""
-
-    name: str
-    tables: tuple[tuple[str, str | None], ...]
-    run: SourceFn
 
 
 @dataclass
@@ -127,6 +120,13 @@ class DatabaseCollector(Collector):
             # ages from when it became UNKNOWN (updated_at), not from the intent's creation.
             unknown_receipts_source(
                 queries.OPERATIONS_TABLE, self.jobs_schema, since_column="updated_at"
+            ),
+            # Sizes, dead rows and the oldest row's age per table (issue 25; metrics.tables).
+            table_sizes_source(
+                self.outbox_schema.table_name,
+                self.outbox_schema.schema,
+                self.consumer_schema,
+                self.jobs_schema,
             ),
             *extra_sources,
         ]

@@ -18,11 +18,22 @@ Gauges, one series per table that exists (a bounded label set: the toolkit's tab
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from outbox.tablestats import known_tables, table_stats
+
+
+@dataclass(frozen=True)
+class Source:
+    """One group of gauges and the tables (name, schema) it reads (``metrics.collector``)."""
+
+    name: str
+    tables: tuple[tuple[str, str | None], ...]
+    run: Callable[[Any], list[Metric]]  # takes a metrics.collector.ScrapeContext
 
 
 def table_sizes_source(
@@ -31,13 +42,12 @@ def table_sizes_source(
     consumer_schema: str | None,
     jobs_schema: str | None,
     windows: Mapping[str, float] | None = None,
-) -> object:
-    """The collector's ``tables`` source (a ``metrics.collector.Source``)."""
-    from metrics.collector import ScrapeContext, Source
+) -> Source:
+    """The collector's ``tables`` source."""
 
     tables = known_tables(outbox_table, outbox_schema, consumer_schema, jobs_schema)
 
-    def run(ctx: ScrapeContext) -> list[Metric]:
+    def run(ctx: Any) -> list[Metric]:
         families = {
             "rows": GaugeMetricFamily(
                 "outbox_table_rows", "Rows per table (PostgreSQL: estimate).", labels=["table"]

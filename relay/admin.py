@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from outbox.schema import OutboxSchema
+from outbox.tablestats import known_tables, table_stats
 from relay.records import RequeueResult
 from relay.store import open_store
 
@@ -19,8 +20,10 @@ __all__ = ["RequeueResult", "requeue", "status"]
 
 def status(engine: Engine, schema: OutboxSchema) -> dict[str, Any]:
     """``{"pending", "quarantined", "oldest_unpublished_age_seconds", "max_attempts",
-    "topics": {topic: {the same four keys}}}``; ages from the database clock, 0 when
-    nothing is pending."""
+    "topics": {topic: {the same four keys}}, "tables": {table: {"rows", "dead_rows",
+    "table_bytes", "index_bytes", "oldest_age_seconds", "retention_seconds"}}}``; ages from
+    the database clock, 0 when nothing is pending. ``tables``: every table of the toolkit in
+    this database (``outbox.tablestats``: sizes, and whether its retention keeps up)."""
     topics: dict[str, dict[str, Any]] = {}
     for topic, line in open_store(engine, schema).status().items():
         row = asdict(line)
@@ -34,7 +37,14 @@ def status(engine: Engine, schema: OutboxSchema) -> dict[str, Any]:
         ),
         "max_attempts": max((t["max_attempts"] for t in topics.values()), default=0),
         "topics": topics,
+        "tables": _tables(engine, schema),
     }
+
+
+def _tables(engine: Engine, schema: OutboxSchema) -> dict[str, dict[str, Any]]:
+    with engine.connect() as conn:
+        stats = table_stats(conn, known_tables(schema.table_name, schema.schema))
+    return {s.table: s.as_dict() for s in stats}
 
 
 def requeue(

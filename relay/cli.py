@@ -353,7 +353,28 @@ def cmd_status(args: argparse.Namespace) -> int:
             str(report["max_attempts"]),
         )
     )
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    _print_rows(rows)
+    if report["tables"]:
+        print()
+        sizes = [("TABLE", "ROWS", "DEAD", "TABLE BYTES", "INDEX BYTES", "OLDEST (s)", "KEEP (s)")]
+        for table, t in report["tables"].items():
+            sizes.append(
+                (
+                    table,
+                    str(t["rows"]),
+                    "-" if t["dead_rows"] is None else str(t["dead_rows"]),
+                    "-" if t["table_bytes"] is None else str(t["table_bytes"]),
+                    "-" if t["index_bytes"] is None else str(t["index_bytes"]),
+                    "-" if t["oldest_age_seconds"] is None else f"{t['oldest_age_seconds']:.0f}",
+                    f"{t['retention_seconds']:.0f}",
+                )
+            )
+        _print_rows(sizes)
+    return 0
+
+
+def _print_rows(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print(
             "  ".join(
@@ -361,7 +382,6 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
-    return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:

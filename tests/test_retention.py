@@ -596,3 +596,46 @@ def test_table_stats_show_rows_sizes_and_the_oldest_rows_age(store: Store, db_ur
     else:
         assert jobs.rows == 4  # counted
     assert jobs.as_dict()["oldest_age_seconds"] == round(jobs.oldest_age_seconds, 3)
+
+
+def test_status_and_metrics_show_each_tables_size_and_age(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from metrics.collector import DatabaseCollector
+    from relay.cli import main
+
+    outbox = Outbox(db_url)
+    outbox.create_schema()
+    store = Store(outbox.engine)
+    with outbox.transaction() as tx:
+        tx.emit(TOPIC, key="k", payload={})
+    store.enqueue("t", "a")
+    assert finish_all(store) == 1
+    age(outbox.engine, 600)
+    assert main(["status", "--database-url", db_url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pending"] == 1 and "topics" in report  # the keys scripts rely on stay
+    jobs = report["tables"]["outbox_jobs"]
+    assert jobs["rows"] >= 0 and jobs["retention_seconds"] == 7 * 24 * 3600
+    assert 550 < jobs["oldest_age_seconds"] < 700
+    assert report["tables"]["outbox_events"]["oldest_age_seconds"] is None  # none published
+    assert main(["status", "--database-url", db_url]) == 0
+    assert "outbox_job_attempts" in capsys.readouterr().out
+
+    families = {m.name: m for m in DatabaseCollector(outbox.engine).collect()}
+    ages = {
+        s.labels["table"]: s.value for s in families["outbox_table_oldest_row_age_seconds"].samples
+    }
+    assert 550 < ages["outbox_jobs"] < 700
+    windows = {
+        s.labels["table"]: s.value for s in families["outbox_table_retention_seconds"].samples
+    }
+    assert windows["outbox_events"] == 24 * 3600
+    assert {s.labels["table"] for s in families["outbox_table_rows"].samples} >= {
+        "outbox_events",
+        "outbox_jobs",
+    }
+    assert "outbox_table_index_bytes" in families
+    store.dispose()
