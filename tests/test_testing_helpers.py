@@ -614,3 +614,24 @@ def test_the_docs_page_shows_the_example_files_as_they_are() -> None:
     for name, source in files.items():
         assert shown[name] == source, f"docs/testing.md shows another {name}"
     assert (examples / "test_worker_killed_after_accepted.py").read_text().count("\n") < 30
+
+
+def test_close_leaves_no_thread_of_the_pipeline_behind(tmp_path: Path) -> None:
+    from tests.services import wait_for
+
+    with Pipeline(tmp_path) as p:
+        wire(p)
+        approve_quote(p, 17)
+        p.kill_at("after_accepted")
+        p.drain()
+        names = [w.config.name for w in p.workers]  # the killed one
+        p.restart()
+        p.clock.advance(minutes=1)
+        p.drain()
+        names += [w.config.name for w in p.workers]
+    assert len(set(names)) == 2
+
+    def ours() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(tuple(names))]
+
+    wait_for(lambda: not ours(), "the workers' heartbeat threads to end", timeout=15)

@@ -198,6 +198,7 @@ class _ConsumerSpec:
     streams: list[str]
     config: ConsumerConfig
     hooks: Hooks | None
+    users: Consumer | None = None  # a Consumer the user built: copied, handlers and all
 
 
 @dataclass
@@ -375,10 +376,11 @@ class Pipeline(Assertions):
                 raise ConfigError("handlers", "a Consumer brings its own handlers")
             spec = _ConsumerSpec(
                 group=user.group,
-                handlers=dict(user._handlers),
+                handlers={},
                 streams=[self.prefix + name for name in user.streams],
                 config=config or user.config,
                 hooks=hooks or user.hooks,
+                users=user,
             )
         else:
             if not handlers:
@@ -404,14 +406,23 @@ class Pipeline(Assertions):
         return made
 
     def _make_consumer(self, spec: _ConsumerSpec) -> Consumer:
-        made = Consumer(
-            self.engine,
-            self.redis,
-            group=spec.group,
-            streams=spec.streams,
-            config=spec.config,
-            hooks=_Counting(self.counts, spec.hooks),
-        )
+        hooks = _Counting(self.counts, spec.hooks)
+        if spec.users is not None:
+            # The public copy (what the CLI's flags do): the same handlers, our database,
+            # Redis, config and hooks; the streams under the pipeline's prefix.
+            made = spec.users.with_overrides(
+                database=self.engine, redis=self.redis, config=spec.config, hooks=hooks
+            )
+            made.streams = list(spec.streams)
+        else:
+            made = Consumer(
+                self.engine,
+                self.redis,
+                group=spec.group,
+                streams=spec.streams,
+                config=spec.config,
+                hooks=hooks,
+            )
         made.vacuum = None  # no background vacuum thread: drain() is all there is
         for topic, (fn, batch) in spec.handlers.items():
             made.add_handler(topic, fn, batch=batch)
