@@ -160,20 +160,21 @@ def _resolved(index: LookupIndex, outbox_table: str) -> tuple[str, str]:
 
 
 def missing_lookup_indexes(engine: Engine, outbox_table: str = DEFAULT_TABLE) -> list[str]:
-    """The lookup indexes absent from tables that exist (names)."""
+    """The lookup indexes absent from the tables that exist (names); a table that does not
+    exist yet needs none."""
     check_identifier("outbox_table", outbox_table)
     inspector = inspect(engine)
+    indexes: dict[str, set[str] | None] = {}  # table -> its index names; None: no table
     missing = []
-    present: dict[str, set[str]] = {}
     for index in LOOKUP_INDEXES:
         name, table = _resolved(index, outbox_table)
-        if table not in present:
-            if not inspector.has_table(table):
-                present[table] = set()
-                continue
-            present[table] = {str(i["name"]) for i in inspector.get_indexes(table)}
-            present[table].add("")
-        if present[table] and name not in present[table]:
+        if table not in indexes:
+            exists = inspector.has_table(table)
+            indexes[table] = (
+                {str(i["name"]) for i in inspector.get_indexes(table)} if exists else None
+            )
+        present = indexes[table]
+        if present is not None and name not in present:
             missing.append(name)
     return missing
 
