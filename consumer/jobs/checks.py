@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, and_
 
 from consumer.errors import JobError
 from consumer.jobs.rows import Lease
-from consumer.jobs.schema import db_epoch, jobs
+from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
 from consumer.jobs.states import READY
 from outbox import tracing
 from outbox.validate import check_name
@@ -42,6 +42,7 @@ _SPEC_FIELDS = frozenset(
         "run_after",
         "kind",
         "provider",
+        "queue",
     }
 )
 
@@ -62,6 +63,7 @@ def _job_values(
     run_after: Time | None = None,
     kind: str | None = None,
     provider: str | None = None,
+    queue: str = DEFAULT_QUEUE,
     now: Time | None = None,
 ) -> dict[str, Any]:
     """Validate one job's fields (raising JobError naming the field); its row values."""
@@ -72,6 +74,8 @@ def _job_values(
     if subject is not None:
         _name("subject", subject)
     version = None if subject_version is None else _version("subject_version", subject_version)
+    if queue is not DEFAULT_QUEUE:
+        _name("queue", queue)
     if kind is not None:
         _name("kind", kind)
     if provider is not None:
@@ -89,6 +93,7 @@ def _job_values(
     return {
         "tenant": tenant,
         "action": action,
+        "queue": queue,
         "kind": kind,
         "subject": subject,
         "subject_version": version,

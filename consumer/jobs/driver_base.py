@@ -22,9 +22,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
-    inspect,
     select,
-    text,
     tuple_,
     update,
 )
@@ -33,15 +31,17 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from consumer.bulk import bulk_insert
+from consumer.jobs import queries as q
+from consumer.jobs.migrations import upgrade_schema
 from consumer.jobs.schema import (
-    OPEN_RECEIPTS_INDEX,
     attempts,
     jobs,
     metadata,
     operations,
+    paused_queues,
     workers,
 )
-from consumer.jobs.states import LEASED, WAITING
+from consumer.jobs.states import LEASED, READY, WAITING
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 
 READY_CHANNEL_SQL = "left('outbox_jobs_ready.' || current_schema(), 63)"
@@ -122,7 +122,7 @@ class JobDriver:
     def schema_create(self, conn: Connection) -> None:
         """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
         metadata.create_all(conn, checkfirst=True)
-        _add_missing_columns(conn)
+        upgrade_schema(conn)
 
     # -- wake-up --------------------------------------------------------------------------
 
@@ -300,8 +300,62 @@ class JobDriver:
         self, conn: Connection, params: dict[str, Any], now_given: bool
     ) -> Sequence[Any]:
         """Lease up to ``params["limit"]`` READY jobs fairly across tenants; rows carry
-        ``consumer.jobs.queries.LEASE_COLUMNS``."""
+        ``consumer.jobs.queries.LEASE_COLUMNS``.
+
+        ``params``: ``cursor``, ``max_tenants``, ``limit``, ``worker``, ``ttl`` (and ``now``
+        when ``now_given``); the filters ``queues`` (names, or None: every queue), ``routes``
+        (handler names, or None: every job) and the tenant limit ``tenant_limit`` (None: no
+        default limit) with its overrides ``tenant_limits`` (tenant to limit). Paused queues
+        are never claimed from."""
         raise NotImplementedError
+
+    # -- queues ---------------------------------------------------------------------------
+
+    def job_depth(self, conn: Connection, queue: str | None) -> Sequence[Any]:
+        """``(queue, ready, age)`` per queue with READY jobs (``queries.depth``: O(ready))."""
+        params = {} if queue is None else {"queue": queue}
+        return conn.execute(q.depth(conn.dialect.name, queue is not None), params).all()
+
+    def queue_pause(self, conn: Connection, queue: str, clock: float) -> bool:
+        """Pause ``queue``: True if it was not paused already."""
+        stmt = insert_or_ignore(paused_queues, ("queue",), conn.dialect.name)
+        row = conn.execute(
+            stmt.values(queue=queue, paused_at=clock).returning(paused_queues.c.queue)
+        ).first()
+        return row is not None
+
+    def queue_resume(self, conn: Connection, queue: str) -> bool:
+        """Resume ``queue``: True if it was paused."""
+        row = conn.execute(
+            delete(paused_queues)
+            .where(paused_queues.c.queue == queue)
+            .returning(paused_queues.c.queue)
+        ).first()
+        return row is not None
+
+    def queue_paused_list(self, conn: Connection) -> dict[str, float]:
+        """Paused queues and when they were paused (a handful of rows)."""
+        rows = conn.execute(select(paused_queues.c.queue, paused_queues.c.paused_at))
+        return {str(name): float(at) for name, at in rows}
+
+    def job_leased_by_tenant(self, conn: Connection) -> Sequence[Any]:
+        """``(queue, tenant, leased)`` over LEASED jobs: O(leased), the jobs in flight
+        (``ix_outbox_jobs_leased_tenant``), never the history."""
+        return conn.execute(
+            select(jobs.c.queue, jobs.c.tenant, func.count())
+            .where(jobs.c.state == LEASED)
+            .group_by(jobs.c.queue, jobs.c.tenant)
+        ).all()
+
+    def job_ready_count(self, conn: Connection, queue: str, tenant: str) -> int:
+        """READY jobs of one tenant in one queue (a range of ``ix_outbox_jobs_ready``)."""
+        return int(
+            conn.execute(
+                select(func.count()).where(
+                    jobs.c.state == READY, jobs.c.queue == queue, jobs.c.tenant == tenant
+                )
+            ).scalar_one()
+        )
 
     # -- jobs: the lease holder's moves ---------------------------------------------------
 
@@ -644,30 +698,3 @@ def _check_operation_columns(names: Sequence[str]) -> None:
     for name in names:
         if name not in operations.c:
             raise ValueError(f"{name!r} is not a column of {operations.name}")
-
-
-_ADDED_COLUMNS = (
-    (operations, ("call_deadline", "settled_by", "settled_reason", "settled_at")),
-    (jobs, ("trace_context",)),
-)
-"""Nullable columns the tables gained after their first release: ``outbox_operations`` the
-call deadline and the settlement (issue 11), ``outbox_jobs`` the trace context (issue 23)."""
-
-
-def _add_missing_columns(conn: Connection) -> None:
-    # create_all never alters an existing table: a database created before these columns
-    # existed gets them here (ALTER TABLE ... ADD COLUMN of a nullable column is the same
-    # statement on both databases, and instant). Alembic users: include them in a migration.
-    prep = conn.dialect.identifier_preparer
-    for table, names in _ADDED_COLUMNS:
-        present = {c["name"] for c in inspect(conn).get_columns(table.name)}
-        for name in names:
-            if name not in present:
-                column = table.c[name]
-                conn.execute(
-                    text(
-                        f"ALTER TABLE {prep.format_table(table)} ADD COLUMN "
-                        f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
-                    )
-                )
-    OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)

@@ -24,9 +24,9 @@ from consumer.jobs.driver_base import (
     READY_CHANNEL_SQL,
     JobDriver,
     ReadyListener,
-    _add_missing_columns,
     _check_operation_columns,
 )
+from consumer.jobs.migrations import upgrade_schema
 from consumer.jobs.schema import (
     jobs,
     metadata,
@@ -47,7 +47,7 @@ class PostgresJobDriver(JobDriver):
         # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
         metadata.create_all(conn, checkfirst=True)
-        _add_missing_columns(conn)
+        upgrade_schema(conn)
         set_autovacuum(conn)  # the hot tables' per-table autovacuum settings (issue 10)
 
     def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
@@ -243,7 +243,23 @@ class PostgresJobDriver(JobDriver):
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
     ) -> Sequence[Any]:
-        return conn.execute(q.pg_claim_batch(now_given), params).all()
+        queues, routes = params.get("queues"), params.get("routes")
+        limit, limits = params.get("tenant_limit"), params.get("tenant_limits") or {}
+        limited = limit is not None or bool(limits)
+        statement = q.pg_claim_batch(
+            now_given, all_queues=queues is None, routed=routes is not None, limited=limited
+        )
+        bound = {k: params[k] for k in ("cursor", "max_tenants", "limit", "worker", "ttl")}
+        if now_given:
+            bound["now"] = params["now"]
+        if queues is not None:
+            bound["queues"] = json.dumps(list(queues))
+        if routes is not None:
+            bound["routes"] = json.dumps(list(routes))
+        if limited:
+            bound["tenant_limit"] = limit
+            bound["tenant_limits"] = json.dumps(dict(limits))
+        return conn.execute(statement, bound).all()
 
     def job_finish_batch(
         self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None

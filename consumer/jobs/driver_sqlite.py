@@ -32,19 +32,36 @@ class SqliteJobDriver(JobDriver):
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
     ) -> Sequence[Any]:
-        # The same rotating tenant scan as PostgreSQL's, then each tenant's share picked in
-        # (priority desc, id) order, then one UPDATE ... RETURNING leasing the picked ids.
-        scan = {k: params[k] for k in ("cursor", "max_tenants")}
-        tenants = [r[0] for r in conn.execute(q.sqlite_tenants(), scan)]
-        if not tenants:
+        # The same rotating (queue, tenant) scan as PostgreSQL's, then each pair's share picked
+        # in (priority desc, id) order, then one UPDATE ... RETURNING leasing the picked ids.
+        # The write lock is held from BEGIN IMMEDIATE to commit, so the tenant limit's count
+        # of LEASED jobs cannot change under this claim.
+        queues, routes = params.get("queues"), params.get("routes")
+        limit, limits = params.get("tenant_limit"), params.get("tenant_limits") or {}
+        scan: dict[str, Any] = {k: params[k] for k in ("cursor", "max_tenants")}
+        if queues is not None:
+            scan["queues"] = json.dumps(list(queues))
+        pairs = [(r[0], r[1]) for r in conn.execute(q.sqlite_tenants(queues is None), scan)]
+        if not pairs:
             return []
-        per = max(1, math.ceil(params["limit"] / len(tenants)))
+        per = max(1, math.ceil(params["limit"] / len(pairs)))
+        pick_sql = q.sqlite_pick(now_given, routes is not None)
         ids: list[int] = []
-        for tenant in tenants:
-            pick: dict[str, Any] = {"tenant": tenant, "per": per}
+        for queue, tenant in pairs:
+            share = per
+            cap = limits.get(tenant, limit)
+            if cap is not None:
+                counted = {"queue": queue, "tenant": tenant, "cap": cap}
+                leased = int(conn.execute(q.sqlite_leased_count(), counted).scalar_one())
+                share = min(share, cap - leased)
+                if share <= 0:
+                    continue  # at its limit: its jobs stay READY, holding no lease
+            pick: dict[str, Any] = {"queue": queue, "tenant": tenant, "per": share}
             if now_given:
                 pick["now"] = params["now"]
-            ids.extend(int(r[0]) for r in conn.execute(q.sqlite_pick(now_given), pick))
+            if routes is not None:
+                pick["routes"] = json.dumps(list(routes))
+            ids.extend(int(r[0]) for r in conn.execute(pick_sql, pick))
             if len(ids) >= params["limit"]:
                 break
         ids = ids[: params["limit"]]

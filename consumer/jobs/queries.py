@@ -13,7 +13,7 @@ from functools import lru_cache
 from sqlalchemy import TextClause, text
 from sqlalchemy.sql.selectable import TextualSelect
 
-from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, jobs
+from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, PAUSED_QUEUES_TABLE, jobs
 from consumer.jobs.states import DONE, LEASED, READY
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE
 
@@ -36,31 +36,92 @@ LEASE_COLUMNS = (
     "timer_subject_version",
     "timer_cancellation_condition",
     "trace_context",
+    "queue",
+    "created_at",
 )
 
-# Fairness, step 1: the tenants that have READY rows, found by a loose index scan over
-# ix_outbox_jobs_ready (one index probe per tenant, whatever each tenant's backlog: tenant A's
-# 10,000 rows cost one probe, like tenant B's 10). The scan starts after :cursor (the tenant
-# this store served first last time) and wraps around, so successive claims rotate over the
-# tenants: round robin. Bounded by :max_tenants probes per direction.
+_JSON_LIST = {
+    POSTGRESQL: "SELECT value FROM json_array_elements_text(CAST(:{name} AS json))",
+    SQLITE: "SELECT value FROM json_each(:{name})",
+}
+
+
+def _queues_sql(dialect: str, all_queues: bool) -> str:
+    """The queues a claim takes from, less the paused ones (a handful of rows).
+
+    Given queues travel as ONE JSON text parameter (``:queues``). All queues: the distinct
+    queues that have READY rows, found by a loose index scan over ``ix_outbox_jobs_ready``
+    (one probe per queue, whatever its backlog)."""
+    paused = f"SELECT queue FROM {PAUSED_QUEUES_TABLE}"
+    if not all_queues:
+        given = _JSON_LIST[dialect].format(name="queues")
+        return f"""
+queues(queue) AS (
+    SELECT value FROM ({given}) g WHERE value NOT IN ({paused})
+),"""
+    return f"""
+qscan(queue, depth) AS (
+    SELECT (SELECT queue FROM {JOBS_TABLE} WHERE state = '{READY}' ORDER BY queue LIMIT 1), 1
+  UNION ALL
+    SELECT (SELECT n.queue FROM {JOBS_TABLE} n WHERE n.state = '{READY}' AND n.queue > s.queue
+            ORDER BY n.queue LIMIT 1), s.depth + 1
+    FROM qscan s WHERE s.queue IS NOT NULL AND s.depth < :max_tenants
+),
+queues(queue) AS (
+    SELECT queue FROM qscan WHERE queue IS NOT NULL AND queue NOT IN ({paused})
+),"""
+
+
+# Fairness, step 1: the (queue, tenant) pairs that have READY rows, found by a loose index scan
+# over ix_outbox_jobs_ready (queue, tenant, ...): for each queue, one index probe per tenant,
+# whatever each tenant's backlog (tenant A's 10,000 rows cost one probe, like tenant B's 10).
+# The scan starts after :cursor (the tenant this store served first last time) and wraps
+# around, so successive claims rotate over the tenants of each queue: round robin within a
+# queue. Bounded by :max_tenants probes per queue and direction.
 _TENANT_SCAN = f"""
-scan(tenant, wrapped, depth) AS (
-    SELECT (SELECT tenant FROM {JOBS_TABLE} WHERE state = '{READY}' AND tenant > :cursor
-            ORDER BY tenant LIMIT 1), 0, 1
+scan(queue, tenant, wrapped, depth) AS (
+    SELECT q.queue, (SELECT tenant FROM {JOBS_TABLE} WHERE state = '{READY}' AND queue = q.queue
+                     AND tenant > :cursor ORDER BY tenant LIMIT 1), 0, 1
+    FROM queues q
   UNION ALL
-    SELECT (SELECT tenant FROM {JOBS_TABLE} WHERE state = '{READY}'
-            ORDER BY tenant LIMIT 1), 1, 1
+    SELECT q.queue, (SELECT tenant FROM {JOBS_TABLE} WHERE state = '{READY}' AND queue = q.queue
+                     ORDER BY tenant LIMIT 1), 1, 1
+    FROM queues q
   UNION ALL
-    SELECT (SELECT n.tenant FROM {JOBS_TABLE} n WHERE n.state = '{READY}' AND n.tenant > s.tenant
-            ORDER BY n.tenant LIMIT 1), s.wrapped, s.depth + 1
+    SELECT s.queue, (SELECT n.tenant FROM {JOBS_TABLE} n WHERE n.state = '{READY}'
+                     AND n.queue = s.queue AND n.tenant > s.tenant ORDER BY n.tenant LIMIT 1),
+           s.wrapped, s.depth + 1
     FROM scan s
     WHERE s.tenant IS NOT NULL AND s.depth < :max_tenants
       AND (s.wrapped = 0 OR s.tenant < :cursor)
 ),
 tenants AS (
-    SELECT tenant, wrapped FROM scan
+    SELECT queue, tenant, wrapped FROM scan
     WHERE tenant IS NOT NULL AND (wrapped = 0 OR tenant <= :cursor)
 )"""
+
+SEPARATORS = "-:/.#_"
+"""What may follow a handler's name in an action it routes (``Worker.route``)."""
+
+
+def route_filter(dialect: str, alias: str = "j") -> str:
+    """The jobs a worker's handlers can run, as ``Worker.route`` decides (``:routes``: the
+    handler names, one JSON text parameter): the kind is a name; or, for a job without kind,
+    the action is a name, or starts with a name followed by one of :data:`SEPARATORS`.
+
+    A filter on the rows of the claim's ordered index walk, never a join: the plan stays the
+    index order. Jobs of a queue that this worker cannot run are walked over by each of its
+    claims of that queue (give each service its own queue when such jobs pile up)."""
+    names = _JSON_LIST[dialect].format(name="routes")
+    separators = ", ".join(f"'{c}'" for c in SEPARATORS)
+    j = alias
+    return f"""
+          AND ({j}.kind IN ({names})
+               OR ({j}.kind IS NULL AND ({j}.action IN ({names})
+                   OR EXISTS (SELECT 1 FROM ({names}) r
+                              WHERE substr({j}.action, 1, length(r.value)) = r.value
+                                AND substr({j}.action, length(r.value) + 1, 1)
+                                    IN ({separators})))))"""
 
 
 def _returning(prefix: str = "") -> str:
@@ -71,43 +132,100 @@ def _typed(sql: str) -> TextualSelect:
     return text(sql).columns(*[jobs.c[name] for name in LEASE_COLUMNS])
 
 
-@lru_cache(maxsize=8)
-def pg_claim_batch(now_given: bool) -> TextualSelect:
+TENANT_ROOM_FUNCTION = "outbox_jobs_tenant_room"
+
+PG_TENANT_ROOM_SQL = f"""
+CREATE OR REPLACE FUNCTION {TENANT_ROOM_FUNCTION}(p_queue text, p_tenant text, p_cap integer)
+RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    -- One claim at a time decides for a (queue, tenant), across every process on the
+    -- database: the lock is held until the claim's transaction ends. A claim that finds it
+    -- taken skips the tenant this time (room 0) instead of waiting: no claim ever waits for
+    -- another, and claims that meet tenants in different orders cannot deadlock.
+    IF NOT pg_try_advisory_xact_lock(hashtext('{TENANT_ROOM_FUNCTION}'),
+            hashtext(current_schema() || '/' || p_queue || '/' || p_tenant)) THEN
+        RETURN 0;
+    END IF;
+    -- VOLATILE plpgsql under READ COMMITTED: this statement takes a fresh snapshot, AFTER the
+    -- lock, so it sees the leases every earlier claim of this tenant committed (the calling
+    -- claim's own snapshot predates them: counting there would let two claims both fill
+    -- the last place). At most p_cap rows are read (ix_outbox_jobs_leased_tenant).
+    RETURN greatest(0, p_cap - (
+        SELECT count(*) FROM (
+            SELECT 1 FROM {JOBS_TABLE}
+            WHERE state = '{LEASED}' AND queue = p_queue AND tenant = p_tenant
+            LIMIT p_cap) leased))::integer;
+END
+$$"""
+"""The tenant limit's place keeper (PostgreSQL): how many more jobs of the tenant may be
+leased in the queue now, ``p_cap`` the limit. Created by ``create_schema`` and by
+``consumer.jobs.migrations.create_job_extras`` (Alembic); the claim calls it only when a
+limit applies."""
+
+
+@lru_cache(maxsize=32)
+def pg_claim_batch(
+    now_given: bool, *, all_queues: bool = True, routed: bool = False, limited: bool = False
+) -> TextualSelect:
     """Claim up to :limit READY rows in one statement (one short transaction).
 
-    Step 2: each tenant found gets an equal share, ceil(:limit / tenants), taken in
+    Step 2: each (queue, tenant) found gets an equal share, ceil(:limit / pairs), taken in
     (priority desc, id) order with FOR UPDATE SKIP LOCKED, so concurrent claimers never
     wait on each other nor take the same row. The outer ORDER BY/LIMIT keeps the rotation
     order when the shares add up to more than :limit (rows locked but not taken are released
     at commit, a moment later). Step 3: the UPDATE leases them and bumps each epoch.
 
+    ``routed``: only the jobs the worker's handlers route (:func:`route_filter`).
+    ``limited`` (the tenant limit, ``:tenant_limit`` and the JSON object ``:tenant_limits``
+    of per-tenant overrides): a tenant's share is at most its room,
+    :data:`PG_TENANT_ROOM_SQL`, computed once per tenant (a CTE with a volatile function is
+    never inlined), so at most the limit of its jobs are LEASED at once in the queue, counted
+    over every worker; a tenant at its limit gets no rows, its jobs stay READY with no lease.
+
     Why this shape holds whatever the planner statistics say (issue 10): every scan of
-    outbox_jobs is an ``ORDER BY ... LIMIT`` whose equality on the index's leading column
-    (``tenant``) comes from the outer row, so the planner estimates it without knowing the
-    tenant (a handful of rows) and the ordered index scan, which stops after the share, wins
-    over a bitmap scan and sort; the tenant scan's probes are ``LIMIT 1``. Checked by
-    tests/test_query_plans.py on 100,000 READY rows (1 and 10 tenants) with no statistics and
-    with stale ones (ANALYZE while empty): a claim of 100 reads at most ~300 rows.
+    outbox_jobs is an ``ORDER BY ... LIMIT`` whose equalities on the index's leading columns
+    (``queue``, ``tenant``) come from the outer row, so the planner estimates them without
+    knowing the values (a handful of rows) and the ordered index scan, which stops after the
+    share, wins over a bitmap scan and sort; the queue and tenant scans' probes are
+    ``LIMIT 1``. Checked by tests/test_query_plans.py on 100,000 READY rows (1 and 10
+    tenants) with no statistics and with stale ones (ANALYZE while empty): a claim of 100
+    reads at most ~300 rows.
     """
     now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
+    routes = route_filter(POSTGRESQL) if routed else ""
+    if limited:
+        cap = (
+            "coalesce((CAST(:tenant_limits AS jsonb) ->> t.tenant)::int,"
+            " CAST(:tenant_limit AS int))"
+        )
+        rooms = f""",
+rooms AS (
+    SELECT t.queue, t.tenant, t.wrapped,
+           CASE WHEN {cap} IS NULL THEN NULL
+                ELSE {TENANT_ROOM_FUNCTION}(t.queue, t.tenant, {cap}) END AS room
+    FROM tenants t
+)"""
+        source, take = "rooms", "least(share.per, coalesce(t.room, share.per))"
+    else:
+        rooms, source, take = "", "tenants", "share.per"
     return _typed(
         f"""
-WITH RECURSIVE {_TENANT_SCAN},
+WITH RECURSIVE {_queues_sql(POSTGRESQL, all_queues)}{_TENANT_SCAN},
 share AS (
     SELECT greatest(1, ceil(CAST(:limit AS double precision) / nullif(count(*), 0)))::int AS per
     FROM tenants
-),
+){rooms},
 picked AS (
-    SELECT p.id FROM tenants t CROSS JOIN share
+    SELECT p.id FROM {source} t CROSS JOIN share
     CROSS JOIN LATERAL (
         SELECT j.id FROM {JOBS_TABLE} j
-        WHERE j.tenant = t.tenant AND j.state = '{READY}'
-          AND (j.run_after IS NULL OR j.run_after <= {now})
+        WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = '{READY}'
+          AND (j.run_after IS NULL OR j.run_after <= {now}){routes}
         ORDER BY j.priority DESC, j.id
-        LIMIT share.per
+        LIMIT {take}
         FOR UPDATE SKIP LOCKED
     ) p
-    ORDER BY t.wrapped, t.tenant
+    ORDER BY t.wrapped, t.tenant, t.queue
     LIMIT :limit
 )
 UPDATE {JOBS_TABLE} AS j
@@ -119,24 +237,37 @@ RETURNING {_returning("j.")}
     )
 
 
-@lru_cache(maxsize=2)
-def sqlite_tenants() -> TextClause:
-    """SQLite: the same rotating tenant scan; the caller holds the write lock (BEGIN
+@lru_cache(maxsize=4)
+def sqlite_tenants(all_queues: bool = False) -> TextClause:
+    """SQLite: the same rotating (queue, tenant) scan; the caller holds the write lock (BEGIN
     IMMEDIATE), so no row locks are needed and the per-tenant picks run in-process."""
     return text(
-        f"WITH RECURSIVE {_TENANT_SCAN} SELECT tenant FROM tenants ORDER BY wrapped, tenant"
+        f"WITH RECURSIVE {_queues_sql(SQLITE, all_queues)}{_TENANT_SCAN} "
+        "SELECT queue, tenant FROM tenants ORDER BY wrapped, tenant, queue"
     )
 
 
-@lru_cache(maxsize=4)
-def sqlite_pick(now_given: bool) -> TextClause:
+@lru_cache(maxsize=8)
+def sqlite_pick(now_given: bool, routed: bool = False) -> TextClause:
     now = ":now" if now_given else EPOCH_SQL[SQLITE]
+    routes = route_filter(SQLITE, "jobs") if routed else ""
     return text(
         f"""
-SELECT id FROM {JOBS_TABLE}
-WHERE tenant = :tenant AND state = '{READY}' AND (run_after IS NULL OR run_after <= {now})
+SELECT id FROM {JOBS_TABLE} AS jobs
+WHERE queue = :queue AND tenant = :tenant AND state = '{READY}'
+  AND (run_after IS NULL OR run_after <= {now}){routes}
 ORDER BY priority DESC, id LIMIT :per
 """
+    )
+
+
+@lru_cache(maxsize=1)
+def sqlite_leased_count() -> TextClause:
+    """SQLite: a tenant's LEASED jobs in a queue, at most :cap read (under the write lock, so
+    the count cannot change before the claim commits)."""
+    return text(
+        f"SELECT count(*) FROM (SELECT 1 FROM {JOBS_TABLE} WHERE state = '{LEASED}' "
+        "AND queue = :queue AND tenant = :tenant LIMIT :cap)"
     )
 
 
@@ -152,6 +283,24 @@ SET state = '{LEASED}', lease_owner = :worker, lease_epoch = lease_epoch + 1,
 WHERE id IN (SELECT value FROM json_each(:ids)) AND state = '{READY}'
 RETURNING {_returning()}
 """
+    )
+
+
+@lru_cache(maxsize=4)
+def depth(dialect: str, one_queue: bool) -> TextClause:
+    """READY jobs per queue and the age of the oldest eligible one (``run_after`` passed or
+    NULL; database clock), for ``Store.depth`` and the metrics.
+
+    Served by ``ix_outbox_jobs_ready`` (queue, ...) WHERE state = 'READY': it reads the READY
+    rows only, O(ready), never the DONE history (tests/test_query_plans.py: 1,000,000 DONE
+    rows). The state is a literal so that the planner matches the partial index."""
+    now = EPOCH_SQL[dialect]
+    eligible = "coalesce(run_after, created_at)"
+    where = " AND queue = :queue" if one_queue else ""
+    return text(
+        f"SELECT queue, count(*) AS ready, "
+        f"{now} - min(CASE WHEN {eligible} <= {now} THEN {eligible} END) AS age "
+        f"FROM {JOBS_TABLE} WHERE state = '{READY}'{where} GROUP BY queue ORDER BY queue"
     )
 
 

@@ -89,6 +89,8 @@ class Lease:
     timer: Timer | None = None
     trace_context: str | None = None
     """The trace the job belongs to (``outbox.tracing``): its run span continues it."""
+    queue: str = "default"
+    enqueued_at: float | None = None  # the job's created_at: unix seconds, database clock
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class Job:
     created_at: float
     updated_at: float
     trace_context: str | None = None
+    queue: str = "default"
 
 
 @dataclass(frozen=True)
@@ -148,12 +151,23 @@ class BatchResult:
 
 @dataclass(frozen=True)
 class QueueDepth:
-    """``Store.depth``: the READY jobs of one queue, and how long its oldest eligible one has
-    waited (seconds, database clock; 0.0 when none is eligible yet)."""
+    """``Store.depth``: the READY jobs of one queue (``ready``; those scheduled for later
+    included), how long its oldest eligible one has waited (``oldest_ready_age_seconds``,
+    database clock; 0.0 when none is eligible yet), and whether an operator paused it."""
 
     queue: str
     ready: int
     oldest_ready_age_seconds: float
+    paused: bool = False
+
+    def __getitem__(self, name: str) -> Any:
+        """``depth["ready"]`` as well as ``depth.ready`` (a row that reads like JSON)."""
+        if name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 # -- mappers ---------------------------------------------------------------------------------
@@ -186,6 +200,8 @@ def lease_from_row(row: Any) -> Lease:
         expires_at=float(row.lease_expires_at),
         timer=timer_from_row(row),
         trace_context=row.trace_context,
+        queue=row.queue,
+        enqueued_at=float(row.created_at),
     )
 
 
@@ -213,4 +229,5 @@ def job_from_row(row: Any) -> Job:
         created_at=float(row.created_at),
         updated_at=float(row.updated_at),
         trace_context=row.trace_context,
+        queue=row.queue,
     )

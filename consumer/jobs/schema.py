@@ -9,6 +9,9 @@ SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs.
 
 - ``id``: surrogate key. ``tenant`` + ``action``: the job's identity, unique per tenant
   (``uq_outbox_jobs_tenant_action``); enqueueing it again returns the existing row.
+- ``queue``: the named queue the job waits in (``'default'`` unless given): workers claim from
+  the queues they are given (all, by default), and an operator can pause one
+  (``outbox_paused_queues``).
 - ``kind``: the handler's name (NULL: the Worker routes by the action's prefix).
 - ``subject`` / ``subject_version``: the business subject the job acts on and the version
   it was planned against. ``payload``: JSON. ``provider``: the external provider, for the
@@ -82,9 +85,13 @@ from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 __all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
+__all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
+PAUSED_QUEUES_TABLE = "outbox_paused_queues"
+DEFAULT_QUEUE = "default"
+"""The queue of a job enqueued without one (and of every job of a table made before queues)."""
 
 
 def _json() -> JSON:
@@ -103,6 +110,7 @@ jobs = Table(
     Column("id", _id_type(), primary_key=True, autoincrement=True),
     Column("tenant", String(NAME_LENGTH), nullable=False),
     Column("action", String(NAME_LENGTH), nullable=False),
+    Column("queue", String(NAME_LENGTH), nullable=False, server_default=text(f"'{DEFAULT_QUEUE}'")),
     Column("kind", String(NAME_LENGTH), nullable=True),
     Column("subject", String(NAME_LENGTH), nullable=True),
     Column("subject_version", String(NAME_LENGTH), nullable=True),
@@ -130,11 +138,15 @@ jobs = Table(
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 
-# The claim walks READY rows of one tenant in (priority desc, id) order, and the fairness
-# scan hops from tenant to tenant over the same index (a loose index scan). Partial: it holds
-# only READY rows, so DONE rows piling up never slow the claim.
-Index(
+# The claim walks READY rows of one (queue, tenant) in (priority desc, id) order, and the
+# fairness scan hops from tenant to tenant of a queue over the same index (a loose index
+# scan); ``Store.depth`` counts a queue's READY rows from it. It leads with the queue, so a
+# worker of one queue never walks another queue's backlog. Partial: it holds only READY rows,
+# so DONE rows piling up never slow the claim. (Tables made before queues had it without the
+# queue: ``consumer.jobs.migrations`` re-creates it.)
+READY_INDEX = Index(
     "ix_outbox_jobs_ready",
+    jobs.c.queue,
     jobs.c.tenant,
     jobs.c.priority.desc(),
     jobs.c.id,
@@ -145,6 +157,15 @@ Index(
 Index(
     "ix_outbox_jobs_leased",
     jobs.c.lease_expires_at,
+    postgresql_where=jobs.c.state == LEASED,
+    sqlite_where=jobs.c.state == LEASED,
+)
+# The tenant limit counts a tenant's LEASED jobs in a queue at claim time (at most the limit
+# of them): an equality probe on both columns, whatever the size of the table.
+LEASED_TENANT_INDEX = Index(
+    "ix_outbox_jobs_leased_tenant",
+    jobs.c.queue,
+    jobs.c.tenant,
     postgresql_where=jobs.c.state == LEASED,
     sqlite_where=jobs.c.state == LEASED,
 )
@@ -252,6 +273,15 @@ provider_limits = Table(
     Column("next_call_at", Double, nullable=False, server_default=text("0")),
     Column("paused_until", Double, nullable=False, server_default=text("0")),
     Column("pauses", Integer, nullable=False, server_default=text("0")),
+)
+
+# Queues an operator paused (``Store.pause_queue``): no worker claims from them until
+# ``resume_queue`` deletes the row. A handful of rows at most.
+paused_queues = Table(
+    PAUSED_QUEUES_TABLE,
+    metadata,
+    Column("queue", String(NAME_LENGTH), primary_key=True),
+    Column("paused_at", Double, nullable=False),
 )
 
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)

@@ -66,6 +66,7 @@ from consumer.jobs.rows import (
     job_from_row,
     lease_from_row,
 )
+from consumer.jobs.schema import DEFAULT_QUEUE
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
@@ -217,6 +218,7 @@ class Store(LeaseMoves, Recovery):
         run_after: Time | None = None,
         kind: str | None = None,
         provider: str | None = None,
+        queue: str = DEFAULT_QUEUE,
         session: Session | Connection | None = None,
         now: Time | None = None,
     ) -> EnqueueResult:
@@ -229,7 +231,9 @@ class Store(LeaseMoves, Recovery):
         the handlers' savepoint is released; the result (:class:`DeferredEnqueue`) writes the
         buffer first if ``job_id`` or ``duplicate`` is read before that.
         ``run_after`` delays eligibility; ``kind`` names the handler (default: routed by the
-        action's prefix); ``provider`` selects a per-provider backoff ceiling.
+        action's prefix); ``provider`` selects a per-provider backoff ceiling; ``queue``
+        names the queue the job waits in (``"default"``): workers claim from the queues they
+        are given.
         """
         values = _job_values(
             tenant,
@@ -241,6 +245,7 @@ class Store(LeaseMoves, Recovery):
             run_after=run_after,
             kind=kind,
             provider=provider,
+            queue=queue,
             now=now,
         )
         writers = deferred_writes(session)
@@ -361,6 +366,76 @@ class Store(LeaseMoves, Recovery):
         with self.driver.connect() as conn:
             return self.driver.job_next_timer(conn)
 
+    # -- queues --------------------------------------------------------------------------
+
+    def depth(self, queue: str | None = None) -> dict[str, QueueDepth]:
+        """READY jobs and the oldest eligible READY job's age per queue (``queue``: that one
+        only, present even when empty), paused queues included. Read from the READY index:
+        O(ready), never the DONE history."""
+        if queue is not None:
+            _name("queue", queue)
+        with self.driver.connect() as conn:
+            rows = self.driver.job_depth(conn, queue)
+            paused = self.driver.queue_paused_list(conn)
+        found: dict[str, QueueDepth] = {}
+        for name, ready, age in rows:
+            found[str(name)] = QueueDepth(
+                queue=str(name),
+                ready=int(ready),
+                oldest_ready_age_seconds=max(0.0, float(age)) if age is not None else 0.0,
+                paused=name in paused,
+            )
+        extra = [queue] if queue is not None else sorted(paused)
+        for name in extra:
+            if name not in found and (queue is None or name == queue):
+                found[name] = QueueDepth(name, 0, 0.0, paused=name in paused)
+        return dict(sorted(found.items()))
+
+    def pause_queue(self, queue: str, *, now: Time | None = None) -> bool:
+        """Stop every worker claiming from ``queue`` (jobs in hand run to their end; new jobs
+        are still enqueued). True if it was running. Idempotent."""
+        _name("queue", queue)
+        when = _time("now", now)
+        with self.driver.begin() as conn:
+            return self.driver.queue_pause(conn, queue, self._clock(conn, when))
+
+    def resume_queue(self, queue: str) -> bool:
+        """Let workers claim from ``queue`` again; True if it was paused. Idempotent."""
+        _name("queue", queue)
+        with self.driver.begin() as conn:
+            resumed = self.driver.queue_resume(conn, queue)
+            if resumed:
+                self.driver.job_ready_notify(conn)  # idle workers claim at once
+        return resumed
+
+    def paused_queues(self) -> list[str]:
+        """The paused queues, by name."""
+        with self.driver.connect() as conn:
+            return sorted(self.driver.queue_paused_list(conn))
+
+    def waiting_on_tenant_limit(
+        self,
+        tenant_limit: int | None = None,
+        tenant_limits: Mapping[str, int] | None = None,
+        *,
+        queues: Iterable[str] | None = None,
+    ) -> int:
+        """READY jobs whose tenant is at its limit in their queue (what a claim with these
+        limits skips now). O(leased) plus the READY jobs of the tenants at their limit."""
+        default = _limit("tenant_limit", tenant_limit)
+        limits = _limits(tenant_limits)
+        wanted = _names("queues", queues)
+        if default is None and not limits:
+            return 0
+        waiting = 0
+        with self.driver.connect() as conn:
+            for queue, tenant, leased in self.driver.job_leased_by_tenant(conn):
+                cap = limits.get(tenant, default)
+                if cap is None or leased < cap or (wanted is not None and queue not in wanted):
+                    continue
+                waiting += self.driver.job_ready_count(conn, queue, tenant)
+        return waiting
+
     # -- claiming ------------------------------------------------------------------------
 
     def claim(
@@ -422,10 +497,35 @@ class Store(LeaseMoves, Recovery):
         return leases[0] if leases else None
 
     def claim_batch(
-        self, worker: str, limit: int, ttl: float = 30, *, now: Time | None = None
+        self,
+        worker: str,
+        limit: int,
+        ttl: float = 30,
+        *,
+        now: Time | None = None,
+        queues: Iterable[str] | None = None,
+        routes: Iterable[str] | None = None,
+        tenant_limit: int | None = None,
+        tenant_limits: Mapping[str, int] | None = None,
     ) -> list[Lease]:
         """Claim up to ``limit`` eligible jobs in one short transaction, round robin over
-        tenants; each gets its own epoch. PostgreSQL: one statement, FOR UPDATE SKIP LOCKED."""
+        tenants within each queue; each gets its own epoch. PostgreSQL: one statement, FOR
+        UPDATE SKIP LOCKED.
+
+        Filters, all inside that one statement:
+
+        - ``queues``: claim only from these queues (None: every queue). Paused queues
+          (:meth:`pause_queue`) are never claimed from.
+        - ``routes``: only jobs these handler names can run, as ``Worker.route`` decides
+          (the kind is a name; without kind, the action is a name or starts with a name and
+          one of ``-:/.#_``). None: every job. A worker passes its handlers' names, so it
+          never claims a job it would have to park for lack of a handler.
+        - ``tenant_limit`` / ``tenant_limits`` (tenant -> limit, overriding the default):
+          at most that many jobs of one tenant LEASED at once in a queue, counted over every
+          worker on the database. A tenant at its limit is skipped: its jobs stay READY,
+          holding no lease. Race-safe on PostgreSQL (a per-tenant advisory lock and a count
+          taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
+        """
         _name("worker", worker)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise JobError("limit", f"must be a positive integer, got {limit!r}")
@@ -441,7 +541,13 @@ class Store(LeaseMoves, Recovery):
             "limit": limit,
             "worker": worker,
             "ttl": seconds,
+            "queues": _names("queues", queues),
+            "routes": _names("routes", routes),
+            "tenant_limit": _limit("tenant_limit", tenant_limit),
+            "tenant_limits": _limits(tenant_limits),
         }
+        if params["queues"] == [] or params["routes"] == []:
+            return []  # nothing this worker could take
         if when is not None:
             params["now"] = when
         with self.driver.begin() as conn:
@@ -452,3 +558,38 @@ class Store(LeaseMoves, Recovery):
             with self._cursor_lock:
                 self._cursor = leases[0].tenant
         return leases
+
+
+def _names(field_name: str, values: Iterable[str] | None) -> list[str] | None:
+    """Queue or handler names as a list (None stays None: no filter)."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        raise JobError(field_name, f"must be a list of names, not one string {values!r}")
+    names = list(values)
+    for name in names:
+        _name(field_name, name)
+    return names
+
+
+def _limit(field_name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise JobError(field_name, f"must be a positive integer or None, got {value!r}")
+    return value
+
+
+def _limits(values: Mapping[str, int] | None) -> dict[str, int]:
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise JobError("tenant_limits", f"must map tenants to limits, got {values!r}")
+    checked: dict[str, int] = {}
+    for tenant, value in values.items():
+        _name("tenant_limits", tenant)
+        limit = _limit("tenant_limits", value)
+        if limit is None:
+            raise JobError("tenant_limits", f"{tenant!r}: a limit must be a positive integer")
+        checked[tenant] = limit
+    return checked
