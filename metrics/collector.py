@@ -116,6 +116,7 @@ class DatabaseCollector(Collector):
             self._outbox_source(),
             self._dead_letter_source(),
             self._jobs_source(),
+            self._queues_source(),
             # Operation receipts of the job store (consumer/jobs/operations.py): an UNKNOWN receipt
             # ages from when it became UNKNOWN (updated_at), not from the intent's creation.
             unknown_receipts_source(
@@ -342,6 +343,45 @@ class DatabaseCollector(Collector):
             return [jobs, oldest_ready, expired]
 
         return Source(name="jobs", tables=((name, schema),), run=run)
+
+    def _queues_source(self) -> Source:
+        """Ready jobs and the oldest READY age per queue: a job no running worker takes (no
+        handler for its kind, its queue served by no worker, or paused) shows here, and
+        ``OutboxQueueNotTaken`` fires on it. A source of its own, so that a job table made
+        before queues (no ``queue`` column until a worker upgrades it) loses only these."""
+        name, schema = queries.JOBS_TABLE, self.jobs_schema
+        table = queries.qualified(name, schema)
+        top_n = self.top_n
+
+        def run(ctx: ScrapeContext) -> list[Metric]:
+            found = [
+                (str(queue), int(n), max(0.0, float(age)) if age is not None else 0.0)
+                for queue, n, age in ctx.conn.execute(
+                    queries.ready_jobs_per_queue(table, ctx.dialect)
+                )
+            ]
+            found.sort(key=lambda row: (-row[1], row[0]))
+            shown, rest = found[:top_n], found[top_n:]
+            if rest:  # bounded labels: the top_n fullest queues, then one "other"
+                shown.append(("other", sum(r[1] for r in rest), max(r[2] for r in rest)))
+            ready = GaugeMetricFamily(
+                "outbox_queue_ready_jobs",
+                f"READY jobs per queue (the {top_n} fullest queues, the rest as "
+                'queue="other"); queues with none have no series.',
+                labels=["queue"],
+            )
+            oldest = GaugeMetricFamily(
+                "outbox_queue_oldest_ready_age_seconds",
+                "How long the oldest eligible READY job of the queue has waited for a worker "
+                "(0 when all its READY jobs are scheduled for later).",
+                labels=["queue"],
+            )
+            for queue, n, age in shown:
+                ready.add_metric([queue], float(n))
+                oldest.add_metric([queue], age)
+            return [ready, oldest]
+
+        return Source(name="queues", tables=((name, schema),), run=run)
 
 
 def unknown_receipts_source(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,8 +63,12 @@ class PrometheusHooks(Hooks):
     kept here so the caller that only holds the hooks can still reach and stop them.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, max_queue_labels: int = 20
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.max_queue_labels = max_queue_labels
+        self._queues: set[str] = set()
         self.collector: Any = None
         self.server: Any = None
         self._server_thread: Any = None
@@ -222,6 +227,26 @@ class PrometheusHooks(Hooks):
             ["provider"],
             registry=r,
         )
+        self.worker_jobs_started_total = Counter(
+            "outbox_worker_jobs_started",
+            "Job handler runs started, by queue (at most max_queue_labels queues; the rest "
+            'are counted as queue="other").',
+            ["queue"],
+            registry=r,
+        )
+        self.worker_job_wait_seconds = Histogram(
+            "outbox_worker_job_wait_seconds",
+            "From a job's enqueue (database clock) to its handler's start, by queue.",
+            ["queue"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_tenant_limit_waiting_jobs = Gauge(
+            "outbox_worker_jobs_waiting_tenant_limit",
+            "READY jobs whose tenant is at this worker's tenant limit (they wait, holding no "
+            "lease, while other tenants run).",
+            registry=r,
+        )
         self.worker_last_success = Gauge(
             "outbox_worker_last_success_timestamp_seconds",
             "Unix time of the worker's last loop iteration without an infrastructure error.",
@@ -290,7 +315,48 @@ class PrometheusHooks(Hooks):
         self.consumer_last_success.set(float(timestamp))
 
     # -- worker ---------------------------------------------------------------------------
-    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+    def worker_job_started(
+        self,
+        action: str,
+        *,
+        job_id: int | None = None,
+        queue: str | None = None,
+        kind: str | None = None,
+        enqueued_at: float | None = None,
+    ) -> None:
+        label = self._queue_label(queue)
+        self.worker_jobs_started_total.labels(label).inc()
+        if enqueued_at is not None:
+            self.worker_job_wait_seconds.labels(label).observe(
+                max(0.0, time.time() - float(enqueued_at))
+            )
+
+    def worker_tenant_limit_waiting(self, jobs: int) -> None:
+        self.worker_tenant_limit_waiting_jobs.set(max(0, int(jobs)))
+
+    def _queue_label(self, queue: str | None) -> str:
+        # Queues are few by design; a bound keeps a misuse (one queue per customer) from
+        # growing the series without end: the first max_queue_labels names keep their own.
+        name = _label(queue, "default")
+        if name in self._queues:
+            return name
+        with self._register_lock:
+            if len(self._queues) < self.max_queue_labels:
+                self._queues.add(name)
+                return name
+        return "other"
+
+    def worker_job_finished(
+        self,
+        action: str,
+        outcome: str,
+        duration_seconds: float,
+        *,
+        job_id: int | None = None,
+        queue: str | None = None,
+        kind: str | None = None,
+        enqueued_at: float | None = None,
+    ) -> None:
         self.worker_jobs_finished_total.labels(_label(action), _label(outcome)).inc()
         self.worker_job_duration_seconds.labels(_label(action)).observe(
             max(0.0, float(duration_seconds))

@@ -118,6 +118,22 @@ def oldest_ready_job(table: str, dialect: str) -> TextualSelect:
     ).columns(column("age", Double))
 
 
+def ready_jobs_per_queue(table: str, dialect: str) -> TextualSelect:
+    """READY jobs per queue and the age of each queue's oldest eligible one.
+
+    Reads ``ix_outbox_jobs_ready`` (it leads with the queue; partial on READY): O(ready),
+    never the DONE history (the same statement as ``Store.depth``; tests/test_query_plans.py
+    checks its plan on 1,000,000 DONE rows). Queues are few; the collector caps the labels.
+    """
+    now = epoch_sql(dialect)
+    eligible = "coalesce(run_after, created_at)"
+    return text(
+        f"SELECT queue, count(*) AS n, "
+        f"{now} - min(CASE WHEN {eligible} <= {now} THEN {eligible} END) AS age "
+        f"FROM {table} WHERE state = 'READY' GROUP BY queue"
+    ).columns(column("queue", String), column("n", Integer), column("age", Double))
+
+
 def expired_leases(table: str, dialect: str) -> TextualSelect:
     """LEASED jobs whose lease expired (their worker died and nobody recovered them yet).
 

@@ -10,6 +10,7 @@ Label values passed here are bounded (topics, groups, error classes, outcomes), 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -63,8 +64,37 @@ class Hooks:
         """A consumer batch completed without an infrastructure error (unix time)."""
 
     # -- worker ---------------------------------------------------------------------------
-    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
-        """A job's handler ended with ``outcome`` (done, retry, waiting, failed, ...)."""
+    def worker_job_started(
+        self,
+        action: str,
+        *,
+        job_id: int | None = None,
+        queue: str | None = None,
+        kind: str | None = None,
+        enqueued_at: float | None = None,
+    ) -> None:
+        """A worker starts a job's handler (``action``: the handler's name, bounded). Which
+        job: ``job_id``, its ``queue`` and ``kind``, and ``enqueued_at`` (unix seconds,
+        database clock), so an observer can measure enqueue -> start per job. Never use
+        ``job_id`` as a metric label."""
+
+    def worker_job_finished(
+        self,
+        action: str,
+        outcome: str,
+        duration_seconds: float,
+        *,
+        job_id: int | None = None,
+        queue: str | None = None,
+        kind: str | None = None,
+        enqueued_at: float | None = None,
+    ) -> None:
+        """A job's handler ended with ``outcome`` (done, retry, waiting, failed, ...); the
+        job's facts as in :meth:`worker_job_started` (enqueue -> finish per job)."""
+
+    def worker_tenant_limit_waiting(self, jobs: int) -> None:
+        """READY jobs whose tenant is at the worker's tenant limit (read every recovery
+        interval by workers that have a limit)."""
 
     def worker_lease_conflict(self, action: str) -> None:
         """A worker lost a compare-and-set on (job, epoch): it was fenced out."""
@@ -86,10 +116,43 @@ class Hooks:
 NO_HOOKS = Hooks()
 
 
-def call_hook(hooks: Hooks, name: str, *args: Any) -> None:
-    """Call ``hooks.<name>(*args)``; a hook that raises is logged (warning, with the
-    traceback) and otherwise ignored: observing must never break the observed loop."""
+def call_hook(hooks: Hooks, name: str, *args: Any, **facts: Any) -> None:
+    """Call ``hooks.<name>(*args, **facts)``; a hook that raises is logged (warning, with the
+    traceback) and otherwise ignored: observing must never break the observed loop.
+
+    Keyword ``facts`` a hook does not declare are left out: an observer written before a hook
+    gained them (``worker_job_finished(self, action, outcome, duration_seconds)``) keeps
+    working."""
     try:
-        getattr(hooks, name)(*args)
+        method = getattr(hooks, name)
+        if facts:
+            accepted = _accepted_keywords(type(hooks), name, method)
+            if accepted is not None:
+                facts = {k: v for k, v in facts.items() if k in accepted}
+        method(*args, **facts)
     except Exception:
         log.warning("hook %s failed", name, exc_info=True, extra={"fields": {"hook": name}})
+
+
+_KEYWORDS: dict[tuple[type, str], frozenset[str] | None] = {}
+
+
+def _accepted_keywords(cls: type, name: str, method: Any) -> frozenset[str] | None:
+    """The keyword parameters of a hook method (None: it takes ``**kwargs``), once per class."""
+    key = (cls, name)
+    if key not in _KEYWORDS:
+        try:
+            parameters = inspect.signature(method).parameters.values()
+        except (TypeError, ValueError):
+            _KEYWORDS[key] = None
+        else:
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+                _KEYWORDS[key] = None
+            else:
+                _KEYWORDS[key] = frozenset(
+                    p.name
+                    for p in parameters
+                    if p.kind
+                    in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                )
+    return _KEYWORDS[key]

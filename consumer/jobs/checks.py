@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +19,7 @@ from consumer.jobs.rows import Lease
 from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
 from consumer.jobs.states import READY
 from outbox import tracing
+from outbox.errors import ConfigError
 from outbox.validate import check_name
 
 Time = float | int | datetime
@@ -193,3 +195,47 @@ def _holder(
         raise JobError("epoch", f"must be a positive integer (from claim), got {epoch!r}")
     assert worker is not None
     return where, label, worker, epoch
+
+
+# -- worker settings (consumer.jobs.worker.WorkerConfig) ------------------------------------
+
+
+def check_queue_settings(config: Any) -> None:
+    """A ``WorkerConfig``'s ``queues`` (a list of names, kept as a tuple; None: every queue),
+    ``tenant_limit`` (a positive integer or None) and ``tenant_limits`` (tenant -> limit,
+    kept as a dict). ``ConfigError`` names the field."""
+    queues = config.queues
+    if queues is not None:
+        if isinstance(queues, str) or not isinstance(queues, (list, tuple)):
+            raise ConfigError("queues", f"must be a list of queue names, got {queues!r}")
+        if not queues:
+            raise ConfigError("queues", "must name at least one queue (None: every queue)")
+        for name in queues:
+            check_name("queues", name, ConfigError)
+        object.__setattr__(config, "queues", tuple(dict.fromkeys(queues)))
+    limit = config.tenant_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError("tenant_limit", f"must be a positive integer or None, got {limit!r}")
+    limits = config.tenant_limits
+    if not isinstance(limits, Mapping):
+        raise ConfigError("tenant_limits", f"must map tenants to limits, got {limits!r}")
+    for tenant, value in limits.items():
+        check_name("tenant_limits", tenant, ConfigError)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("tenant_limits", f"{tenant!r}: must be a positive integer")
+    object.__setattr__(config, "tenant_limits", dict(limits))
+
+
+def tenant_limits(config: Any) -> dict[str, Any]:
+    """A worker's tenant limits, as ``Store.claim_batch`` takes them (and its queues)."""
+    return {
+        "tenant_limit": config.tenant_limit,
+        "tenant_limits": config.tenant_limits,
+        "queues": config.queues,
+    }
+
+
+def claim_filters(config: Any, handlers: Iterable[str]) -> dict[str, Any]:
+    """What a worker's claim filters on: its queues, its handlers' names (so it never claims
+    a job it has no handler for) and its tenant limits."""
+    return {"routes": list(handlers), **tenant_limits(config)}

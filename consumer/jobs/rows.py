@@ -92,6 +92,15 @@ class Lease:
     queue: str = "default"
     enqueued_at: float | None = None  # the job's created_at: unix seconds, database clock
 
+    def facts(self) -> dict[str, Any]:
+        """Which job this is, as the worker hooks' keywords (``outbox.hooks.Hooks``)."""
+        return {
+            "job_id": self.job_id,
+            "queue": self.queue,
+            "kind": self.kind,
+            "enqueued_at": self.enqueued_at,
+        }
+
 
 @dataclass(frozen=True)
 class Job:

@@ -215,6 +215,7 @@ class SlotRunner:
             routed = worker.route(ctx.lease)
             if routed is not None and is_async_handler(routed[1]):
                 started = time.monotonic()
+                worker._hook("worker_job_started", routed[0], **ctx.lease.facts())
                 error: BaseException | None = None
                 with tracing.running(ctx.lease, worker.route):  # this task's context
                     try:
@@ -269,8 +270,9 @@ class SlotRunner:
                         outcome = "conflict" if c.job_id in lost else "done"
                         if outcome == "conflict":
                             self.worker._hook("worker_lease_conflict", name)
+                        took = time.monotonic() - began
                         self.worker._hook(
-                            "worker_job_finished", name, outcome, time.monotonic() - began
+                            "worker_job_finished", name, outcome, took, **c.lease.facts()
                         )
                         future.set_result(outcome == "done")
             finally:

@@ -29,8 +29,8 @@ Outcomes: a handler that returns finishes the job (DONE; successes of one cycle 
 finished together in one fenced batch). It may instead move the job itself through its
 :class:`JobContext` (``wait_external``, ``wait_review``, ``schedule``, ``cancel``). Raising
 ``TransientFailure``/``PermanentFailure``/``AuthFailure`` (``consumer.errors``) records that
-failure; any other exception counts as transient. A job no handler matches goes to
-WAITING_REVIEW (a deploy mistake an operator must see, not a silent retry loop).
+failure; any other exception counts as transient. A worker claims only jobs its handlers
+route (and of its ``queues``): a job no handler matches stays READY for a worker that can run it.
 
 Timers: ``job.timer`` is the business timer that made the job eligible (or None).
 ``job.recheck(current_version, cancelled=..., replan_at=...)`` compares the subject's
@@ -89,6 +89,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved, ProviderThrottled
+from consumer.jobs.checks import check_queue_settings, claim_filters, tenant_limits
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.retention import JobRetentionConfig
@@ -135,8 +136,12 @@ class WorkerConfig:
     liveness_ttl: float = 3.0
     liveness_interval: float = 1.0
     retention: JobRetentionConfig = field(default_factory=JobRetentionConfig)
+    queues: tuple[str, ...] | None = None  # claim from these queues (None: every queue)
+    tenant_limit: int | None = None  # at most N jobs of a tenant LEASED at once, fleet-wide
+    tenant_limits: Mapping[str, int] = field(default_factory=dict)  # per-tenant overrides
 
     def __post_init__(self) -> None:
+        check_queue_settings(self)
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError("name", "must be a non-empty string")
         if not isinstance(self.listen, bool):
@@ -314,11 +319,10 @@ class Worker(WorkerDuties):
                 result = store.finish_batch([ctx.lease for ctx, _, _ in done])
                 lost = set(result.conflicts)
                 for ctx, label, started in done:
-                    if ctx.job_id in lost:
+                    end, took = ("conflict" if ctx.job_id in lost else "done"), _since(started)
+                    if end == "conflict":
                         self._hook("worker_lease_conflict", label)
-                        self._hook("worker_job_finished", label, "conflict", _since(started))
-                    else:
-                        self._hook("worker_job_finished", label, "done", _since(started))
+                    self._hook("worker_job_finished", label, end, took, **ctx.lease.facts())
         except SQLAlchemyError:
             # The database went away mid-batch (a connection cut, a server restart): hand
             # back every lease this worker still holds, so that the jobs run again now
@@ -336,8 +340,12 @@ class Worker(WorkerDuties):
         return handled
 
     def _claim(self, free: int, *, now: Time | None = None) -> list[Lease]:
-        """The one claim of this worker: at most ``free`` jobs (its free slots), one statement."""
-        return self._store().claim_batch(self.config.name, free, self.config.ttl, now=now)
+        """The one claim of this worker: at most ``free`` jobs (its free slots), one statement,
+        only of its queues, only what its handlers route, within its tenant limits."""
+        filters = claim_filters(self.config, self.handlers)
+        return self._store().claim_batch(
+            self.config.name, free, self.config.ttl, now=now, **filters
+        )
 
     def _maintain(self) -> bool:
         """What ``run`` does beside claiming (``consumer.jobs.slots``): recovery and the
@@ -359,6 +367,7 @@ class Worker(WorkerDuties):
         an ``async def`` one called here runs to its end on an event loop of its own)."""
         started = time.monotonic()
         routed = self.route(ctx.lease)
+        self._hook("worker_job_started", routed[0] if routed else "unrouted", **ctx.lease.facts())
         error: BaseException | None = None
         if routed is not None:
             try:
@@ -381,6 +390,7 @@ class Worker(WorkerDuties):
         finishes jobs in batches."""
         store = self._store()
         label = routed[0] if routed else "unrouted"
+        facts = ctx.lease.facts()  # which job, for the hooks
         try:
             if routed is None:
                 store.fail(
@@ -419,10 +429,10 @@ class Worker(WorkerDuties):
         except Conflict as exc:
             log.info("lease lost", extra=fields(job_id=ctx.job_id, error=str(exc)))
             self._hook("worker_lease_conflict", label)
-            self._hook("worker_job_finished", label, "conflict", _since(started))
+            self._hook("worker_job_finished", label, "conflict", _since(started), **facts)
             return "conflict", label, started
         if outcome != "done":
-            self._hook("worker_job_finished", label, outcome, _since(started))
+            self._hook("worker_job_finished", label, outcome, _since(started), **facts)
         return outcome, label, started
 
     def _hand_back_after_error(self, contexts: list[JobContext]) -> None:
@@ -464,6 +474,9 @@ class Worker(WorkerDuties):
         if moved:
             log.info("recovered jobs", extra=fields(**result.__dict__))
         self._learn_timer(store)
+        if self.config.tenant_limit is not None or self.config.tenant_limits:
+            waiting = store.waiting_on_tenant_limit(**tenant_limits(self.config))
+            self._hook("worker_tenant_limit_waiting", waiting)
         return moved
 
     def _learn_timer(self, store: Store) -> None:
@@ -647,8 +660,8 @@ class Worker(WorkerDuties):
             with contextlib.suppress(Exception):
                 listener.close()
 
-    def _hook(self, name: str, *args: Any) -> None:
-        call_hook(self.hooks, name, *args)
+    def _hook(self, name: str, *args: Any, **facts: Any) -> None:
+        call_hook(self.hooks, name, *args, **facts)
 
 
 def _retry_after(failure: JobFailure) -> float | None:
