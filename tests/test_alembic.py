@@ -106,6 +106,10 @@ def catalog(url: str) -> dict[str, Any]:
                     "SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid) "
                     "FROM pg_trigger WHERE NOT tgisinternal"
                 ),
+                "functions": rows(
+                    "SELECT proname, pg_get_functiondef(oid) FROM pg_proc "
+                    "WHERE pronamespace = 'public'::regnamespace"
+                ),
             }
     finally:
         engine.dispose()
@@ -142,13 +146,19 @@ def test_autogenerate_then_upgrade_makes_what_create_schema_makes(
     upgrade_end = source.index(marker)
     source = (
         "from outbox.migrations import create_extras, drop_extras\n"
+        "from consumer.jobs.migrations import create_job_extras, drop_job_extras\n"
         + source[:upgrade_end]
         + "    create_extras(op)\n"
+        + "    create_job_extras(op)\n"
         + source[upgrade_end:]
     )
     downgrade = source.index("def downgrade()")
     first_command = source.index("    # ### commands auto generated", downgrade)
-    source = source[:first_command] + "    drop_extras(op)\n" + source[first_command:]
+    source = (
+        source[:first_command]
+        + "    drop_extras(op)\n    drop_job_extras(op)\n"
+        + source[first_command:]
+    )
     revision.write_text(source)
     command.upgrade(config, "head")
 
@@ -161,6 +171,7 @@ def test_autogenerate_then_upgrade_makes_what_create_schema_makes(
     assert reference["triggers"] == []  # no NOTIFY trigger by default (issue 25)
     partial = [name for _, name, definition in reference["indexes"] if " WHERE " in definition]
     assert "ix_outbox_events_pending" in partial and "ix_outbox_jobs_ready" in partial
+    assert "outbox_jobs_tenant_room" in [name for name, _ in reference["functions"]]
 
     # A second autogenerate finds no differences (raises if it finds any).
     command.check(config)
@@ -169,6 +180,7 @@ def test_autogenerate_then_upgrade_makes_what_create_schema_makes(
     command.downgrade(config, "base")
     assert catalog(migrated_url)["tables"] == []
     assert catalog(migrated_url)["triggers"] == []
+    assert catalog(migrated_url)["functions"] == []
 
 
 def test_the_migration_extras_know_every_hot_table() -> None:
@@ -213,3 +225,40 @@ def test_a_database_migrated_before_tracing_gets_the_trace_context_column_by_aut
         command.check(config)  # nothing left to migrate
     finally:
         engine.dispose()
+
+
+def test_create_job_extras_upgrades_a_job_table_made_before_queues(
+    fresh_databases: tuple[str, str],
+) -> None:
+    """The Alembic recipe on a database made before queues: ``create_job_extras(op)`` in a
+    migration gives the job table what ``create_schema()`` makes today (the queue column, the
+    READY index leading with it, the tenant-limit index and function, the paused table)."""
+    from alembic.migration import MigrationContext
+    from alembic.operations import Operations
+
+    from consumer.jobs.migrations import create_job_extras
+    from tests.test_queues import make_old_jobs_table
+
+    old_url, reference_url = fresh_databases
+    Store(reference_url).dispose()
+    engine = sa.create_engine(old_url)
+    make_old_jobs_table(engine)
+    with engine.begin() as conn:
+        create_job_extras(Operations(MigrationContext.configure(conn)))
+    engine.dispose()
+    migrated, reference = catalog(old_url), catalog(reference_url)
+
+    def upgraded(found: dict[str, Any]) -> list[tuple[Any, ...]]:
+        names = ("ix_outbox_jobs_ready", "ix_outbox_jobs_leased_tenant")
+        return [row for row in found["indexes"] if row[1] in names]
+
+    assert len(upgraded(reference)) == 2
+    assert upgraded(migrated) == upgraded(reference)
+    queue = [row for row in migrated["columns"] if row[:2] == ("outbox_jobs", "queue")]
+    assert queue == [row for row in reference["columns"] if row[:2] == ("outbox_jobs", "queue")]
+    assert migrated["functions"] == reference["functions"]
+    assert "outbox_paused_queues" in [name for name, _ in migrated["tables"]]
+    store = Store(old_url, create_schema=False)
+    assert store.depth()["default"].ready == 3
+    assert len(store.claim_batch("w", 10, tenant_limit=1)) == 1
+    store.dispose()

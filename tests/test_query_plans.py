@@ -218,3 +218,111 @@ def test_jobs_claim_reads_a_batch_not_the_backlog(
     # reads its rows, the update fetches them again.
     assert read <= 3 * JOB_BATCH + 4 * tenants, f"read {read} rows: {_describe(plan)}"
     assert buffers(plan) <= 25 * JOB_BATCH, f"{buffers(plan)} buffers: {_describe(plan)}"
+
+
+def _compiled(statement: Any, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    compiled = statement.compile(dialect=sa.dialects.postgresql.psycopg.dialect())  # type: ignore[attr-defined]
+    return compiled.string, {name: params[name] for name in compiled.params}
+
+
+@pytest.mark.parametrize("stats", ["none", "stale"])
+def test_jobs_claim_with_queues_routes_and_a_tenant_limit_reads_a_batch(
+    conn: psycopg.Connection[Any], stats: str
+) -> None:
+    """Issue 27: the claim of a worker of queue "mine" with its handler routes and a tenant
+    limit reads its batch, not the 100,000 READY rows of another queue, nor the rows of its
+    own queue that it has no handler for (they sort after its jobs here)."""
+    if stats == "stale":
+        conn.execute("ANALYZE outbox_jobs")
+    conn.execute(
+        """INSERT INTO outbox_jobs (queue, tenant, action, kind, payload, state, created_at,
+                                    updated_at)
+        SELECT 'other', 'tenant-' || (g %% 10), 'other-' || g, 'plan', '{}'::jsonb, 'READY',
+               extract(epoch FROM now()), extract(epoch FROM now())
+        FROM generate_series(1, %(n)s) g""",
+        {"n": ROWS},
+    )
+    conn.execute(
+        """INSERT INTO outbox_jobs (queue, tenant, action, kind, payload, state, created_at,
+                                    updated_at)
+        SELECT 'mine', 'tenant-' || (g %% 10), 'mine-' || g,
+               CASE WHEN g <= %(n)s / 2 THEN 'plan' ELSE 'nobody' END, '{}'::jsonb, 'READY',
+               extract(epoch FROM now()), extract(epoch FROM now())
+        FROM generate_series(1, %(n)s) g""",
+        {"n": ROWS},
+    )
+    statement = job_queries.pg_claim_batch(False, all_queues=False, routed=True, limited=True)
+    params = {
+        "cursor": "",
+        "max_tenants": 64,
+        "limit": JOB_BATCH,
+        "worker": "w",
+        "ttl": 30.0,
+        "queues": '["mine"]',
+        "routes": '["plan"]',
+        "tenant_limit": 1000,
+        "tenant_limits": '{"tenant-3": 2}',
+    }
+    sql, positional = _compiled(statement, params)
+    plan = _explain(conn, sql, positional)
+    # Ten tenants: shares of 10; tenant-3 is held to 2 and leaves the rest of its share unused
+    # for this claim (as a tenant with fewer eligible jobs does).
+    expected = 9 * (JOB_BATCH // 10) + 2
+    assert plan["Plan"]["Actual Rows"] == expected, _describe(plan)
+    read = rows_read(plan, "outbox_jobs")
+    assert read <= 3 * JOB_BATCH + 4 * 10 + 20, f"read {read} rows: {_describe(plan)}"
+    assert buffers(plan) <= 25 * JOB_BATCH, f"{buffers(plan)} buffers: {_describe(plan)}"
+    # For real: only queue "mine", only kind "plan", at most 2 of tenant-3.
+    rows = conn.execute(sql, positional).fetchall()
+    assert len(rows) == expected
+    picked = conn.execute(
+        "SELECT queue, kind, tenant, count(*) FROM outbox_jobs WHERE state = 'LEASED' "
+        "GROUP BY queue, kind, tenant"
+    ).fetchall()
+    assert {(q, k) for q, k, _, _ in picked} == {("mine", "plan")}
+    assert dict((t, n) for _, _, t, n in picked)["tenant-3"] == 2
+
+
+def _fill_history(conn: psycopg.Connection[Any], stats: str) -> int:
+    """1,000,000 DONE jobs (the history) and 1,500 READY ones in three queues."""
+    if stats == "stale":
+        conn.execute("ANALYZE outbox_jobs")
+    conn.execute(
+        """INSERT INTO outbox_jobs (queue, tenant, action, state, created_at, updated_at)
+        SELECT 'q' || (g % 3), 't' || (g % 50), 'done-' || g, 'DONE',
+               extract(epoch FROM now()) - 86400, extract(epoch FROM now()) - 86400
+        FROM generate_series(1, 1000000) g"""
+    )
+    conn.execute(
+        """INSERT INTO outbox_jobs (queue, tenant, action, state, created_at, updated_at)
+        SELECT 'q' || (g % 3), 't' || (g % 50), 'ready-' || g, 'READY',
+               extract(epoch FROM now()) - g, extract(epoch FROM now()) - g
+        FROM generate_series(1, 1500) g"""
+    )
+    return 1500
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stats", ["none", "stale"])
+def test_depth_reads_the_ready_jobs_not_the_history(
+    conn: psycopg.Connection[Any], stats: str
+) -> None:
+    """Issue 27: ``Store.depth`` (and the per-queue gauges) on 1,000,000 DONE rows reads the
+    1,500 READY ones through ix_outbox_jobs_ready, whatever the statistics: O(ready)."""
+    from metrics.queries import ready_jobs_per_queue
+
+    ready = _fill_history(conn, stats)
+    for sql in (
+        job_queries.depth("postgresql", False).text,
+        str(ready_jobs_per_queue("outbox_jobs", "postgresql")),
+    ):
+        plan = _explain(conn, sql, {})
+        read = rows_read(plan, "outbox_jobs")
+        assert read <= ready, f"read {read} rows: {_describe(plan)}"
+        assert buffers(plan) <= 2_000, f"{buffers(plan)} buffers: {_describe(plan)}"
+        assert plan["Execution Time"] < 1000  # milliseconds; the scan of 1M rows is ~10x that
+    one = _explain(conn, *_compiled(job_queries.depth("postgresql", True), {"queue": "q1"}))
+    assert rows_read(one, "outbox_jobs") <= ready / 3 + 1, _describe(one)
+    rows = conn.execute(job_queries.depth("postgresql", False).text).fetchall()
+    assert [(q, n) for q, n, _ in rows] == [("q0", 500), ("q1", 500), ("q2", 500)]
+    assert all(age >= 1400 for _, _, age in rows)  # the oldest READY job of each queue

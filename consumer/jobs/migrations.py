@@ -22,6 +22,10 @@ before queues)::
         ...                       # the generated operations
         create_job_extras(op)
 
+    def downgrade() -> None:
+        drop_job_extras(op)       # before the generated drop_table operations
+        ...
+
 On PostgreSQL the column is added without rewriting the table (a constant default), but the
 index is built with a plain CREATE INDEX, which blocks writes to the jobs table meanwhile:
 on a large table, run the upgrade at a quiet time.
@@ -34,7 +38,7 @@ from typing import Any
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
-from consumer.jobs.queries import PG_TENANT_ROOM_SQL
+from consumer.jobs.queries import PG_TENANT_ROOM_SQL, TENANT_ROOM_FUNCTION
 from consumer.jobs.schema import (
     DEFAULT_QUEUE,
     LEASED_TENANT_INDEX,
@@ -58,17 +62,18 @@ def upgrade_schema(conn: Connection) -> None:
     ``conn``'s transaction. The tables themselves must exist (``metadata.create_all``)."""
     inspector = inspect(conn)
     prep = conn.dialect.identifier_preparer
-    present = {c["name"] for c in inspector.get_columns(operations.name)}
-    for name in ADDED_OPERATION_COLUMNS:
-        if name not in present:
-            column = operations.c[name]
-            conn.execute(
-                text(
-                    f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
-                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+    if inspector.has_table(operations.name):
+        present = {c["name"] for c in inspector.get_columns(operations.name)}
+        for name in ADDED_OPERATION_COLUMNS:
+            if name not in present:
+                column = operations.c[name]
+                conn.execute(
+                    text(
+                        f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
+                        f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                    )
                 )
-            )
-    OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
+        OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
 
     job_columns = {c["name"] for c in inspector.get_columns(jobs.name)}
     for name in ADDED_JOB_COLUMNS:
@@ -104,3 +109,11 @@ def create_job_extras(op: Any) -> None:
     """In an Alembic migration (``op`` is ``alembic.op``): :func:`upgrade_schema` on the
     migration's connection, after the job tables exist."""
     upgrade_schema(op.get_bind())
+
+
+def drop_job_extras(op: Any) -> None:
+    """In an Alembic downgrade: the tenant limit's function (PostgreSQL), which no MetaData
+    holds; the tables and indexes go with the generated operations."""
+    bind = op.get_bind()
+    if is_postgresql(bind.dialect.name):
+        bind.exec_driver_sql(f"DROP FUNCTION IF EXISTS {TENANT_ROOM_FUNCTION}(text, text, integer)")
