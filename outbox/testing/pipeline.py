@@ -128,9 +128,9 @@ class _Counting(Hooks):
         self.counts = counts
         self.inner = inner
 
-    def _pass(self, name: str, *args: Any) -> None:
+    def _pass(self, name: str, *args: Any, **facts: Any) -> None:
         if self.inner is not None:
-            call_hook(self.inner, name, *args)
+            call_hook(self.inner, name, *args, **facts)
 
     def consumer_handled(self, group: str, stream: str, count: int) -> None:
         self.counts["handled"] += count
@@ -144,14 +144,16 @@ class _Counting(Hooks):
         self.counts["dead_lettered"] += count
         self._pass("consumer_dead_lettered", group, stream, count)
 
-    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+    def worker_job_finished(
+        self, action: str, outcome: str, duration_seconds: float, **facts: Any
+    ) -> None:
         self.counts["outcome:" + outcome] += 1
-        self._pass("worker_job_finished", action, outcome, duration_seconds)
+        self._pass("worker_job_finished", action, outcome, duration_seconds, **facts)
 
 
 def _forwarder(name: str) -> Callable[..., None]:
-    def forward(self: _Counting, *args: Any) -> None:
-        self._pass(name, *args)
+    def forward(self: _Counting, *args: Any, **facts: Any) -> None:
+        self._pass(name, *args, **facts)
 
     forward.__name__ = name
     return forward
