@@ -5,14 +5,20 @@ outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--bat
                                    [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
                                    [--recover-interval SECONDS] [--liveness-ttl SECONDS]
                                    [--liveness-interval SECONDS]
+                                   [--queues A,B] [--tenant-limit N]
                                    [--metrics-port PORT] [--metrics-host HOST]
                                    [--log-level LEVEL]
 outbox-worker init-db [--database-url URL]
+outbox-worker queues pause NAME | resume NAME | list [--json]
 outbox-worker receipts [--state STATE] [--limit N] [--json]
 outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
 ```
+
+``queues pause NAME`` stops every worker claiming from queue NAME (the jobs in hand run to
+their end), ``queues resume NAME`` lets them claim again, ``queues list`` shows each queue's
+READY jobs, the oldest READY age and whether it is paused (``--json``).
 
 ``purge`` runs the job store's retention now (``consumer.jobs.purge`` has its flags; ``run``
 takes the same window flags for its retention duty).
@@ -30,7 +36,8 @@ one. A worker built without a Store gets ``Store(--database-url)``; flags overri
 concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*``
 environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_BATCH_SIZE``,
 ``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_RECOVER_INTERVAL``,
-``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_METRICS_PORT``,
+``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_QUEUES``,
+``OUTBOX_TENANT_LIMIT``, ``OUTBOX_METRICS_PORT``,
 ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no database URL, a SQLite file in the
 working directory. Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain the jobs in hand),
 1 on failure, 2 on bad usage, 130 interrupted. The flags are declared with :mod:`outbox.cli`.
@@ -53,7 +60,17 @@ from consumer.jobs.purge import (
     purge_command,
     retention_config,
 )
-from outbox.cli import DATABASE, LOGGING, METRICS, Flag, Parser, add_flags, load_target, run_main
+from outbox.cli import (
+    DATABASE,
+    LOGGING,
+    METRICS,
+    Flag,
+    Parser,
+    UsageError,
+    add_flags,
+    load_target,
+    run_main,
+)
 from outbox.db import default_database_url, describe_url
 from outbox.logs import fields, setup_logging
 
@@ -120,11 +137,36 @@ def build_parser() -> Parser:
             shown_default=_worker_default("liveness_interval"),
             metavar="S",
         ),
+        Flag(
+            "--queues",
+            queue_names,
+            "claim only from these queues, comma-separated",
+            shown_default="the Worker's, else every queue",
+            metavar="A,B",
+        ),
+        Flag(
+            "--tenant-limit",
+            int,
+            "at most N jobs of one tenant leased at once in a queue, over every worker",
+            shown_default="the Worker's, else no limit",
+            metavar="N",
+        ),
         *METRICS,
     )
     run.set_defaults(func=_run)
     init = sub.add_parser("init-db", help="create the job tables")
     init.set_defaults(func=_init_db)
+    queues = sub.add_parser(
+        "queues",
+        help="pause, resume or list the job queues",
+        description="Pause a queue (no worker claims from it; the jobs in hand run to their "
+        "end, new jobs are still enqueued), resume it, or list the queues with their READY "
+        "jobs, the oldest READY age and whether they are paused.",
+    )
+    queues.add_argument("action", choices=("pause", "resume", "list"), help="what to do")
+    queues.add_argument("name", nargs="?", default=None, help="the queue (pause, resume)")
+    add_flags(queues, Flag("--json", bool, "list: one JSON object", env=None))
+    queues.set_defaults(func=_queues)
     receipts = sub.add_parser("receipts", help="list operation receipts")
     add_flags(
         receipts,
@@ -162,7 +204,7 @@ def build_parser() -> Parser:
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, receipts, settle, sweep, purge):
+    for command in (run, init, queues, receipts, settle, sweep, purge):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 
@@ -212,6 +254,10 @@ def _run(args: argparse.Namespace, url: str) -> int:
             options[option] = value
     if args.no_listen:
         options["listen"] = False
+    if args.queues is not None:
+        options["queues"] = args.queues
+    if args.tenant_limit is not None:
+        options["tenant_limit"] = args.tenant_limit
     if configured_from_environment() or any(
         getattr(args, flag.replace("-", "_")) is not None for flag, *_ in WINDOWS
     ):
@@ -234,6 +280,48 @@ def _run(args: argparse.Namespace, url: str) -> int:
     )
     worker.run()
     return 0
+
+
+def queue_names(raw: str) -> list[str]:
+    """``--queues a,b`` (and ``OUTBOX_QUEUES``): the queue names, comma-separated."""
+    names = [name.strip() for name in raw.split(",")]
+    if not all(names):
+        raise ValueError(f"{raw!r} is not a comma-separated list of queue names")
+    return names
+
+
+def _queues(args: argparse.Namespace, url: str) -> int:
+    from consumer.jobs.store import Store
+
+    if args.action in ("pause", "resume") and not args.name:
+        raise UsageError(f"queues {args.action} needs the queue's NAME")
+    if args.action == "list" and args.name:
+        raise UsageError("queues list takes no NAME")
+    store = Store(url)
+    try:
+        if args.action == "pause":
+            changed = store.pause_queue(args.name)
+            print(f"{args.name}: paused" + ("" if changed else " (it was already)"))
+            return 0
+        if args.action == "resume":
+            changed = store.resume_queue(args.name)
+            print(f"{args.name}: running" + ("" if changed else " (it was not paused)"))
+            return 0
+        depth = store.depth()
+        if args.json:
+            print(json.dumps({name: d.as_dict() for name, d in depth.items()}, indent=2))
+            return 0
+        rows = [
+            (d.queue, str(d.ready), f"{d.oldest_ready_age_seconds:.1f}", "yes" if d.paused else "")
+            for d in depth.values()
+        ]
+        header = ("QUEUE", "READY", "OLDEST_READY_S", "PAUSED")
+        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
+        for row in (header, *rows):
+            print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+        return 0
+    finally:
+        store.dispose()
 
 
 def _operations_command(args: argparse.Namespace, url: str) -> int:
