@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Double, func, literal, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
@@ -86,17 +86,24 @@ class FleetLimits:
         )
         self._known.add(provider)
 
+    def _now(self) -> Any:
+        """The database clock as SQL; a number when the store has a clock of its own
+        (``Store(clock=...)``: a test's time, which pauses must follow too)."""
+        clock = self.store.driver.clock
+        return db_epoch() if clock is None else literal(clock(), Double)
+
     def _remember_pause(self, provider: str, until: float, clock: float) -> None:
         with self._lock:
             self._paused[provider] = (until, time.monotonic() + (until - clock))
 
     def paused_locally(self, provider: str) -> float | None:
         """``paused_until`` as this process learnt it, while it lasts (no round trip)."""
+        clock = self.store.driver.clock
         with self._lock:
             known = self._paused.get(provider)
             if known is None:
                 return None
-            if time.monotonic() >= known[1]:
+            if (clock() >= known[0]) if clock is not None else time.monotonic() >= known[1]:
                 del self._paused[provider]
                 return None
             return known[0]
@@ -108,7 +115,7 @@ class FleetLimits:
             return local
         with self.store.driver.connect() as conn:
             row = conn.execute(
-                select(provider_limits.c.paused_until, db_epoch()).where(
+                select(provider_limits.c.paused_until, self._now()).where(
                     provider_limits.c.provider == provider
                 )
             ).first()
@@ -122,7 +129,7 @@ class FleetLimits:
         reaching further stays); returns its end (database clock)."""
         with self.store.driver.begin() as conn:
             self._ensure(conn, provider)
-            clock = float(conn.execute(select(db_epoch())).scalar_one())
+            clock = float(conn.execute(select(self._now())).scalar_one())
             until = clock + max(0.0, seconds)
             conn.execute(
                 update(provider_limits)
@@ -155,7 +162,7 @@ class FleetLimits:
         succeeds."""
         with self.store.driver.begin() as conn:
             self._ensure(conn, provider)
-            now = db_epoch()
+            now = self._now()
             row = conn.execute(
                 update(provider_limits)
                 .where(
@@ -171,7 +178,7 @@ class FleetLimits:
                 return max(0.0, start - float(row[1])), None
             held = conn.execute(
                 select(
-                    provider_limits.c.paused_until, provider_limits.c.next_call_at, db_epoch()
+                    provider_limits.c.paused_until, provider_limits.c.next_call_at, self._now()
                 ).where(provider_limits.c.provider == provider)
             ).one()
         paused, booked, clock = float(held[0]), float(held[1]), float(held[2])
@@ -378,7 +385,10 @@ class ProviderGate:
         # Hand back rather than queue: the jobs already waiting would take about this long.
         estimate = (self.permits.waiting + 1) / max(self.permits.limit, 1.0)
         delay = max(RETRY_SOON, estimate * max(self.permits._best, 0.05))
-        return self._throttled("has as many calls waiting as it may", time.time() + delay)
+        clock = self.fleet.store.driver.clock if self.fleet is not None else None
+        return self._throttled(
+            "has as many calls waiting as it may", (clock or time.time)() + delay
+        )
 
     def _reserve(self) -> float:
         if self.fleet is None or not self.spacing:
