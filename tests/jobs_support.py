@@ -72,3 +72,36 @@ def build_slow() -> Worker:
             time.sleep(float(os.environ.get("JOBS_HOLD", "120")))
 
     return worker
+
+
+def build_routed() -> Worker:
+    """A worker with one handler per name in $JOBS_HANDLERS (comma-separated). Each appends
+    ``PID HANDLER QUEUE ACTION LEASED`` to $JOBS_EFFECTS_FILE, where LEASED is how many jobs
+    of the job's tenant and queue are LEASED at that moment (read from the database, over
+    every worker), then sleeps $JOBS_SLEEP seconds (default 0)."""
+    import time
+
+    import sqlalchemy as sa
+
+    worker = Worker(poll_interval=0.05)
+    pause = float(os.environ.get("JOBS_SLEEP", "0"))
+
+    def make(name: str) -> None:
+        @worker.handler(name)
+        def run(job: JobContext) -> None:
+            with job.store.engine.connect() as conn:
+                leased = conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED' "
+                        "AND tenant = :t AND queue = :q"
+                    ),
+                    {"t": job.tenant, "q": job.lease.queue},
+                ).scalar_one()
+            with open(os.environ["JOBS_EFFECTS_FILE"], "a") as fh:
+                fh.write(f"{os.getpid()} {name} {job.lease.queue} {job.action} {leased}\n")
+            if pause:
+                time.sleep(pause)
+
+    for name in os.environ["JOBS_HANDLERS"].split(","):
+        make(name)
+    return worker
