@@ -123,17 +123,7 @@ class PostgresJobDriver(JobDriver):
         # only FROM its row, so a fenced dispatch writes nothing; an existing intent is left
         # alone (the caller reads it under lock, as before). The job row is locked before the
         # operation row, the order of the slow path (job_lock_held, then operation_get).
-        if self.clock is not None:  # a clock of the caller's: the statement reads the server's
-            return super().operation_intent(
-                operation_id=operation_id,
-                job_id=job_id,
-                provider=provider,
-                digest=digest,
-                timeout=timeout,
-                worker=worker,
-                epoch=epoch,
-            )
-        params = {
+        params: dict[str, Any] = {
             "timeout": float(timeout),
             "job_id": job_id,
             "epoch": epoch,
@@ -143,9 +133,12 @@ class PostgresJobDriver(JobDriver):
             "provider": provider,
             "digest": digest,
         }
+        statement = self._intent_sql
+        if self.clock is not None:  # a clock of the caller's (a test's): bound, not read
+            statement, params["now"] = self._intent_sql_at, self.clock()
         with self.autocommit() as conn:
             raw: Any = conn.connection.dbapi_connection
-            held, created = raw.execute(self._intent_sql, params).fetchone()
+            held, created = raw.execute(statement, params).fetchone()
         if not held:
             return "fenced"
         return "created" if created else "exists"
@@ -215,8 +208,15 @@ class PostgresJobDriver(JobDriver):
     @cached_property
     def _intent_sql(self) -> str:
         """The statement of :meth:`operation_intent`, built once (it runs on every dispatch)."""
+        return self._intent_statement(EPOCH_SQL[POSTGRESQL])
+
+    @cached_property
+    def _intent_sql_at(self) -> str:
+        """The same, at a bound ``now`` (``Store(clock=...)``) instead of the server's clock."""
+        return self._intent_statement("CAST(%(now)s AS double precision)")
+
+    def _intent_statement(self, now: str) -> str:
         prep = self.engine.dialect.identifier_preparer
-        now = EPOCH_SQL[POSTGRESQL]
         return (
             f"WITH lease AS ("
             f" UPDATE {prep.format_table(jobs)} SET lease_expires_at = CASE"
