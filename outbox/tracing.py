@@ -60,7 +60,6 @@ from typing import Any
 
 try:  # the optional extra: everything below is a no-op without it
     from opentelemetry import context as _otel_context
-    from opentelemetry import propagate as _propagate
     from opentelemetry import trace as _trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -170,7 +169,11 @@ def _job_carrier(trace_context: str | None) -> dict[str, str] | None:
 def inject_http(headers: MutableMapping[str, str]) -> None:
     """``HttpProvider``: the current context into a request's headers (global propagator)."""
     if AVAILABLE and _trace.get_current_span().get_span_context().is_valid:
-        _propagate.inject(headers)
+        # Imported here: loading the configured propagators scans the installed packages'
+        # entry points, a cost every process would pay at start for a provider call.
+        from opentelemetry import propagate
+
+        propagate.inject(headers)
 
 
 def log_ids() -> tuple[str, str] | None:

@@ -184,6 +184,27 @@ def entry_id_of(client: redis.Redis, publish: Any) -> str:
     return str(entry_id.decode())
 
 
+def test_an_async_handlers_dispatch_continues_the_run_span(
+    spans: Spans, pipeline: Pipeline, simulator: SimulatorProcess
+) -> None:
+    """``async def`` handlers and ``adispatch`` (the plan's parts in other threads, its steps
+    on the loop) keep the trace: the provider's async request carries the dispatch span."""
+    pipeline.emit("q-6")
+    assert pipeline.relay.run_once() == 1
+    assert pipeline.consumer.run_once(block=False) == 1
+
+    @pipeline.worker.handler("send")
+    async def send(job: JobContext) -> None:
+        await job.adispatch("email", "sim", {"quote": job.action})
+
+    assert pipeline.worker.run_once() == 1
+    process, run, dispatch = spans.one("process "), spans.one("run "), spans.one("dispatch ")
+    assert parent_id(run) == ids(process)[1] and parent_id(dispatch) == ids(run)[1]
+    assert attributes(dispatch)["outbox.receipt.state"] == "ACCEPTED"
+    [effect] = simulator.effects()
+    assert traceparent_ids(effect["headers"]["traceparent"]) == ids(dispatch)
+
+
 def test_a_duplicate_events_span_says_so(
     spans: Spans, pipeline: Pipeline, redis_client: redis.Redis
 ) -> None:
