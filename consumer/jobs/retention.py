@@ -179,8 +179,11 @@ ORDER BY j.updated_at"""
 #   each starting after the previous row: every plan of a LIMIT 1 probe stops at one row.
 #   A job with an open receipt (PENDING, UNKNOWN: its effect is not settled) is stepped
 #   over and stays.
-# - ``doomed``: those rows by primary key, re-checked, locked with SKIP LOCKED (two workers
-#   purging at once take different rows).
+# - ``doomed``: those rows by primary key, locked with SKIP LOCKED (two workers purging at
+#   once take different rows), the open-receipt check repeated under the lock. No state
+#   filter here: DONE and CANCELLED are terminal, and a state filter matches the partial
+#   index's predicate, which let the planner read all 20,000 finished rows through it (a
+#   bitmap scan, 19,000 removed by the id filter) instead of 1,000 primary-key probes.
 # - its attempts and operations go by their job_id indexes (= ANY of an array: an index
 #   probe per id, never a hash join over the table) in the same statement.
 _NEXT_FINISHED = f"""
@@ -201,7 +204,6 @@ WITH RECURSIVE walk(id, updated_at, n) AS (
 doomed AS MATERIALIZED (
     SELECT j.id FROM {JOBS_TABLE} j
     WHERE j.id = ANY(ARRAY(SELECT id FROM walk))
-      AND j.state IN ('{DONE}', '{CANCELLED}')
       AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
                       WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
     FOR UPDATE OF j SKIP LOCKED),
