@@ -72,7 +72,7 @@ def test_trace_prints_the_story_and_exits_1_when_not_found(
 
 def test_init_db_creates_the_audit_table_and_the_lookup_indexes(world: World, db_url: str) -> None:
     missing = missing_lookup_indexes(world.engine)
-    assert "ix_outbox_events_identity" in missing and len(missing) <= len(LOOKUP_INDEXES)
+    assert "ix_outbox_events_identity_seq" in missing and len(missing) <= len(LOOKUP_INDEXES)
     done = console("init-db", "--database-url", db_url)
     assert done.returncode == 0, done.stderr
     assert missing_lookup_indexes(world.engine) == []

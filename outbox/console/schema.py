@@ -131,10 +131,16 @@ class LookupIndex:
 
 
 LOOKUP_INDEXES: tuple[LookupIndex, ...] = (
-    LookupIndex("ix_{outbox}_identity", "{outbox}", ("identity",), "trace by identity"),
+    # Each ends with the key its lookup orders by: under "identity = :q", ORDER BY seq is
+    # the index order, so the index is the plan. An index on (identity) alone leaves
+    # PostgreSQL (no statistics) walking the primary key in seq order with a filter, hoping
+    # to meet a match early: 4.7 s on 1M events for an identity that is not there.
+    LookupIndex("ix_{outbox}_identity_seq", "{outbox}", ("identity", "seq"), "trace by identity"),
     LookupIndex("ix_{outbox}_key_seq", "{outbox}", ("key", "seq"), "trace and list by key"),
     LookupIndex("ix_{outbox}_topic_seq", "{outbox}", ("topic", "seq"), "events by topic"),
-    LookupIndex("ix_outbox_jobs_subject", "outbox_jobs", ("subject",), "trace: an event's jobs"),
+    LookupIndex(
+        "ix_outbox_jobs_subject_id", "outbox_jobs", ("subject", "id"), "trace: an event's jobs"
+    ),
     LookupIndex("ix_outbox_jobs_state_id", "outbox_jobs", ("state", "id"), "jobs by state"),
     LookupIndex("ix_outbox_jobs_tenant_id", "outbox_jobs", ("tenant", "id"), "jobs by tenant"),
     LookupIndex("ix_outbox_jobs_action", "outbox_jobs", ("action", "id"), "jobs by action"),
