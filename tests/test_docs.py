@@ -294,3 +294,13 @@ def test_every_alert_rule_is_documented() -> None:
     missing = [f"alert {name}" for name in alerts if f"`{name}`" not in text]
     missing += [f"threshold {name}" for name in default_thresholds() if f"`{name}`" not in text]
     assert not missing, f"not in docs/reference/alert-rules.md: {missing}"
+
+
+def test_readme_links_resolve() -> None:
+    """The README's relative links (into docs/, bench/reports/) name files that exist; the
+    site's own links are checked by ``mkdocs build --strict``."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert targets
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert not missing, missing
