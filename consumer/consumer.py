@@ -68,6 +68,7 @@ from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum
+from outbox.outage import is_outage
 from outbox.redis_client import in_slot_of, is_cluster_url, redis_client, slot_of
 from outbox.retention import DEFAULT_DEAD_LETTER_RETENTION, check_seconds
 from outbox.schema import check_identifier
@@ -566,7 +567,8 @@ class Consumer:
                 attempt += 1
                 log.warning(
                     "consumer batch failed, retrying",
-                    exc_info=not isinstance(exc, (redislib.RedisError, OSError)),
+                    # An outage is one line (the error names it); anything else is a bug.
+                    exc_info=not (is_outage(exc) or isinstance(exc, redislib.RedisError)),
                     extra=fields(
                         group=self.group,
                         error=f"{type(exc).__name__}: {exc}",

@@ -99,19 +99,19 @@ class PrometheusHooks(Hooks):
             "outbox_relay_batch_duration_seconds",
             "Duration of one claim-publish-record cycle of the relay.",
             buckets=BATCH_BUCKETS,
-            registry=r,
+            registry=None,
         )
         self.relay_batch_size = Histogram(
             "outbox_relay_batch_size",
             "Records handled per relay cycle.",
             buckets=BATCH_SIZE_BUCKETS,
-            registry=r,
+            registry=None,
         )
         self.relay_commit_to_stream_seconds = Histogram(
             "outbox_relay_commit_to_stream_seconds",
             "Latency from the outbox row's creation (database clock) to its stream entry.",
             buckets=LATENCY_BUCKETS,
-            registry=r,
+            registry=None,
         )
         self.relay_reconciled_total = Counter(
             "outbox_relay_reconciled",
@@ -254,7 +254,19 @@ class PrometheusHooks(Hooks):
         )
 
     # -- relay ----------------------------------------------------------------------------
+    def _register_relay(self) -> None:
+        # A histogram without labels exports its buckets at once, count 0: only a process
+        # that runs a relay (its first cycle calls a relay hook) exports the relay's, not a
+        # consumer's, a worker's or the standalone exporter's /metrics (issue 26).
+        for histogram in (
+            self.relay_batch_duration_seconds,
+            self.relay_batch_size,
+            self.relay_commit_to_stream_seconds,
+        ):
+            self._register_once(histogram)
+
     def relay_published(self, topic: str, count: int, latencies_seconds: list[float]) -> None:
+        self._register_relay()
         if count > 0:
             self.relay_published_total.labels(_label(topic)).inc(count)
         observe = self.relay_commit_to_stream_seconds.observe
@@ -266,6 +278,7 @@ class PrometheusHooks(Hooks):
         self.relay_publish_errors_total.labels(_label(error_class)).inc()
 
     def relay_batch(self, duration_seconds: float, size: int) -> None:
+        self._register_relay()
         self.relay_batch_duration_seconds.observe(max(0.0, float(duration_seconds)))
         self.relay_batch_size.observe(max(0, int(size)))
 
@@ -280,6 +293,7 @@ class PrometheusHooks(Hooks):
             self.relay_quarantined_total.labels(_label(topic)).inc(count)
 
     def relay_cycle_ok(self, timestamp: float) -> None:
+        self._register_relay()
         self._register_once(self.relay_last_success)
         self.relay_last_success.set(float(timestamp))
 
@@ -380,7 +394,7 @@ class PrometheusHooks(Hooks):
         self.provider_pauses_total.labels(_label(provider)).inc()
         self.provider_paused_until.labels(_label(provider)).set(float(until))
 
-    def _register_once(self, metric: Gauge) -> None:
+    def _register_once(self, metric: Gauge | Histogram) -> None:
         # The last-success gauges appear only once a part reports a cycle: a consumer process
         # must not export a relay's "last success 0" that a stalled-relay alert would read.
         if id(metric) not in self._registered:

@@ -226,12 +226,28 @@ def add_flags(parser: argparse.ArgumentParser, *flags: Flag) -> argparse.Argumen
     return parser
 
 
+_SOURCES = "_flag_sources"
+
+
 def resolve_environment(namespace: argparse.Namespace, environ: Any = None) -> argparse.Namespace:
-    """Replace every flag not given on the command line by its variable's value or default."""
+    """Replace every flag not given on the command line by its variable's value or default
+    (:func:`given_as` tells which it was)."""
+    environ = os.environ if environ is None else environ
+    sources: dict[str, str] = getattr(namespace, _SOURCES, {})
     for key, value in list(vars(namespace).items()):
         if isinstance(value, _Pending):
-            setattr(namespace, key, value.flag.resolve(environ))
+            flag = value.flag
+            setattr(namespace, key, flag.resolve(environ))
+            sources[key] = flag.env_var if flag.env_var and environ.get(flag.env_var) else ""
+    setattr(namespace, _SOURCES, sources)
     return namespace
+
+
+def given_as(args: argparse.Namespace, flag: Flag) -> str:
+    """How ``flag``'s value was given: its name (the command line), its variable's name
+    (the environment), or "" (the default): for messages about a flag that cannot apply."""
+    sources: dict[str, str] = getattr(args, _SOURCES, {})
+    return sources.get(flag.attribute, flag.name)
 
 
 def declared_flags(parser: argparse.ArgumentParser) -> list[Flag]:

@@ -85,6 +85,26 @@ def configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql(f"BEGIN {mode}" if mode in ("IMMEDIATE", "EXCLUSIVE") else "BEGIN")
 
 
+def missing_sqlite_file(url: str | URL) -> str | None:
+    """The path of a SQLite file ``url`` names that does not exist (connecting would create
+    it empty), or None (it exists, it is in memory, or the URL is not SQLite)."""
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return None if os.path.exists(parsed.database) else parsed.database
+
+
+def same_database(a: str | URL, b: str | URL) -> bool:
+    """Whether two database URLs name the same database (after our driver choice)."""
+    try:
+        first, second = normalise_url(a), normalise_url(b)
+    except ConfigError:
+        return False
+    return first.render_as_string(hide_password=False) == second.render_as_string(
+        hide_password=False
+    )
+
+
 def describe_url(url: str | URL) -> str:
     """The URL with any password hidden, for logs and error messages."""
     try:

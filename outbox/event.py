@@ -9,6 +9,7 @@ would need anyway to measure the payload's size.
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,25 @@ MAX_HEADER_VALUE_LENGTH = 4096
 def _encode(value: Any) -> str:
     # allow_nan=False: NaN and Infinity are not JSON and PostgreSQL's jsonb refuses them.
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+_NOT_IN_A_TOPIC = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+"""Whitespace and control characters: a topic names a Redis key (``outbox.{topic}``), where
+``"outbox.a b\n"`` is legal but a trap for every tool and operator that reads it."""
+
+
+def check_topic(value: object) -> str:
+    """A topic is a name without whitespace or control characters (InvalidEvent ``topic``)."""
+    topic = check_name("topic", value)
+    assert topic is not None
+    bad = _NOT_IN_A_TOPIC.search(topic)
+    if bad is not None:
+        raise InvalidEvent(
+            "topic",
+            f"must not contain whitespace or control characters (found {bad.group()!r} at "
+            f"{bad.start()})",
+        )
+    return topic
 
 
 def check_name(field_name: str, value: object, *, required: bool = True) -> str | None:
@@ -124,7 +144,7 @@ def make_event(
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> NewEvent:
     """Validate every field and return the event; raise InvalidEvent on the first bad one."""
-    checked_topic = check_name("topic", topic)
+    checked_topic = check_topic(topic)
     checked_key = check_name("key", key)
     checked_tenant = check_name("tenant", tenant, required=False)
     if event_id is None:

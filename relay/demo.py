@@ -7,13 +7,17 @@ enqueues one "send the quote" job per quote in the same transaction; a worker cl
 jobs under fenced leases and finishes them. The live view shows each step.
 
 On the embedded default it needs nothing installed: a SQLite file (``outbox.db``) and an
-embedded Redis server (``outbox-redis.db``) in the working directory. Ctrl-C (or
-``--duration``) stops it cleanly: the writer stops, the relay drains what is committed.
+embedded Redis server (``outbox-redis.db``), in one folder, ``.outbox/`` in the working
+directory (``--data-dir``, ``OUTBOX_DATA_DIR``; git ignores it). Each run starts fresh: the
+earlier run's database, stream and simulator effects in that folder are removed first; on a
+database or Redis of ``--database-url``/``--redis-url`` nothing is removed and the demo says
+that it reuses them. Ctrl-C (or ``--duration``) stops it cleanly: the writer stops, the relay
+drains what is committed.
 
 ``--chaos`` shows the point of it all (guarantee 8, one customer-visible effect). The jobs
 are done by ``--workers`` worker *processes* (``outbox-worker run relay.demo_app:build_worker``)
 that send each quote's email through ``HttpProvider`` to the connector simulator service
-(``outbox-simulator serve``, its effects in ``simulator.db`` in the working directory), whose
+(``outbox-simulator serve``, its effects in ``simulator.db`` in the data directory), whose
 fault plan answers some sends late and some slowly. Every 1-2 s the demo SIGKILLs a worker
 process, one with a call in flight when there is one (its receipt still PENDING), and starts
 another. The live view counts the emails the simulator sent (``GET /effects``) against the
@@ -61,6 +65,40 @@ from relay.relay import Relay
 
 TENANTS = ("studio", "bakery", "garage")
 STREAM = "outbox.{topic}"
+
+
+STREAM_KEY = "outbox.quote.approved"
+
+DEMO_FILES = ("outbox.db", "outbox.db-wal", "outbox.db-shm", "simulator.db", "demo-chaos.log")
+"""The demo's own files in its data directory, removed at start: a run's totals are its own."""
+
+
+def _start_fresh(data_dir: str) -> None:
+    """Remove the files an earlier run left in the demo's data directory (``.outbox/``)."""
+    removed = []
+    for name in DEMO_FILES:
+        path = os.path.join(data_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+            removed.append(name)
+    if "outbox.db" in removed:
+        print(f"starting fresh: removed the earlier run's files in {data_dir}", flush=True)
+
+
+def _say_what_is_reused(args: argparse.Namespace, start_id: int, client: Any) -> None:
+    """A demo on the user's own database or Redis keeps what is there: say so."""
+    if args.database_url is not None and start_id > 0:
+        print(
+            f"reusing the database of --database-url: it holds {start_id} quotes of earlier "
+            "runs; the totals below count them too",
+            flush=True,
+        )
+    if args.redis_url is not None and client.exists(STREAM_KEY):
+        print(
+            f"reusing the stream {STREAM_KEY} of --redis-url: its entries of earlier runs "
+            "count in the totals below",
+            flush=True,
+        )
 
 
 def _setup_domain(outbox: Outbox) -> int:
@@ -208,6 +246,39 @@ def _view(
     return "\n".join(lines)
 
 
+NON_TTY_INTERVAL = 5.0
+"""Seconds between the progress lines when stdout is not a terminal."""
+
+
+def _line(
+    outbox: Outbox,
+    relay: Relay,
+    written: list[int],
+    counts: _Counts,
+    store: Store,
+    elapsed: float,
+    chaos: _Chaos | None,
+) -> str:
+    """The live view in one line, for an output that is not a terminal."""
+    report = status(outbox.engine, outbox.schema)
+    done = store.counts()["DONE"]
+    line = (
+        f"demo {elapsed:5.1f}s: {written[0]} quotes approved (+{written[1]} retried), "
+        f"{relay.stats.published} published by the relay, backlog {report['pending']}, "
+        f"{counts.handled} handled, {counts.duplicates} duplicates skipped, {done} jobs DONE"
+    )
+    if chaos is not None:
+        try:
+            r = chaos.report()
+            line += (
+                f"; chaos: {r['emails']} emails sent, {r['duplicates']} duplicate effects, "
+                f"{r['kills']} workers killed"
+            )
+        except Exception as exc:
+            line += f"; chaos: {type(exc).__name__}: {exc}"
+    return line
+
+
 #: The simulator's fault plan under ``--chaos``: some sends are answered late (the email is
 #: sent, the answer comes 0.8 s later) and some slowly (0.4 s before the email is sent), so a
 #: kill often lands while a call is in flight, after or before the provider acted.
@@ -261,12 +332,14 @@ class _Chaos:
     them in order (workers first, they need the simulator to finish the calls in hand).
     """
 
-    def __init__(self, store: Store, database_url: str, workers: int, first_quote: int) -> None:
+    def __init__(
+        self, store: Store, database_url: str, workers: int, first_quote: int, directory: str
+    ) -> None:
         self.store = store
         self.database_url = database_url
         self.workers = workers
         self.first_quote = first_quote  # this run's quotes have larger ids
-        self.directory = os.getcwd()
+        self.directory = directory  # the demo's files: simulator.db, demo-chaos.log
         self.log_path = os.path.join(self.directory, "demo-chaos.log")
         self.url = ""
         self.simulator: subprocess.Popen[str] | None = None
@@ -488,13 +561,23 @@ def run_demo(args: argparse.Namespace) -> int:
     if workers < 1:
         print("outbox-relay demo: --workers must be at least 1", file=sys.stderr)
         return 2
-    outbox = Outbox(args.database_url, table=args.table, schema=args.schema)
+    data_dir = os.path.abspath(args.data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    database_url = args.database_url or default_database_url(data_dir)
+    if args.database_url is None:
+        _start_fresh(data_dir)
+    outbox = Outbox(database_url, table=args.table, schema=args.schema)
     start_id = _setup_domain(outbox)
     if getattr(args, "redis_cluster", False) or is_cluster_url(args.redis_url):
         client: Any = redis_client(args.redis_url, cluster=True)
     else:
-        client = redis_client(args.redis_url)
+        client = redis_client(args.redis_url, directory=data_dir)
     client.ping()
+    if args.redis_url is None and args.database_url is None:
+        # The embedded server in the data directory is the demo's own, as is the database
+        # just removed: its stream, group and markers go too.
+        client.flushdb()
+    _say_what_is_reused(args, start_id, client)
     publisher = RedisStreamPublisher(client, STREAM)
     relay = Relay(outbox, publisher, RelayConfig(poll_interval=0.02, max_poll_interval=0.2))
     counts = _Counts()
@@ -505,8 +588,7 @@ def run_demo(args: argparse.Namespace) -> int:
     store.create_schema()
     chaos: _Chaos | None = None
     if chaos_mode:
-        url = args.database_url or default_database_url()
-        chaos = _Chaos(store, url, workers, start_id)
+        chaos = _Chaos(store, database_url, workers, start_id, data_dir)
     try:
         return _run(args, outbox, client, relay, counts, consumer, store, worker, start_id, chaos)
     finally:
@@ -563,15 +645,22 @@ def _run(
             elapsed = time.monotonic() - started
             if args.duration is not None and elapsed >= args.duration:
                 break
-            view = _view(outbox, client, relay, counter, counts, store, elapsed)
-            if chaos is not None:
-                view += "\n" + "\n".join(chaos.view(counter[0]))
             if tty:
+                view = _view(outbox, client, relay, counter, counts, store, elapsed)
+                if chaos is not None:
+                    view += "\n" + "\n".join(chaos.view(counter[0]))
                 sys.stdout.write("\x1b[H\x1b[2J" + view + "\n")
             else:
-                sys.stdout.write(view + "\n\n")
+                # Not a terminal (a pipe, a log file): one line per interval, never the whole
+                # screen again (issue 26: 367 KB in 8 minutes).
+                sys.stdout.write(
+                    _line(outbox, relay, counter, counts, store, elapsed, chaos) + "\n"
+                )
             sys.stdout.flush()
-            stop.wait(0.5 if tty else 1.0)
+            pause = 0.5 if tty else NON_TTY_INTERVAL
+            if args.duration is not None:
+                pause = min(pause, max(0.05, args.duration - elapsed))
+            stop.wait(pause)
     finally:
         writer_stop.set()
         if chaos is None or chaos.kills or stop.stopped:

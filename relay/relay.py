@@ -39,6 +39,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox import tracing
+from outbox.backoff import Backoff
 from outbox.core import Outbox
 from outbox.db import make_engine
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
@@ -78,6 +79,11 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
         DBAPIError,
         ConnectionError,
     )
+
+
+REDIS_CHECK_BACKOFF = Backoff(0.5, 30.0)
+"""After a failed check of Redis, the next one waits 0.5 s, 1 s, 2 s ... up to 30 s (never
+longer than ``redis_check_interval``)."""
 
 
 @dataclass
@@ -159,6 +165,7 @@ class Relay:
         self.on_progress: Callable[[Relay], None] | None = None
         self._stopping = threading.Event()
         self._last_redis_check = -math.inf
+        self._redis_check_failures = 0
         self._marker_behind = False
         self.persistence: Persistence | None = None
 
@@ -210,12 +217,24 @@ class Relay:
             try:
                 self.check_redis()
                 self._last_redis_check = started
+                self._redis_check_failures = 0
             except self._infra as exc:
-                # Checked again next cycle; the claim goes on (a publish to a Redis that is
-                # down fails and keeps its intents, as always).
+                # Checked again after a backoff (an idle relay with Redis down would log this
+                # every cycle otherwise); the claim goes on (a publish to a Redis that is down
+                # fails and keeps its intents, as always).
+                retry_in = min(
+                    self.config.redis_check_interval,
+                    REDIS_CHECK_BACKOFF.cap(self._redis_check_failures),
+                )
+                self._redis_check_failures += 1
+                self._last_redis_check = started - self.config.redis_check_interval + retry_in
                 log.warning(
                     "cannot check Redis now",
-                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+                    extra=fields(
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                        attempt=self._redis_check_failures,
+                        retry_in_seconds=round(retry_in, 3),
+                    ),
                 )
         sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
         if self._redis_suspect:

@@ -51,6 +51,7 @@ class SimulatorProcess:
         self.url = ""
         self.proc: subprocess.Popen[str] | None = None
         self.output: list[str] = []
+        self._drainer: threading.Thread | None = None
         self.client = httpx.Client(timeout=10.0)
 
     # -- the process ----------------------------------------------------------------------------
@@ -90,7 +91,8 @@ class SimulatorProcess:
         self.url = line.split()[-1]
         self.port = int(self.url.rsplit(":", 1)[1])
         # drain the rest of the output so a chatty child never blocks on a full pipe
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
         return self
 
     def _first_line(self, timeout: float) -> str:
@@ -128,6 +130,8 @@ class SimulatorProcess:
             return self.proc.wait(timeout)
         finally:
             self.proc = None
+            if self._drainer is not None:
+                self._drainer.join(timeout)  # log() is then the whole output
 
     def kill(self) -> None:
         """SIGKILL: no chance to flush anything."""

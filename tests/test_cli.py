@@ -186,6 +186,7 @@ def test_ctrl_c_exits_130_in_every_command(
     monkeypatch.setattr(metrics.cli, "serve_forever", interrupted)
     monkeypatch.setattr(outbox.console.trace, "collect", interrupted)
     sqlite = f"sqlite:///{tmp_path}/c.db"
+    assert relay.cli.main(["init-db", "--database-url", sqlite]) == 0
     assert relay.cli.main(["status", "--database-url", sqlite]) == 130
     assert consumer.cli.main(["run", "consumer_app:build", "--database-url", sqlite]) == 130
     assert (
@@ -336,3 +337,145 @@ def test_the_reference_page_is_printed_by_the_module() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == reference_markdown(installed_programs())
+
+
+# -- newcomer fixes (issue 26) -------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_syspath(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The test runs in ``tmp_path``; sys.path is restored after (the loader adds the cwd)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_database_url_the_worker_cannot_use_is_refused(
+    own_syspath: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``outbox-worker run mod:worker --database-url X`` when the module built its own store:
+    exit 2 naming the flag, never a run on the module's database with X ignored."""
+    own = f"sqlite:///{own_syspath}/own.db"
+    (own_syspath / "own_store_app.py").write_text(
+        f"from consumer import Store, Worker\ndef build():\n    return Worker(Store({own!r}))\n"
+    )
+    ran: list[str] = []
+    monkeypatch.setattr(Worker, "run", lambda self, *a, **k: ran.append(str(self.store.engine.url)))
+    assert (
+        consumer.jobs.cli.main(["run", "own_store_app:build", "--database-url", "not-a-url"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--database-url cannot apply" in err and "built its own Store" in err
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{own_syspath}/other.db")
+    assert consumer.jobs.cli.main(["run", "own_store_app:build"]) == 2
+    assert "OUTBOX_DATABASE_URL cannot apply" in capsys.readouterr().err
+    # The same database is no conflict; no URL at all neither.
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", own)
+    assert consumer.jobs.cli.main(["run", "own_store_app:build"]) == 0
+    monkeypatch.delenv("OUTBOX_DATABASE_URL")
+    assert consumer.jobs.cli.main(["run", "own_store_app:build"]) == 0
+    assert ran == [own, own]
+    assert ran
+
+
+def test_status_without_a_database_does_not_create_one(
+    own_syspath: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (["status"], ["status", "--json"], ["requeue", "--all"]):
+        assert relay.cli.main(argv) == Exit.FAILURE
+        err = capsys.readouterr().err
+        assert err.startswith(f"outbox-relay: no database at {own_syspath}/outbox.db: give")
+        assert len(err.strip().splitlines()) == 1
+    missing = own_syspath / "nowhere.db"
+    assert relay.cli.main(["status", "--database-url", f"sqlite:///{missing}"]) == Exit.FAILURE
+    assert list(own_syspath.iterdir()) == []  # no empty outbox.db left behind
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--redis-url", "redis://127.0.0.1:1/0"], ["--database-url", UNREACHABLE_PG]],
+    ids=["redis down", "database down"],
+)
+def test_the_demo_with_a_service_down_is_one_line(
+    flags: list[str], own_syspath: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert relay.cli.main(["demo", "--duration", "1", *flags]) == Exit.FAILURE
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    service = "Redis at redis://127.0.0.1:1/0" if "--redis-url" in flags else "the database"
+    assert err.startswith(f"outbox-relay: cannot use {service}")
+
+
+def test_a_redis_database_index_out_of_range_is_bad_usage(redis_url: str, tmp_path: Path) -> None:
+    """``redis://.../99`` on a server with 16 databases: exit 2 at once, not retried forever."""
+    server = redis_url.rsplit("/", 1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "run", "--redis-url", f"{server}/99"],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT), "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "database 99: DB index is out of range" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+class _Clock:
+    """relay.relay's ``time`` with a monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        import time
+
+        return getattr(time, name)
+
+
+def test_an_idle_relay_with_redis_down_backs_off_its_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """57 lines of "cannot check Redis now" in 15 s before (one a cycle); now the check waits
+    0.5 s, 1 s, 2 s ... up to 30 s after each failure."""
+    import redis
+
+    import relay.relay
+    from outbox import Outbox
+    from relay.config import RelayConfig
+    from relay.publisher import RedisStreamPublisher
+
+    clock = _Clock()
+    monkeypatch.setattr(relay.relay, "time", clock)
+    box = Outbox(f"sqlite:///{tmp_path}/idle.db")
+    box.create_schema()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    down = redis.Redis(port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    idle = relay.relay.Relay(box, RedisStreamPublisher(down, "outbox.{topic}"), RelayConfig())
+    caplog.set_level("WARNING", logger="outbox")
+
+    def checks() -> list[float]:
+        return [
+            r.fields["retry_in_seconds"]  # type: ignore[attr-defined]
+            for r in caplog.records
+            if r.getMessage() == "cannot check Redis now"
+        ]
+
+    for _ in range(60):  # 15 s of 0.25 s cycles
+        idle.run_once()
+        clock.now += 0.25
+    assert checks() == [0.5, 1.0, 2.0, 4.0, 8.0]
+    for _ in range(60):  # 5 more minutes, a cycle every 5 s: capped at 30 s
+        idle.run_once()
+        clock.now += 5.0
+    assert max(checks()) == 30.0 and len(checks()) < 20
+    idle.store.close()
+    box.engine.dispose()

@@ -96,3 +96,20 @@ def test_quote_approved_over_http_becomes_a_job(
             process.kill()
             returncode = process.wait()
     assert returncode == 0
+
+
+def test_run_says_what_it_needs_and_exits_1_without_uvicorn() -> None:
+    """Without fastapi/uvicorn (no install line gives them), run.py says so and fails,
+    instead of exiting 0 after a child's ``No module named uvicorn``."""
+    hide = (
+        "import runpy, sys; sys.modules['uvicorn'] = None; "
+        f"sys.argv = [{str(RUN)!r}]; runpy.run_path({str(RUN)!r}, run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", hide], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "this example needs uvicorn, which the toolkit does not install: "
+        "pip install fastapi uvicorn"
+    )

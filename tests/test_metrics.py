@@ -343,6 +343,22 @@ def test_database_down_still_serves_process_metrics() -> None:
 # -- process metrics -----------------------------------------------------------------------------
 
 
+def test_only_a_relay_exports_the_relays_histograms() -> None:
+    """A consumer's, a worker's or the standalone exporter's /metrics has no relay histogram
+    with count 0 (issue 26); a relay's has them from its first cycle."""
+    registry = CollectorRegistry()
+    hooks = PrometheusHooks(registry)
+    hooks.consumer_handled("g", "s", 1)
+    hooks.worker_job_finished("send", "done", 0.1)
+    names = {s.name for m in registry.collect() for s in m.samples}
+    assert not {n for n in names if n.startswith("outbox_relay_")}, names
+    hooks.relay_cycle_ok(1.0)
+    samples = {s.name for m in registry.collect() for s in m.samples}
+    assert "outbox_relay_batch_duration_seconds_count" in samples
+    assert "outbox_relay_commit_to_stream_seconds_count" in samples
+    assert registry.get_sample_value("outbox_relay_batch_size_count") == 0.0
+
+
 def test_prometheus_hooks_implement_every_hook() -> None:
     names = [n for n, v in vars(Hooks).items() if callable(v) and not n.startswith("_")]
     assert len(names) >= 14

@@ -551,6 +551,11 @@ BAD_EVENTS: list[tuple[str, dict[str, Any]]] = [
     ("topic", {"topic": "t" * 201}),
     ("topic", {"topic": None}),
     ("topic", {"topic": 7}),
+    # A topic names a Redis key: no whitespace nor control characters (issue 26).
+    ("topic", {"topic": "quote approved"}),
+    ("topic", {"topic": "outbox.a b\n"}),
+    ("topic", {"topic": "quote.approved\t"}),
+    ("topic", {"topic": "quote\x1b[31m"}),
     ("key", {"key": ""}),
     ("key", {"key": "k" * 201}),
     ("key", {"key": "a\x00b"}),
@@ -591,6 +596,14 @@ def test_bad_input_raises_invalid_event_naming_the_field(
         tx.emit("quote.approved", key="quote-017", payload={"after": "error"})
     assert quote_state(outbox) == "approved"
     assert [row.payload for row in events(outbox)] == [{"after": "error"}]
+
+
+def test_a_topic_of_exactly_200_characters_is_accepted(outbox: Writer) -> None:
+    """The limit the docs state: more than 200 characters are refused, 200 are not."""
+    with outbox.transaction() as tx:
+        tx.execute(APPROVE)
+        tx.emit("t" * 200, key="k" * 200, payload={})
+    assert [row.topic for row in events(outbox)] == ["t" * 200]
 
 
 def test_payload_size_limit_is_configurable(db_url: str, api: type[Writer]) -> None:

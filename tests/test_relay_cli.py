@@ -231,7 +231,16 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path) -> None:
     assert quotes > 0 and published == entries == quotes + duplicates
     # The whole loop: every quote's job sent once, every duplicate event skipped by the inbox.
     assert (handled, skipped, sent) == (quotes, duplicates, quotes)
-    assert (tmp_path / "outbox.db").exists()
+    # The demo's files are in one folder, .outbox/ (git ignores it), none beside it.
+    assert (tmp_path / ".outbox" / "outbox.db").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".outbox"]
+    # A second run starts fresh: its totals are its own, not added to the first run's.
+    again = cli("demo", "--duration", "2", cwd=tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "starting fresh" in again.stdout
+    second = re.search(r"stopped: (\d+) quotes approved.*has (\d+) entries", again.stdout)
+    assert second, again.stdout
+    assert int(second.group(2)) <= 2 * int(second.group(1))  # this run's events only
 
 
 @pytest.mark.parametrize("flag", ["--help"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -90,7 +91,11 @@ def test_a_taken_port_exits_1(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         result = cli("serve", "--port", str(port), "--data", str(tmp_path / "x.db"))
     assert result.returncode == 1
-    assert "outbox-simulator:" in result.stderr
+    # The problem in words, one line, not "[Errno 98] Address already in use".
+    assert result.stderr.strip() == (
+        f"outbox-simulator: cannot listen on 127.0.0.1:{port}: the port is in use "
+        "(another simulator?); --port 0 picks a free one"
+    )
 
 
 def test_sigterm_exits_0_and_env_configures_the_run(tmp_path: Path) -> None:
@@ -302,3 +307,25 @@ def test_stats_count_requests_since_start(sim: SimulatorProcess) -> None:
         "lookups": 2,
         "lookups_found": 1,
     }
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with RST, as a SIGKILLed worker's kernel does with a half-sent request."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_client_killed_mid_send_leaves_no_traceback_in_the_log(own_sim: SimulatorProcess) -> None:
+    for partial in (
+        b"POST /send HTTP/1.1\r\nHost: x\r\nContent-Len",  # cut in the headers
+        b"POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",  # in the body
+        b"POST /se",  # in the request line
+    ):
+        with socket.create_connection(("127.0.0.1", own_sim.port)) as sock:
+            sock.sendall(partial)
+            _reset(sock)
+    # The server still answers, and its log shows nothing of the three.
+    assert own_sim.client.get(f"{own_sim.url}/health").status_code == 200
+    assert own_sim.stop() == 0  # and its whole output read
+    assert "Traceback" not in own_sim.log(), own_sim.log()
+    assert "ConnectionResetError" not in own_sim.log(), own_sim.log()

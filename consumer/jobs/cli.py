@@ -62,16 +62,18 @@ from consumer.jobs.purge import (
 )
 from outbox.cli import (
     DATABASE,
+    DATABASE_URL,
     LOGGING,
     METRICS,
     Flag,
     Parser,
     UsageError,
     add_flags,
+    given_as,
     load_target,
     run_main,
 )
-from outbox.db import default_database_url, describe_url
+from outbox.db import default_database_url, describe_url, same_database
 from outbox.logs import fields, setup_logging
 
 log = logging.getLogger("outbox.worker")
@@ -266,6 +268,15 @@ def _run(args: argparse.Namespace, url: str) -> int:
         worker.config = replace(worker.config, **options)
     if worker.store is None:
         worker.store = Store(url)
+    elif args.database_url is not None and not same_database(
+        args.database_url, worker.store.engine.url
+    ):
+        # Never ignored: the Worker would run on another database than the one named.
+        raise UsageError(
+            f"{given_as(args, DATABASE_URL)} cannot apply: {args.target} built its own Store "
+            f"on {describe_url(worker.store.engine.url)}; drop {given_as(args, DATABASE_URL)}, "
+            "or build the Worker without a store to take the database from the command line"
+        )
     port = args.metrics_port
     if port is not None:
         from metrics import start_metrics  # lazily: only with the flag

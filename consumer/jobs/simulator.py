@@ -73,11 +73,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import select
 import signal
 import socket
+import sqlite3
 import struct
 import sys
 import threading
@@ -305,6 +307,15 @@ class SimulatorServer(ThreadingHTTPServer):
         self.simulator = simulator
         super().__init__(address, Handler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away mid-request (a worker SIGKILLed mid-send) is what this
+        # service exists to simulate: one line at debug, not a traceback in the log.
+        exc = sys.exception()
+        if isinstance(exc, ConnectionError | TimeoutError):
+            log.debug("client went away", extra=fields(client=str(client_address), error=repr(exc)))
+            return
+        super().handle_error(request, client_address)
+
 
 def serve(
     host: str, port: int, data: str, config: SimulatorConfig | None = None
@@ -377,8 +388,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = SimulatorConfig(idempotency=not args.no_idempotency, lookup=not args.no_lookup)
     try:
         server = serve(host, port, data, config)
-    except (ConfigError, OSError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"{PROG}: {_start_problem(exc, host, port)}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:
+        print(f"{PROG}: cannot open the effects file {data!r}: {exc}", file=sys.stderr)
         return 1
     bound_host, bound_port = server.server_address[:2]
 
@@ -405,6 +419,20 @@ def _serve(args: argparse.Namespace) -> int:
         server.server_close()
         server.simulator.effects.close()
     return 0
+
+
+def _start_problem(exc: OSError, host: str, port: int) -> str:
+    """Why the simulator cannot start, in words (not ``[Errno 98] Address already in use``)."""
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: the port is in use (another simulator?); --port 0 picks a free one"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine"
+    if exc.errno in (errno.EACCES, errno.EPERM) and port < 1024:
+        return f"{where}: ports below 1024 need privileges; use --port 8025 or another"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: cannot resolve {host!r} ({exc.strerror})"
+    return f"{where}: {exc.strerror or exc}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,8 +2,10 @@
 
     python examples/fastapi_quotes/run.py [--port 8000] [--database-url URL] [--redis-url URL]
 
-With no URLs everything runs on the embedded defaults in the working directory: the SQLite
-file outbox.db and an embedded Redis server. Three processes are started:
+It needs FastAPI and uvicorn, which the toolkit does not install (``pip install fastapi
+uvicorn``; without them it says so and exits 1). With no URLs everything runs on the
+embedded defaults in the working directory: the SQLite file outbox.db and an embedded Redis
+server. Three processes are started:
 
 - ``uvicorn app:app``: quotes approved over HTTP, events written with AsyncOutbox;
 - ``outbox-relay run``: committed events -> Redis Streams;
@@ -21,6 +23,7 @@ Ctrl-C (or SIGTERM) stops all three; so does any of them exiting. Then try:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -32,7 +35,29 @@ HERE = Path(__file__).resolve().parent
 RELAY = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
+NEEDS = ("fastapi", "uvicorn")
+"""What this example needs beyond the toolkit (``pip install fastapi uvicorn``)."""
+
+
+def missing_requirements() -> list[str]:
+    missing = []
+    for name in NEEDS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
+    missing = missing_requirements()
+    if missing:
+        print(
+            f"this example needs {' and '.join(missing)}, which the toolkit does not install: "
+            f"pip install {' '.join(NEEDS)}",
+            file=sys.stderr,
+        )
+        return 1
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -68,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     children: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
+    failed = False
 
     def stop(signum: int, frame: object) -> None:
         nonlocal stopping
@@ -84,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 if child.poll() is not None:
                     print(f"{name} exited with {child.returncode}; stopping", file=sys.stderr)
                     stopping = True
+                    failed = True  # a child that stops by itself is a failure of the run
             time.sleep(0.2)
     finally:
         for child in children.values():
@@ -96,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
