@@ -72,6 +72,13 @@ def main(argv: list[str]) -> int:
         command += ["--poll-interval", str(args.poll_interval)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     relay = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    # The relay is up (imports, partitions taken) once a probe event reaches the stream: the
+    # writers start then, so start-up is not measured as latency.
+    with box.transaction() as tx:
+        tx.emit("quote", key="probe", payload={})
+    deadline = time.time() + 120
+    while not client.xlen(stream) and time.time() < deadline:
+        time.sleep(0.05)
     committed: dict[str, float] = {}
     arrived: list[tuple[float, float]] = []  # (commit time, latency)
     stop = threading.Event()
@@ -98,7 +105,7 @@ def main(argv: list[str]) -> int:
             due += tx_interval
 
     def read() -> None:
-        last = "0"
+        last = "$"
         reader = redis.Redis.from_url(args.redis_url)
         while not stop.is_set():
             found = reader.xread({stream: last}, count=1000, block=200)

@@ -724,6 +724,7 @@ class Relay:
 
         pipelined = self._sender is not None
         interval = cfg.poll_interval
+        busy_until = 0.0  # until then (monotonic), empty cycles keep the short poll interval
         outage_attempt = 0
         last_progress = time.monotonic()
         published_at_progress = 0
@@ -806,7 +807,8 @@ class Relay:
                     continue
                 if published:
                     interval = cfg.poll_interval
-                else:
+                    busy_until = now + BUSY_WINDOW
+                elif now >= busy_until:  # a second without work: back off toward idle
                     interval = min(cfg.max_poll_interval, interval * 2)
                 if event.is_set():
                     break
@@ -869,6 +871,11 @@ class Relay:
             ),
         )
 
+
+BUSY_WINDOW = 1.0
+"""Seconds after a cycle that found work during which an empty cycle keeps the short
+``poll_interval`` (events arriving in bursts are found within milliseconds); only after a
+whole window without work does the wait double toward ``max_poll_interval``."""
 
 _MAX_REFUSED_TRACKED = 100_000  # per server; beyond it the record backoff alone applies
 
