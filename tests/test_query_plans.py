@@ -225,7 +225,7 @@ def _compiled(statement: Any, params: dict[str, Any]) -> tuple[str, dict[str, An
     return compiled.string, {name: params[name] for name in compiled.params}
 
 
-@pytest.mark.parametrize("stats", ["none", "stale"])
+@pytest.mark.parametrize("stats", ["none", "stale", "fresh"])
 def test_jobs_claim_with_queues_routes_and_a_tenant_limit_reads_a_batch(
     conn: psycopg.Connection[Any], stats: str
 ) -> None:
@@ -251,6 +251,8 @@ def test_jobs_claim_with_queues_routes_and_a_tenant_limit_reads_a_batch(
         FROM generate_series(1, %(n)s) g""",
         {"n": ROWS},
     )
+    if stats == "fresh":
+        conn.execute("ANALYZE outbox_jobs")
     statement = job_queries.pg_claim_batch(False, all_queues=False, routed=True, limited=True)
     params = {
         "cursor": "",
@@ -259,12 +261,21 @@ def test_jobs_claim_with_queues_routes_and_a_tenant_limit_reads_a_batch(
         "worker": "w",
         "ttl": 30.0,
         "queues": '["mine"]',
-        "routes": '["plan"]',
+        "route_names": ["plan"],
+        "route_patterns": job_queries.route_patterns(["plan"]),
         "tenant_limit": 1000,
         "tenant_limits": '{"tenant-3": 2}',
     }
     sql, positional = _compiled(statement, params)
     plan = _explain(conn, sql, positional)
+    if stats == "fresh":
+        # Fresh statistics of 200,000 rows cost the claim past jit_above_cost: JIT would
+        # compile for ~270 ms per claim. The driver turns it off for the claim's transaction.
+        assert "JIT" in plan, "the server no longer JIT-compiles this plan: drop the setting"
+        with conn.transaction(force_rollback=True):
+            conn.execute(job_queries.PG_CLAIM_SETTINGS)
+            plan = _explain(conn, sql, positional)
+    assert "JIT" not in plan, plan["JIT"]
     # Ten tenants: shares of 10; tenant-3 is held to 2 and leaves the rest of its share unused
     # for this claim (as a tenant with fewer eligible jobs does).
     expected = 9 * (JOB_BATCH // 10) + 2

@@ -255,10 +255,12 @@ class PostgresJobDriver(JobDriver):
         if queues is not None:
             bound["queues"] = json.dumps(list(queues))
         if routes is not None:
-            bound["routes"] = json.dumps(list(routes))
+            bound["route_names"] = list(routes)
+            bound["route_patterns"] = q.route_patterns(list(routes))
         if limited:
             bound["tenant_limit"] = limit
             bound["tenant_limits"] = json.dumps(dict(limits))
+        conn.exec_driver_sql(q.PG_CLAIM_SETTINGS)  # no JIT for this transaction (its reason)
         return conn.execute(statement, bound).all()
 
     def job_finish_batch(
