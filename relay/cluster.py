@@ -43,15 +43,18 @@ from redis.exceptions import (
 )
 
 from outbox.redis_client import hash_tag, in_slot_of, slot_of
-from relay.publisher import (
+from relay.replies import (
     Prepared,
-    RedisStreamPublisher,
     ReplicasNotConfirmed,
     TransientError,
     classify_reply,
     send_fences,
     wait_command,
 )
+
+# The publisher imports this module, never the reverse (no import cycle): the functions
+# below take the RedisStreamPublisher they serve as ``Any``.
+RedisStreamPublisher = Any
 
 log = logging.getLogger("outbox.relay")
 

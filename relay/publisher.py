@@ -23,7 +23,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -32,8 +31,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from outbox.logs import fields as log_fields
+from relay.cluster import publish_by_slot, set_fences_by_slot, template_has_hash_tag
 from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record, entry_id_key
+from relay.replies import TRANSIENT_REPLIES as TRANSIENT_REPLIES
+from relay.replies import Prepared as Prepared
+from relay.replies import ReplicasNotConfirmed as ReplicasNotConfirmed
+from relay.replies import TransientError as TransientError
+from relay.replies import _bulk
+from relay.replies import classify_reply as classify_reply
+from relay.replies import send_fences as send_fences
+from relay.replies import wait_command as wait_command
 
 log = logging.getLogger("outbox.relay")
 
@@ -42,30 +50,11 @@ DEFAULT_STREAM_RETENTION = 24 * 3600.0
 """Seconds of entries a stream keeps (``MINID ~``), like the outbox's own retention."""
 MAX_STREAM_NAME = 512
 
-# Error replies that say "not now" rather than "never": retried with backoff.
-TRANSIENT_REPLIES = (
-    "OOM",
-    "LOADING",
-    "BUSY",
-    "MASTERDOWN",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "NOREPLICAS",
-    "READONLY",
-    "MOVED",
-    "ASK",
-    "MISCONF",
-)
-
 INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
 )
-
-
-class TransientError(Exception):
-    """A per-entry reply that retrying may fix (OOM, BUSY, ...); the entry was not added."""
 
 
 class FencedOut(Exception):
@@ -79,13 +68,6 @@ class HeldBack(Exception):
 class MarkerBehind(Exception):
     """The marker key is missing or older than the entries this relay knows Redis holds:
     Redis lost acknowledged entries. Nothing was added; the relay checks and reports it."""
-
-
-class ReplicasNotConfirmed(RedisConnectionError):
-    """``WAIT`` confirmed fewer replicas than asked within its timeout (``wait_replicas``):
-    the batch may be on the master only, where a failover could lose it. Raised like a
-    connection error, so the relay keeps the batch's intents and reconciles them: a receipt
-    is never assumed."""
 
 
 class StreamTrim:
@@ -242,20 +224,6 @@ class StreamTemplate:
         return name
 
 
-def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """One record ready to send: its stream and its packed field/value pairs."""
-
-    record: Record
-    stream: str
-    fields: bytes
-    nfields: int
-
-
 # One batch, atomically, in order. KEYS[1]: the batch's fence key; KEYS[2]: the marker key;
 # KEYS[3..]: the distinct streams. ARGV: entry count, MAXLEN (0: none), the highest entry id
 # the relay knows Redis holds ("0": none known), one MINID per stream ("0": no trim), then per
@@ -347,34 +315,6 @@ _EVAL = _bulk(b"EVAL")
 _SCRIPT = _bulk(PUBLISH_LUA.encode())
 
 
-def wait_command(replicas: int, timeout_ms: int) -> bytes:
-    """``WAIT replicas timeout``, packed: sent on the connection that ran the script."""
-    return b"*3\r\n" + _bulk(b"WAIT") + _bulk(b"%d" % replicas) + _bulk(b"%d" % timeout_ms)
-
-
-def send_fences(
-    conn: Any, keys: Sequence[str], ttl_seconds: int, wait_replicas: int, wait_timeout: float
-) -> None:
-    """``SET key 1 EX ttl`` for each key (and ``WAIT``) on one connection, replies read."""
-    ttl = _bulk(b"%d" % ttl_seconds)
-    parts = [
-        b"*5\r\n" + _bulk(b"SET") + _bulk(key.encode()) + _bulk(b"1") + _bulk(b"EX") + ttl
-        for key in keys
-    ]
-    timeout_ms = max(1, int(wait_timeout * 1000))
-    if wait_replicas:
-        parts.append(wait_command(wait_replicas, timeout_ms))
-    conn.send_packed_command(parts, check_health=True)
-    for _ in keys:
-        conn.read_response()
-    if wait_replicas:
-        acked = int(conn.read_response())
-        if acked < wait_replicas:
-            raise ReplicasNotConfirmed(
-                f"WAIT {wait_replicas} after fencing: {acked} replica(s) within {timeout_ms} ms"
-            )
-
-
 class RedisStreamPublisher:
     """XADD outbox records to Redis Streams, one pipelined round trip per batch.
 
@@ -420,16 +360,13 @@ class RedisStreamPublisher:
         self._cluster = isinstance(redis_client, RedisCluster)
         self._known_by_slot: dict[int, str] = {}  # cluster: the marker check, per slot
         self._slot_stream: dict[int, str] = {}  # cluster: a stream of each slot seen
-        if self._cluster:
-            from relay.cluster import template_has_hash_tag
-
-            if not template_has_hash_tag(stream_template):
-                log.warning(
-                    "the stream template has no hash tag: on Redis Cluster every stream lands "
-                    "in a slot of its own and a batch takes one script call per stream; "
-                    "write the topic (or partition) as a tag, e.g. outbox.{{{topic}}}",
-                    extra=log_fields(stream=stream_template),
-                )
+        if self._cluster and not template_has_hash_tag(stream_template):
+            log.warning(
+                "the stream template has no hash tag: on Redis Cluster every stream lands "
+                "in a slot of its own and a batch takes one script call per stream; "
+                "write the topic (or partition) as a tag, e.g. outbox.{{{topic}}}",
+                extra=log_fields(stream=stream_template),
+            )
         self.trim = StreamTrim(redis_client, stream_retention, trim_floor_ttl)
         self.marker_key = marker_key(self.template.template)
         self.known_last_id: str | None = None
@@ -523,8 +460,6 @@ class RedisStreamPublisher:
         timeout_ms = max(1, int(wait_timeout * 1000))
         fence_key = fence or "outbox:fence:-"
         if self._cluster:
-            from relay.cluster import publish_by_slot
-
             return publish_by_slot(
                 self, prepared, fence_key, wait_replicas=wait_replicas, wait_timeout_ms=timeout_ms
             )
@@ -744,8 +679,6 @@ class RedisStreamPublisher:
         if not keys:
             return
         if self._cluster:
-            from relay.cluster import set_fences_by_slot
-
             set_fences_by_slot(self, keys, ttl_seconds, wait_replicas, wait_timeout)
             return
         pool = self.client.connection_pool
@@ -786,14 +719,3 @@ def _headers(record: Record) -> dict[str, str]:
     ):
         raise PermanentPublishError("stored headers are not a mapping of strings to strings")
     return value
-
-
-def classify_reply(exc: ResponseError) -> Exception:
-    """A per-entry error reply: transient (retry later) or permanent (quarantine)."""
-    message = str(exc)
-    # redis-py takes a known code (OOM, LOADING, TRYAGAIN, MOVED, ...) off a whole-call
-    # refusal's message and keeps it in ``status_code``; per-entry replies keep it in the text.
-    head = (getattr(exc, "status_code", None) or message.split(" ", 1)[0]).upper()
-    if head in TRANSIENT_REPLIES or isinstance(exc, redis.exceptions.ReadOnlyError):
-        return TransientError(message)
-    return PermanentPublishError(f"Redis refused the entry: {message}")

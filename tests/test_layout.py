@@ -51,12 +51,19 @@ def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of the module, those inside functions too: a lazy import still ties the
+    two modules together (issue 26 counts them)."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def import_graph(*, function_level: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
+    collect = _all_imports if function_level else _module_level_imports
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _module_level_imports(tree):
+        for node in collect(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -101,6 +108,41 @@ def test_no_import_cycles_in_the_packages() -> None:
     # A package's __init__ re-exporting its submodules is the one allowed direction; a
     # submodule importing its own package's __init__ back would close a cycle and is found.
     assert find_cycles(graph) == []
+
+
+# Cycles through function-level imports that are known and owned elsewhere: the job store's
+# driver, queries and schema, and the worker's slots, which the queues/jobs engineers are
+# reshaping now (issue 26 leaves those files to them). Remove an entry once its cycle is gone;
+# a new cycle anywhere fails the test below.
+KNOWN_FUNCTION_LEVEL_CYCLES = {
+    frozenset({"consumer.jobs.schema", "consumer.jobs.driver"}),
+    frozenset({"consumer.jobs.worker", "consumer.jobs.slots"}),
+}
+
+
+def test_no_import_cycles_counting_function_level_imports() -> None:
+    found = find_cycles(import_graph(function_level=True))
+    unknown = [
+        cycle
+        for cycle in found
+        if not any(known <= set(cycle) for known in KNOWN_FUNCTION_LEVEL_CYCLES)
+    ]
+    assert unknown == []
+    # relay.cluster <-> relay.publisher is gone (the shared wire pieces are relay.replies).
+    assert not any({"relay.cluster", "relay.publisher"} <= set(c) for c in found)
+
+
+MAX_MODULE_LINES = 800
+# Modules still over the limit, each to be split by concern (issue 26); the list only shrinks.
+OVER_THE_LIMIT = {"relay.store", "consumer.consumer", "relay.relay"}
+
+
+def test_no_module_is_over_800_lines() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    over = {name for name, lines in sizes.items() if lines > MAX_MODULE_LINES}
+    assert over <= OVER_THE_LIMIT, {name: sizes[name] for name in over - OVER_THE_LIMIT}
+    # An entry that is back under the limit leaves the list.
+    assert over >= OVER_THE_LIMIT, sorted(OVER_THE_LIMIT - over)
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
