@@ -1,7 +1,7 @@
 """The consumer's storage seam: its tables and every query on them (the inbox and the dead
 letters), PostgreSQL and SQLite side by side.
 
-In the spirit of ``relay/store.py`` and ``consumer/jobs/driver.py``: :class:`Inbox` holds the
+In the spirit of ``relay/store/`` and ``consumer/jobs/driver.py``: :class:`Inbox` holds the
 SQL both databases share, one method per operation named noun first (``inbox_insert``,
 ``dead_letter_insert``); :class:`PostgresInbox` and :class:`SqliteInbox` hold what differs
 (DDL serialised by an advisory lock and ``FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE``

@@ -42,7 +42,7 @@ from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
 from outbox.errors import ConfigError
 from outbox.schema import OutboxSchema, build_schema, check_identifier
-from relay.store import age_seconds as age_seconds
+from outbox.status import age_seconds as age_seconds
 
 log = logging.getLogger("outbox.metrics")
 

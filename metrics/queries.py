@@ -18,10 +18,10 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 
 from outbox.dialect import EPOCH_SQL, NOW_SQL, quoted_table
-from relay.store import backlog_by_topic as backlog_by_topic
-from relay.store import most_attempted as most_attempted
-from relay.store import pending_attempts as pending_attempts
-from relay.store import quarantined_count as quarantined_count
+from outbox.status import backlog_by_topic as backlog_by_topic
+from outbox.status import most_attempted as most_attempted
+from outbox.status import pending_attempts as pending_attempts
+from outbox.status import quarantined_count as quarantined_count
 
 
 def qualified(table: str, schema: str | None) -> str:
@@ -35,7 +35,7 @@ def now_sql(dialect: str) -> TextualSelect:
 
 
 # -- outbox ----------------------------------------------------------------------------------
-# The backlog statements are the relay store's (relay/store.py), one place for the backlog
+# The backlog statements are outbox.status.py's (also relay.store's), one place for the backlog
 # SQL: backlog_by_topic, quarantined_count, pending_attempts and most_attempted, each with
 # the index that bounds it.
 

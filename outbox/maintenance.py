@@ -3,7 +3,7 @@ itself when the server runs without autovacuum.
 
 The queue tables (the outbox, the jobs and their attempts, the consumers' inbox) are
 written and updated all day, and every update or delete leaves a dead tuple and dead index
-entries behind. The claims walk partial indexes in order (see ``relay/store.py``'s
+entries behind. The claims walk partial indexes in order (see ``relay/store/``'s
 ``PG_CLAIM``); dead entries at the head of such an index are read by every claim until
 vacuum removes them (measured on the outbox: the claim rate halved within 30 s of steady
 draining under default autovacuum settings). Two things keep that bounded:

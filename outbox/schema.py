@@ -193,7 +193,7 @@ def _blocked_predicate(table: Table) -> Any:
 
 # Per-table autovacuum for PostgreSQL (set when missing). Every published row leaves a dead
 # entry in the pending index and a dead tuple; the relay's claims start past them (see
-# relay/store.py), and vacuum must keep up so that the index and heap stay small: vacuum
+# relay/store/), and vacuum must keep up so that the index and heap stay small: vacuum
 # after a fixed number of dead rows (not a fraction of a table that grows by retention),
 # without cost-based sleeping. fillfactor leaves room on each page so that the relay's claim
 # UPDATE (intent columns only, none indexed) can be a HOT update.

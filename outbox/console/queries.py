@@ -11,7 +11,7 @@ Two rules keep each statement's cost bounded whatever the size of the tables:
 - **States as literals.** A state the filter or the overview asks for is rendered into the
   SQL (``literal_execute``), never bound: psycopg prepares a statement after five runs, and a
   generic plan cannot match a partial index's predicate (``WHERE state = 'pending'``), so a
-  bound state would fall back to a scan of the table (relay/store.py says the same).
+  bound state would fall back to a scan of the table (relay/store/ says the same).
   Only validated values are rendered (one of the part's states).
 """
 

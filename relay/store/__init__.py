@@ -1,0 +1,62 @@
+"""The relay's storage seam: every SQL statement the relay runs, PostgreSQL and SQLite.
+
+Why the statements look as they do (partitions owned through advisory locks, the claim in
+``seq`` order that also writes the intent, the ``blocked`` index that holds back a failing
+key only, the claim floor that never skips a late commit, the receipt as a compare-and-set,
+the single relay on SQLite) is explained once, in docs/explanation/claims-and-order.md and
+docs/explanation/reconciliation.md; each statement below carries its own reason beside it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Engine
+
+from outbox.dialect import SQLITE, is_postgresql
+from outbox.errors import ConfigError
+from outbox.schema import OutboxSchema
+from outbox.status import age_seconds as age_seconds
+from outbox.status import backlog_by_topic as backlog_by_topic
+from outbox.status import most_attempted as most_attempted
+from outbox.status import pending_attempts as pending_attempts
+from outbox.status import pending_max_attempts_by_topic as pending_max_attempts_by_topic
+from outbox.status import quarantined_by_topic as quarantined_by_topic
+from outbox.status import quarantined_count as quarantined_count
+from relay.config import RelayConfig
+from relay.store.base import Store as Store
+from relay.store.postgres import PG_BACKLOG as PG_BACKLOG
+from relay.store.postgres import PG_CLAIM as PG_CLAIM
+from relay.store.postgres import PG_FAILED as PG_FAILED
+from relay.store.postgres import PG_LOCKS as PG_LOCKS
+from relay.store.postgres import PG_MARK_ORPHANS as PG_MARK_ORPHANS
+from relay.store.postgres import PG_ORPHANS as PG_ORPHANS
+from relay.store.postgres import PG_PUBLISHED as PG_PUBLISHED
+from relay.store.postgres import PG_QUARANTINE as PG_QUARANTINE
+from relay.store.postgres import PG_RELEASE as PG_RELEASE
+from relay.store.postgres import PG_RESOLVE_FOUND as PG_RESOLVE_FOUND
+from relay.store.postgres import PG_RESOLVE_MISSING as PG_RESOLVE_MISSING
+from relay.store.postgres import PG_RETENTION as PG_RETENTION
+from relay.store.postgres import PG_RETRY_NOW as PG_RETRY_NOW
+from relay.store.postgres import PG_RETRY_READY as PG_RETRY_READY
+from relay.store.postgres import PG_SNAPSHOT as PG_SNAPSHOT
+from relay.store.postgres import SETTLE as SETTLE
+from relay.store.postgres import PostgresStore as PostgresStore
+from relay.store.sqlite import SQLITE_CLAIM as SQLITE_CLAIM
+from relay.store.sqlite import SqliteStore as SqliteStore
+
+
+def open_store(engine: Engine, schema: OutboxSchema, config: RelayConfig | None = None) -> Store:
+    """The store for ``engine``'s database: the one place that asks which database it is."""
+    config = config or RelayConfig()
+    if is_postgresql(engine.dialect.name):
+        return PostgresStore(
+            engine,
+            schema,
+            partitions=config.partitions,
+            reconcile_after=config.reconcile_after,
+            listen=config.listen,
+            rebalance_interval=config.rebalance_interval,
+            sweep_interval=config.sweep_interval,
+        )
+    if engine.dialect.name == SQLITE:
+        return SqliteStore(engine, schema, reconcile_after=config.reconcile_after)
+    raise ConfigError("database_url", f"unsupported database {engine.dialect.name}")
