@@ -601,6 +601,7 @@ def run_matrix(
     *,
     on_row: Callable[[Row], None] | None = None,
     keep: bool = False,
+    provider_latency: float = 0.0,
 ) -> list[Row]:
     """Every fault in turn on ONE loop (its processes start once: a Python process costs a
     second or two of CPU to start, and the books hold for the loop as a whole)."""
@@ -610,6 +611,11 @@ def run_matrix(
     rows: list[Row] = []
     try:
         loop.start(load=False)
+        if provider_latency:  # a real provider's pace: every send takes this long (±50 %)
+            loop.simulator.client.post(
+                f"{loop.simulator.url}/config",
+                json={"latency": provider_latency, "jitter": 0.5},
+            ).raise_for_status()
         before: dict[str, Any] = {}
         for name in names:
             if not pg.running():  # a fault left it down: bring it back for the next one
@@ -647,6 +653,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--chart", default=None, help="the fault whose run the PNG shows")
     parser.add_argument("--json", type=Path, default=None, help="rows as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
+    parser.add_argument(
+        "--provider-latency",
+        type=float,
+        default=0.0,
+        help="seconds the provider adds to every send (±50 %%)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
@@ -667,7 +679,9 @@ def main(argv: Sequence[str]) -> int:
             print(row.logs[-3000:], file=sys.stderr, flush=True)
 
     print("\n".join(table([]).splitlines()), flush=True)
-    rows = run_matrix(names, plan, on_row=show, keep=args.keep)
+    rows = run_matrix(
+        names, plan, on_row=show, keep=args.keep, provider_latency=args.provider_latency
+    )
     print()
     print(table(rows))
     if args.json:

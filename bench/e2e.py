@@ -1,6 +1,7 @@
 """End to end: quote approved -> effect at the provider, the whole loop as real processes.
 
-``python -m bench e2e [--rates 100,500,1000] [--seconds S] [--warmup S]``
+``python -m bench e2e [--rates 100,500,1000] [--seconds S] [--warmup S]
+[--provider-latency SECONDS] [--provider-jitter FRACTION]``
 
 One loop (``bench.loop``: writers, 2 relays, 2 consumers with a batch handler, 2 workers
 dispatching through ``HttpProvider`` to ``outbox-simulator serve``, a private PostgreSQL and
@@ -13,6 +14,10 @@ the books are checked. Per rate it prints:
   ``time.time()`` into the event just before COMMIT; the simulator stamps the effect);
 - CPU per component over the window, in % of one core, from ``/proc/PID/stat`` (utime +
   stime of each process; PostgreSQL: the postmaster and all its backends).
+
+``--provider-latency`` is what the simulator adds to every send (``--provider-jitter``, 0.5
+by default: ±50 %), as a real provider answering in 50-300 ms; the workers run with their
+defaults (slots, issue 21).
 
 Writers: one process per 250 quotes/s offered (one writer process commits ~1,000/s at best
 on this machine). The figures depend on what else the machine runs: say so when quoting.
@@ -160,16 +165,33 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rates", default="100,500,1000", help="quotes/s offered, in turn")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window per rate")
     parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument(
+        "--provider-latency", type=float, default=0.0, help="seconds added to every send"
+    )
+    parser.add_argument(
+        "--provider-jitter", type=float, default=0.5, help="the latency varies by this fraction"
+    )
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
+    if args.provider_latency:
+        print(
+            f"provider: {args.provider_latency * 1000:.0f} ms "
+            f"±{args.provider_jitter * 100:.0f} % per send",
+            flush=True,
+        )
     pg = private_postgres()
     rows = []
     try:
         loop = Loop(pg, "e2e", LoopSettings(rate=rates[0]))
         try:
             loop.start(load=False)
+            if args.provider_latency:
+                loop.simulator.client.post(
+                    f"{loop.simulator.url}/config",
+                    json={"latency": args.provider_latency, "jitter": args.provider_jitter},
+                ).raise_for_status()
             for rate in rates:
                 row = measure(loop, rate, args.warmup, args.seconds)
                 rows.append(row)

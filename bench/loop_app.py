@@ -222,10 +222,10 @@ def worker() -> Any:
         # Which process made each effect: the chaos harness kills that one.
         headers={"X-Loop-Worker": str(os.getpid())},
     )
-    options: dict[str, Any] = {
-        "concurrency": int(os.environ.get("LOOP_WORKER_CONCURRENCY", "4")),
-        "batch_size": 20,
-    }
+    # The worker's defaults (slots, issue 21) unless the run asks otherwise.
+    options: dict[str, Any] = {}
+    if os.environ.get("LOOP_WORKER_CONCURRENCY"):
+        options["concurrency"] = int(os.environ["LOOP_WORKER_CONCURRENCY"])
     for name, key in (
         ("ttl", "LOOP_WORKER_TTL"),
         ("recover_interval", "LOOP_WORKER_RECOVER"),

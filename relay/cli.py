@@ -262,6 +262,14 @@ def build_parser() -> Parser:
             default=".outbox",
             metavar="DIR",
         ),
+        Flag(
+            "--provider-latency",
+            float,
+            "with --chaos: seconds the simulator adds to every send (±50 %), as a real provider",
+            default=0.0,
+            env=None,
+            metavar="SECONDS",
+        ),
     )
     demo.set_defaults(func=cmd_demo)
 

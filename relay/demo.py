@@ -333,9 +333,16 @@ class _Chaos:
     """
 
     def __init__(
-        self, store: Store, database_url: str, workers: int, first_quote: int, directory: str
+        self,
+        store: Store,
+        database_url: str,
+        workers: int,
+        first_quote: int,
+        directory: str,
+        provider_latency: float = 0.0,
     ) -> None:
         self.store = store
+        self.provider_latency = provider_latency
         self.database_url = database_url
         self.workers = workers
         self.first_quote = first_quote  # this run's quotes have larger ids
@@ -384,6 +391,9 @@ class _Chaos:
         self.url = line.split()[-1]
         threading.Thread(target=_drain, args=(self.simulator.stdout,), daemon=True).start()
         self._http.post(f"{self.url}/faults", json=CHAOS_FAULTS).raise_for_status()
+        if self.provider_latency:  # a real provider's pace (--provider-latency)
+            latency = {"latency": self.provider_latency, "jitter": 0.5}
+            self._http.post(f"{self.url}/config", json=latency).raise_for_status()
         self._baseline = max((int(e["seq"]) for e in self._effects()), default=0)
         with self.store.driver.connect() as conn:
             self._first_job = int(conn.execute(select(func.max(jobs.c.id))).scalar() or 0)
@@ -561,6 +571,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if workers < 1:
         print("outbox-relay demo: --workers must be at least 1", file=sys.stderr)
         return 2
+    latency = float(getattr(args, "provider_latency", 0.0) or 0.0)
+    if not 0 <= latency < 60:
+        print("outbox-relay demo: --provider-latency must be 0 to 60 seconds", file=sys.stderr)
+        return 2
     data_dir = os.path.abspath(args.data_dir)
     os.makedirs(data_dir, exist_ok=True)
     database_url = args.database_url or default_database_url(data_dir)
@@ -588,7 +602,7 @@ def run_demo(args: argparse.Namespace) -> int:
     store.create_schema()
     chaos: _Chaos | None = None
     if chaos_mode:
-        chaos = _Chaos(store, database_url, workers, start_id, data_dir)
+        chaos = _Chaos(store, database_url, workers, start_id, data_dir, latency)
     try:
         return _run(args, outbox, client, relay, counts, consumer, store, worker, start_id, chaos)
     finally:

@@ -200,10 +200,16 @@ class SimulatorProcess:
         response.raise_for_status()
         return list(response.json()["faults"])
 
-    def configure(self, **settings: bool) -> dict[str, bool]:
+    def configure(self, **settings: Any) -> dict[str, Any]:
         response = self.client.post(f"{self.url}/config", json=settings)
         response.raise_for_status()
         return dict(response.json())
+
+    def arrivals(self) -> list[dict[str, Any]]:
+        """When each send reached the simulator (``GET /arrivals``), in order."""
+        response = self.client.get(f"{self.url}/arrivals")
+        response.raise_for_status()
+        return list(response.json()["arrivals"])
 
     def stats(self) -> dict[str, int]:
         """Requests counted since this simulator process started (sends, lookups, ...)."""

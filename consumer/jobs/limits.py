@@ -60,6 +60,15 @@ MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
 RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
 
 
+def _statement_clock(conn: Connection) -> ColumnElement[float]:
+    # The time the row is updated, not the transaction's start (PostgreSQL's now()): a
+    # reservation that waited on the row's lock behind another worker's must not start its
+    # call from a clock read before that wait (it would be late, then clump with the next).
+    if is_postgresql(conn.dialect.name):
+        return func.extract("epoch", func.clock_timestamp())  # type: ignore[return-value]
+    return db_epoch()
+
+
 def _greatest(conn: Connection, a: Any, b: Any) -> ColumnElement[float]:
     # PostgreSQL's greatest(); SQLite's two-argument max() is the same scalar function.
     name = "greatest" if is_postgresql(conn.dialect.name) else "max"
@@ -162,7 +171,12 @@ class FleetLimits:
         succeeds."""
         with self.store.driver.begin() as conn:
             self._ensure(conn, provider)
-            now = self._now()
+            clock = self.store.driver.clock
+            now = self._now() if clock is not None else _statement_clock(conn)
+            if is_postgresql(conn.dialect.name):
+                # A reservation is not worth a WAL flush: a crash loses at most a slot, and a
+                # commit that waits on a busy disk would start the call late, out of step.
+                conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
             row = conn.execute(
                 update(provider_limits)
                 .where(
@@ -343,8 +357,9 @@ class Ticket:
     """A permit to call a provider now; give it back with :meth:`ProviderGate.leave`."""
 
     provider: str
-    started: float = 0.0
-    waited: float = 0.0
+    started: float = 0.0  # monotonic: the reserved start of the call (the latency's origin)
+    waited: float = 0.0  # seconds from the permit to the reserved start
+    held: bool = False  # the reserved start was waited for
     timed_out: bool = False  # the call got no answer in time (AIMD's strongest signal)
     retry_after: float | None = None  # a 429/503's Retry-After: the fleet pauses
 
@@ -416,11 +431,7 @@ class ProviderGate:
         except BaseException:
             self.permits.release(None)
             raise
-        if wait > 0:
-            self._waiting(+1, progress)
-            time.sleep(wait)
-            self._waiting(-1, progress)
-        return Ticket(self.name, time.monotonic(), wait)
+        return Ticket(self.name, time.monotonic() + wait, wait)
 
     async def aenter(
         self, run: Callable[..., Any], progress: Callable[[], None] | None = None
@@ -443,17 +454,38 @@ class ProviderGate:
         except BaseException:
             self.permits.release(None)
             raise
-        if wait > 0:
-            self._waiting(+1, progress)
-            await asyncio.sleep(wait)
-            self._waiting(-1, progress)
-        return Ticket(self.name, time.monotonic(), wait)
+        return Ticket(self.name, time.monotonic() + wait, wait)
+
+    def hold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
+        """Wait (this thread) until the ticket's reserved start, just before the call: the
+        intent is written already, so nothing but the call itself stands between the
+        reserved time and the provider (the spacing survives a slow database)."""
+        left = ticket.started - time.monotonic()
+        if ticket.held or left <= 0:
+            ticket.held = True
+            return
+        self._waiting(+1, progress)
+        time.sleep(left)
+        self._waiting(-1, progress)
+        ticket.held = True
+
+    async def ahold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
+        """:meth:`hold` on the event loop."""
+        left = ticket.started - time.monotonic()
+        if ticket.held or left <= 0:
+            ticket.held = True
+            return
+        self._waiting(+1, progress)
+        await asyncio.sleep(left)
+        self._waiting(-1, progress)
+        ticket.held = True
 
     def leave(
         self, ticket: Ticket, *, timed_out: bool = False, retry_after: float | None = None
     ) -> None:
         """The call ended: learn from its latency; a Retry-After pauses the fleet."""
-        self.permits.release(time.monotonic() - ticket.started, timed_out=timed_out)
+        latency = max(0.0, time.monotonic() - ticket.started)
+        self.permits.release(latency if ticket.held else None, timed_out=timed_out)
         if retry_after is not None and self.fleet is not None:
             until = self.fleet.pause(self.name, retry_after)
             call_hook(self.hooks, "provider_paused", self.name, retry_after, until)

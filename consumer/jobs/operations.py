@@ -53,6 +53,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
@@ -319,6 +320,11 @@ class Operations:
         request: Mapping[str, Any],
         timeout: float,
     ) -> Generator[Step, Any, Receipt | None]:
+        gate = self.gate(connector)
+        progress = getattr(job, "progress", None)
+        held = Step(lambda: gate.hold(ticket, progress), lambda run: gate.ahold(ticket, progress))
+        # The call's deadline counts the wait for its reserved start (a rate limit's spacing).
+        timeout += max(0.0, ticket.started - time.monotonic())
         step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
         if step == ACCEPTED:
             return _receipt(row)
@@ -338,6 +344,7 @@ class Operations:
         if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
                 with tracing.reconciling(connector.name, operation_id, lease.job_id):
+                    yield held
                     # lookups are not counted in attempts
                     found = yield provider_step(connector, "lookup", operation_id)
                 if found is not None:
@@ -369,6 +376,7 @@ class Operations:
         key = operation_id if connector.supports_idempotency else None
         calling = getattr(job, "provider_call", None)
         scope = calling(timeout) if calling is not None else nullcontext()
+        yield held
         try:
             with scope:
                 ref = yield provider_step(

@@ -159,6 +159,9 @@ class SimulatorConfig:
 
     idempotency: bool = True
     lookup: bool = True
+    latency: float = 0.0  # seconds every send takes before it acts (the HTTP front end)
+    jitter: float = 0.0  # the latency varies by up to this fraction either way (0.5: ±50 %)
+    capacity: int | None = None  # sends served at once; the others queue (None: no limit)
 
 
 @dataclass

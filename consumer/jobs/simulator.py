@@ -8,6 +8,7 @@ documentation for what its idempotency keys, lookups and status codes really mea
 ```
 outbox-simulator serve --port P --data FILE [--host 127.0.0.1]
                        [--no-idempotency] [--no-lookup] [--log-level LEVEL]
+                       [--latency SECONDS] [--jitter FRACTION] [--capacity N]
 ```
 
 Flags default to ``OUTBOX_SIMULATOR_PORT``, ``OUTBOX_SIMULATOR_DATA``,
@@ -36,13 +37,21 @@ Endpoints (JSON in, JSON out):
     in the order they were made (``?operation_id=`` filters). ``DELETE /effects`` forgets
     them all.
 ``GET /config`` / ``POST /config``
-    The capabilities of this run: ``{"idempotency": bool, "lookup": bool}``.
+    The capabilities of this run: ``{"idempotency": bool, "lookup": bool, "latency":
+    SECONDS, "jitter": FRACTION, "capacity": N | null}``. ``latency`` (± ``jitter``) is
+    what every send takes before it acts; ``capacity`` sends are served at once and the
+    others queue, as at a real provider that is too slow (their wait counts against the
+    client's timeout).
 ``GET /faults`` / ``POST /faults`` / ``DELETE /faults``
     The fault plan: ``{"faults": [RULE, ...], "seed": N}`` replaces it. A rule is
     ``{"kind": K, "count": N}`` (the next N sends), ``{"kind": K, "probability": P}``
     (each send with probability P, 0..1) or ``{"kind": K}`` (every send), optionally with
     ``"operation_id"`` (only that operation), ``"status"``, ``"delay"`` (seconds) and
     ``"retry_after"``. The first rule that matches a send applies.
+``GET /arrivals``
+    ``{"arrivals": [{"time", "operation_id", "fault"}, ...]}``: when each send reached it
+    (before any latency or capacity queue) and the fault it met, to measure a client's
+    rate and pauses.
 ``GET /stats``
     Requests since this process started: ``sends``, ``effects`` made, ``replays``,
     ``conflicts``, ``faults`` met, ``lookups``, ``lookups_found`` (not persisted).
@@ -76,6 +85,7 @@ import contextlib
 import errno
 import json
 import logging
+import random
 import select
 import signal
 import socket
@@ -84,6 +94,8 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -187,6 +199,8 @@ class Handler(BaseHTTPRequestHandler):
                 elif method == "DELETE":
                     self.sim.set_faults({"faults": []})
                 self._reply(200, {"faults": self.sim.faults()})
+            elif path == "/arrivals" and method == "GET":
+                self._reply(200, {"arrivals": self.server.arrivals()})
             elif path == "/stats" and method == "GET":
                 self._reply(200, self.sim.stats())
             elif path == "/health" and method == "GET":
@@ -210,7 +224,14 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- endpoints ------------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
-        return {"idempotency": self.sim.config.idempotency, "lookup": self.sim.config.lookup}
+        config = self.sim.config
+        return {
+            "idempotency": config.idempotency,
+            "lookup": config.lookup,
+            "latency": config.latency,
+            "jitter": config.jitter,
+            "capacity": config.capacity,
+        }
 
     def _configure(self, raw: Any) -> None:
         if not isinstance(raw, dict):
@@ -220,7 +241,12 @@ class Handler(BaseHTTPRequestHandler):
                 if not isinstance(raw[name], bool):
                     raise ConfigError(name, "must be true or false")
                 setattr(self.sim.config, name, raw[name])
-        unknown = set(raw) - {"idempotency", "lookup"}
+        for name in ("latency", "jitter"):
+            if name in raw:
+                setattr(self.sim.config, name, _seconds(name, raw[name]))
+        if "capacity" in raw:
+            self.server.set_capacity(_capacity(raw["capacity"]))
+        unknown = set(raw) - {"idempotency", "lookup", "latency", "jitter", "capacity"}
         if unknown:
             raise ConfigError("config", f"unknown settings {sorted(unknown)}")
 
@@ -238,6 +264,7 @@ class Handler(BaseHTTPRequestHandler):
         fault, refusal = self.sim.begin_send(
             operation_id, Fault.from_header(header) if header else None
         )
+        self.server.arrived(operation_id, fault.kind if fault is not None else None)
         if refusal is not None:
             self._reply(refusal.status, refusal.body, refusal.headers)
             return
@@ -245,7 +272,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         idempotent = self._flag("X-Sim-Idempotency", self.sim.config.idempotency)
         headers = {k.lower(): v for k, v in self.headers.items()}
-        answer = self.sim.act(fault, operation_id, key, body, headers, idempotent=idempotent)
+        # The provider's own pace: ``capacity`` sends served at once (the others queue, as
+        # at a real provider that is too slow), each taking ``latency`` (± ``jitter``).
+        with self.server.serving():
+            if self._wait(self.server.latency()):
+                return
+            answer = self.sim.act(fault, operation_id, key, body, headers, idempotent=idempotent)
         if answer.reset:
             self._reset()
         elif answer.hang:
@@ -305,6 +337,10 @@ class SimulatorServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], simulator: Simulator) -> None:
         self.simulator = simulator
+        self._arrivals: deque[tuple[float, str | None, str | None]] = deque(maxlen=200_000)
+        self._capacity: threading.Semaphore | None = None
+        self._random = random.Random()
+        self.set_capacity(simulator.config.capacity)
         super().__init__(address, Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -315,6 +351,37 @@ class SimulatorServer(ThreadingHTTPServer):
             log.debug("client went away", extra=fields(client=str(client_address), error=repr(exc)))
             return
         super().handle_error(request, client_address)
+
+    def arrived(self, operation_id: str | None, fault: str | None) -> None:
+        """A send reached the provider (``GET /arrivals``: when, for which operation, the
+        fault it met)."""
+        self._arrivals.append((time.time(), operation_id, fault))
+
+    def arrivals(self) -> list[dict[str, Any]]:
+        return [
+            {"time": t, "operation_id": op, "fault": fault} for t, op, fault in list(self._arrivals)
+        ]
+
+    def set_capacity(self, capacity: int | None) -> None:
+        self.simulator.config.capacity = capacity
+        self._capacity = None if capacity is None else threading.Semaphore(capacity)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """One of the ``capacity`` sends served at once (waits its turn)."""
+        gate = self._capacity
+        if gate is None:
+            yield
+            return
+        with gate:
+            yield
+
+    def latency(self) -> float:
+        config = self.simulator.config
+        if not config.latency:
+            return 0.0
+        spread = config.latency * config.jitter
+        return max(0.0, config.latency + self._random.uniform(-spread, spread))
 
 
 def serve(
@@ -370,6 +437,29 @@ def build_parser() -> Parser:
             env="OUTBOX_SIMULATOR_LOOKUP",
             env_negates=True,
         ),
+        Flag(
+            "--latency",
+            float,
+            "seconds every send takes before it acts",
+            default=0.0,
+            env="OUTBOX_SIMULATOR_LATENCY",
+            metavar="SECONDS",
+        ),
+        Flag(
+            "--jitter",
+            float,
+            "the latency varies by up to this fraction either way (0.5: half)",
+            default=0.0,
+            env="OUTBOX_SIMULATOR_JITTER",
+            metavar="FRACTION",
+        ),
+        Flag(
+            "--capacity",
+            int,
+            "sends served at once, the others queue (default: no limit)",
+            env="OUTBOX_SIMULATOR_CAPACITY",
+            metavar="N",
+        ),
         *LOGGING,
     )
     run.set_defaults(func=_serve)
@@ -385,7 +475,13 @@ def _serve(args: argparse.Namespace) -> int:
     port, host, data = args.port, args.host, args.data
     if not 0 <= port <= 65535:
         raise ConfigError("port", f"{port} is not a TCP port")
-    config = SimulatorConfig(idempotency=not args.no_idempotency, lookup=not args.no_lookup)
+    config = SimulatorConfig(
+        idempotency=not args.no_idempotency,
+        lookup=not args.no_lookup,
+        latency=_seconds("latency", args.latency),
+        jitter=_seconds("jitter", args.jitter),
+        capacity=_capacity(args.capacity),
+    )
     try:
         server = serve(host, port, data, config)
     except OSError as exc:
@@ -433,6 +529,20 @@ def _start_problem(exc: OSError, host: str, port: int) -> str:
     if isinstance(exc, socket.gaierror):
         return f"{where}: cannot resolve {host!r} ({exc.strerror})"
     return f"{where}: {exc.strerror or exc}"
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 3600:
+        raise ConfigError(name, f"must be a number from 0 to 3600, got {value!r}")
+    return float(value)
+
+
+def _capacity(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("capacity", f"must be a positive integer or null, got {value!r}")
+    return value
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,227 @@
+"""One worker process with its defaults against a slow provider: effects/s, CPU per effect.
+
+``python -m bench effects [--latency 0.3] [--rates 50,100,200,400] [--seconds S]
+[--backlog N] [--handlers sync,async]``
+
+One ``outbox-simulator serve`` adding ``--latency`` seconds to every send, one ``outbox-worker
+run tests.effects_app:build`` process with no flags (its default slots), PostgreSQL (the
+shared server, a schema of its own per run). For each handler kind (``sync``: a ``def``
+handler calling ``job.dispatch``; ``async``: an ``async def`` one awaiting
+``job.adispatch``, on ``HttpProvider``'s ``httpx.AsyncClient``):
+
+- the curve: jobs enqueued at each offered rate for ``--seconds``; effects/s at the provider,
+  enqueue -> effect p50 / p99, the worker's CPU (% of one core) and CPU per effect (ms);
+- the ceiling: ``--backlog`` jobs enqueued at once, drained; effects/s from the first effect
+  to the last, and CPU per effect.
+
+The CPU is the worker process's utime + stime from ``/proc``. Figures depend on what else
+the machine runs (say so when quoting them): a benchmark, never a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from consumer import Store  # noqa: E402
+from tests.simulator_support import SimulatorProcess  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+HEAD = "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect |"
+HEAD = "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect |"
+BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / TICKS
+
+
+def _schema_url() -> tuple[str, str]:
+    schema = f"bench_effects_{uuid.uuid4().hex[:8]}"
+    engine = create_engine(BASE_URL)
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    engine.dispose()
+    return schema, f"{BASE_URL}?options=-csearch_path%3D{schema}"
+
+
+def _drop(schema: str) -> None:
+    engine = create_engine(BASE_URL)
+    with engine.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    engine.dispose()
+
+
+def _worker(url: str, sim: SimulatorProcess, handler: str, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(
+        os.environ,
+        OUTBOX_DATABASE_URL=url,
+        OUTBOX_LOG_LEVEL="warning",
+        MAIL_URL=sim.url,
+        HANDLER=handler,
+    )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.effects_app:build"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _enqueue(store: Store, tag: str, start: int, count: int) -> None:
+    store.enqueue_many(
+        [
+            {"tenant": "bench", "action": f"email-{tag}-{i}", "subject": f"{i}@example.com"}
+            for i in range(start, start + count)
+        ]
+    )
+
+
+def _latencies(store: Store, effects: list[dict[str, Any]], since: float) -> list[float]:
+    created: dict[int, float] = {}
+    with store.engine.connect() as conn:
+        for job_id, at in conn.execute(text("SELECT id, created_at FROM outbox_jobs")):
+            created[int(job_id)] = float(at)
+    return sorted(
+        e["time"] - created[int(e["body"]["job"])]
+        for e in effects
+        if e["time"] >= since and int(e["body"]["job"]) in created
+    )
+
+
+def _q(values: list[float], p: float) -> float | None:
+    return values[min(len(values) - 1, int(p * len(values)))] if values else None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def offered(
+    store: Store, sim: SimulatorProcess, pid: int, rate: float, seconds: float, tag: str
+) -> dict[str, Any]:
+    """Enqueue at ``rate`` for ``seconds`` (ticks of 50 ms), then let it settle."""
+    before = len(sim.effects())
+    cpu0, t0 = _cpu_seconds(pid), time.time()
+    sent = 0
+    while (elapsed := time.time() - t0) < seconds:
+        due = int(rate * elapsed) - sent
+        if due > 0:
+            _enqueue(store, tag, sent, due)
+            sent += due
+        time.sleep(0.05)
+    window = time.time() - t0
+    effects = sim.effects()
+    made = len(effects) - before
+    cpu = _cpu_seconds(pid) - cpu0
+    deadline = time.time() + 60
+    while len(sim.effects()) - before < sent and time.time() < deadline:
+        time.sleep(0.2)
+    lat = _latencies(store, sim.effects(), t0)
+    return {
+        "offered": rate,
+        "effects_per_s": made / window,
+        "p50": _q(lat, 0.5),
+        "p99": _q(lat, 0.99),
+        "cpu_pct": 100 * cpu / window,
+        "cpu_ms": 1000 * cpu / max(made, 1),
+    }
+
+
+def ceiling(
+    store: Store, sim: SimulatorProcess, pid: int, backlog: int, tag: str
+) -> dict[str, Any]:
+    before = len(sim.effects())
+    _enqueue(store, tag, 0, backlog)
+    cpu0 = _cpu_seconds(pid)
+    deadline = time.time() + 300
+    while len(sim.effects()) - before < backlog and time.time() < deadline:
+        time.sleep(0.2)
+    cpu = _cpu_seconds(pid) - cpu0
+    times = sorted(e["time"] for e in sim.effects()[before:])
+    span = (times[-1] - times[0]) if len(times) > 1 else 0.0
+    return {
+        "effects": len(times),
+        "effects_per_s": (len(times) - 1) / span if span else 0.0,
+        "cpu_ms": 1000 * cpu / max(len(times), 1),
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench effects",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--latency", type=float, default=0.3, help="seconds per send")
+    parser.add_argument("--rates", default="50,100,200,400", help="jobs/s offered, in turn")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each rate's window")
+    parser.add_argument("--backlog", type=int, default=3000, help="jobs for the ceiling")
+    parser.add_argument("--handlers", default="async,sync")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    with os.popen("uptime") as uptime:
+        print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
+    print(f"provider: {args.latency * 1000:.0f} ms per send; one worker process, defaults")
+    for handler in [h.strip() for h in args.handlers.split(",") if h.strip()]:
+        schema, url = _schema_url()
+        directory = Path(tempfile.mkdtemp(prefix="bench-effects-"))
+        store = Store(url)
+        store.create_schema()
+        try:
+            with SimulatorProcess(directory / "sim.db") as sim:
+                sim.configure(latency=args.latency)
+                worker = _worker(url, sim, handler, directory / "worker.log")
+                try:
+                    time.sleep(2.0)  # the worker is up
+                    print(f"\n{handler} handler")
+                    print(HEAD)
+                    print("|---|---|---|---|---|---|")
+                    for i, rate in enumerate(rates):
+                        row = offered(store, sim, worker.pid, rate, args.seconds, f"r{i}")
+                        print(
+                            f"| {rate:.0f} | {row['effects_per_s']:.0f} | {_ms(row['p50'])} | "
+                            f"{_ms(row['p99'])} | {row['cpu_pct']:.0f} | {row['cpu_ms']:.2f} |",
+                            flush=True,
+                        )
+                    top = ceiling(store, sim, worker.pid, args.backlog, "max")
+                    print(
+                        f"ceiling: {top['effects']} jobs drained at {top['effects_per_s']:.0f} "
+                        f"effects/s, {top['cpu_ms']:.2f} ms CPU per effect",
+                        flush=True,
+                    )
+                finally:
+                    worker.send_signal(signal.SIGTERM)
+                    try:
+                        worker.wait(60)
+                    except subprocess.TimeoutExpired:
+                        worker.kill()
+        finally:
+            store.dispose()
+            _drop(schema)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
