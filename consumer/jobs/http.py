@@ -324,6 +324,16 @@ class HttpProvider:
                 else:
                     loop.run_until_complete(aclient.aclose())
 
+    async def aprepare(self) -> None:
+        """Make the async client and load httpx's async transport before the first call
+        (the worker does it when its loop starts): a cold client took ~1 s on a busy machine
+        for its first calls, which then reached the provider together, out of the spacing of
+        a rate limit."""
+        import anyio  # noqa: F401 - loaded here rather than inside the first call
+        import httpcore._backends.anyio  # noqa: F401
+
+        self._async_client()
+
     async def aclose(self) -> None:
         """Close the async client (the worker does it when its event loop stops)."""
         aclient, self._aclient = self._aclient, None

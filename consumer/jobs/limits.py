@@ -385,6 +385,8 @@ class ProviderGate:
         self.permits = AdaptiveLimit(slots)
         self.hooks = hooks if hooks is not None else NO_HOOKS
         self.patience = 5.0  # seconds a job waits for a permit before it is handed back
+        self._pace = threading.Lock()
+        self._last_start = 0.0  # monotonic: this process's latest call start (rate limits)
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
@@ -406,12 +408,15 @@ class ProviderGate:
         )
 
     def _reserve(self) -> float:
+        """The reserved start (monotonic), read in the thread that made the reservation: a
+        coroutine resumed later by a busy loop must not push its call later (and out of
+        step with the calls reserved after it)."""
         if self.fleet is None or not self.spacing:
-            return 0.0
+            return time.monotonic()
         wait, until = self.fleet.reserve(self.name, self.spacing, MAX_WAIT)
         if until is not None:
             raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
-        return wait
+        return time.monotonic() + wait
 
     def enter(self, progress: Callable[[], None] | None = None) -> Ticket:
         """Wait (in this thread) for the right to call the provider now."""
@@ -427,11 +432,11 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            wait = self._reserve()
+            start = self._reserve()
         except BaseException:
             self.permits.release(None)
             raise
-        return Ticket(self.name, time.monotonic() + wait, wait)
+        return Ticket(self.name, start, max(0.0, start - time.monotonic()))
 
     async def aenter(
         self, run: Callable[..., Any], progress: Callable[[], None] | None = None
@@ -450,18 +455,32 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            wait = await run(self._reserve)
+            start = await run(self._reserve)
         except BaseException:
             self.permits.release(None)
             raise
-        return Ticket(self.name, time.monotonic() + wait, wait)
+        return Ticket(self.name, start, max(0.0, start - time.monotonic()))
+
+    def _left(self, ticket: Ticket) -> float:
+        # A call that reaches its start late (a busy machine, a cold start) must not go out
+        # together with the calls reserved after it: this process keeps its own calls at
+        # least the spacing apart too.
+        if not self.spacing:
+            return ticket.started - time.monotonic()
+        with self._pace:
+            start = max(ticket.started, self._last_start + self.spacing)
+            self._last_start = start
+        ticket.started = start
+        return start - time.monotonic()
 
     def hold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
         """Wait (this thread) until the ticket's reserved start, just before the call: the
         intent is written already, so nothing but the call itself stands between the
         reserved time and the provider (the spacing survives a slow database)."""
-        left = ticket.started - time.monotonic()
-        if ticket.held or left <= 0:
+        if ticket.held:
+            return
+        left = self._left(ticket)
+        if left <= 0:
             ticket.held = True
             return
         self._waiting(+1, progress)
@@ -471,8 +490,10 @@ class ProviderGate:
 
     async def ahold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
         """:meth:`hold` on the event loop."""
-        left = ticket.started - time.monotonic()
-        if ticket.held or left <= 0:
+        if ticket.held:
+            return
+        left = self._left(ticket)
+        if left <= 0:
             ticket.held = True
             return
         self._waiting(+1, progress)

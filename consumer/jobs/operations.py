@@ -73,7 +73,7 @@ from consumer.errors import (
     ProviderTimeout,
 )
 from consumer.jobs.limits import FleetLimits, ProviderGate, Ticket
-from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
+from consumer.jobs.plan import Plan, Step, after, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store
@@ -344,9 +344,8 @@ class Operations:
         if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
                 with tracing.reconciling(connector.name, operation_id, lease.job_id):
-                    yield held
                     # lookups are not counted in attempts
-                    found = yield provider_step(connector, "lookup", operation_id)
+                    found = yield after(held, provider_step(connector, "lookup", operation_id))
                 if found is not None:
                     if not self._update(
                         operation_id,
@@ -376,12 +375,12 @@ class Operations:
         key = operation_id if connector.supports_idempotency else None
         calling = getattr(job, "provider_call", None)
         scope = calling(timeout) if calling is not None else nullcontext()
-        yield held
+        send = provider_step(
+            connector, "send", request, operation_id=operation_id, idempotency_key=key
+        )
         try:
             with scope:
-                ref = yield provider_step(
-                    connector, "send", request, operation_id=operation_id, idempotency_key=key
-                )
+                ref = yield after(held, send)  # at the reserved start, then the call
         except ProviderTimeout as exc:
             ticket.timed_out = True
             self._update(operation_id, UNKNOWN, None, f"{type(exc).__name__}: {exc}")

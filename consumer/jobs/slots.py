@@ -106,6 +106,13 @@ class SlotRunner:
         self._kick = asyncio.Event()
         self._freed = asyncio.Event()
         self._kick.set()  # claim at once
+        for provider in self.worker.providers.values():
+            prepare = getattr(provider, "aprepare", None)
+            if prepare is not None:
+                try:
+                    await prepare()
+                except Exception as exc:  # a provider that cannot prepare still works
+                    log.warning("provider not prepared", extra=fields(error=repr(exc)))
         maintenance = asyncio.create_task(self._maintenance())
         try:
             await self._claim_loop()
