@@ -171,8 +171,8 @@ class FleetLimits:
         succeeds."""
         with self.store.driver.begin() as conn:
             self._ensure(conn, provider)
-            clock = self.store.driver.clock
-            now = self._now() if clock is not None else _statement_clock(conn)
+            fixed = self.store.driver.clock  # a store's own clock (tests) wins
+            now = self._now() if fixed is not None else _statement_clock(conn)
             if is_postgresql(conn.dialect.name):
                 # A reservation is not worth a WAL flush: a crash loses at most a slot, and a
                 # commit that waits on a busy disk would start the call late, out of step.
