@@ -119,7 +119,13 @@ def test_sigterm_exits_0_and_env_configures_the_run(tmp_path: Path) -> None:
         line = proc.stdout.readline().strip()
         assert line == f"listening on http://127.0.0.1:{port}"
         config = httpx.get(f"http://127.0.0.1:{port}/config", timeout=10).json()
-        assert config == {"idempotency": False, "lookup": False}
+        assert config == {
+            "idempotency": False,
+            "lookup": False,
+            "latency": 0.0,  # a send takes no extra time unless --latency says so
+            "jitter": 0.0,
+            "capacity": None,
+        }
         assert (tmp_path / "env.db").exists()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -180,7 +186,13 @@ def test_idempotency_off_per_run_and_per_request(sim: SimulatorProcess) -> None:
     send(sim, {"n": 1}, key="k")
     assert send(sim, {"n": 1}, key="k", **{"X-Sim-Idempotency": "off"}).status_code == 201
     assert len(sim.effects()) == 2
-    assert sim.configure(idempotency=False) == {"idempotency": False, "lookup": True}
+    assert sim.configure(idempotency=False) == {
+        "idempotency": False,
+        "lookup": True,
+        "latency": 0.0,
+        "jitter": 0.0,
+        "capacity": None,
+    }
     assert send(sim, {"n": 1}, key="k").status_code == 201
     assert len(sim.effects()) == 3
     assert send(sim, {"n": 1}, key="k", **{"X-Sim-Idempotency": "on"}).status_code == 200
