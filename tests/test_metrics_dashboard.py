@@ -8,6 +8,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+import consumer
 import consumer.inbox
 import consumer.jobs.schema
 from metrics import build_metrics, resource_path, unknown_receipts_source
@@ -38,7 +39,16 @@ def exported_names(tmp_path: Path) -> set[str]:
                 " attempts) VALUES ('e1', 't', 'k', 1, 'e1', '{}', 3)"
             )
         )
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_events (event_id, topic, key, key_hash, identity, payload,"
+                " state, published_at) VALUES ('e2', 't', 'k', 1, 'e2', '{}', 'published',"
+                " CURRENT_TIMESTAMP)"
+            )
+        )
         conn.execute(sa.text("CREATE TABLE receipts (state text, created_at float)"))
+    # A READY job (the per-queue gauges) next to the published event (the tables' ages).
+    consumer.Store(engine).enqueue("t", "send-a")
     metrics = build_metrics(engine=engine, extra_sources=[unknown_receipts_source("receipts")])
     hooks = metrics.hooks
     for name, method in vars(Hooks).items():
@@ -57,7 +67,17 @@ def exported_names(tmp_path: Path) -> set[str]:
         elif name == "relay_batch":
             hooks.relay_batch(0.1, 1)
         elif name == "worker_job_finished":
-            hooks.worker_job_finished("a", "done", 0.1)
+            hooks.worker_job_finished("a", "done", 0.1, job_id=1, queue="default", kind="a")
+        elif name == "worker_job_started":
+            hooks.worker_job_started("a", job_id=1, queue="default", kind="a", enqueued_at=1.0)
+        elif name == "worker_tenant_limit_waiting":
+            hooks.worker_tenant_limit_waiting(1)
+        elif name == "worker_slots":
+            hooks.worker_slots(1, 2)
+        elif name == "provider_limit_waiting":
+            hooks.provider_limit_waiting("mail", 1)
+        elif name == "provider_paused":
+            hooks.provider_paused("mail", 3.0, 1.0)
         elif name == "worker_lease_conflict":
             hooks.worker_lease_conflict("a")
         elif name in ("consumer_handled", "consumer_dead_lettered"):
