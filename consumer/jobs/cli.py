@@ -98,14 +98,14 @@ def build_parser() -> Parser:
         Flag(
             "--concurrency",
             int,
-            "worker loops (threads)",
+            "slots: jobs in flight per process (a worker never leases more than its free slots)",
             shown_default=_worker_default("concurrency"),
             metavar="N",
         ),
         Flag(
             "--batch-size",
             int,
-            "jobs claimed per cycle",
+            "jobs one run_once cycle claims (run uses the free slots)",
             shown_default=_worker_default("batch_size"),
             metavar="N",
         ),
