@@ -6,7 +6,7 @@
 
 Order holds without waiting: batches are published in claim order by one thread, and keys
 that failed in a batch whose outcome is not committed yet are held back in memory by the
-relay (``Relay._unrecorded_failures``). Whatever requires the database to be up to date
+relay (``relay.batch.BatchPublisher``). Whatever requires the database to be up to date
 (a sweep, giving partitions back) first waits for the stages to be idle.
 
 This module knows nothing of :class:`relay.Relay`: the sender is given the function that
@@ -129,10 +129,10 @@ class Recorder(Stage[Outcome]):
     instead of adding to them.
 
     Order is kept without waiting for it: keys that failed in a batch whose outcome is not
-    yet committed are held back in memory (``Relay._publish``) until a claim that started
-    after the commit could see them in the blocked index. A failure of this connection is
-    handed to the relay loop, which drops its partitions; whatever was not recorded keeps
-    its intent and is reconciled.
+    yet committed are held back in memory (``relay.batch.BatchPublisher``) until a claim
+    that started after the commit could see them in the blocked index. A failure of this
+    connection is handed to the relay loop, which drops its partitions; whatever was not
+    recorded keeps its intent and is reconciled.
     """
 
     name = "relay-recorder"

@@ -1,8 +1,9 @@
-"""What the relay moves around: a claimed row, an orphaned intent, and what the operator
-commands report."""
+"""What the relay moves around: a claimed row, an orphaned intent, what the operator
+commands report, and the relay's counters."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -72,3 +73,20 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
         return int(ms), int(seq or 0)
     except ValueError:
         return (-1, -1)
+
+
+@dataclass
+class RelayStats:
+    """Counters for progress lines and the live view (this process only)."""
+
+    published: int = 0
+    quarantined: int = 0
+    retried: int = 0
+    reconciled_found: int = 0
+    reconciled_missing: int = 0
+    data_loss_detected: int = 0
+    republished: int = 0
+    cycles: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    started: float = field(default_factory=time.time)

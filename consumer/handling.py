@@ -1,0 +1,404 @@
+"""One batch in the database: decode, deduplicate in the inbox, run the handlers, record the
+dead letters, all in ONE transaction (steps 5 and 6 of the batch in the
+:mod:`consumer.consumer` docstring).
+
+:class:`BatchProcessor` turns the entries a batch read into an :class:`Outcome`: what to
+acknowledge, what was handled, the duplicates and the dead letters. Handlers run first all
+together with no savepoint; if one raises, the transaction is rolled back and the batch runs
+again with a savepoint per entry (:meth:`BatchProcessor.handle`). Why a handler may run more
+than once and only its committed work counts: ``docs/explanation/claims-and-order.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from consumer import inbox as q
+from consumer.bulk import bulk_insert, defer_writes, discard_deferred, flush_deferred
+from consumer.config import ConsumerConfig
+from consumer.errors import UndecodableEntry
+from consumer.event import ConsumedEvent, decode_entry, text_fields
+from consumer.reading import Entry
+from outbox import tracing
+from outbox.logs import fields
+
+log = logging.getLogger("outbox.consumer")
+
+
+@dataclass
+class ConsumerTx:
+    """The transaction a handler runs in: ``session`` is the one the inbox row is written in
+    (inside a savepoint of the batch's transaction). Never commit or roll it back yourself:
+    raise to roll back your entry, return to keep its work.
+
+    Writes made the natural way are batched for you: ``Store.enqueue(..., session=
+    tx.session)`` is buffered and written in one statement with the rest of the batch's
+    (``consumer.bulk``'s deferred writes), and ``tx.session.add(obj)`` ORM objects are
+    flushed together (SQLAlchemy's insertmanyvalues) at the end of the handlers."""
+
+    session: Session
+    group: str
+
+    @property
+    def connection(self) -> Connection:
+        """The session's Connection, for Core statements."""
+        return self.session.connection()
+
+    def insert_many(
+        self,
+        table: Table,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        conflict: Sequence[str] | None = None,
+        returning: str | None = None,
+    ) -> list[Any]:
+        """Insert ``rows`` into ``table`` in ONE statement in this transaction (binary
+        ``unnest`` arrays on PostgreSQL): the fast path for a batch handler that creates a
+        job per event. ``conflict`` columns skip colliding rows; ``returning`` names a
+        column to return for the inserted rows."""
+        return bulk_insert(self.connection, table, rows, conflict=conflict, returning=returning)
+
+
+@dataclass
+class Dead:
+    entry: Entry
+    reason: str
+    error: str
+    event: ConsumedEvent | None = None
+
+
+@dataclass
+class Outcome:
+    """What a batch did: the entries to acknowledge (per stream), handled counts, duplicates,
+    dead letters (and their database record ids once written)."""
+
+    acks: dict[str, list[str]] = field(default_factory=dict)
+    handled: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    dead: list[Dead] = field(default_factory=list)
+    dead_ids: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def ack(self, entry: Entry) -> None:
+        self.acks.setdefault(entry.stream, []).append(entry.entry_id)
+
+    def duplicate(self, entry: Entry, event: ConsumedEvent, group: str) -> None:
+        self.duplicates += 1
+        tracing.duplicate(event, group)
+        self.ack(entry)
+
+    def copy(self) -> Outcome:
+        return Outcome(
+            acks={stream: list(ids) for stream, ids in self.acks.items()},
+            handled=dict(self.handled),
+            duplicates=self.duplicates,
+            dead=list(self.dead),
+            dead_ids=dict(self.dead_ids),
+        )
+
+    @property
+    def count(self) -> int:
+        return sum(len(ids) for ids in self.acks.values())
+
+
+class HandlersFailed(Exception):
+    """The optimistic pass over a batch's handlers (no savepoint) raised ``error``: the
+    transaction is rolled back and the batch runs again, a savepoint per entry. ``only``:
+    the entry's key when the pass had one entry (it is not run a second time)."""
+
+    def __init__(self, error: Exception, only: str | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.only = only
+
+
+Pair = tuple[Entry, ConsumedEvent]
+
+
+class BatchProcessor:
+    """Runs one batch's database transaction for a consumer of ``group`` (see the module
+    docstring). ``handlers`` is the consumer's own registry (shared, not copied);
+    ``dead_letter_stream_for`` names the dead-letter stream of a stream."""
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        config: ConsumerConfig,
+        inbox: q.Inbox,
+        handlers: dict[str, tuple[Callable[..., Any], bool]],
+        dead_letter_stream_for: Callable[[str], str],
+    ) -> None:
+        self.group = group
+        self.config = config
+        self.inbox = inbox
+        self.handlers = handlers
+        self.dead_letter_stream_for = dead_letter_stream_for
+
+    def process(self, entries: list[Entry]) -> Outcome:
+        outcome = Outcome()
+        events = self._decode(entries, outcome)
+        # Optimistic: the handlers run without a savepoint. If one raises, the transaction
+        # is rolled back and the batch runs again with a savepoint per entry.
+        decoded = outcome.copy()
+        try:
+            self._transact(events, outcome, None)
+        except HandlersFailed as failed:
+            outcome = decoded
+            self._transact(events, outcome, failed)
+        for dead in outcome.dead:
+            outcome.ack(dead.entry)
+        return outcome
+
+    def _decode(self, entries: list[Entry], outcome: Outcome) -> list[Pair]:
+        """The entries that have a handler, decoded; the others acknowledged (trimmed,
+        skipped) or dead-lettered (undecodable, unknown type) in ``outcome``."""
+        events: list[Pair] = []
+        for entry in entries:
+            if not entry.raw:
+                # Deleted (trimmed) while pending: nothing left to handle.
+                log.warning(
+                    "pending entry no longer exists",
+                    extra=fields(group=self.group, stream=entry.stream, entry_id=entry.entry_id),
+                )
+                outcome.ack(entry)
+                continue
+            try:
+                event = decode_entry(entry.stream, entry.entry_id, entry.raw, entry.deliveries)
+            except UndecodableEntry as exc:
+                outcome.dead.append(Dead(entry, q.UNDECODABLE, str(exc)))
+                continue
+            if event.type not in self.handlers:
+                if self.config.unknown_types == "skip":
+                    log.info(
+                        "no handler for event type, skipped",
+                        extra=fields(group=self.group, type=event.type, entry_id=entry.entry_id),
+                    )
+                    outcome.ack(entry)
+                else:
+                    error = f"no handler for event type {event.type!r} in group {self.group!r}"
+                    outcome.dead.append(Dead(entry, q.UNKNOWN_TYPE, error, event))
+                continue
+            events.append((entry, event))
+        return events
+
+    def _transact(
+        self, events: list[Pair], outcome: Outcome, failed: HandlersFailed | None
+    ) -> None:
+        session = self.inbox.session()
+        defer_writes(session)
+        try:
+            with session.begin():
+                conn = session.connection()
+                self._deduplicate_and_handle(session, conn, events, outcome, failed)
+                if outcome.dead:
+                    outcome.dead_ids = self.inbox.dead_letter_insert(
+                        conn, [self._dead_row(d) for d in outcome.dead]
+                    )
+        finally:
+            session.close()
+
+    def _deduplicate_and_handle(
+        self,
+        session: Session,
+        conn: Connection,
+        events: list[Pair],
+        outcome: Outcome,
+        failed: HandlersFailed | None,
+    ) -> None:
+        if not events:
+            return
+        # The first entry of an identity in the batch is the candidate; later ones in the
+        # same batch wait for its outcome.
+        first: dict[str, Pair] = {}
+        later: list[Pair] = []
+        for pair in events:
+            if pair[1].identity in first:
+                later.append(pair)
+            else:
+                first[pair[1].identity] = pair
+        self._set_aside_worn(conn, first, outcome)
+        fresh = self._record_in_inbox(conn, first, outcome)
+        failures = self.handle(session, [event for _entry, event in fresh], failed)
+        failed_identities = self._settle(conn, fresh, failures, outcome)
+        for entry, event in later:
+            if event.identity in failed_identities:
+                continue  # its twin failed: stays pending, claimed back and retried later
+            outcome.duplicate(entry, event, self.group)
+
+    def _set_aside_worn(self, conn: Connection, first: dict[str, Pair], outcome: Outcome) -> None:
+        """Entries delivered too often are suspected of killing their consumers: do not run
+        them again (unless already handled: then they are mere duplicates)."""
+        worn = {i: p for i, p in first.items() if p[1].deliveries > self.config.max_deliveries}
+        if not worn:
+            return
+        seen = self.inbox.inbox_seen(conn, self.group, list(worn))
+        for identity, (entry, event) in worn.items():
+            del first[identity]
+            if identity in seen:
+                outcome.duplicate(entry, event, self.group)
+            else:
+                error = (
+                    f"delivered {entry.deliveries} times, more than max_deliveries="
+                    f"{self.config.max_deliveries} (its consumers died or failed)"
+                )
+                outcome.dead.append(Dead(entry, q.POISON, error, event))
+
+    def _record_in_inbox(
+        self, conn: Connection, first: dict[str, Pair], outcome: Outcome
+    ) -> list[Pair]:
+        """The inbox rows of the batch in one statement; the new identities' pairs (the
+        others are duplicates, acknowledged)."""
+        rows = [
+            {
+                "group_name": self.group,
+                "identity": identity,
+                "event_id": event.id,
+                "topic": event.type,
+                "stream": entry.stream,
+                "entry_id": entry.entry_id,
+            }
+            for identity, (entry, event) in sorted(first.items())
+        ]
+        new = self.inbox.inbox_insert(conn, rows)
+        fresh: list[Pair] = []
+        for identity, (entry, event) in first.items():
+            if identity in new:
+                fresh.append((entry, event))
+            else:
+                outcome.duplicate(entry, event, self.group)
+        return fresh
+
+    def _settle(
+        self,
+        conn: Connection,
+        fresh: list[Pair],
+        failures: dict[str, BaseException],
+        outcome: Outcome,
+    ) -> set[str]:
+        """Acknowledge the handled entries; a failed one loses its inbox row and waits to be
+        claimed back, or is dead-lettered at its ``max_deliveries``-th delivery. Returns the
+        failed identities."""
+        failed_identities: set[str] = set()
+        for entry, event in fresh:
+            exc = failures.get(entry_key(event))
+            if exc is None:
+                outcome.ack(entry)
+                outcome.handled[entry.stream] = outcome.handled.get(entry.stream, 0) + 1
+                continue
+            failed_identities.add(event.identity)
+            self.inbox.inbox_delete(conn, self.group, [event.identity])
+            error = f"{type(exc).__name__}: {exc}"
+            context = fields(
+                group=self.group,
+                stream=entry.stream,
+                entry_id=entry.entry_id,
+                deliveries=entry.deliveries,
+                error=error,
+            )
+            if entry.deliveries >= self.config.max_deliveries:
+                outcome.dead.append(Dead(entry, q.POISON, error, event))
+                log.error("handler failed, dead-lettered", extra=context)
+            else:
+                log.warning("handler failed, will retry", extra=context)
+        return failed_identities
+
+    def handle(
+        self, session: Session, events: list[ConsumedEvent], failed: HandlersFailed | None
+    ) -> dict[str, BaseException]:
+        """Run the handlers of ``events``; return the failures by entry key.
+
+        First pass (``failed`` is None), optimistic: all of them together, with no savepoint,
+        their deferred writes (``consumer.bulk``: ``Store.enqueue(..., session=tx.session)``)
+        and ORM objects (``tx.session.add``: insertmanyvalues) flushed once at the end. If a
+        handler or that flush raises, :class:`HandlersFailed` rolls the whole transaction
+        back and the batch runs again (``failed`` given): each entry in a savepoint of its
+        own, so only the failing ones lose their work. Savepoints are paid when a handler
+        fails, never on the happy path. A batch whose one handler failed is not run again.
+        """
+        if not events:
+            return {}
+        tx = ConsumerTx(session=session, group=self.group)
+        if failed is None:
+            try:
+                self._run(session, events, tx)
+            except Exception as exc:
+                only = entry_key(events[0]) if len(events) == 1 else None
+                raise HandlersFailed(exc, only) from exc
+            return {}
+        if len(events) == 1 and failed.only == entry_key(events[0]):
+            return {failed.only: failed.error}
+        failures: dict[str, BaseException] = {}
+        for event in events:
+            failure = self._attempt(session, [event], tx)
+            if failure is not None:
+                failures[entry_key(event)] = failure
+        return failures
+
+    def _attempt(
+        self, session: Session, events: list[ConsumedEvent], tx: ConsumerTx
+    ) -> Exception | None:
+        """Run ``events``' handlers and write what they buffered, in one savepoint: None if
+        it was released, else the exception that rolled it back."""
+        savepoint = session.begin_nested()
+        try:
+            self._run(session, events, tx)
+        except Exception as exc:
+            savepoint.rollback()  # raises if the connection itself is gone: batch retried
+            return exc
+        savepoint.commit()
+        return None
+
+    def _run(self, session: Session, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        """Call ``events``' handlers, then write what they deferred and their ORM objects; if
+        anything raises, what they buffered is dropped and the exception goes on."""
+        try:
+            self._call(events, tx)
+            flush_deferred(session)
+            session.flush()
+        except Exception:
+            discard_deferred(session)
+            raise
+
+    def _call(self, events: list[ConsumedEvent], tx: ConsumerTx) -> None:
+        batch: dict[str, list[ConsumedEvent]] = {}
+        for event in events:
+            fn, is_batch = self.handlers[event.type]
+            if is_batch:
+                batch.setdefault(event.type, []).append(event)
+            else:
+                with tracing.consuming(event, self.group):  # the event's trace goes on
+                    fn(event, tx)
+        for event_type, group in batch.items():
+            with tracing.consuming_batch(group, self.group):
+                self.handlers[event_type][0](group, tx)
+
+    def _dead_row(self, dead: Dead) -> dict[str, Any]:
+        entry, event = dead.entry, dead.event
+        raw = text_fields(entry.raw)
+        return {
+            "group_name": self.group,
+            "stream": entry.stream,
+            "entry_id": entry.entry_id,
+            "event_id": event.id if event else raw.get("id"),
+            "topic": event.type if event else raw.get("type"),
+            "identity": event.identity if event else None,
+            "reason": dead.reason,
+            "error": dead.error,
+            "deliveries": entry.deliveries,
+            "payload": q.encode_fields(raw),
+            "dead_letter_stream": self.dead_letter_stream_for(entry.stream),
+        }
+
+
+def entry_key(event: ConsumedEvent) -> str:
+    return event.entry_id + "\x00" + event.stream
+
+
+__all__ = ["BatchProcessor", "ConsumerTx", "Dead", "HandlersFailed", "Outcome"]
