@@ -78,13 +78,18 @@ def build_routed() -> Worker:
     """A worker with one handler per name in $JOBS_HANDLERS (comma-separated). Each appends
     ``PID HANDLER QUEUE ACTION LEASED`` to $JOBS_EFFECTS_FILE, where LEASED is how many jobs
     of the job's tenant and queue are LEASED at that moment (read from the database, over
-    every worker), then sleeps $JOBS_SLEEP seconds (default 0)."""
+    every worker), then sleeps $JOBS_SLEEP seconds (default 0). The jobs of queue
+    $JOBS_HOLD_QUEUE, if set, then wait until the file $JOBS_RELEASE_FILE exists (holding
+    their slots and leases, reporting progress)."""
     import time
+    from pathlib import Path
 
     import sqlalchemy as sa
 
     worker = Worker(poll_interval=0.05)
     pause = float(os.environ.get("JOBS_SLEEP", "0"))
+    hold = os.environ.get("JOBS_HOLD_QUEUE")
+    release = Path(os.environ.get("JOBS_RELEASE_FILE", "/nonexistent"))
 
     def make(name: str) -> None:
         @worker.handler(name)
@@ -101,6 +106,9 @@ def build_routed() -> Worker:
                 fh.write(f"{os.getpid()} {name} {job.lease.queue} {job.action} {leased}\n")
             if pause:
                 time.sleep(pause)
+            while hold is not None and job.lease.queue == hold and not release.exists():
+                job.progress()
+                time.sleep(0.02)
 
     for name in os.environ["JOBS_HANDLERS"].split(","):
         make(name)

@@ -9,6 +9,7 @@ tests/test_query_plans.py.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import sqlalchemy as sa
@@ -252,6 +253,46 @@ def test_worker_config_validates_queues_and_limits() -> None:
         assert info.value.setting == next(iter(bad))
     worker = Worker(Store(), queues=["x"], tenant_limit=2)
     assert worker.config.queues == ("x",) and worker.config.tenant_limit == 2
+
+
+def test_per_queue_slots_are_reserved_out_of_concurrency() -> None:
+    from consumer.jobs.cli import queue_names
+    from consumer.jobs.config import QueueSlots
+
+    mapped = WorkerConfig(queues={"mail": 8, "billing": 4})
+    assert mapped.queues == ("mail", "billing") and mapped.queue_slots == {"mail": 8, "billing": 4}
+    assert mapped.slot_pools() == (QueueSlots(("mail",), 8), QueueSlots(("billing",), 4))
+    assert mapped.slots == 12  # every queue has its own: the process never has more in flight
+    mixed = WorkerConfig(
+        concurrency=16, queues=["mail", "billing", "reports"], queue_slots={"mail": 6}
+    )
+    assert mixed.slot_pools() == (
+        QueueSlots(("mail",), 6),
+        QueueSlots(("billing", "reports"), 10),  # the rest, shared
+    )
+    assert WorkerConfig(concurrency=5).slot_pools() == (QueueSlots(None, 5),)
+    # A mapping sets both (None: shares the rest), also through replace().
+    again = replace(mapped, queues={"mail": None, "sms": 2})
+    assert again.queue_slots == {"sms": 2}
+    assert again.slot_pools() == (QueueSlots(("sms",), 2), QueueSlots(("mail",), 254))
+    for bad, setting in (
+        ({"queue_slots": {"mail": 2}}, "queue_slots"),  # no queues named: every queue shares
+        ({"queues": ["a"], "queue_slots": {"b": 2}}, "queue_slots"),  # not one of the queues
+        ({"queues": {"a": 0}}, "queues"),
+        ({"queues": {"a": "3"}}, "queues"),
+        ({"queues": ["a"], "queue_slots": {"a": True}}, "queue_slots"),
+        ({"concurrency": 4, "queues": {"a": 3, "b": 2}}, "queue_slots"),  # 5 > 4
+        ({"concurrency": 4, "queues": {"a": 4, "b": None}}, "queue_slots"),  # none left for b
+    ):
+        with pytest.raises(ConfigError) as info:
+            WorkerConfig(**bad)  # type: ignore[arg-type]
+        assert info.value.setting == setting, bad
+    # --queues / OUTBOX_QUEUES
+    assert queue_names("mail,billing") == ["mail", "billing"]
+    assert queue_names("mail=8, billing") == {"mail": 8, "billing": None}
+    for raw in ("mail=0", "mail=x", "=3", "mail=8,,b", "mail=-1"):
+        with pytest.raises(ValueError):
+            queue_names(raw)
 
 
 def test_a_worker_claims_only_what_its_handlers_run_and_leaves_the_rest_ready(

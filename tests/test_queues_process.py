@@ -186,6 +186,52 @@ def test_a_paused_queue_is_not_claimed_and_resumes(pg_url: str, workers: Workers
     store.dispose()
 
 
+def test_each_queue_has_its_own_slots_and_a_busy_one_takes_no_others(
+    pg_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    """``--concurrency 7 --queues billing=3,mail=2,default``: billing's jobs hold every one of
+    its 3 slots (they wait for a release file), yet mail's and the default queue's jobs all
+    run meanwhile, and billing never has a 4th job leased (its other jobs stay READY, with
+    no attempt). No queue ever has more jobs leased than its slots (mail 2, default the
+    remaining 2): each handler counts its queue's LEASED jobs over the whole database."""
+    store = Store(pg_url)
+    store.enqueue_many(
+        [{"tenant": "b", "action": f"send-b{i}", "queue": "billing"} for i in range(12)]
+    )
+    store.enqueue_many(
+        [{"tenant": "m", "action": f"send-m{i}", "queue": "mail"} for i in range(30)]
+    )
+    store.enqueue_many([{"tenant": "d", "action": f"send-d{i}"} for i in range(30)])
+    release = tmp_path / "release"
+    workers.start(
+        "send",
+        "--concurrency",
+        "7",
+        "--queues",
+        "billing=3,mail=2,default",
+        JOBS_SLEEP="0.02",
+        JOBS_HOLD_QUEUE="billing",
+        JOBS_RELEASE_FILE=str(release),
+    )
+    wait_for(lambda: store.counts()[DONE] == 60, "mail's and default's 60 jobs", timeout=120)
+    # Billing is busy with exactly its own 3 slots; its 9 other jobs were never claimed.
+    leased = [store.get("b", f"send-b{i}") for i in range(12)]
+    assert sum(job.state == "LEASED" for job in leased) == 3
+    assert sum(job.state == READY and job.attempts == 0 for job in leased) == 9
+    assert store.depth("billing")["billing"].ready == 9
+    release.touch()
+    wait_for(lambda: store.counts()[DONE] == 72, "billing's jobs once released", timeout=120)
+    workers.stop()
+    ran = workers.lines()
+    assert len(ran) == 72
+    most = {queue: 0 for queue in ("billing", "mail", "default")}
+    for _pid, _handler, queue, _action, count in ran:
+        most[queue] = max(most[queue], int(count))
+    # Never beyond a queue's slots, and each queue filled them (not merely never got there).
+    assert most == {"billing": 3, "mail": 2, "default": 2}, most
+    store.dispose()
+
+
 def test_the_tenant_limit_holds_with_two_processes_racing(pg_url: str, workers: Workers) -> None:
     """Two worker processes with 8 slots each and ``--tenant-limit 2``: a tenant never has
     more than 2 jobs LEASED at once (each handler reads the count over the whole database

@@ -201,10 +201,19 @@ def _holder(
 
 
 def check_queue_settings(config: Any) -> None:
-    """A ``WorkerConfig``'s ``queues`` (a list of names, kept as a tuple; None: every queue),
-    ``tenant_limit`` (a positive integer or None) and ``tenant_limits`` (tenant -> limit,
-    kept as a dict). ``ConfigError`` names the field."""
+    """A ``WorkerConfig``'s ``queues`` (a list of names, kept as a tuple; None: every queue;
+    or a mapping of names to slots of their own, None sharing, which sets ``queue_slots``
+    too), ``queue_slots`` (queue -> positive slots, each queue one of ``queues``, kept as a
+    dict), ``tenant_limit`` (a positive integer or None) and ``tenant_limits`` (tenant ->
+    limit, kept as a dict). ``ConfigError`` names the field."""
     queues = config.queues
+    slots = config.queue_slots
+    slots_field = "queue_slots"
+    if isinstance(queues, Mapping):
+        # One mapping says both which queues and their slots (``--queues mail=8,billing``):
+        # it replaces ``queue_slots``, so ``replace(config, queues={...})`` means what it says.
+        slots = {name: value for name, value in queues.items() if value is not None}
+        queues, slots_field = list(queues), "queues"
     if queues is not None:
         if isinstance(queues, str) or not isinstance(queues, (list, tuple)):
             raise ConfigError("queues", f"must be a list of queue names, got {queues!r}")
@@ -213,6 +222,19 @@ def check_queue_settings(config: Any) -> None:
         for name in queues:
             check_name("queues", name, ConfigError)
         object.__setattr__(config, "queues", tuple(dict.fromkeys(queues)))
+    if not isinstance(slots, Mapping):
+        raise ConfigError("queue_slots", f"must map queues to slots, got {slots!r}")
+    for name, value in slots.items():
+        check_name(slots_field, name, ConfigError)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(slots_field, f"{name!r}: slots must be a positive integer")
+        if config.queues is None or name not in config.queues:
+            raise ConfigError(
+                "queue_slots",
+                f"{name!r} is not one of the worker's queues: name the queues (queues=[...]) "
+                "to give one slots of its own",
+            )
+    object.__setattr__(config, "queue_slots", dict(slots))
     limit = config.tenant_limit
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigError("tenant_limit", f"must be a positive integer or None, got {limit!r}")

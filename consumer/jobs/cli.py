@@ -5,7 +5,7 @@ outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--bat
                                    [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
                                    [--recover-interval SECONDS] [--liveness-ttl SECONDS]
                                    [--liveness-interval SECONDS]
-                                   [--queues A,B] [--tenant-limit N]
+                                   [--queues A,B=N] [--tenant-limit N]
                                    [--metrics-port PORT] [--metrics-host HOST]
                                    [--log-level LEVEL]
 outbox-worker init-db [--database-url URL]
@@ -15,6 +15,9 @@ outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] 
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
 ```
+
+``--queues mail=8,billing`` claims from queues mail and billing, with 8 of the slots for mail
+alone and the rest of ``--concurrency`` for billing (``consumer.jobs.config``).
 
 ``queues pause NAME`` stops every worker claiming from queue NAME (the jobs in hand run to
 their end), ``queues resume NAME`` lets them claim again, ``queues list`` shows each queue's
@@ -142,9 +145,10 @@ def build_parser() -> Parser:
         Flag(
             "--queues",
             queue_names,
-            "claim only from these queues, comma-separated",
+            "claim only from these queues, comma-separated; NAME=N gives a queue N slots of "
+            "its own out of --concurrency (the others share the rest)",
             shown_default="the Worker's, else every queue",
-            metavar="A,B",
+            metavar="A,B=N",
         ),
         Flag(
             "--tenant-limit",
@@ -258,6 +262,9 @@ def _run(args: argparse.Namespace, url: str) -> int:
         options["listen"] = False
     if args.queues is not None:
         options["queues"] = args.queues
+        if isinstance(args.queues, list):  # the Worker's own slots stay for queues still named
+            kept = worker.config.queue_slots
+            options["queue_slots"] = {q: n for q, n in kept.items() if q in args.queues}
     if args.tenant_limit is not None:
         options["tenant_limit"] = args.tenant_limit
     if configured_from_environment() or any(
@@ -287,18 +294,28 @@ def _run(args: argparse.Namespace, url: str) -> int:
         extra=fields(
             database=describe_url(str(worker.store.engine.url)),
             concurrency=worker.config.concurrency,
+            queues=list(worker.config.queues) if worker.config.queues is not None else None,
         ),
     )
     worker.run()
     return 0
 
 
-def queue_names(raw: str) -> list[str]:
-    """``--queues a,b`` (and ``OUTBOX_QUEUES``): the queue names, comma-separated."""
+def queue_names(raw: str) -> list[str] | dict[str, int | None]:
+    """``--queues a,b`` (and ``OUTBOX_QUEUES``): the queue names, comma-separated; a name
+    may carry slots of its own, ``mail=8,billing`` (then a mapping, None: shares the rest)."""
     names = [name.strip() for name in raw.split(",")]
     if not all(names):
         raise ValueError(f"{raw!r} is not a comma-separated list of queue names")
-    return names
+    if not any("=" in name for name in names):
+        return names
+    slots: dict[str, int | None] = {}
+    for item in names:
+        name, sep, count = (part.strip() for part in item.partition("="))
+        if not name or (sep and not (count.isdigit() and int(count) > 0)):
+            raise ValueError(f"{item!r}: give NAME or NAME=SLOTS (a positive integer)")
+        slots[name] = int(count) if sep else None
+    return slots
 
 
 def _queues(args: argparse.Namespace, url: str) -> int:

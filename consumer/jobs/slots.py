@@ -19,6 +19,13 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
 - Finishes are recorded in batches: a finished job joins the batch being written, and the
   first one waiting writes everyone's in one ``finish_batch`` (group commit). Its slot is
   freed once its finish is recorded, so the leases a worker holds never exceed its slots.
+- Slots per queue (``WorkerConfig.slot_pools``, ``consumer.jobs.config``): each group of
+  slots (a queue with slots of its own; the queues that share the rest) is claimed with its
+  own statement, of that group's free slots and its queues only, so a queue's jobs never
+  take more than its slots and a busy queue never takes another's. The groups that have
+  free slots are claimed together (concurrently, one statement each); while jobs run, a
+  group whose last claim filled its free slots claims again as soon as one of them is
+  freed, the others on a NOTIFY, a timer or the poll.
 
 Recovery, the receipt sweep and the vacuum run beside it (``Worker._maintain``, every
 ``MAINTENANCE_TICK``), in the executor, never on the loop.
@@ -30,23 +37,27 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
-from consumer.jobs.store import Lease
+from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.backoff import Backoff
+from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
 
-if TYPE_CHECKING:
-    from consumer.jobs.worker import Worker
+if TYPE_CHECKING:  # the worker imports operations lazily too (only with providers)
+    from consumer.jobs.operations import Operations, Provider
 
-__all__ = ["CLAIM_SPACING", "SlotRunner", "is_async_handler"]
+__all__ = ["CLAIM_SPACING", "SlotHost", "SlotRunner", "is_async_handler"]
 
 log = logging.getLogger("outbox.worker")
 
@@ -61,13 +72,77 @@ def is_async_handler(fn: Callable[..., Any]) -> bool:
     )
 
 
+Routed = tuple[str, Callable[..., Any]]
+
+
+class SlotHost(Protocol):
+    """What the runner needs of its worker (``consumer.jobs.worker.Worker`` is one): its
+    settings, its handlers' routing and outcomes, its claim, and its bookkeeping of the jobs
+    in hand (the heartbeat renews those). A protocol, so that this module never imports the
+    worker's (the worker imports this one)."""
+
+    stop_flag: GracefulStop
+    providers: dict[str, Provider]
+    _active: dict[int, JobContext]
+    _active_lock: threading.Lock
+    _listening: bool
+
+    @property
+    def config(self) -> WorkerConfig: ...
+
+    @property
+    def operations(self) -> Operations | None: ...
+
+    def route(self, lease: Lease) -> Routed | None: ...
+
+    def _store(self) -> Store: ...
+
+    def _claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
+
+    def _maintain(self) -> bool: ...
+
+    def _ensure_heartbeat(self) -> None: ...
+
+    def _sleep_limit(self) -> float | None: ...
+
+    def _learn_timer(self, store: Store) -> None: ...
+
+    def _run_traced(self, ctx: JobContext) -> tuple[str, str, float]: ...
+
+    def _settle(
+        self, ctx: JobContext, routed: Routed | None, started: float, error: BaseException | None
+    ) -> tuple[str, str, float]: ...
+
+    def _hand_back_after_error(self, contexts: list[JobContext]) -> None: ...
+
+    def _hook(self, name: str, *args: Any, **facts: Any) -> None: ...
+
+
+@dataclass
+class _Pool:
+    """One group of slots (``QueueSlots``) as the runner keeps it: how many are busy, and
+    whether its last claim filled its free slots (there may be more of its jobs)."""
+
+    queues: tuple[str, ...] | None
+    slots: int
+    busy: int = 0
+    more: bool = True
+    claimed_at: float = 0.0  # monotonic time of its last claim
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.busy
+
+
 class SlotRunner:
     """One worker process's slots (see the module docstring). ``run()`` blocks until the
     worker is stopped and every job in hand has ended."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: SlotHost) -> None:
         self.worker = worker
-        self.slots = worker.config.concurrency
+        groups: tuple[QueueSlots, ...] = worker.config.slot_pools()
+        self.pools = [_Pool(group.queues, group.slots) for group in groups]
+        self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
         name = worker.config.name
         self.threads = ThreadPoolExecutor(self.slots, thread_name_prefix=f"{name}-slot")
@@ -159,36 +234,51 @@ class SlotRunner:
         idle = Backoff(0.01, worker.config.poll_interval)
         failures = 0
         empty = 0
-        more = True  # the last claim filled every free slot: there may be more
         last_claim = 0.0
         while not stop.stopped:
-            if self.busy >= self.slots:
-                self._freed.clear()
+            # Cleared before the slots are looked at: a slot freed from here on wakes a wait
+            # below (the loop and the jobs' ends share one thread, so nothing comes between).
+            self._freed.clear()
+            open_pools = [pool for pool in self.pools if pool.free > 0]
+            if not open_pools:
                 await self._freed.wait()
                 continue
-            if not more and not self._kick.is_set():
+            kicked = self._kick.is_set()
+            # Due: a group whose last claim filled its free slots, or one not claimed for a
+            # poll interval (another group's steady claims must not keep it from its poll).
+            stale = time.monotonic() - worker.config.poll_interval
+            due = [pool for pool in open_pools if pool.more or pool.claimed_at <= stale]
+            if not due and not kicked:
                 limit = worker._sleep_limit()
                 pause = worker.config.poll_interval if worker._listening else idle.cap(empty)
                 pause = pause if limit is None else min(pause, limit)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kick.wait(), pause)
+                # A full group whose last claim filled it claims again once a slot is freed.
+                watch_freed = any(pool.more for pool in self.pools)
+                if await self._wait(pause, watch_freed) == "freed":
+                    continue
                 if stop.stopped:
                     break
+                kicked = True  # a NOTIFY, a stop, a timer or the poll: every group looks
             self._kick.clear()
             spacing = CLAIM_SPACING - (time.monotonic() - last_claim)
             if self.busy and spacing > 0:
                 await asyncio.sleep(spacing)  # slots freed meanwhile join this claim
-            free = self.slots - self.busy
+            targets = open_pools if kicked else due
             last_claim = time.monotonic()
-            try:
-                leases: list[Lease] = await self._db(worker._claim, free)
-            except SQLAlchemyError as exc:
+            results = await asyncio.gather(
+                *(self._claim_into(pool) for pool in targets), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            for error in errors:
+                if not isinstance(error, SQLAlchemyError):
+                    raise error
+            if errors:
                 delay = backoff.delay(failures)
                 failures += 1
                 log.warning(
                     "worker claim failed, retrying",
                     extra=fields(
-                        error=f"{type(exc).__name__}: {exc}"[:500],
+                        error=f"{type(errors[0]).__name__}: {errors[0]}"[:500],
                         attempt=failures,
                         retry_in_seconds=round(delay, 3),
                     ),
@@ -196,26 +286,54 @@ class SlotRunner:
                 await asyncio.sleep(delay)
                 continue
             failures = 0
-            for lease in leases:
-                self._start(lease)
-            more = len(leases) >= free
-            empty = 0 if leases else empty + 1
+            empty = 0 if any(results) else empty + 1
             worker._hook("worker_cycle_ok", time.time())
 
+    async def _wait(self, pause: float, watch_freed: bool) -> str:
+        """Wait up to ``pause`` seconds for a kick (or a freed slot, ``watch_freed``): which
+        came, or ``"poll"``."""
+        assert self._kick is not None and self._freed is not None
+        waits = {asyncio.ensure_future(self._kick.wait()): "kick"}
+        if watch_freed:
+            waits[asyncio.ensure_future(self._freed.wait())] = "freed"
+        done, pending = await asyncio.wait(
+            waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if any(waits[task] == "kick" for task in done):
+            return "kick"
+        return "freed" if done else "poll"
+
+    async def _claim_into(self, pool: _Pool) -> int:
+        """Claim the free slots of one group (one statement) and start what came."""
+        free = pool.free
+        if free <= 0:
+            return 0
+        pool.claimed_at = time.monotonic()
+        leases: list[Lease] = await self._db(self.worker._claim, free, pool.queues)
+        # Between the count and now slots can only have been freed: never more than its own.
+        for lease in leases:
+            self._start(lease, pool)
+        pool.more = len(leases) >= free
+        return len(leases)
+
     # -- one job --------------------------------------------------------------------------
-    def _start(self, lease: Lease) -> None:
+    def _start(self, lease: Lease, pool: _Pool) -> None:
         worker = self.worker
         ctx = JobContext(worker._store(), lease, worker.operations, executor=self.db)
         with worker._active_lock:
             worker._active[ctx.job_id] = ctx
         worker._ensure_heartbeat()
         self.busy += 1
+        pool.busy += 1
         worker._hook("worker_slots", self.busy, self.slots)
-        task = asyncio.create_task(self._run(ctx))
+        task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, ctx: JobContext) -> None:
+    async def _run(self, ctx: JobContext, pool: _Pool) -> None:
         worker = self.worker
         assert self._loop is not None and self._freed is not None
         try:
@@ -250,6 +368,7 @@ class SlotRunner:
             with worker._active_lock:
                 worker._active.pop(ctx.job_id, None)
             self.busy -= 1
+            pool.busy -= 1
             self._freed.set()
             worker._hook("worker_slots", self.busy, self.slots)
 
@@ -287,5 +406,5 @@ class SlotRunner:
         await done
 
 
-def worker_store_finish(worker: Worker, leases: list[Lease]) -> Any:
+def worker_store_finish(worker: SlotHost, leases: list[Lease]) -> Any:
     return worker._store().finish_batch(leases)

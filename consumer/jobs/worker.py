@@ -22,8 +22,11 @@ worker.run()                             # until SIGTERM: finishes the jobs in h
 Slots: ``run`` gives the worker ``concurrency`` slots (``DEFAULT_CONCURRENCY``, 256): it
 claims at most its free slots in one statement and starts every claimed job at once; ``def``
 handlers on a thread pool, ``async def`` handlers on the worker's event loop
-(``consumer.jobs.slots``). ``run_once`` is the steppable form: it claims up to
-``batch_size`` jobs and runs them one after another in the calling thread.
+(``consumer.jobs.slots``). A queue may have slots of its own, reserved out of them
+(``Worker(store, queues={"mail": 8, "billing": 4})``, ``consumer.jobs.config``): its jobs
+never take more, no other queue takes them, and each group of slots is claimed with its own
+statement. ``run_once`` is the steppable form: it claims up to ``batch_size`` jobs and runs
+them one after another in the calling thread.
 
 Outcomes: a handler that returns finishes the job (DONE; successes of one cycle are
 finished together in one fenced batch). It may instead move the job itself through its
@@ -83,97 +86,41 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import Conflict, JobFailure, OperationUnresolved, ProviderThrottled
-from consumer.jobs.checks import check_queue_settings, claim_filters, tenant_limits
+from consumer.jobs.checks import claim_filters, tenant_limits
+from consumer.jobs.config import DEFAULT_CONCURRENCY, QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
-from consumer.jobs.retention import JobRetentionConfig
+from consumer.jobs.slots import SlotRunner
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
-from outbox.lifecycle import GracefulStop, incarnation_name
+from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
-from outbox.maintenance import DEFAULT_VACUUM_INTERVAL
 
 if TYPE_CHECKING:
     from consumer.jobs.operations import Operations, Provider
 
-__all__ = ["DEFAULT_CONCURRENCY", "Handler", "JobContext", "Worker", "WorkerConfig"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "Handler",
+    "JobContext",
+    "QueueSlots",
+    "Worker",
+    "WorkerConfig",
+]
 
 log = logging.getLogger("outbox.worker")
 
 Handler = Callable[["JobContext"], Any]
 _SEPARATORS = "-:/.#_"
-
-#: Slots per worker process (``--concurrency``). Effects are I/O: a slot mostly waits on a
-#: provider. 256 holds, against a 300 ms provider, ~800 calls/s in flight per process: the
-#: measured effects/s of an async handler and of a plain one on this 2-core machine are bound
-#: by CPU, not by slots (docs/how-to/effects.md has the figures). A slot costs nothing while
-#: free: threads and connections are made as needed.
-DEFAULT_CONCURRENCY = 256
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Frozen worker settings (validated; errors name the field)."""
-
-    name: str = field(default_factory=lambda: incarnation_name("worker"))
-    concurrency: int = DEFAULT_CONCURRENCY
-    batch_size: int = 10
-    ttl: float = 30.0
-    poll_interval: float = 0.5
-    recover_interval: float = 5.0
-    reconcile_interval: float = 10.0
-    listen: bool = True
-    vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
-    liveness_ttl: float = 3.0
-    liveness_interval: float = 1.0
-    retention: JobRetentionConfig = field(default_factory=JobRetentionConfig)
-    queues: tuple[str, ...] | None = None  # claim from these queues (None: every queue)
-    tenant_limit: int | None = None  # at most N jobs of a tenant LEASED at once, fleet-wide
-    tenant_limits: Mapping[str, int] = field(default_factory=dict)  # per-tenant overrides
-
-    def __post_init__(self) -> None:
-        check_queue_settings(self)
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError("name", "must be a non-empty string")
-        if not isinstance(self.listen, bool):
-            raise ConfigError("listen", f"must be True or False, got {self.listen!r}")
-        for name in ("concurrency", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        for name in (
-            "ttl",
-            "poll_interval",
-            "recover_interval",
-            "reconcile_interval",
-            "liveness_ttl",
-            "liveness_interval",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, f"must be a positive number, got {value!r}")
-        value = self.vacuum_interval
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(
-                "vacuum_interval", f"must be zero (never) or positive seconds, got {value!r}"
-            )
-        if not isinstance(self.retention, JobRetentionConfig):
-            raise ConfigError("retention", "must be a consumer.jobs.retention.JobRetentionConfig")
-        if self.liveness_interval >= self.liveness_ttl:
-            raise ConfigError(
-                "liveness_interval",
-                f"must be less than liveness_ttl ({self.liveness_ttl!r}), "
-                f"got {self.liveness_interval!r}",
-            )
 
 
 class Worker(WorkerDuties):
@@ -275,7 +222,7 @@ class Worker(WorkerDuties):
                 store,
                 self.providers,
                 default_timeout=self.default_timeout,
-                slots=self.config.concurrency,
+                slots=self.config.slots,
                 hooks=self.hooks,
             )
         return self._operations
@@ -293,7 +240,7 @@ class Worker(WorkerDuties):
         self._maybe_recover(store, now)
         self._maybe_reconcile()
         self.step_duties()  # vacuum, retention (consumer.jobs.duties): background, when due
-        leases = self._claim(self.config.batch_size, now=now)
+        leases = self._claim(self.config.batch_size, self.config.queues, now=now)
         if not leases:
             return 0
         operations = self.operations
@@ -339,10 +286,14 @@ class Worker(WorkerDuties):
         self._hook("worker_cycle_ok", time.time())
         return handled
 
-    def _claim(self, free: int, *, now: Time | None = None) -> list[Lease]:
-        """The one claim of this worker: at most ``free`` jobs (its free slots), one statement,
-        only of its queues, only what its handlers route, within its tenant limits."""
+    def _claim(
+        self, free: int, queues: tuple[str, ...] | None, *, now: Time | None = None
+    ) -> list[Lease]:
+        """One claim of this worker: at most ``free`` jobs (the free slots of one group of
+        its slots, ``WorkerConfig.slot_pools``), one statement, only of ``queues`` (None:
+        every queue), only what its handlers route, within its tenant limits."""
         filters = claim_filters(self.config, self.handlers)
+        filters["queues"] = queues
         return self._store().claim_batch(
             self.config.name, free, self.config.ttl, now=now, **filters
         )
@@ -576,8 +527,6 @@ class Worker(WorkerDuties):
     def run(self, *, install_signals: bool = True) -> None:
         """Run the worker's slots (``consumer.jobs.slots``) until SIGTERM/SIGINT or
         ``stop()``: no new claims, every job in hand runs to its end, the call returns."""
-        from consumer.jobs.slots import SlotRunner  # it imports this module
-
         self._store()
         if install_signals:
             self.stop_flag.install()
@@ -586,6 +535,10 @@ class Worker(WorkerDuties):
             extra=fields(
                 worker=self.config.name,
                 concurrency=self.config.concurrency,
+                slots={
+                    ",".join(p.queues) if p.queues is not None else "*": p.slots
+                    for p in self.config.slot_pools()
+                },
                 handlers=sorted(self.handlers),
             ),
         )
