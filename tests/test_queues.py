@@ -182,6 +182,40 @@ def test_the_tenant_limit_caps_leased_jobs_per_tenant_across_workers(db_url: str
     store.dispose()
 
 
+def test_every_claim_path_honours_the_tenant_limit_and_a_paused_queue(db_url: str) -> None:
+    """``claim`` of one named job and ``claim_next`` count the same LEASED jobs as the batch
+    claims (whoever leased them), and none of them takes from a paused queue."""
+    store = Store(db_url)
+    store.enqueue_many([{"tenant": "t", "action": f"a-{i}"} for i in range(6)])
+    assert len(store.claim_batch("w1", 2, tenant_limit=3)) == 2  # t: 2 (a-0, a-1)
+    store.enqueue_many([{"tenant": "u", "action": f"u-{i}"} for i in range(2)])
+    store.enqueue_many([{"tenant": "t", "action": f"m-{i}", "queue": "mail"} for i in range(2)])
+    assert store.claim("t", "a-5", "w2", tenant_limit=3) is not None  # t: 3, the limit
+    assert store.claim("t", "a-4", "w2", tenant_limit=3) is None  # refused: at its limit
+    assert store.get("t", "a-4").state == READY and store.get("t", "a-4").attempts == 0
+    assert store.claim("t", "a-4", "w2", tenant_limits={"t": 4}) == 1  # an override
+    assert store.claim("t", "a-3", "w2", tenant_limit=9, tenant_limits={"t": 4}) is None
+    assert store.claim("t", "m-0", "w2", tenant_limit=1) == 1  # counted within its queue
+    assert store.claim("u", "u-0", "w2", tenant_limit=1) == 1  # another tenant has its own
+    assert store.claim_next("w3", tenant_limit=1, queues=["default"]) is None  # t, u full
+    lease = store.claim_next("w3", tenant_limit=2, queues=["default"])
+    assert lease is not None and lease.tenant == "u"
+    assert store.claim("t", "a-3", "w2") == 1  # no limit given: no limit
+    with pytest.raises(JobError):
+        store.claim("t", "a-2", "w2", tenant_limit=0)
+    # A paused queue: no claim path takes from it.
+    store.pause_queue("mail")
+    assert store.claim("t", "m-1", "w2") is None
+    assert store.claim_next("w3", queues=["mail"]) is None
+    store.resume_queue("mail")
+    assert store.claim("t", "m-1", "w2") == 1
+    # A takeover of an expired lease does not add to the tenant's count: not refused.
+    clock = store.get("t", "a-5").lease_expires_at
+    assert clock is not None
+    assert store.claim("t", "a-5", "w4", now=clock + 1, tenant_limit=1) == 2
+    store.dispose()
+
+
 def test_the_tenant_limit_counts_within_a_queue(db_url: str) -> None:
     store = Store(db_url)
     for queue in ("a", "b"):

@@ -296,3 +296,48 @@ def test_two_processes_claiming_at_once_never_pass_the_limit(pg_url: str) -> Non
         assert sum(taken) == 5, taken
         assert store.counts()["LEASED"] == 5 + 5 * round_  # earlier rounds' tenants stay leased
         store.dispose()
+
+
+RACE_ONE = """
+import sys
+from consumer.jobs.store import Store
+store = Store(sys.argv[1], create_schema=False)
+sys.stdin.readline()
+taken = 0
+for i in range(int(sys.argv[3])):
+    if store.claim(sys.argv[4], f"a-{i}", sys.argv[2], tenant_limit=5) is not None:
+        taken += 1
+print(taken)
+"""
+
+
+def test_single_claims_and_batch_claims_racing_never_pass_the_limit(pg_url: str) -> None:
+    """``Store.claim`` of named jobs in one process against ``claim_batch`` in another, and
+    two ``claim`` processes against each other: they share one count of the tenant's LEASED
+    jobs (the same advisory lock), so together they lease exactly the limit."""
+    for round_, scripts in enumerate(((RACE_ONE, RACE), (RACE_ONE, RACE_ONE))):
+        store = Store(pg_url)
+        tenant = f"one{round_}"
+        store.enqueue_many([{"tenant": tenant, "action": f"a-{i}"} for i in range(200)])
+        procs = []
+        for n, script in enumerate(scripts):
+            args = [pg_url, f"w{round_}-{n}", "200" if script is RACE_ONE else "40"]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", script, *args, tenant],
+                    cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        taken = [int(proc.communicate(timeout=120)[0]) for proc in procs]
+        assert sum(taken) == 5, taken
+        leased = store.counts()["LEASED"]
+        assert leased == 5 * (round_ + 1), leased
+        store.dispose()

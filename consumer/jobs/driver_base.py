@@ -259,6 +259,8 @@ class JobDriver:
         return conn.execute(
             select(
                 jobs.c.id,
+                jobs.c.queue,
+                jobs.c.tenant,
                 jobs.c.state,
                 jobs.c.run_after,
                 jobs.c.lease_owner,
@@ -295,6 +297,13 @@ class JobDriver:
             .returning(jobs.c.id)
         ).first()
         return moved is not None
+
+    def job_tenant_leased(self, conn: Connection, queue: str, tenant: str, cap: int) -> int:
+        """How many jobs of ``tenant`` are LEASED in ``queue`` (at most ``cap`` counted), for a
+        claim under a tenant limit: race-safe until the caller's transaction ends (SQLite: its
+        write lock; PostgreSQL: the tenant's advisory lock, taken first)."""
+        params = {"queue": queue, "tenant": tenant, "cap": cap}
+        return int(conn.execute(q.sqlite_leased_count(), params).scalar_one())
 
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool

@@ -240,6 +240,13 @@ class PostgresJobDriver(JobDriver):
     def job_ready_listener(self) -> ReadyListener | None:
         return _PgReadyListener(self.engine)
 
+    def job_tenant_leased(self, conn: Connection, queue: str, tenant: str, cap: int) -> int:
+        # The batch claims' lock first (queries.PG_TENANT_LOCK_SQL has the reason), then the
+        # count in a statement of its own: READ COMMITTED gives it a snapshot taken after the
+        # lock, which sees every lease committed by the claims that held it before.
+        conn.execute(text(q.PG_TENANT_LOCK_SQL), {"queue": queue, "tenant": tenant})
+        return super().job_tenant_leased(conn, queue, tenant, cap)
+
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
     ) -> Sequence[Any]:

@@ -290,13 +290,27 @@ ORDER BY priority DESC, id LIMIT :per
     )
 
 
+PG_TENANT_LOCK_SQL = f"""
+SELECT pg_advisory_xact_lock(hashtext('{TENANT_ROOM_FUNCTION}'),
+                             hashtext(current_schema() || '/' || :queue || '/' || :tenant))
+"""
+"""``Store.claim`` of one named job under a tenant limit (PostgreSQL): the same lock as
+:data:`PG_TENANT_ROOM_SQL`'s, so a single claim and the batch claims of every worker decide
+one (queue, tenant) at a time. Waited for, not tried: a claim of one job would otherwise be
+refused merely because a batch claim was deciding the tenant that moment. It cannot deadlock:
+a batch claim holding the lock takes rows with SKIP LOCKED (never waits for the row this claim
+holds), and this claim waits for nothing after the lock. The count
+(:func:`sqlite_leased_count`, a statement of its own) comes after it, in a fresh snapshot."""
+
+
 @lru_cache(maxsize=1)
 def sqlite_leased_count() -> TextClause:
-    """SQLite: a tenant's LEASED jobs in a queue, at most :cap read (under the write lock, so
-    the count cannot change before the claim commits)."""
+    """A tenant's LEASED jobs in a queue, at most :cap read (``ix_outbox_jobs_leased_tenant``).
+    SQLite: under the write lock, so the count cannot change before the claim commits;
+    PostgreSQL (``Store.claim``): after :data:`PG_TENANT_LOCK_SQL`."""
     return text(
         f"SELECT count(*) FROM (SELECT 1 FROM {JOBS_TABLE} WHERE state = '{LEASED}' "
-        "AND queue = :queue AND tenant = :tenant LIMIT :cap)"
+        "AND queue = :queue AND tenant = :tenant LIMIT :cap) AS leased"
     )
 
 

@@ -445,19 +445,27 @@ class Store(LeaseMoves, Recovery):
         worker: str,
         now: Time | None = None,
         ttl: float = 30,
+        *,
+        tenant_limit: int | None = None,
+        tenant_limits: Mapping[str, int] | None = None,
     ) -> int | None:
         """Lease the job ``(tenant, action)`` to ``worker`` for ``ttl`` seconds.
 
         Returns the new epoch, or ``None`` when the job cannot be claimed now: its lease is
-        live, it is not READY, or ``run_after`` is still ahead. An expired lease is taken
-        over (the old holder is fenced out by the new epoch and its attempt recorded as
-        ``expired``). Unknown job: ``JobNotFound``.
+        live, it is not READY, ``run_after`` is still ahead, its queue is paused
+        (:meth:`pause_queue`), or its tenant is at its limit: ``tenant_limit`` /
+        ``tenant_limits`` as in :meth:`claim_batch`, the jobs of the tenant LEASED in the
+        job's queue counted over every worker on the database, race-safe with every other
+        claim. An expired lease is taken over (the old holder is fenced out by the new epoch
+        and its attempt recorded as ``expired``; the tenant's count does not change, so the
+        limit does not refuse it). Unknown job: ``JobNotFound``.
         """
         _name("tenant", tenant)
         _name("action", action)
         _name("worker", worker)
         seconds = _ttl(ttl)
         when = _time("now", now)
+        default, limits = _limit("tenant_limit", tenant_limit), _limits(tenant_limits)
         where, label = _key(tenant, action)
         with self.driver.begin() as conn:
             row = self.driver.job_lock_for_claim(conn, where)
@@ -473,6 +481,15 @@ class Store(LeaseMoves, Recovery):
                 return None
             if takeover and row.attempts >= self.config.retry.max_attempts:
                 return None  # spent: recovery moves it to NEEDS_ATTENTION
+            if row.queue in self.driver.queue_paused_list(conn):
+                return None  # no claim takes from a paused queue
+            cap = limits.get(row.tenant, default)
+            if (
+                cap is not None
+                and not takeover
+                and self.driver.job_tenant_leased(conn, row.queue, row.tenant, cap) >= cap
+            ):
+                return None  # at its limit: the job stays READY, holding no lease
             new_epoch = int(row.lease_epoch) + 1
             leased = self.driver.job_lease(
                 conn, row.id, row.state, int(row.lease_epoch), worker, clock + seconds, clock
@@ -491,9 +508,29 @@ class Store(LeaseMoves, Recovery):
                 )
             return new_epoch
 
-    def claim_next(self, worker: str, ttl: float = 30, *, now: Time | None = None) -> Lease | None:
-        """Claim one eligible job, fairly across tenants (see the module docstring)."""
-        leases = self.claim_batch(worker, 1, ttl, now=now)
+    def claim_next(
+        self,
+        worker: str,
+        ttl: float = 30,
+        *,
+        now: Time | None = None,
+        queues: Iterable[str] | None = None,
+        routes: Iterable[str] | None = None,
+        tenant_limit: int | None = None,
+        tenant_limits: Mapping[str, int] | None = None,
+    ) -> Lease | None:
+        """Claim one eligible job, fairly across tenants (see the module docstring), with
+        :meth:`claim_batch`'s filters."""
+        leases = self.claim_batch(
+            worker,
+            1,
+            ttl,
+            now=now,
+            queues=queues,
+            routes=routes,
+            tenant_limit=tenant_limit,
+            tenant_limits=tenant_limits,
+        )
         return leases[0] if leases else None
 
     def claim_batch(
