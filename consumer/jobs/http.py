@@ -46,8 +46,10 @@ of your own that is not httpcore's keeps httpx's per-phase timeouts only.)
 job.adispatch(...)``), on an ``httpx.AsyncClient`` the provider makes on first use in the
 worker's event loop, bounded by one ``asyncio.timeout``. A ``client`` passed in is the sync
 client only. ``rate_limit`` (calls per second for the whole fleet, None: none) is read by
-``Operations`` (``consumer.jobs.limits``), which spaces the calls of every worker; a 429/503
-with ``Retry-After`` pauses the provider for every worker. ``max_connections`` (256) bounds the
+``Operations`` (``consumer.jobs.limits``), which spaces the calls of every worker; a call
+that could write its first byte only past the start reserved for it is not sent
+(``StartMissed``: Operations reserves a new start). A 429/503 with ``Retry-After`` pauses the
+provider for every worker. ``max_connections`` (256) bounds the
 connections kept alive per client: as many as a worker's slots may call at once.
 """
 
@@ -75,6 +77,7 @@ from consumer.errors import (
     ProviderTimeout,
     ProviderUnavailable,
 )
+from consumer.jobs.limits import StartMissed, send_by
 from outbox import tracing
 from outbox.errors import ConfigError
 
@@ -377,7 +380,11 @@ class HttpProvider:
             # with no time left is not sent at all.
             if not event.endswith("send_request_headers.started"):
                 return
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            by = send_by()
+            if by is not None and now > by:  # past the start a rate limit reserved
+                raise StartMissed
+            left = deadline - now
             if left <= 0:
                 raise _NoTimeLeft
             timeouts = getattr(info.get("request"), "extensions", {}).get("timeout")
@@ -462,9 +469,13 @@ class HttpProvider:
         (UNKNOWN) exactly as the sync form does."""
         sent = False
 
+        by = send_by()
+
         async def trace(event: str, info: dict[str, Any]) -> None:
             nonlocal sent
             if event.endswith("send_request_headers.started"):
+                if by is not None and time.monotonic() > by:  # past its reserved start
+                    raise StartMissed
                 sent = True
 
         client = self._async_client()

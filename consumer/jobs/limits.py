@@ -11,11 +11,26 @@ deadline):
   flight reach the provider during a pause.
 - **A rate, for every worker.** A provider that declares ``rate_limit`` (calls per second
   for the whole fleet) gets its calls spaced, not burst: each call reserves the next start
-  time in the provider's row in one fenced UPDATE (``next_call_at = max(next_call_at, now)
-  + spacing``) and sleeps until it. The spacing is ``1.1 / rate_limit``: the 10 % is a
-  margin for the delays between a worker and the provider (thread scheduling on a busy
-  machine, the network), so that no one-second window at the provider holds more than
-  ``rate_limit`` calls. Reservations reach at most ``max_wait`` seconds ahead.
+  time in the provider's row in one UPDATE (``next_call_at = max(next_call_at, now) +
+  spacing``, the statement's own database clock) and sleeps until it, right before the
+  call. Every call to the provider takes a start of its own: a send, a resend, a lookup
+  (in a dispatch or in the sweep). The spacing is ``1.25 / rate_limit``; reservations
+  reach at most ``max_wait`` seconds ahead.
+
+  Calls that reach the provider within ``d`` seconds after their reserved starts put at
+  most ``rate_limit`` calls in any one-second window there as long as ``d <= 0.25`` (the
+  margin: a window of ``1 + d`` seconds holds at most ``(1 + d) * rate_limit / 1.25``
+  starts). So a call that is more than ``LATE`` (50 ms) past its start does not go: it
+  gives the start back and reserves a new one. The first version sent it anyway, and the
+  late calls of a busy worker arrived together with the next ones (9 calls in one second
+  against a limit of 5): a cold process took 0.2-1.1 s between its reservation and its
+  first byte, and even a warm one 40-90 ms now and then on a 2-core machine at load 12.
+  The check is made twice: before the call, and by ``HttpProvider`` at the very moment
+  its first byte is to be written (``send_by()``: a pooled connection's wait, a connect,
+  a cold client all come before it; :class:`StartMissed` then, nothing sent). The other
+  200 ms of the margin are for what follows the first byte (the network, the provider
+  getting to the request). The price is throughput: the fleet makes at most
+  ``rate_limit / 1.25`` calls per second. A provider of your own gets the first check only.
 - **Calls in flight, learnt per process (AIMD).** :class:`AdaptiveLimit` starts at the
   worker's slots and halves on a timeout, takes 10 % off when a call's latency exceeds
   ``tolerance`` times the provider's best recent latency (a queue building up at the
@@ -36,6 +51,8 @@ meanwhile loses nothing and sends nothing twice.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import math
 import threading
 import time
 from collections import deque
@@ -48,16 +65,37 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from consumer.errors import ProviderThrottled
+from consumer.jobs.plan import Runner, Step
 from consumer.jobs.schema import provider_limits
 from consumer.jobs.store import Store
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 
-__all__ = ["RATE_MARGIN", "AdaptiveLimit", "FleetLimits", "ProviderGate", "Ticket"]
+__all__ = ["RATE_MARGIN", "AdaptiveLimit", "FleetLimits", "ProviderGate", "StartMissed", "Ticket"]
+__all__ += ["send_by"]
 
-RATE_MARGIN = 1.1  # calls are spaced RATE_MARGIN / rate_limit apart (see the docstring)
+RATE_MARGIN = 1.25  # calls are spaced RATE_MARGIN / rate_limit apart (see the docstring)
 MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
+LATE = 0.05  # seconds past its reserved start after which a call reserves a new one
+REBOOK = 2 * MAX_WAIT  # seconds a call's deadline allows for new starts after a missed one
 RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
+
+
+_SEND_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "outbox_send_by", default=None
+)
+
+
+class StartMissed(Exception):
+    """Raised by a provider client that cannot write its first byte by :func:`send_by`:
+    nothing was sent; the call takes a new reserved start."""
+
+
+def send_by() -> float | None:
+    """The ``time.monotonic()`` by which the call being made in this context must write its
+    first byte to keep to its provider's ``rate_limit`` (None: no such limit). A client
+    that would write later raises :class:`StartMissed` instead of sending."""
+    return _SEND_BY.get()
 
 
 def _statement_clock(conn: Connection) -> ColumnElement[float]:
@@ -85,14 +123,18 @@ class FleetLimits:
         self._lock = threading.Lock()
         self._known: set[str] = set()
 
-    def _ensure(self, conn: Connection, provider: str) -> None:
+    def _ensure(self, provider: str) -> None:
+        # The provider's row, committed before any statement that needs it: known to this
+        # process only once it is visible to every other transaction (a thread that read
+        # it as known while another's insert was not yet committed found no row).
         if provider in self._known:
             return
-        conn.execute(
-            insert_or_ignore(provider_limits, ("provider",), conn.dialect.name).values(
-                provider=provider
+        with self.store.driver.begin() as conn:
+            conn.execute(
+                insert_or_ignore(provider_limits, ("provider",), conn.dialect.name).values(
+                    provider=provider
+                )
             )
-        )
         self._known.add(provider)
 
     def _now(self) -> Any:
@@ -136,8 +178,8 @@ class FleetLimits:
     def pause(self, provider: str, seconds: float) -> float:
         """Pause the provider for every worker for ``seconds`` from now (a pause already
         reaching further stays); returns its end (database clock)."""
+        self._ensure(provider)
         with self.store.driver.begin() as conn:
-            self._ensure(conn, provider)
             clock = float(conn.execute(select(self._now())).scalar_one())
             until = clock + max(0.0, seconds)
             conn.execute(
@@ -169,8 +211,8 @@ class FleetLimits:
         until)`` when the provider is paused or its reservations reach past ``max_wait``
         (nothing reserved; try again at ``until``, database clock). One UPDATE when it
         succeeds."""
+        self._ensure(provider)
         with self.store.driver.begin() as conn:
-            self._ensure(conn, provider)
             fixed = self.store.driver.clock  # a store's own clock (tests) wins
             now = self._now() if fixed is not None else _statement_clock(conn)
             if is_postgresql(conn.dialect.name):
@@ -359,9 +401,10 @@ class Ticket:
     provider: str
     started: float = 0.0  # monotonic: the reserved start of the call (the latency's origin)
     waited: float = 0.0  # seconds from the permit to the reserved start
-    held: bool = False  # the reserved start was waited for
+    held: bool = False  # a call went out at the reserved start (the next needs a new one)
     timed_out: bool = False  # the call got no answer in time (AIMD's strongest signal)
     retry_after: float | None = None  # a 429/503's Retry-After: the fleet pauses
+    latest: float = math.inf  # monotonic: the latest start the call's deadline allows
 
 
 class ProviderGate:
@@ -385,8 +428,6 @@ class ProviderGate:
         self.permits = AdaptiveLimit(slots)
         self.hooks = hooks if hooks is not None else NO_HOOKS
         self.patience = 5.0  # seconds a job waits for a permit before it is handed back
-        self._pace = threading.Lock()
-        self._last_start = 0.0  # monotonic: this process's latest call start (rate limits)
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
@@ -461,45 +502,113 @@ class ProviderGate:
             raise
         return Ticket(self.name, start, max(0.0, start - time.monotonic()))
 
-    def _left(self, ticket: Ticket) -> float:
-        # A call that reaches its start late (a busy machine, a cold start) must not go out
-        # together with the calls reserved after it: this process keeps its own calls at
-        # least the spacing apart too.
-        if not self.spacing:
-            return ticket.started - time.monotonic()
-        with self._pace:
-            start = max(ticket.started, self._last_start + self.spacing)
-            self._last_start = start
-        ticket.started = start
-        return start - time.monotonic()
+    def budget(self, ticket: Ticket) -> float:
+        """Seconds the call's deadline must allow beyond its timeout: the wait for its
+        reserved start, and room for new starts if it misses it (``ticket.latest``)."""
+        now = time.monotonic()
+        budget = max(0.0, ticket.started - now)
+        if self.spacing and self.fleet is not None:
+            budget += REBOOK
+        ticket.latest = now + budget
+        return budget
+
+    def _left(self, ticket: Ticket) -> float | None:
+        """Seconds until the ticket's start; None when it cannot be used for this call: a
+        call went out on it already, or its start passed more than ``LATE`` ago."""
+        if not self.spacing or self.fleet is None:
+            return 0.0
+        left = ticket.started - time.monotonic()
+        if ticket.held or left < -LATE:
+            return None
+        return left
+
+    def _rebook(self, ticket: Ticket) -> None:
+        """Reserve a new start for the ticket (its own was missed or used), within what the
+        call's deadline allows; ProviderThrottled when none is to be had (paused, booked
+        ahead, out of time): the call is not made."""
+        assert self.fleet is not None
+        room = min(MAX_WAIT, ticket.latest - time.monotonic())
+        if room < 0:
+            clock = self.fleet.store.driver.clock or time.time
+            raise self._throttled("missed its reserved start", clock() + self.spacing)
+        wait, until = self.fleet.reserve(self.name, self.spacing, room)
+        if until is not None:
+            raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
+        ticket.started = time.monotonic() + wait
+        ticket.waited += wait
+        ticket.held = False
 
     def hold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
         """Wait (this thread) until the ticket's reserved start, just before the call: the
         intent is written already, so nothing but the call itself stands between the
-        reserved time and the provider (the spacing survives a slow database)."""
-        if ticket.held:
-            return
-        left = self._left(ticket)
-        if left <= 0:
-            ticket.held = True
-            return
-        self._waiting(+1, progress)
-        time.sleep(left)
-        self._waiting(-1, progress)
+        reserved time and the provider (the spacing survives a slow database). A start
+        missed by more than ``LATE``, or used by an earlier call, is reserved anew."""
+        while True:
+            left = self._left(ticket)
+            if left is None:
+                self._rebook(ticket)
+                continue
+            if left <= 0:
+                break
+            self._waiting(+1, progress)
+            time.sleep(left)
+            self._waiting(-1, progress)
         ticket.held = True
 
-    async def ahold(self, ticket: Ticket, progress: Callable[[], None] | None = None) -> None:
-        """:meth:`hold` on the event loop."""
-        if ticket.held:
-            return
-        left = self._left(ticket)
-        if left <= 0:
-            ticket.held = True
-            return
-        self._waiting(+1, progress)
-        await asyncio.sleep(left)
-        self._waiting(-1, progress)
+    async def ahold(
+        self,
+        ticket: Ticket,
+        progress: Callable[[], None] | None = None,
+        run: Callable[..., Any] | None = None,
+    ) -> None:
+        """:meth:`hold` on the event loop; a new reservation goes through ``run`` (the
+        worker's executor), the wait is the loop's."""
+        while True:
+            left = self._left(ticket)
+            if left is None:
+                if run is None:
+                    self._rebook(ticket)
+                else:
+                    await run(self._rebook, ticket)
+                continue
+            if left <= 0:
+                break
+            self._waiting(+1, progress)
+            await asyncio.sleep(left)
+            self._waiting(-1, progress)
         ticket.held = True
+
+    def call(self, ticket: Ticket, step: Step, progress: Callable[[], None] | None = None) -> Step:
+        """``step`` (one call to the provider) at the ticket's reserved start: :meth:`hold`
+        then the call with :func:`send_by` set; a :class:`StartMissed` takes a new start
+        and tries again (nothing was sent)."""
+
+        def sync() -> Any:
+            while True:
+                self.hold(ticket, progress)
+                token = _SEND_BY.set(self._send_by(ticket))
+                try:
+                    return step.sync()
+                except StartMissed:
+                    continue  # held: the next hold reserves a new start
+                finally:
+                    _SEND_BY.reset(token)
+
+        async def aio(run: Runner) -> Any:
+            while True:
+                await self.ahold(ticket, progress, run)
+                token = _SEND_BY.set(self._send_by(ticket))
+                try:
+                    return await step.aio(run)
+                except StartMissed:
+                    continue
+                finally:
+                    _SEND_BY.reset(token)
+
+        return Step(sync, aio)
+
+    def _send_by(self, ticket: Ticket) -> float | None:
+        return ticket.started + LATE if self.spacing and self.fleet is not None else None
 
     def leave(
         self, ticket: Ticket, *, timed_out: bool = False, retry_after: float | None = None

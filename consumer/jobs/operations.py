@@ -53,7 +53,6 @@ import json
 import logging
 import math
 import threading
-import time
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
@@ -73,7 +72,7 @@ from consumer.errors import (
     ProviderTimeout,
 )
 from consumer.jobs.limits import FleetLimits, ProviderGate, Ticket
-from consumer.jobs.plan import Plan, Step, after, arun_plan, provider_step, run_plan
+from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store
@@ -292,10 +291,7 @@ class Operations:
         except ProviderThrottled as exc:
             # Nothing written, nothing sent: hand the job back until the provider may be
             # called again, without counting a failure.
-            if hasattr(job, "defer"):
-                job.defer(exc.until, str(exc))
-            else:
-                self.store.defer(lease, until=exc.until, reason=str(exc))
+            self._hand_back(job, lease, exc)
             raise
         try:
             with tracing.dispatching(lease, operation_id, connector.name, name):
@@ -322,9 +318,9 @@ class Operations:
     ) -> Generator[Step, Any, Receipt | None]:
         gate = self.gate(connector)
         progress = getattr(job, "progress", None)
-        held = Step(lambda: gate.hold(ticket, progress), lambda run: gate.ahold(ticket, progress))
-        # The call's deadline counts the wait for its reserved start (a rate limit's spacing).
-        timeout += max(0.0, ticket.started - time.monotonic())
+        # The call's deadline counts the wait for its reserved start (a rate limit's spacing)
+        # and room for a new one if the call misses it.
+        timeout += gate.budget(ticket)
         step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
         if step == ACCEPTED:
             return _receipt(row)
@@ -344,8 +340,13 @@ class Operations:
         if resend:  # an earlier attempt may have reached the provider and its deadline passed
             if connector.supports_lookup:
                 with tracing.reconciling(connector.name, operation_id, lease.job_id):
-                    # lookups are not counted in attempts
-                    found = yield after(held, provider_step(connector, "lookup", operation_id))
+                    # lookups are not counted in attempts; each takes a start of its own
+                    lookup = provider_step(connector, "lookup", operation_id)
+                    try:
+                        found = yield gate.call(ticket, lookup, progress)
+                    except ProviderThrottled as exc:  # nothing changed: the same intent later
+                        self._hand_back(job, lease, exc)
+                        raise
                 if found is not None:
                     if not self._update(
                         operation_id,
@@ -380,7 +381,12 @@ class Operations:
         )
         try:
             with scope:
-                ref = yield after(held, send)  # at the reserved start, then the call
+                ref = yield gate.call(ticket, send, progress)  # at the reserved start
+        except ProviderThrottled as exc:
+            # The reserved start was missed and no other was to be had: not sent.
+            self._update(operation_id, NOT_SENT, None, str(exc)[:2000])
+            self._hand_back(job, lease, exc)
+            raise
         except ProviderTimeout as exc:
             ticket.timed_out = True
             self._update(operation_id, UNKNOWN, None, f"{type(exc).__name__}: {exc}")
@@ -439,8 +445,13 @@ class Operations:
                 except ProviderThrottled:
                     counts["skipped"] += 1
                     continue
+                lookup = provider_step(connector, "lookup", row.operation_id)
                 try:
-                    found = connector.lookup(row.operation_id)
+                    found = gate.call(ticket, lookup).sync()  # at its reserved start
+                except ProviderThrottled:
+                    gate.leave(ticket)
+                    counts["skipped"] += 1
+                    continue
                 except Exception as exc:
                     gate.leave(ticket, timed_out=isinstance(exc, ProviderTimeout))
                     log.warning(
@@ -655,6 +666,13 @@ class Operations:
             if_states=if_states,
             if_attempts=if_attempts,
         )
+
+    def _hand_back(self, job: Any, lease: Lease, exc: ProviderThrottled) -> None:
+        """READY again when the provider may be called, without counting a failure."""
+        if hasattr(job, "defer"):
+            job.defer(exc.until, str(exc))
+        else:
+            self.store.defer(lease, until=exc.until, reason=str(exc))
 
     def _trace_contexts(self, job_ids: Sequence[int]) -> dict[int, str | None]:
         """The jobs' trace contexts (``outbox.tracing``: only asked for while recording)."""

@@ -26,7 +26,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Plan", "Runner", "Step", "after", "arun_plan", "provider_step", "run_plan"]
+__all__ = ["Plan", "Runner", "Step", "arun_plan", "provider_step", "run_plan"]
 
 Runner = Callable[..., Awaitable[Any]]  # run(fn, *args) in the executor, awaited
 
@@ -53,21 +53,6 @@ def provider_step(connector: Any, method: str, *args: Any, **kwargs: Any) -> Ste
         if native is not None:
             return await native(*args, **kwargs)
         return await run(sync)
-
-    return Step(sync, aio)
-
-
-def after(first: Step, then: Step) -> Step:
-    """``first`` then ``then`` as one step: no hop through the executor between them (a
-    wait for a reserved start must end right at the call, not queue behind other work)."""
-
-    def sync() -> Any:
-        first.sync()
-        return then.sync()
-
-    async def aio(run: Runner) -> Any:
-        await first.aio(run)
-        return await then.aio(run)
 
     return Step(sync, aio)
 

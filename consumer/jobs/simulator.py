@@ -49,9 +49,10 @@ Endpoints (JSON in, JSON out):
     ``"operation_id"`` (only that operation), ``"status"``, ``"delay"`` (seconds) and
     ``"retry_after"``. The first rule that matches a send applies.
 ``GET /arrivals``
-    ``{"arrivals": [{"time", "operation_id", "fault"}, ...]}``: when each send reached it
-    (before any latency or capacity queue) and the fault it met, to measure a client's
-    rate and pauses.
+    ``{"arrivals": [{"time", "operation_id", "fault", "kind"}, ...]}``: when each call
+    reached it (its headers read, before any latency or capacity queue), ``kind``
+    ``send`` or ``lookup``, and the fault a send met, to measure a client's rate (every
+    call counts) and pauses.
 ``GET /stats``
     Requests since this process started: ``sends``, ``effects`` made, ``replays``,
     ``conflicts``, ``faults`` met, ``lookups``, ``lookups_found`` (not persisted).
@@ -251,6 +252,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ConfigError("config", f"unknown settings {sorted(unknown)}")
 
     def _send(self) -> None:
+        arrived = time.time()  # before the body: the request has reached the provider
         raw = self._body()
         try:
             request = json.loads(raw)
@@ -264,7 +266,7 @@ class Handler(BaseHTTPRequestHandler):
         fault, refusal = self.sim.begin_send(
             operation_id, Fault.from_header(header) if header else None
         )
-        self.server.arrived(operation_id, fault.kind if fault is not None else None)
+        self.server.arrived(arrived, operation_id, fault.kind if fault is not None else None)
         if refusal is not None:
             self._reply(refusal.status, refusal.body, refusal.headers)
             return
@@ -287,6 +289,7 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(answer.status, answer.body)
 
     def _lookup(self, operation_id: str) -> None:
+        self.server.arrived(time.time(), operation_id, None, "lookup")
         enabled = self._flag("X-Sim-Lookup", self.sim.config.lookup)
         found = self.sim.lookup(operation_id, enabled=enabled)
         if not enabled:
@@ -337,7 +340,7 @@ class SimulatorServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], simulator: Simulator) -> None:
         self.simulator = simulator
-        self._arrivals: deque[tuple[float, str | None, str | None]] = deque(maxlen=200_000)
+        self._arrivals: deque[tuple[float, str | None, str | None, str]] = deque(maxlen=200_000)
         self._capacity: threading.Semaphore | None = None
         self._random = random.Random()
         self.set_capacity(simulator.config.capacity)
@@ -352,14 +355,17 @@ class SimulatorServer(ThreadingHTTPServer):
             return
         super().handle_error(request, client_address)
 
-    def arrived(self, operation_id: str | None, fault: str | None) -> None:
-        """A send reached the provider (``GET /arrivals``: when, for which operation, the
-        fault it met)."""
-        self._arrivals.append((time.time(), operation_id, fault))
+    def arrived(
+        self, when: float, operation_id: str | None, fault: str | None, kind: str = "send"
+    ) -> None:
+        """A call reached the provider (``GET /arrivals``: when, for which operation, the
+        fault it met, a send or a lookup)."""
+        self._arrivals.append((when, operation_id, fault, kind))
 
     def arrivals(self) -> list[dict[str, Any]]:
         return [
-            {"time": t, "operation_id": op, "fault": fault} for t, op, fault in list(self._arrivals)
+            {"time": t, "operation_id": op, "fault": fault, "kind": kind}
+            for t, op, fault, kind in list(self._arrivals)
         ]
 
     def set_capacity(self, capacity: int | None) -> None:

@@ -1,0 +1,139 @@
+"""Provider limits in one process, on both databases: what a call does with its reserved start.
+
+The fleet-wide behaviour (two worker processes, a rate measured at the server, a pause
+beside a healthy provider) is in tests/test_effects_slots.py; these pin the rules it rests
+on, without timing anything: a call that is past its reserved start by more than ``LATE``
+takes a new one (the row's ``next_call_at`` moves on by one more spacing), every call on a
+ticket takes a start of its own, a call out of time is handed back without reserving, and
+an ``HttpProvider`` that could write its first byte only past :func:`send_by` sends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from consumer import HttpProvider, Store
+from consumer.errors import ProviderThrottled
+from consumer.jobs import limits
+from consumer.jobs.limits import LATE, FleetLimits, ProviderGate, StartMissed
+from consumer.jobs.plan import Step
+from consumer.jobs.schema import provider_limits
+from tests.simulator_support import SimulatorProcess
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    store = Store(db_url)
+    yield store
+    store.dispose()
+
+
+def gate(store: Store, rate: float = 5.0) -> ProviderGate:
+    return ProviderGate("mail", FleetLimits(store), rate_limit=rate, slots=4)
+
+
+def booked(store: Store) -> float:
+    with store.engine.connect() as conn:
+        return float(
+            conn.execute(
+                select(provider_limits.c.next_call_at).where(provider_limits.c.provider == "mail")
+            ).scalar_one()
+        )
+
+
+def test_a_start_missed_by_more_than_late_is_reserved_again(store: Store) -> None:
+    g = gate(store)
+    ticket = g.enter()
+    first = booked(store)
+    missed = ticket.started = time.monotonic() - 10 * LATE  # kept away past it (a busy machine)
+    g.hold(ticket)
+    assert booked(store) >= first + g.spacing - 1e-6  # one more start reserved
+    assert ticket.held and ticket.started > missed  # the call goes at the new one
+
+
+def test_every_call_on_a_ticket_takes_a_start_of_its_own(store: Store) -> None:
+    g = gate(store, rate=50.0)
+    calls: list[str] = []
+    ticket = g.enter()
+    first = booked(store)
+    lookup = Step(lambda: calls.append("lookup"), lambda run: asyncio.sleep(0))
+    send = Step(lambda: calls.append("send"), lambda run: asyncio.sleep(0))
+    g.call(ticket, lookup).sync()
+    g.call(ticket, send).sync()  # a resend after a lookup found nothing: a second call
+    assert calls == ["lookup", "send"]
+    assert booked(store) >= first + g.spacing - 1e-6
+
+
+def test_a_call_out_of_time_for_a_new_start_is_throttled_without_reserving(store: Store) -> None:
+    g = gate(store)
+    ticket = g.enter()
+    first = booked(store)
+    ticket.started = time.monotonic() - 10 * LATE
+    ticket.latest = time.monotonic() - 1.0  # its deadline allows no later start
+    with pytest.raises(ProviderThrottled):
+        g.hold(ticket)
+    assert booked(store) == first
+
+
+def test_a_start_missed_at_the_first_byte_is_taken_again(store: Store) -> None:
+    g = gate(store, rate=50.0)
+    ticket = g.enter()
+    first = booked(store)
+    tries: list[float | None] = []
+
+    def send() -> str:
+        tries.append(limits.send_by())
+        if len(tries) == 1:
+            raise StartMissed  # the client could not write in time: nothing sent
+        return "ref-1"
+
+    assert g.call(ticket, Step(send, lambda run: asyncio.sleep(0))).sync() == "ref-1"
+    assert len(tries) == 2 and None not in tries
+    assert booked(store) >= first + g.spacing - 1e-6
+    assert limits.send_by() is None  # reset once the call is made
+
+
+# -- HttpProvider keeps to send_by at its first byte, sync and async --------------------------
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
+    path: Path = tmp_path_factory.mktemp("sim") / "mail.db"
+    with SimulatorProcess(path) as process:
+        yield process
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_http_provider_sends_nothing_past_send_by(sim: SimulatorProcess, form: str) -> None:
+    provider = HttpProvider("mail", sim.send_url, lookup_url=sim.lookup_url, timeout=5.0)
+    operation_id = f"late-{form}-{time.monotonic_ns()}"
+
+    def send() -> str:
+        kwargs = {"operation_id": operation_id, "idempotency_key": operation_id}
+        if form == "sync":
+            return provider.send({"to": "a@example.com"}, **kwargs)
+
+        async def go() -> str:
+            try:
+                return await provider.asend({"to": "a@example.com"}, **kwargs)
+            finally:
+                await provider.aclose()
+
+        return asyncio.run(go())
+
+    token = limits._SEND_BY.set(time.monotonic() - 1.0)  # its start is a second gone
+    try:
+        with pytest.raises(StartMissed):
+            send()
+    finally:
+        limits._SEND_BY.reset(token)
+    assert [a for a in sim.arrivals() if a["operation_id"] == operation_id] == []
+    assert send()  # no reserved start: it goes
+    assert len(sim.effects(operation_id)) == 1
+    provider.close()
