@@ -195,8 +195,9 @@ def test_published_but_not_consumed_is_in_progress(world: World) -> None:
 def test_every_page_and_api_call_needs_the_token(world: World, api: TestClient) -> None:
     world.through_consumer(20)
     reads = ["/api/overview", "/api/trace?q=quote-020", "/api/events", "/api/jobs"]
-    reads += ["/api/receipts", "/api/dead-letters", "/api/audit"]
+    reads += ["/api/receipts", "/api/dead-letters", "/api/audit", "/api/queues"]
     pages = ["/", "/trace?q=quote-020", "/events", "/jobs", "/receipts", "/dead-letters", "/audit"]
+    pages += ["/queues"]
     for path in reads + pages:
         assert api.get(path).status_code == 401, path
         assert api.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -206,6 +207,7 @@ def test_every_page_and_api_call_needs_the_token(world: World, api: TestClient) 
     job_id = trace(world, "quote-020").jobs[0]["id"]
     answer = api.post(f"/api/jobs/{job_id}/cancel", json={"reason": "x"})
     assert answer.status_code == 401
+    assert api.post("/api/queues/default/pause", json={"reason": "x"}).status_code == 401
     assert api.get("/login?token=wrong", follow_redirects=False).status_code == 401
     assert audit_rows(world) == []
 
@@ -259,12 +261,16 @@ def test_read_only_refuses_every_action(world: World) -> None:
             (f"/api/receipts/{lease.job_id}:email/settle", {"accepted": "msg-1"}),
             ("/api/dead-letters/1/replay", {}),
             ("/api/bulk/requeue", {"filters": {"state": "quarantined"}, "confirm": True}),
+            ("/api/queues/default/pause", {}),
+            ("/api/queues/default/resume", {}),
         ]
         for path, body in posts:
             answer = api.post(path, headers=BEARER, json={**body, "reason": "try"})
             assert answer.status_code == 403, path
         assert api.get("/api/overview", headers=BEARER).status_code == 200
         assert "Read-only" in api.get("/", headers=BEARER).text
+        assert "/pause" not in api.get("/queues", headers=BEARER).text  # no buttons
+    assert world.store.paused_queues() == []
     assert trace(world, event_id).events[0]["state"] == "quarantined"
     assert audit_rows(world) == []
 
@@ -348,6 +354,78 @@ def test_refusals_are_audited_and_a_reason_is_required(world: World, api: TestCl
     assert settle.status_code == 400
     outcomes = [(r["action"], r["outcome"].split(":")[0]) for r in audit_rows(world)]
     assert outcomes == [("resume", "refused"), ("cancel", "refused"), ("requeue", "refused")]
+
+
+def test_queues_are_listed_paused_and_resumed_each_audited(world: World, api: TestClient) -> None:
+    """Issue 27's operator actions in the console: the queue list (READY, oldest READY age,
+    LEASED, paused) and pause/resume per queue, each with a reason and an audit row, a
+    refusal audited too; the browser's forms need the CSRF token."""
+    store = world.store
+    store.enqueue_many([{"tenant": "t", "action": f"m-{i}", "queue": "mail"} for i in range(3)])
+    store.enqueue_many([{"tenant": "t", "action": f"d-{i}"} for i in range(2)])
+    assert len(store.claim_batch("w", 1, queues=["default"])) == 1
+    rows = api.get("/api/queues", headers=BEARER).json()["rows"]
+    assert [(r["queue"], r["ready"], r["leased"], r["paused"]) for r in rows] == [
+        ("default", 1, 1, False),
+        ("mail", 3, 0, False),
+    ]
+    assert all(r["oldest_ready_age_seconds"] >= 0 for r in rows)
+
+    def post(path: str, **body: Any) -> Any:
+        return api.post(path, headers=BEARER, json=body)
+
+    assert post("/api/queues/mail/pause").status_code == 400  # no reason: not audited
+    assert audit_rows(world) == []
+    paused = post("/api/queues/mail/pause", reason="provider outage INC-7", by="ann")
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["before"]["paused"] is False and paused.json()["after"]["paused"]
+    assert store.paused_queues() == ["mail"]
+    assert store.claim_batch("w", 10, queues=["mail"]) == []  # no worker claims from it
+    again = post("/api/queues/mail/pause", reason="twice")
+    assert again.status_code == 409 and "already" in again.json()["error"]
+    assert post("/api/queues/reports/pause", reason="before its first job").status_code == 200
+    listed = {r["queue"]: r for r in api.get("/api/queues", headers=BEARER).json()["rows"]}
+    assert listed["mail"]["paused"] and listed["reports"] == {
+        "queue": "reports",
+        "ready": 0,
+        "oldest_ready_age_seconds": 0.0,
+        "paused": True,
+        "leased": 0,
+    }
+    assert post("/api/queues/mail/resume", reason="INC-7 over").status_code == 200
+    refused = post("/api/queues/mail/resume", reason="twice")
+    assert refused.status_code == 409 and "not paused" in refused.json()["error"]
+    assert post(f"/api/queues/{'x' * 201}/pause", reason="too long").status_code == 400
+    assert store.paused_queues() == ["reports"]
+    assert len(store.claim_batch("w", 10, queues=["mail"])) == 3  # claimed again
+    rows = audit_rows(world)
+    assert [(r["action"], r["target_kind"], r["target_id"], r["outcome"][:7]) for r in rows] == [
+        ("pause", "queue", "mail", "ok"),
+        ("pause", "queue", "mail", "refused"),
+        ("pause", "queue", "reports", "ok"),
+        ("resume", "queue", "mail", "ok"),
+        ("resume", "queue", "mail", "refused"),
+    ]
+    assert (rows[0]["actor"], rows[0]["reason"]) == ("ann", "provider outage INC-7")
+    assert json.loads(rows[3]["before"])["paused"] and not json.loads(rows[3]["after"])["paused"]
+    # The page: one form per queue (no JavaScript), CSRF required for a cookie session.
+    api.get(f"/login?token={TOKEN}")
+    page = api.get("/queues").text
+    assert 'action="/queues/reports/resume"' in page and 'action="/queues/mail/pause"' in page
+    forged = api.post(
+        "/queues/mail/pause", data={"reason": "x", "csrf": "0" * 64}, follow_redirects=False
+    )
+    assert forged.status_code == 403
+    csrf = page.split('name="csrf" value="')[1].split('"')[0]
+    done = api.post(
+        "/queues/mail/pause",
+        data={"reason": "from the page", "csrf": csrf, "back": "/queues"},
+        follow_redirects=False,
+    )
+    assert done.status_code == 303 and done.headers["location"].startswith("/queues?notice=")
+    assert store.paused_queues() == ["mail", "reports"]
+    assert "paused" in api.get(done.headers["location"]).text
+    assert audit_rows(world)[-1]["via"] == "cookie"
 
 
 def test_bulk_requeue_counts_first_then_takes_the_filter(world: World, api: TestClient) -> None:

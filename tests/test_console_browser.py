@@ -1,8 +1,9 @@
 """The console in a real browser (Debian's chromium driven by Playwright): sign in, find a
 quote that was sent and one whose receipt is UNKNOWN by their business identity, settle the
-UNKNOWN one through the page's form, requeue a quarantined event, no console errors on any
-page, and a payload holding a script tag stays inert. The flow runs with JavaScript turned
-off (the pages need none); the checks for errors and for the inert script run with it on.
+UNKNOWN one through the page's form, requeue a quarantined event, pause and resume a job
+queue, no console errors on any page, and a payload holding a script tag stays inert. The
+flow runs with JavaScript turned off (the pages need none); the checks for errors and for the
+inert script run with it on.
 
 Screenshots of the overview and a trace go to ``OUTBOX_CONSOLE_SCREENSHOTS`` (a directory;
 the docs keep theirs in docs/images/), else the test's temporary directory.
@@ -120,9 +121,22 @@ def test_operator_flow_in_a_browser(
         world.publish()
         page.goto(console.url + f"/trace?q={poisoned}")
         assert page.inner_text("#verdict") == "in progress"  # published, no consumer yet
+        # Pause the default queue from the queues page (no worker claims from it), resume it.
+        page.goto(console.url + "/queues")
+        row = page.locator("tr", has_text="default")
+        row.locator("input[name=reason]").fill("mail provider outage")
+        row.locator("button:has-text('Pause')").click()
+        assert "pause default" in page.inner_text(".notice")
+        assert world.store.paused_queues() == ["default"]
+        row = page.locator("tr", has_text="default")
+        assert "paused" in row.inner_text()
+        row.locator("input[name=reason]").fill("outage over")
+        row.locator("button:has-text('Resume')").click()
+        assert world.store.paused_queues() == []
         page.goto(console.url + "/audit")
         audit = page.inner_text("table")
         assert "settle" in audit and "requeue" in audit and "stream key fixed" in audit
+        assert "mail provider outage" in audit and "outage over" in audit
         assert errors == []
         context.close()
 
@@ -132,12 +146,12 @@ def test_operator_flow_in_a_browser(
         errors = _watch(page)
         page.goto(console.url + f"/login?token={TOKEN}")
         visited: list[Any] = []
-        for path in ("/", "/trace?q=quote-006", "/events", "/jobs", "/receipts"):
+        for path in ("/", "/trace?q=quote-006", "/events", "/jobs", "/receipts", "/queues"):
             visited.append(page.goto(console.url + path).status)
         visited.append(page.goto(console.url + "/dead-letters").status)
         visited.append(page.goto(console.url + "/audit").status)
         visited.append(page.goto(console.url + "/jobs?state=WAITING_REVIEW&preview=cancel").status)
-        assert visited == [200] * 8
+        assert visited == [200] * 9
         page.goto(console.url + "/trace?q=quote-006")
         assert page.evaluate("window.__pwned") is None
         assert SCRIPT in page.inner_text("body") or "__pwned" in page.inner_text("body")

@@ -7,10 +7,13 @@
 | resume  | job          | ``Store.resume``                                |
 | cancel  | job          | ``Store.cancel``                                |
 | settle  | receipt      | ``Operations.settle`` (``outbox-worker settle``) |
+| pause   | queue        | ``Store.pause_queue`` (``outbox-worker queues pause``) |
+| resume  | queue        | ``Store.resume_queue`` (``outbox-worker queues resume``) |
 
 Each asks for a reason and writes one ``outbox_audit`` row (``outbox.console.schema``): who,
 what, when, the reason, the target before and after, and the outcome. A refused action
-(unknown id, a state that does not allow it) is audited too, with the refusal as its outcome,
+(unknown id, a state that does not allow it: pausing a paused queue, resuming a running
+one) is audited too, with the refusal as its outcome,
 and raises :class:`ActionRefused` (the API answers 404 or 409). The library operation runs in
 its own transaction, as it does from its CLI; the audit row follows in the next one, so an
 audit row never claims a change that did not commit.
@@ -49,9 +52,10 @@ from outbox.console import queries
 from outbox.console.queries import Tables
 from outbox.console.schema import audit
 from outbox.schema import QUARANTINED, OutboxSchema
+from outbox.validate import check_name
 from relay.admin import requeue
 
-ACTIONS = ("requeue", "replay", "resume", "cancel", "settle")
+ACTIONS = ("requeue", "replay", "resume", "cancel", "settle", "pause")
 BULK_CAP = 1000
 """A bulk action takes at most this many records (run it again for the next ones)."""
 MAX_REASON = 2000
@@ -136,6 +140,8 @@ class Actions:
                 query = select(dl).where(dl.c.id == int(target_id))
             elif kind == "job":
                 query = select(jobs).where(jobs.c.id == int(target_id))
+            elif kind == "queue":
+                return self.store.depth(target_id)[target_id].as_dict()  # any name is a queue
             else:
                 query = select(operations).where(operations.c.operation_id == target_id)
             row = conn.execute(query).first()
@@ -289,6 +295,30 @@ class Actions:
 
         return self._run(actor, "settle", "receipt", operation_id, reason, operation)
 
+    def pause_queue(self, queue: str, reason: Any, actor: Actor) -> Outcome:
+        """No worker claims from ``queue`` until it is resumed (the jobs in hand run to their
+        end). A queue with no jobs yet may be paused; pausing a paused one is refused."""
+        name = _queue_name(queue)
+
+        def operation() -> Any:
+            if not self.store.pause_queue(name):
+                raise ActionRefused(f"queue {name} is paused already")
+            return {"paused": True}
+
+        return self._run(actor, "pause", "queue", name, reason, operation)
+
+    def resume_queue(self, queue: str, reason: Any, actor: Actor) -> Outcome:
+        """Workers claim from ``queue`` again; resuming a queue that is not paused is
+        refused."""
+        name = _queue_name(queue)
+
+        def operation() -> Any:
+            if not self.store.resume_queue(name):
+                raise ActionRefused(f"queue {name} is not paused")
+            return {"paused": False}
+
+        return self._run(actor, "resume", "queue", name, reason, operation)
+
     # -- bulk ----------------------------------------------------------------------------
 
     def bulk_targets(self, kind: str, filters: dict[str, str]) -> tuple[Any, Any, Any, Any]:
@@ -352,6 +382,14 @@ def _job_id(value: str) -> int:
     if not text_value.isdigit() or len(text_value) > 18:
         raise ActionRefused(f"no job {value!r} (a job id is a number)", 404)
     return int(text_value)
+
+
+def _queue_name(value: str) -> str:
+    try:
+        check_name("queue", value, JobError)
+    except JobError as exc:
+        raise ActionError(str(exc)) from None
+    return value
 
 
 def _record_id(value: str) -> int:

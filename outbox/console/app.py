@@ -128,6 +128,9 @@ class Console:
             ),
             r("/api/dead-letters/{target}/replay", act("replay", json_api=True), methods=["POST"]),
             r("/api/bulk/{kind}", act("bulk", json_api=True), methods=["POST"]),
+            r("/api/queues", api(self.api_queues)),
+            r("/api/queues/{target:path}/pause", act("pause_queue", True), methods=["POST"]),
+            r("/api/queues/{target:path}/resume", act("resume_queue", True), methods=["POST"]),
             r("/", page(self.page_overview)),
             r("/trace", page(self.page_trace)),
             r("/events", page(self.page_list("events"))),
@@ -141,6 +144,9 @@ class Console:
             r("/receipts/{target:path}/settle", act("settle"), methods=["POST"]),
             r("/dead-letters/{target}/replay", act("replay"), methods=["POST"]),
             r("/bulk/{kind}", act("bulk"), methods=["POST"]),
+            r("/queues", page(self.page_queues)),
+            r("/queues/{target:path}/pause", act("pause_queue"), methods=["POST"]),
+            r("/queues/{target:path}/resume", act("resume_queue"), methods=["POST"]),
         ]
 
     def _who(self, request: Request) -> Principal | None:
@@ -272,6 +278,25 @@ class Console:
                 limit=size,
             )
 
+    def _queues(self) -> queries.Page:
+        if "outbox_jobs" not in self.present() or "outbox_paused_queues" not in self.present():
+            return queries.Page([], None, {})  # no job store here (yet)
+        return queries.list_queues(self.actions.store)
+
+    async def api_queues(self, request: Request) -> Any:
+        return (await run_in_threadpool(self._queues)).as_dict()
+
+    async def page_queues(self, request: Request, who: Principal) -> Response:
+        page = await run_in_threadpool(self._queues)
+        return self._render(
+            "queues.html",
+            who=who,
+            csrf=self._csrf(who),
+            page=page,
+            here="/queues",
+            notice=_notice(request),
+        )
+
     async def api_overview(self, request: Request) -> Any:
         return await run_in_threadpool(self._overview)
 
@@ -392,6 +417,10 @@ class Console:
             out = a.resume_job(target, reason, actor)
         elif action == "cancel":
             out = a.cancel_job(target, reason, actor)
+        elif action == "pause_queue":
+            out = a.pause_queue(target, reason, actor)
+        elif action == "resume_queue":
+            out = a.resume_queue(target, reason, actor)
         elif action == "settle":
             not_sent = body.get("not_sent")
             if isinstance(not_sent, str):  # a form's checkbox or radio button
@@ -420,7 +449,7 @@ class Console:
             done["message"] = f"{kind}: {len(done['done'])} done, {len(done['refused'])} refused"
             return done
         result = out.as_dict()
-        result["message"] = f"{action} {out.target_id}: done"
+        result["message"] = f"{out.action} {out.target_id}: done"
         return result
 
     def _refuse(self, json_api: bool, status: int, message: str, back: Any = None) -> Response:

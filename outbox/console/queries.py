@@ -42,7 +42,8 @@ from sqlalchemy.engine import Connection, Engine
 from consumer.inbox import NEEDS_ATTENTION as DL_NEEDS_ATTENTION
 from consumer.inbox import REPLAYED as DL_REPLAYED
 from consumer.inbox import InboxSchema, build_inbox_schema
-from consumer.jobs.schema import attempts, jobs, operations, workers
+from consumer.jobs.rows import QueueDepth
+from consumer.jobs.schema import attempts, jobs, operations, paused_queues, workers
 from consumer.jobs.states import (
     LEASED,
     NEEDS_ATTENTION,
@@ -53,6 +54,7 @@ from consumer.jobs.states import (
 from consumer.jobs.states import (
     STATES as JOB_STATES,
 )
+from consumer.jobs.store import Store
 from outbox.console.schema import audit
 from outbox.dialect import db_epoch, db_now
 from outbox.schema import PENDING, QUARANTINED, OutboxSchema, build_schema
@@ -394,9 +396,28 @@ def present_tables(engine: Engine, tables: Tables) -> set[str]:
         attempts.name,
         operations.name,
         workers.name,
+        paused_queues.name,
         audit.name,
     ]
     return {name for name in names if inspector.has_table(name, schema=None)}
+
+
+def list_queues(store: Store) -> Page:
+    """The job queues: READY jobs and the oldest READY age (``Store.depth``, O(ready)), the
+    jobs LEASED now (O(leased)) and whether an operator paused each. Every queue with READY
+    or LEASED jobs, and every paused one; by name."""
+    leased: dict[str, int] = {}
+    with store.driver.connect() as conn:
+        for queue, _tenant, n in store.driver.job_leased_by_tenant(conn):
+            leased[str(queue)] = leased.get(str(queue), 0) + int(n)
+    depth = store.depth()
+    rows = []
+    for name in sorted(set(depth) | set(leased)):
+        found = depth.get(name)
+        row = found.as_dict() if found is not None else QueueDepth(name, 0, 0.0).as_dict()
+        row["leased"] = leased.get(name, 0)
+        rows.append(row)
+    return Page(rows, None, {})
 
 
 def job_counts(conn: Connection) -> dict[str, dict[str, int]]:

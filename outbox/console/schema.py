@@ -11,9 +11,9 @@ read it on each side of the operation, as JSON text.
     actor        varchar(200)  who: the name the operator gave (``by``), else ``console``
     via          varchar(16)   ``bearer`` (API token) or ``cookie`` (a signed-in browser)
     client       varchar(200)  the client's address as the server saw it
-    action       varchar(32)   requeue, replay, resume, cancel, settle
-    target_kind  varchar(16)   event, dead_letter, job, receipt
-    target_id    varchar(400)  event id, dead-letter record id, job id, operation id
+    action       varchar(32)   requeue, replay, resume, cancel, settle, pause
+    target_kind  varchar(16)   event, dead_letter, job, receipt, queue (pause and resume)
+    target_id    varchar(400)  event id, dead-letter record id, job id, operation id, queue
     reason       text          the reason the operator gave (required)
     outcome      text          ``ok``, or the error that refused it
     before       text          JSON: the target before
