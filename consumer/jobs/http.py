@@ -423,29 +423,34 @@ class HttpProvider:
                 f"{self.timeout:g} s)",
                 provider=self.name,
             ) from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise ProviderUnavailable(
-                f"{self.name}: {method} {url}: not sent ({type(exc).__name__}: {exc})",
-                provider=self.name,
-            ) from None
-        except httpx.TimeoutException as exc:  # read or write timeout: it may have landed
-            raise ProviderTimeout(
-                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s "
-                f"({type(exc).__name__})",
-                provider=self.name,
-            ) from None
-        except httpx.TransportError as exc:  # reset, closed mid-answer: it may have landed
-            raise ProviderTimeout(
-                f"{self.name}: {method} {url}: connection lost after sending "
-                f"({type(exc).__name__}: {exc})",
-                provider=self.name,
-            ) from None
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, method, url) from None
         raw = b"".join(chunks)
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:
             payload = None
         return status, payload, retry_after
+
+    def _transport_error(self, exc: httpx.TransportError, method: str, url: str) -> Exception:
+        """What a transport failure means for the request: sorted by whether it can have left
+        this process (a failure to connect, or to get a pooled connection, happens before any
+        byte is written; everything after may have reached the provider)."""
+        what = f"{self.name}: {method} {url}"
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+            return ProviderUnavailable(
+                f"{what}: not sent ({type(exc).__name__}: {exc})", provider=self.name
+            )
+        if isinstance(exc, httpx.TimeoutException):  # read or write timeout: it may have landed
+            return ProviderTimeout(
+                f"{what}: no answer within {self.timeout:g} s ({type(exc).__name__})",
+                provider=self.name,
+            )
+        # reset, closed mid-answer: it may have landed
+        return ProviderTimeout(
+            f"{what}: connection lost after sending ({type(exc).__name__}: {exc})",
+            provider=self.name,
+        )
 
     def _async_client(self) -> httpx.AsyncClient:
         # One AsyncClient per event loop (a client's connections belong to the loop that
@@ -495,23 +500,8 @@ class HttpProvider:
                 f"{self.name}: {method} {url}: no answer within {self.timeout:g} s",
                 provider=self.name,
             ) from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise ProviderUnavailable(
-                f"{self.name}: {method} {url}: not sent ({type(exc).__name__}: {exc})",
-                provider=self.name,
-            ) from None
-        except httpx.TimeoutException as exc:
-            raise ProviderTimeout(
-                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s "
-                f"({type(exc).__name__})",
-                provider=self.name,
-            ) from None
         except httpx.TransportError as exc:
-            raise ProviderTimeout(
-                f"{self.name}: {method} {url}: connection lost after sending "
-                f"({type(exc).__name__}: {exc})",
-                provider=self.name,
-            ) from None
+            raise self._transport_error(exc, method, url) from None
         raw = response.content[:MAX_BODY_BYTES]
         try:
             payload = json.loads(raw) if raw else None

@@ -38,11 +38,11 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from consumer.jobs.http import HttpProvider
+from consumer.jobs.http import HttpProvider, parse_retry_after
 from consumer.jobs.simulation import Fault, Simulator, SimulatorConfig, wait_before_acting
 from outbox.errors import ConfigError
 
@@ -80,7 +80,8 @@ class FakeProvider:
         self.replays: list[str] = []
         """Operation ids whose send was answered with the first effect (an idempotent
         resend that reconciled instead of acting again)."""
-        self._http = HttpProvider(
+        self._http = _SimulatedHttp(
+            self,
             name,
             f"{_BASE}/send",
             lookup_url=f"{_BASE}/lookup/{{operation_id}}" if lookup else None,
@@ -171,44 +172,80 @@ class FakeProvider:
             self._advance(seconds)
 
     def _handle(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "POST" and path == "/send":
-            return self._send(request)
-        if request.method == "GET" and path.startswith("/lookup/"):
+        """The client's transport (what an ``httpx`` call on ``self._http.client`` meets)."""
+        status, body, headers = self._answer(
+            request.method, request.url.path, request.headers, request.content
+        )
+        return httpx.Response(status, json=body, headers=headers)
+
+    def _answer(
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, Any, dict[str, str]]:
+        """One request as the simulator service answers it: ``(status, JSON body, headers)``,
+        or the transport failure (``httpx.ReadTimeout``, ``httpx.RemoteProtocolError``) that
+        the client meets. ``headers``: case-insensitive look-ups (lower-cased names)."""
+        if method == "POST" and path == "/send":
+            return self._send(headers, content or b"")
+        if method == "GET" and path.startswith("/lookup/"):
             operation_id = unquote(path[len("/lookup/") :])
             found = self.simulator.lookup(operation_id, enabled=self.simulator.config.lookup)
             if found is None:
-                return httpx.Response(404, json={"error": "no effect for this operation id"})
-            return httpx.Response(200, json=found)
-        return httpx.Response(404, json={"error": f"no route {request.method} {path}"})
+                return 404, {"error": "no effect for this operation id"}, {}
+            return 200, found, {}
+        return 404, {"error": f"no route {method} {path}"}, {}
 
-    def _send(self, request: httpx.Request) -> httpx.Response:
+    def _send(self, headers: Mapping[str, str], content: bytes) -> tuple[int, Any, dict[str, str]]:
         try:
-            body = json.dumps(json.loads(request.content), sort_keys=True, separators=(",", ":"))
+            body = json.dumps(json.loads(content), sort_keys=True, separators=(",", ":"))
         except ValueError:
-            return httpx.Response(400, json={"error": "the request body is not JSON"})
-        operation_id = request.headers.get("Operation-Id")
-        key = request.headers.get("Idempotency-Key")
-        header = request.headers.get("X-Sim-Fault")
+            return 400, {"error": "the request body is not JSON"}, {}
+        operation_id = headers.get("operation-id")
+        key = headers.get("idempotency-key")
+        header = headers.get("x-sim-fault")
         fault, refusal = self.simulator.begin_send(
             operation_id, Fault.from_header(header) if header else None
         )
         if refusal is not None:
-            return httpx.Response(refusal.status, json=refusal.body, headers=refusal.headers)
+            return refusal.status, refusal.body, dict(refusal.headers)
         before = wait_before_acting(fault)
         if before >= self.timeout:  # the client gives up before the provider acts
             self._spend(self.timeout)
-            raise httpx.ReadTimeout("no answer (slow)", request=request)
+            raise httpx.ReadTimeout("no answer (slow)")
         self._spend(before)
-        headers = {k.lower(): v for k, v in request.headers.items()}
         idempotent = self.simulator.config.idempotency
-        answer = self.simulator.act(fault, operation_id, key, body, headers, idempotent=idempotent)
+        answer = self.simulator.act(
+            fault, operation_id, key, body, dict(headers), idempotent=idempotent
+        )
         if answer.status == 200 and answer.body.get("replayed") and operation_id is not None:
             self.replays.append(operation_id)
         if answer.reset:
-            raise httpx.RemoteProtocolError("connection reset after acting", request=request)
+            raise httpx.RemoteProtocolError("connection reset after acting")
         if answer.hang or before + answer.delay >= self.timeout:
             self._spend(self.timeout - before)
-            raise httpx.ReadTimeout("no answer within the timeout", request=request)
+            raise httpx.ReadTimeout("no answer within the timeout")
         self._spend(answer.delay)
-        return httpx.Response(answer.status, json=answer.body)
+        return answer.status, answer.body, {}
+
+
+class _SimulatedHttp(HttpProvider):
+    """``HttpProvider`` with its exchange answered in-process by the fake: the request it
+    builds, the mapping of answers and transport failures to receipts are the real class's;
+    only the socket (and httpx's per-call machinery, ~1 ms of CPU a call) is left out."""
+
+    def __init__(self, fake: FakeProvider, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fake = fake
+
+    def _exchange(
+        self, method: str, url: str, headers: dict[str, str], body: bytes | None
+    ) -> tuple[int, Any, float | None]:
+        lowered = {name.lower(): value for name, value in headers.items()}
+        try:
+            status, payload, answered = self._fake._answer(
+                method, urlsplit(url).path, lowered, body
+            )
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, method, url) from None
+        # Through JSON, as the bytes on a socket would be: the caller gets its own objects.
+        payload = json.loads(json.dumps(payload)) if payload is not None else None
+        return status, payload, parse_retry_after(answered.get("Retry-After"))
