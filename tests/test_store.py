@@ -113,6 +113,34 @@ def test_a_claimed_lease_carries_the_job_as_written(store: Store) -> None:
     assert store.finish_batch([lease]).conflicts == [lease.job_id]  # already finished
 
 
+def test_finish_batch_fences_each_lease_on_its_own_epoch(store: Store) -> None:
+    """One batch, one statement (per database): every lease is checked against its own
+    epoch and owner; the stale one is a conflict, left as it is, with no history row, and
+    the others are DONE with theirs, in the batch's order."""
+    for n in (1, 2, 3):
+        store.enqueue("studio", f"send-quote-{n}")
+    first = store.claim_batch("worker-a", 10, ttl=60, now=100)
+    by_action = {lease.action: lease for lease in first}
+    store.release(by_action["send-quote-2"], now=101)
+    [again] = store.claim_batch("worker-a", 10, ttl=60, now=102)  # a new epoch of job 2
+    stale = by_action["send-quote-2"]
+    order = [by_action["send-quote-3"], stale, by_action["send-quote-1"]]
+    result = store.finish_batch(order, now=110)
+    assert result.done == sorted(
+        [by_action["send-quote-1"].job_id, by_action["send-quote-3"].job_id]
+    )
+    assert result.conflicts == [stale.job_id]
+    assert store.get(stale.job_id).state == "LEASED"
+    assert [a.outcome for a in store.history(stale.job_id)] == ["released"]
+    for action in ("send-quote-1", "send-quote-3"):
+        lease = by_action[action]
+        assert store.get(lease.job_id).state == "DONE"
+        assert [(a.worker, a.epoch, a.outcome, a.at) for a in store.history(lease.job_id)] == [
+            ("worker-a", lease.epoch, "done", 110.0)
+        ]
+    assert store.finish_batch([again], now=111).done == [again.job_id]
+
+
 def test_enqueue_joins_the_callers_transaction(db_url: str) -> None:
     engine = make_engine(db_url)
     store = Store(engine)

@@ -13,11 +13,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
-from consumer.jobs.driver_base import _NO_TIMER, JobDriver
-from consumer.jobs.schema import (
-    jobs,
-)
-from consumer.jobs.states import DONE
+from consumer.jobs.driver_base import JobDriver
 
 
 class SqliteJobDriver(JobDriver):
@@ -76,18 +72,15 @@ class SqliteJobDriver(JobDriver):
     def job_finish_batch(
         self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
     ) -> list[int]:
+        # Two statements for the whole batch (one per job before: ~0.5 ms of CPU a job): the
+        # fenced UPDATE, then the history rows of the leases it finished, in lease order.
         clock = self.clock_read(conn, when)
-        done: list[int] = []
-        moved = {
-            "state": DONE,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "updated_at": clock,
-            **_NO_TIMER,
-        }
-        for job_id, epoch in leases:
-            if self.job_update_fenced(conn, jobs.c.id == job_id, worker, epoch, moved) is None:
-                continue
-            self.attempt_insert(conn, job_id, epoch, worker, "done", None, clock)
-            done.append(job_id)
-        return done
+        pairs = json.dumps([[int(job_id), int(epoch)] for job_id, epoch in leases])
+        params = {"pairs": pairs, "worker": worker, "now": clock}
+        finished = {int(r[0]) for r in conn.execute(q.sqlite_finish_batch(), params)}
+        if not finished:
+            return []
+        done = [(job_id, epoch) for job_id, epoch in leases if job_id in finished]
+        history = {"pairs": json.dumps(done), "worker": worker, "now": clock}
+        conn.execute(q.sqlite_finish_history(), history)
+        return [job_id for job_id, _ in done]

@@ -381,6 +381,44 @@ RETURNING job_id
 
 
 @lru_cache(maxsize=1)
+def sqlite_finish_batch() -> TextClause:
+    """SQLite: finish many leases of one worker in one UPDATE, each fenced on its own epoch
+    (:meth:`consumer.jobs.driver_sqlite.SqliteJobDriver.job_finish_batch` writes their
+    history rows in a second statement; SQLite has no UPDATE in a CTE).
+
+    The ``[id, epoch]`` pairs travel as ONE JSON text parameter. ``id IN (...)`` makes the
+    rows rowid look-ups (never a scan of the history); the row-value test then fences each
+    row on its own epoch. A row whose epoch moved on, or that is no longer LEASED by
+    :worker, does not match: the caller reports it as a conflict."""
+    pairs = "SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(:pairs)"
+    return text(
+        f"""
+UPDATE {JOBS_TABLE}
+SET state = '{DONE}', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now,
+    timer_scheduled_for = NULL, timer_reason = NULL, timer_subject_version = NULL,
+    timer_cancellation_condition = NULL
+WHERE id IN (SELECT json_extract(value, '$[0]') FROM json_each(:pairs))
+  AND (id, lease_epoch) IN ({pairs})
+  AND lease_owner = :worker AND state = '{LEASED}'
+RETURNING id
+"""
+    )
+
+
+@lru_cache(maxsize=1)
+def sqlite_finish_history() -> TextClause:
+    """SQLite: the history rows of finished leases (``[id, epoch]`` pairs as one JSON text
+    parameter, written in the order given)."""
+    return text(
+        f"""
+INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), :worker, 'done', NULL, :now
+FROM json_each(:pairs) ORDER BY key
+"""
+    )
+
+
+@lru_cache(maxsize=1)
 def pg_job_ids() -> TextClause:
     """The ids of existing jobs among (tenant, action) keys: the duplicates of a batch
     enqueue. The keys travel as ONE JSON text parameter joined against the unique index
