@@ -14,10 +14,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import lru_cache
 from typing import Any, Protocol
 
 from sqlalchemy import (
     ColumnElement,
+    Double,
+    Select,
+    bindparam,
     case,
     delete,
     func,
@@ -39,6 +43,7 @@ from consumer.jobs.schema import (
     metadata,
     operations,
     paused_queues,
+    provider_limits,
     workers,
 )
 from consumer.jobs.states import LEASED, READY, WAITING
@@ -570,6 +575,18 @@ class JobDriver:
             )
         )
 
+    # -- provider limits (consumer.jobs.limits) -------------------------------------------
+
+    def provider_pause(self, provider: str) -> tuple[float, float] | None:
+        """The provider's ``paused_until`` and the clock to compare it with (the database's,
+        or :attr:`clock`), or None when it has no row: read before every provider call."""
+        params: dict[str, Any] = {"provider": provider}
+        if self.clock is not None:
+            params["now"] = self.clock()
+        with self.connect() as conn:
+            row = conn.execute(_pause_query(self.clock is not None), params).first()
+        return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
+
     # -- operation intents and receipts (consumer.jobs.operations) ------------------------
 
     def operation_insert(self, conn: Connection, values: Mapping[str, Any]) -> float | None:
@@ -701,6 +718,15 @@ class JobDriver:
         if skip_locked:
             query = query.with_for_update(skip_locked=True)
         return conn.execute(query).all()
+
+
+@lru_cache(maxsize=2)
+def _pause_query(now_given: bool) -> Select[Any]:
+    # Built once: building and compiling it on each call cost several times the read itself.
+    now = bindparam("now", type_=Double) if now_given else db_epoch()
+    return select(provider_limits.c.paused_until, now).where(
+        provider_limits.c.provider == bindparam("provider")
+    )
 
 
 def _check_operation_columns(names: Sequence[str]) -> None:

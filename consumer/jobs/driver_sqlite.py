@@ -1,19 +1,28 @@
 """SQLite's job driver: every write transaction takes the database's write lock up front
-(``BEGIN IMMEDIATE``), so the claim picks its rows in a few statements without row locks, and
-the batch finish is a loop of fenced updates in that one transaction.
+(``BEGIN IMMEDIATE``), so the claim picks its rows in a few statements without row locks, the
+batch finish is two statements in that one transaction, and the dispatch path's statements
+are text built once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
-from consumer.jobs.driver_base import JobDriver
+from consumer.jobs.driver_base import JobDriver, _check_operation_columns, _Fenced
+from consumer.jobs.schema import JOBS_TABLE, OPERATIONS_TABLE, PROVIDER_LIMITS_TABLE
+from consumer.jobs.states import LEASED
+from outbox.dialect import EPOCH_SQL, SQLITE
+
+_NOW = EPOCH_SQL[SQLITE]
 
 
 class SqliteJobDriver(JobDriver):
@@ -84,3 +93,147 @@ class SqliteJobDriver(JobDriver):
         history = {"pairs": json.dumps(done), "worker": worker, "now": clock}
         conn.execute(q.sqlite_finish_history(), history)
         return [job_id for job_id, _ in done]
+
+    # -- the dispatch path: SQL text on the DBAPI connection ---------------------------------
+    # Every dispatch reads the provider's pause, writes its intent and records its receipt.
+    # Through SQLAlchemy (statements built and compiled anew, its transaction and result
+    # machinery) they cost ~2 ms of CPU per dispatch, several times SQLite's own work; as
+    # SQL text built once and run on the DBAPI connection, in a BEGIN IMMEDIATE ... COMMIT
+    # of their own, a fraction of that. PostgreSQL's driver does the same with psycopg.
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One short write transaction on the DBAPI connection: the write lock taken up front
+        (as :meth:`begin`), committed on success, rolled back on any exception."""
+        with self._lock, self.engine.connect() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            raw.execute("BEGIN IMMEDIATE")
+            try:
+                yield raw
+            except BaseException:
+                raw.rollback()
+                raise
+            raw.commit()
+
+    def provider_pause(self, provider: str) -> tuple[float, float] | None:
+        params: dict[str, Any] = {"provider": provider}
+        sql = _PAUSE_SQL.format(now=_NOW)
+        if self.clock is not None:
+            sql, params["now"] = _PAUSE_SQL.format(now="CAST(:now AS REAL)"), self.clock()
+        with self._lock, self.engine.connect() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            row = raw.execute(sql, params).fetchone()  # autocommit: its own read
+        return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
+
+    def operation_intent(
+        self,
+        *,
+        operation_id: str,
+        job_id: int,
+        provider: str,
+        digest: str,
+        timeout: float,
+        worker: str,
+        epoch: int,
+    ) -> str:
+        params: dict[str, Any] = {
+            "operation_id": operation_id,
+            "job_id": job_id,
+            "provider": provider,
+            "digest": digest,
+            "timeout": float(timeout),
+        }
+        insert = _INTENT_SQL.format(now=_NOW)
+        if self.clock is not None:  # a clock of the caller's (a test's): bound, not read
+            insert, params["now"] = _INTENT_SQL.format(now="CAST(:now AS REAL)"), self.clock()
+        fence = {"job_id": job_id, "epoch": epoch, "worker": worker}
+        try:
+            with self._write() as raw:
+                created = raw.execute(insert, params).fetchone()
+                if created is None:
+                    return "exists"
+                fence["until"] = float(created[0])
+                if raw.execute(_EXTEND_SQL, fence).fetchone() is None:
+                    raise _Fenced  # rolls the intent back with the transaction
+        except _Fenced:
+            return "fenced"
+        return "created"
+
+    def operation_record(
+        self,
+        operation_id: str,
+        values: Mapping[str, Any],
+        *,
+        stamp: Sequence[str] = (),
+        unless_states: Sequence[str] = (),
+        if_states: Sequence[str] = (),
+        if_attempts: int | None = None,
+    ) -> bool:
+        shape = (
+            tuple(values),
+            tuple(stamp),
+            bool(unless_states),
+            bool(if_states),
+            if_attempts is not None,
+        )
+        sql = self._record_sql.get(shape)
+        if sql is None:
+            sql = self._record_sql[shape] = _record_statement(*shape)
+        params = dict(values)
+        params.update(
+            _operation_id=operation_id,
+            _unless=json.dumps(list(unless_states)),
+            _if=json.dumps(list(if_states)),
+            _attempts=if_attempts,
+        )
+        with self._write() as raw:
+            return raw.execute(sql, params).fetchone() is not None
+
+    @cached_property
+    def _record_sql(self) -> dict[tuple[Any, ...], str]:
+        return {}
+
+
+def _record_statement(
+    columns: tuple[str, ...],
+    stamp: tuple[str, ...],
+    unless: bool,
+    if_states: bool,
+    if_attempts: bool,
+) -> str:
+    _check_operation_columns([*columns, *stamp])  # names of the table: safe in the text
+    sets = [f"{name} = :{name}" for name in columns]
+    sets += [f"{name} = {_NOW}" for name in stamp]
+    where = ["operation_id = :_operation_id"]
+    if unless:
+        where.append("state NOT IN (SELECT value FROM json_each(:_unless))")
+    if if_states:
+        where.append("state IN (SELECT value FROM json_each(:_if))")
+    if if_attempts:
+        where.append("attempts = :_attempts")
+    return (
+        f"UPDATE {OPERATIONS_TABLE} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} RETURNING operation_id"
+    )
+
+
+# An existing intent is left alone (ON CONFLICT DO NOTHING returns no row): the caller reads
+# it under the job's lock. SQLite's 'now' is one value for the whole statement.
+_INTENT_SQL = (
+    f"INSERT INTO {OPERATIONS_TABLE} (operation_id, job_id, provider, request_digest, state,"
+    " attempts, call_deadline, created_at, updated_at)"
+    " VALUES (:operation_id, :job_id, :provider, :digest, 'PENDING', 1,"
+    " {now} + :timeout, {now}, {now})"
+    " ON CONFLICT (operation_id) DO NOTHING RETURNING call_deadline"
+)
+
+# The fenced lease extension to the call's deadline, never shorter than it is.
+_EXTEND_SQL = (
+    f"UPDATE {JOBS_TABLE} SET lease_expires_at = CASE WHEN lease_expires_at < :until"
+    " THEN :until ELSE lease_expires_at END"
+    " WHERE id = :job_id AND lease_epoch = :epoch AND lease_owner = :worker"
+    f" AND state = '{LEASED}' RETURNING id"
+)
+
+# The provider's pause and the clock it is compared to.
+_PAUSE_SQL = f"SELECT paused_until, {{now}} FROM {PROVIDER_LIMITS_TABLE} WHERE provider = :provider"

@@ -164,16 +164,11 @@ class FleetLimits:
         local = self.paused_locally(provider)
         if local is not None:
             return local
-        with self.store.driver.connect() as conn:
-            row = conn.execute(
-                select(provider_limits.c.paused_until, self._now()).where(
-                    provider_limits.c.provider == provider
-                )
-            ).first()
-        if row is None or float(row[0]) <= float(row[1]):
+        found = self.store.driver.provider_pause(provider)  # read before every call
+        if found is None or found[0] <= found[1]:
             return None
-        self._remember_pause(provider, float(row[0]), float(row[1]))
-        return float(row[0])
+        self._remember_pause(provider, *found)
+        return found[0]
 
     def pause(self, provider: str, seconds: float) -> float:
         """Pause the provider for every worker for ``seconds`` from now (a pause already

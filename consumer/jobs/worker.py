@@ -152,6 +152,9 @@ class Worker(WorkerDuties):
         self._active: dict[int, JobContext] = {}
         self._active_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
+        # False: no heartbeat thread (``outbox.testing`` runs jobs inline, on a clock the test
+        # moves: no lease outlives a real-time interval there, and no thread may write).
+        self.heartbeat = True
         self._liveness_stop = threading.Event()
         self._last_recover = 0.0
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
@@ -465,6 +468,8 @@ class Worker(WorkerDuties):
 
     # -- heartbeat ------------------------------------------------------------------------
     def _ensure_heartbeat(self) -> None:
+        if not self.heartbeat:
+            return
         if self._heartbeat is not None and self._heartbeat.is_alive():
             return
         self._heartbeat = threading.Thread(
