@@ -26,12 +26,10 @@ from consumer.jobs.driver_base import (
     ReadyListener,
     _check_operation_columns,
 )
-from consumer.jobs.migrations import upgrade_schema
 from consumer.jobs.schema import (
+    create_tables,
     jobs,
-    metadata,
     operations,
-    set_autovacuum,
 )
 from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, insert_or_ignore
@@ -44,11 +42,9 @@ class PostgresJobDriver(JobDriver):
     name = "postgresql"
 
     def schema_create(self, conn: Connection) -> None:
-        # CREATE TABLE IF NOT EXISTS races between processes starting together: serialise.
-        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
-        metadata.create_all(conn, checkfirst=True)
-        upgrade_schema(conn)
-        set_autovacuum(conn)  # the hot tables' per-table autovacuum settings (issue 10)
+        # Serialised (CREATE TABLE IF NOT EXISTS races between processes starting together),
+        # with the hot tables' per-table autovacuum settings (issue 10).
+        create_tables(conn)
 
     def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
         if not self.notify:

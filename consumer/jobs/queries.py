@@ -14,6 +14,8 @@ from sqlalchemy import TextClause, text
 from sqlalchemy.sql.selectable import TextualSelect
 
 from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, PAUSED_QUEUES_TABLE, jobs
+from consumer.jobs.schema import PG_TENANT_ROOM_SQL as PG_TENANT_ROOM_SQL  # the DDL lives there
+from consumer.jobs.schema import TENANT_ROOM_FUNCTION as TENANT_ROOM_FUNCTION
 from consumer.jobs.states import DONE, LEASED, READY
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE
 
@@ -160,36 +162,6 @@ planner costs the claim (a loose scan, then a lateral walk per tenant) past
 ``jit_above_cost``, and JIT compilation then took ~270 ms per claim of 100 jobs whose
 execution takes a few ms (tests/test_query_plans.py). The claim is OLTP: it never gains from
 JIT. One extra short statement per claim, rather than a setting on the user's engine."""
-
-TENANT_ROOM_FUNCTION = "outbox_jobs_tenant_room"
-
-PG_TENANT_ROOM_SQL = f"""
-CREATE OR REPLACE FUNCTION {TENANT_ROOM_FUNCTION}(p_queue text, p_tenant text, p_cap integer)
-RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    -- One claim at a time decides for a (queue, tenant), across every process on the
-    -- database: the lock is held until the claim's transaction ends. A claim that finds it
-    -- taken skips the tenant this time (room 0) instead of waiting: no claim ever waits for
-    -- another, and claims that meet tenants in different orders cannot deadlock.
-    IF NOT pg_try_advisory_xact_lock(hashtext('{TENANT_ROOM_FUNCTION}'),
-            hashtext(current_schema() || '/' || p_queue || '/' || p_tenant)) THEN
-        RETURN 0;
-    END IF;
-    -- VOLATILE plpgsql under READ COMMITTED: this statement takes a fresh snapshot, AFTER the
-    -- lock, so it sees the leases every earlier claim of this tenant committed (the calling
-    -- claim's own snapshot predates them: counting there would let two claims both fill
-    -- the last place). At most p_cap rows are read (ix_outbox_jobs_leased_tenant).
-    RETURN greatest(0, p_cap - (
-        SELECT count(*) FROM (
-            SELECT 1 FROM {JOBS_TABLE}
-            WHERE state = '{LEASED}' AND queue = p_queue AND tenant = p_tenant
-            LIMIT p_cap) leased))::integer;
-END
-$$"""
-"""The tenant limit's place keeper (PostgreSQL): how many more jobs of the tenant may be
-leased in the queue now, ``p_cap`` the limit. Created by ``create_schema`` and by
-``consumer.jobs.migrations.create_job_extras`` (Alembic); the claim calls it only when a
-limit applies."""
 
 
 @lru_cache(maxsize=32)

@@ -1,4 +1,6 @@
-"""The job store's tables, as SQLAlchemy metadata (Alembic users can include ``metadata``).
+"""The job store's tables, as SQLAlchemy metadata (Alembic users can include ``metadata``),
+and how they are made: :func:`create_schema` creates what is missing and brings an older
+table up to date (:func:`upgrade_schema`; Alembic: ``consumer.jobs.migrations``).
 
 Times are **unix seconds as double precision** (``now`` may be given as a number in every
 call, and lease arithmetic ``now + ttl`` is the same SQL on PostgreSQL and SQLite). The
@@ -64,6 +66,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    inspect,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -78,11 +81,19 @@ from consumer.jobs.states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
-from outbox.dialect import db_epoch, quoted_table
+from outbox.dialect import db_epoch, is_postgresql, quoted_table
 from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 
-__all__ = ["ATTEMPTS_TABLE", "JOBS_TABLE", "OPERATIONS_TABLE", "attempts", "create_schema"]
+__all__ = [
+    "ATTEMPTS_TABLE",
+    "JOBS_TABLE",
+    "OPERATIONS_TABLE",
+    "attempts",
+    "create_schema",
+    "create_tables",
+    "upgrade_schema",
+]
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
@@ -297,13 +308,113 @@ def set_autovacuum(conn: Connection) -> None:
         set_storage_parameters(conn, quoted_table(table), HOT_TABLE_AUTOVACUUM)
 
 
-def create_schema(bind: Engine | Connection) -> None:
-    """Create the job tables and indexes if missing (idempotent, safe at every start).
-    Through the job store's driver, which serialises concurrent DDL on PostgreSQL."""
-    from consumer.jobs.driver import driver_for
+# -- creating the tables and bringing them up to date ------------------------------------
 
+TENANT_ROOM_FUNCTION = "outbox_jobs_tenant_room"
+
+PG_TENANT_ROOM_SQL = f"""
+CREATE OR REPLACE FUNCTION {TENANT_ROOM_FUNCTION}(p_queue text, p_tenant text, p_cap integer)
+RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    -- One claim at a time decides for a (queue, tenant), across every process on the
+    -- database: the lock is held until the claim's transaction ends. A claim that finds it
+    -- taken skips the tenant this time (room 0) instead of waiting: no claim ever waits for
+    -- another, and claims that meet tenants in different orders cannot deadlock.
+    IF NOT pg_try_advisory_xact_lock(hashtext('{TENANT_ROOM_FUNCTION}'),
+            hashtext(current_schema() || '/' || p_queue || '/' || p_tenant)) THEN
+        RETURN 0;
+    END IF;
+    -- VOLATILE plpgsql under READ COMMITTED: this statement takes a fresh snapshot, AFTER the
+    -- lock, so it sees the leases every earlier claim of this tenant committed (the calling
+    -- claim's own snapshot predates them: counting there would let two claims both fill
+    -- the last place). At most p_cap rows are read (ix_outbox_jobs_leased_tenant).
+    RETURN greatest(0, p_cap - (
+        SELECT count(*) FROM (
+            SELECT 1 FROM {JOBS_TABLE}
+            WHERE state = '{LEASED}' AND queue = p_queue AND tenant = p_tenant
+            LIMIT p_cap) leased))::integer;
+END
+$$"""
+"""The tenant limit's place keeper (PostgreSQL): how many more jobs of the tenant may be
+leased in the queue now, ``p_cap`` the limit. Created by :func:`create_schema` and by
+``consumer.jobs.migrations.create_job_extras`` (Alembic); the claim calls it only when a
+limit applies."""
+
+
+ADDED_OPERATION_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")
+"""Nullable columns ``outbox_operations`` gained after its first release (issue 11)."""
+ADDED_JOB_COLUMNS = ("trace_context",)
+"""Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
+23). The queue (issue 27) is NOT NULL with a default: added on its own below."""
+
+
+def upgrade_schema(conn: Connection) -> None:
+    """Add what the job tables gained since they were created (module docstring), in
+    ``conn``'s transaction. The tables themselves must exist (``metadata.create_all``)."""
+    inspector = inspect(conn)
+    prep = conn.dialect.identifier_preparer
+    if inspector.has_table(operations.name):
+        present = {c["name"] for c in inspector.get_columns(operations.name)}
+        for name in ADDED_OPERATION_COLUMNS:
+            if name not in present:
+                column = operations.c[name]
+                conn.execute(
+                    text(
+                        f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
+                        f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                    )
+                )
+        OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
+
+    job_columns = {c["name"] for c in inspector.get_columns(jobs.name)}
+    for name in ADDED_JOB_COLUMNS:
+        if name not in job_columns:
+            column = jobs.c[name]
+            conn.execute(
+                text(
+                    f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN "
+                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
+                )
+            )
+    if "queue" not in job_columns:
+        queue = jobs.c.queue
+        conn.execute(
+            text(
+                f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN queue "
+                f"{queue.type.compile(dialect=conn.dialect)} NOT NULL DEFAULT '{DEFAULT_QUEUE}'"
+            )
+        )
+    ready = {i["name"]: i for i in inspector.get_indexes(jobs.name)}.get(str(READY_INDEX.name))
+    if ready is not None and list(ready["column_names"])[:1] != ["queue"]:
+        conn.execute(text(f"DROP INDEX {prep.quote(str(READY_INDEX.name))}"))
+        ready = None
+    if ready is None:
+        READY_INDEX.create(conn)
+    LEASED_TENANT_INDEX.create(conn, checkfirst=True)
+    paused_queues.create(conn, checkfirst=True)
+    if is_postgresql(conn.dialect.name):
+        conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
+
+
+def create_tables(conn: Connection) -> None:
+    """Create the job tables and indexes if missing and bring them up to date
+    (:func:`upgrade_schema`), in ``conn``'s transaction; idempotent. PostgreSQL: concurrent
+    DDL serialised (CREATE TABLE IF NOT EXISTS races between processes starting together),
+    and the hot tables' per-table autovacuum settings (:func:`set_autovacuum`)."""
+    postgres = is_postgresql(conn.dialect.name)
+    if postgres:
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+    metadata.create_all(conn, checkfirst=True)
+    upgrade_schema(conn)
+    if postgres:
+        set_autovacuum(conn)
+
+
+def create_schema(bind: Engine | Connection) -> None:
+    """Create the job tables and indexes if missing (idempotent, safe at every start): in a
+    transaction of its own on an Engine, in the caller's on a Connection."""
     if isinstance(bind, Engine):
         with bind.begin() as conn:
-            driver_for(bind).schema_create(conn)
+            create_tables(conn)
     else:
-        driver_for(bind.engine).schema_create(bind)
+        create_tables(bind)
