@@ -283,6 +283,38 @@ def test_job_gauges(engine: sa.Engine) -> None:
     assert value(registry, "outbox_expired_leases") == 1.0
 
 
+def test_queue_gauges_show_jobs_no_worker_takes_with_bounded_labels(engine: sa.Engine) -> None:
+    """Issue 27: a job no running worker can run stays READY and shows per queue; with more
+    queues than ``top_n`` the fullest keep their series and the rest are one ``other``."""
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
+
+    store = Store(engine)
+    store.enqueue_many([{"tenant": "t", "action": f"send-{i}", "queue": "mail"} for i in range(4)])
+    store.enqueue_many(
+        [{"tenant": "t", "action": f"r-{i}", "kind": "remind", "queue": "mail"} for i in range(3)]
+    )
+    for n in range(5):  # q0 has 1 READY job ... q4 has 5
+        store.enqueue_many(
+            [{"tenant": "t", "action": f"q{n}-{i}", "queue": f"q{n}"} for i in range(n + 1)]
+        )
+    worker = Worker(store, queues=["mail"], batch_size=100)
+    worker.register("send", lambda job: None)
+    assert worker.run_once() == 4  # the reminders: no handler here, left READY
+    registry = build_metrics(engine=engine, top_n=3).registry
+    assert series(registry, "outbox_queue_ready_jobs") == {
+        (("queue", "q4"),): 5.0,
+        (("queue", "q3"),): 4.0,
+        (("queue", "mail"),): 3.0,  # the 3 reminders no running worker has a handler for
+        (("queue", "other"),): 3.0 + 2.0 + 1.0,  # q2, q1, q0
+    }
+    oldest = series(registry, "outbox_queue_oldest_ready_age_seconds")
+    assert set(oldest) == {(("queue", q),) for q in ("q4", "q3", "mail", "other")}
+    assert all(age >= 0.0 for age in oldest.values())
+    assert store.get("t", "r-0").state == "READY" and store.get("t", "r-0").attempts == 0
+    store.dispose()
+
+
 def test_table_names_match_the_job_store_and_consumer() -> None:
     assert queries.JOBS_TABLE == consumer.jobs.schema.JOBS_TABLE
     assert queries.DEAD_LETTER_TABLE == consumer.inbox.DEAD_LETTER_TABLE
