@@ -361,12 +361,15 @@ def test_run_until_stop_drains_and_returns(db_url: str) -> None:
 
 
 def _listening(engine: sa.Engine) -> bool:
+    """A session LISTENs on this schema's channel (other schemas' workers, of other tests
+    running at the same time, must not count)."""
     with engine.connect() as conn:
         return bool(
             conn.execute(
                 sa.text(
                     "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE query LIKE 'LISTEN \"outbox_jobs_ready.%' AND pid <> pg_backend_pid()"
+                    f" WHERE query = 'LISTEN \"' || {READY_CHANNEL_SQL} || '\"'"
+                    " AND pid <> pg_backend_pid()"
                 )
             ).scalar()
         )
