@@ -313,7 +313,7 @@ def queue_names(raw: str) -> list[str] | dict[str, int | None]:
     for item in names:
         name, sep, count = (part.strip() for part in item.partition("="))
         if not name or (sep and not (count.isdigit() and int(count) > 0)):
-            raise ValueError(f"{item!r}: give NAME or NAME=SLOTS (a positive integer)")
+            raise ValueError("each queue is NAME or NAME=SLOTS (a positive integer)")
         slots[name] = int(count) if sep else None
     return slots
 
