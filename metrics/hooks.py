@@ -207,6 +207,19 @@ class PrometheusHooks(Hooks):
         self.worker_slots_total = Gauge(
             "outbox_worker_slots", "Slots of this worker (--concurrency).", registry=r
         )
+        self.worker_queue_slots_busy = Gauge(
+            "outbox_worker_queue_slots_busy",
+            "Slots of a queue holding a job now, per group of this worker's slots (queue: "
+            'the queue that has them as its own, "*": the slots its other queues share).',
+            ["queue"],
+            registry=r,
+        )
+        self.worker_queue_slots_total = Gauge(
+            "outbox_worker_queue_slots",
+            'Slots of each group of this worker\'s slots (--queues NAME=N; "*": the rest).',
+            ["queue"],
+            registry=r,
+        )
         self.provider_limit_waiting_jobs = Gauge(
             "outbox_provider_limit_waiting",
             "Jobs of this process waiting in their slot on a provider's limit (its rate_limit "
@@ -386,6 +399,11 @@ class PrometheusHooks(Hooks):
     def worker_slots(self, busy: int, total: int) -> None:
         self.worker_slots_busy.set(max(0, int(busy)))
         self.worker_slots_total.set(max(0, int(total)))
+
+    def worker_queue_slots(self, queue: str, busy: int, total: int) -> None:
+        # Bounded: one series per group of the worker's slots (its configuration).
+        self.worker_queue_slots_busy.labels(_label(queue)).set(max(0, int(busy)))
+        self.worker_queue_slots_total.labels(_label(queue)).set(max(0, int(total)))
 
     def provider_limit_waiting(self, provider: str, delta: int) -> None:
         self.provider_limit_waiting_jobs.labels(_label(provider)).inc(int(delta))

@@ -105,6 +105,11 @@ class Hooks:
     def worker_slots(self, busy: int, total: int) -> None:
         """A worker's slots changed: ``busy`` of ``total`` hold a job now."""
 
+    def worker_queue_slots(self, queue: str, busy: int, total: int) -> None:
+        """One group of a worker's slots changed (``WorkerConfig.slot_pools``): ``queue`` is
+        the queue that has them as its own, or ``*`` for the slots its other queues share;
+        ``busy`` of ``total`` hold a job now."""
+
     def provider_limit_waiting(self, provider: str, delta: int) -> None:
         """A job started (+1) or stopped (-1) waiting on a provider's limit (its rate, or
         its calls in flight), holding its slot."""

@@ -74,6 +74,8 @@ def exported_names(tmp_path: Path) -> set[str]:
             hooks.worker_tenant_limit_waiting(1)
         elif name == "worker_slots":
             hooks.worker_slots(1, 2)
+        elif name == "worker_queue_slots":
+            hooks.worker_queue_slots("mail", 1, 2)
         elif name == "provider_limit_waiting":
             hooks.provider_limit_waiting("mail", 1)
         elif name == "provider_paused":

@@ -9,6 +9,7 @@ tests/test_query_plans.py.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -373,6 +374,63 @@ def test_hooks_say_which_job_started_and_finished(db_url: str) -> None:
         ("started", {"action": "mail", **facts}),
         ("finished", {"action": "mail", "outcome": "done", **facts}),
     ]
+    store.dispose()
+
+
+def test_a_running_worker_keeps_each_queue_within_its_slots(db_url: str) -> None:
+    """``Worker.run`` with ``queues={"mail": 1, "bulk": None}`` and 3 slots: mail has one
+    slot of its own, bulk the other 2; the ``worker_queue_slots`` hook reports each group and
+    never more busy than its slots (the process test, tests/test_queues_process.py, checks
+    the leases in the database with a queue whose jobs hold their slots)."""
+    import threading
+
+    from outbox.hooks import Hooks
+
+    seen: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    class Recorder(Hooks):
+        def worker_queue_slots(self, queue: str, busy: int, total: int) -> None:
+            with lock:
+                seen.append((queue, busy, total))
+
+    store = Store(db_url)
+    store.enqueue_many([{"tenant": "t", "action": f"send-m{i}", "queue": "mail"} for i in range(6)])
+    store.enqueue_many([{"tenant": "t", "action": f"send-b{i}", "queue": "bulk"} for i in range(6)])
+    store.enqueue_many(
+        [{"tenant": "t", "action": f"send-x{i}", "queue": "other"} for i in range(2)]
+    )
+    running: dict[str, int] = {"mail": 0, "bulk": 0}
+    most = dict(running)
+
+    def send(job: object) -> None:
+        queue = job.lease.queue  # type: ignore[attr-defined]
+        with lock:
+            running[queue] += 1
+            most[queue] = max(most[queue], running[queue])
+        time.sleep(0.02)
+        with lock:
+            running[queue] -= 1
+
+    worker = Worker(
+        store, hooks=Recorder(), concurrency=3, queues={"mail": 1, "bulk": None}, poll_interval=0.05
+    )
+    worker.register("send", send)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while store.counts()["DONE"] < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert store.counts()["DONE"] == 12
+    assert store.depth("other")["other"].ready == 2  # a queue the worker does not serve
+    assert most["mail"] == 1 and most["bulk"] <= 2
+    assert {(queue, total) for queue, _, total in seen} == {("mail", 1), ("*", 2)}
+    assert all(0 <= busy <= total for _, busy, total in seen)
+    assert ("mail", 1, 1) in seen and ("*", 0, 2) in seen
     store.dispose()
 
 

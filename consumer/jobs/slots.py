@@ -125,6 +125,7 @@ class _Pool:
 
     queues: tuple[str, ...] | None
     slots: int
+    own: bool  # the slots of one queue (not those its other queues share)
     busy: int = 0
     more: bool = True
     claimed_at: float = 0.0  # monotonic time of its last claim
@@ -132,6 +133,11 @@ class _Pool:
     @property
     def free(self) -> int:
         return self.slots - self.busy
+
+    @property
+    def label(self) -> str:
+        """The group as the ``worker_queue_slots`` hook names it: its own queue, or ``*``."""
+        return self.queues[0] if self.queues is not None and self.own else "*"
 
 
 class SlotRunner:
@@ -141,7 +147,10 @@ class SlotRunner:
     def __init__(self, worker: SlotHost) -> None:
         self.worker = worker
         groups: tuple[QueueSlots, ...] = worker.config.slot_pools()
-        self.pools = [_Pool(group.queues, group.slots) for group in groups]
+        own = worker.config.queue_slots
+        self.pools = [
+            _Pool(g.queues, g.slots, g.queues is not None and g.queues[0] in own) for g in groups
+        ]
         self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
         name = worker.config.name
@@ -181,6 +190,9 @@ class SlotRunner:
         self._kick = asyncio.Event()
         self._freed = asyncio.Event()
         self._kick.set()  # claim at once
+        self.worker._hook("worker_slots", 0, self.slots)
+        for pool in self.pools:  # every group's series from the start, idle ones too
+            self.worker._hook("worker_queue_slots", pool.label, 0, pool.slots)
         for provider in self.worker.providers.values():
             prepare = getattr(provider, "aprepare", None)
             if prepare is not None:
@@ -329,6 +341,7 @@ class SlotRunner:
         self.busy += 1
         pool.busy += 1
         worker._hook("worker_slots", self.busy, self.slots)
+        worker._hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
         task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -371,6 +384,7 @@ class SlotRunner:
             pool.busy -= 1
             self._freed.set()
             worker._hook("worker_slots", self.busy, self.slots)
+            worker._hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
 
     async def _finish(self, ctx: JobContext, label: str, started: float) -> None:
         """Record this job's finish in the next batch (group commit, module docstring)."""
