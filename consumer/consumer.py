@@ -220,13 +220,15 @@ class Consumer:
         group: str | None = None,
         config: ConsumerConfig | None = None,
         hooks: Hooks | None = None,
+        streams: Sequence[str] | None = None,
     ) -> Consumer:
-        """A copy with some settings replaced and the same handlers (what the CLI's flags do)."""
+        """A copy with some settings replaced and the same handlers (what the CLI's flags do;
+        ``streams``: other stream names, as ``outbox.testing`` puts them under its prefix)."""
         clone = Consumer(
             database if database is not None else self._database_for_copy(),
             redis if redis is not None else self._redis_spec_for_copy(),
             group=group if group is not None else self.group,
-            streams=self.streams,
+            streams=list(streams) if streams is not None else self.streams,
             start=self.start,
             config=config if config is not None else self.config,
             hooks=hooks if hooks is not None else self.hooks,

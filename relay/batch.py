@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +86,10 @@ class BatchPublisher:
         hook: Callable[..., None],
         want_sweep: Callable[[], None],
         infra: tuple[type[BaseException], ...],
+        rng: random.Random | None = None,
     ) -> None:
         self.name = name
+        self.rng = rng  # the retry backoff's jitter (None: the random module)
         self.store = store
         self.publisher = publisher
         self.config = config
@@ -164,7 +167,7 @@ class BatchPublisher:
             for p in batch.prepared:
                 delay = max(
                     self.config.reconcile_after,
-                    self.config.record_backoff.delay(p.record.attempts),
+                    self.config.record_backoff.delay(p.record.attempts, self.rng),
                 )
                 batch.outcome.failed.append((p.record.seq, delay, error, True))
                 batch.held.add(p.record.key)
@@ -216,7 +219,7 @@ class BatchPublisher:
             elif isinstance(result, FencedOut):
                 outcome.failed.append((record.seq, 0.0, str(result), False))
             elif isinstance(result, TransientError):
-                delay = self.config.record_backoff.delay(record.attempts)
+                delay = self.config.record_backoff.delay(record.attempts, self.rng)
                 outcome.failed.append((record.seq, delay, str(result), False))
                 refused_now.append((self._server_of(p.stream), record.seq))
                 self._hook("relay_publish_error", "transient", record.topic)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +91,9 @@ class Relay:
 
     ``outbox_or_engine``: an :class:`outbox.Outbox` (its engine and table), an Engine or a
     database URL (then the default table, or ``schema``). ``publisher``: a
-    :class:`RedisStreamPublisher`. ``hooks`` observe it (metrics).
+    :class:`RedisStreamPublisher`. ``hooks`` observe it (metrics). ``rng`` (a
+    ``random.Random``) draws the jitter of the per-record retry backoff (default: the
+    ``random`` module; ``outbox.testing`` passes a seeded one).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Relay:
         hooks: Hooks | None = None,
         schema: OutboxSchema | None = None,
         name: str | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         if isinstance(outbox_or_engine, Outbox):
             self.engine = outbox_or_engine.engine
@@ -151,6 +155,7 @@ class Relay:
             hook=self._hook,
             want_sweep=self._want_sweep,
             infra=self._infra,
+            rng=rng,
         )
         self._redis_check = RedisCheck(
             self.store, self.publisher, self.config, self.stats, self._hook
@@ -167,24 +172,30 @@ class Relay:
 
     # -- one cycle --------------------------------------------------------------------------
 
-    def run_once(self) -> int:
+    def run_once(self, *, now: float | None = None) -> int:
         """One claim-publish-record cycle (plus due reconciliation); how many it published.
 
-        Raises the infrastructure error if the database or Redis is unavailable.
+        ``now`` (unix seconds, a clock the caller moves: ``outbox.testing``'s) is the time the
+        cycle's intervals are measured on: the reconciliation of orphaned intents, the check
+        of Redis and the sweep below the claim floor are due by it, so a test that advances
+        its clock past them gets them on its next cycle. The rows' own times (``available_at``
+        of a backoff, a claim's age) stay on the database clock. Raises the infrastructure
+        error if the database or Redis is unavailable.
         """
-        published, batch = self._cycle()
+        published, batch = self._cycle(now=now)
         if batch is not None:
             published += self._publish(*batch)
         return published
 
     def _cycle(
-        self, quiesce: Callable[[], None] | None = None
+        self, quiesce: Callable[[], None] | None = None, *, now: float | None = None
     ) -> tuple[int, tuple[list[Record], int, float, float] | None]:
         """Maintenance and the claim: rebalance, reconcile, claim. Returns how many events
         reconciliation found published, and the claimed batch (records, epoch, cycle start,
         claim start) if any. ``quiesce`` waits until every batch already claimed is
-        published and its outcome written (pipelined ``run``)."""
+        published and its outcome written (pipelined ``run``); ``now``: see ``run_once``."""
         started = time.monotonic()
+        at = started if now is None else now  # what the intervals are measured on
         self.store.connect()
         if quiesce is not None and self.store.rebalance_due():
             # Partitions are given back only with every receipt written, so the next owner
@@ -194,17 +205,17 @@ class Relay:
             self._sweep_due = True
             self._last_orphan_check = -1e9
         published = 0
-        if started - self._last_orphan_check >= 0.5:
-            self._last_orphan_check = started
+        if at - self._last_orphan_check >= 0.5:
+            self._last_orphan_check = at
             published += self._reconcile()
             if self.store.retry_ready():
                 self._sweep_due = True
         if (
             self._batches.marker_behind
-            or started - self._last_redis_check >= self.config.redis_check_interval
+            or at - self._last_redis_check >= self.config.redis_check_interval
         ):
-            self._check_redis_in_cycle(started, quiesce)
-        sweep = self._sweep_due or started - self._last_sweep >= self.config.sweep_interval
+            self._check_redis_in_cycle(at, quiesce)
+        sweep = self._sweep_due or at - self._last_sweep >= self.config.sweep_interval
         if self._batches.redis_suspect:
             # The last batch failed on Redis: check it answers before claiming (and counting
             # an attempt on) another batch.
@@ -217,7 +228,7 @@ class Relay:
                 # rows while the key's later rows above the claim start go out before them.
                 quiesce()
             self._sweep_due = False
-            self._last_sweep = started
+            self._last_sweep = at
         batch = self._claim(sweep, started)
         return published, batch
 

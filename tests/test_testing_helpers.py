@@ -21,10 +21,12 @@ import sqlalchemy as sa
 
 from consumer import HttpProvider, JobContext, Store, Worker
 from consumer.consumer import ConsumerTx
+from consumer.errors import TransientFailure
 from consumer.event import ConsumedEvent
 from consumer.jobs.simulation import Simulator, SimulatorConfig
 from consumer.jobs.simulator import serve
 from outbox.errors import ConfigError
+from outbox.hooks import Hooks
 from outbox.testing import DrainError, FakeProvider, Killed, Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +214,64 @@ def test_a_backoff_ends_when_the_clock_passes_it(pipeline: Pipeline) -> None:
     assert pipeline.drain().effects == 1
     pipeline.assert_jobs(DONE=1)
     pipeline.assert_receipts(ACCEPTED=1)
+
+
+def test_the_relays_cycle_measures_its_intervals_on_the_pipeline_clock(
+    pipeline: Pipeline,
+) -> None:
+    """The relay's inline cycle is due by the pipeline's clock (``run_once(now=...)``): its
+    check of Redis runs again once the clock passes ``redis_check_interval``, not before,
+    whatever the wall clock did meanwhile."""
+    checks: list[str] = []
+
+    class Seen(Hooks):
+        def relay_redis_persistence(self, mode: str) -> None:
+            checks.append(mode)
+
+    pipeline.relay.hooks = Seen()
+    pipeline.drain()
+    assert len(checks) == 1  # the first cycle checks
+    pipeline.drain()
+    assert len(checks) == 1  # not due yet by the clock
+    pipeline.clock.advance(seconds=pipeline.relay.config.redis_check_interval)
+    pipeline.drain()
+    assert len(checks) == 2
+
+
+def _retry_delays(directory: Path, seed: int | None) -> list[float]:
+    """A user's test whose jobs fail once, transiently: the backoff each one got."""
+    with Pipeline(directory, seed=seed) as p:
+        failed: set[str] = set()
+
+        def flaky(job: JobContext) -> None:
+            if job.action not in failed:
+                failed.add(job.action)
+                raise TransientFailure("the first attempt fails")
+
+        p.worker({"flaky": flaky})
+        for n in range(5):
+            p.store.enqueue("studio", f"flaky-{n}")
+        p.drain()
+        p.clock.advance(minutes=10)  # past every backoff (base 1 s, first retry)
+        p.drain()
+        p.assert_jobs(DONE=5)
+        delays = []
+        for row in p.job_rows():
+            [retry] = [a for a in p.store.history(row.id) if a.outcome == "retry"]
+            delays.append(round(float(row.run_after) - retry.at, 6))
+        return delays
+
+
+def test_the_same_seed_gives_the_same_backoffs(tmp_path: Path) -> None:
+    """Deterministic: the retry jitter comes from the pipeline's seeded random, so the same
+    test gets the same delays run after run (seed 0 by default), another seed others."""
+    first = _retry_delays(tmp_path / "a", seed=7)
+    assert first == _retry_delays(tmp_path / "b", seed=7)
+    assert first != _retry_delays(tmp_path / "c", seed=8)
+    assert _retry_delays(tmp_path / "d", seed=0) == _retry_delays(tmp_path / "e", seed=0)
+    with Pipeline(tmp_path / "f") as p:
+        assert p.seed == 0 and p.store.rng is p.random
+        assert p.relay._batches.rng is p.random  # the relay's backoff jitter too
 
 
 def test_a_failed_consumer_entry_is_retried_after_claim_idle_by_the_clock(
@@ -616,22 +676,19 @@ def test_the_docs_page_shows_the_example_files_as_they_are() -> None:
     assert (examples / "test_worker_killed_after_accepted.py").read_text().count("\n") < 30
 
 
-def test_close_leaves_no_thread_of_the_pipeline_behind(tmp_path: Path) -> None:
-    from tests.services import wait_for
-
+def test_drain_starts_no_thread_and_close_leaves_none(tmp_path: Path) -> None:
+    """No thread renews leases, vacuums or sweeps behind the test's back: the threads after a
+    drain (a kill and a restart included) are the ones before it."""
+    before = set(threading.enumerate())
     with Pipeline(tmp_path) as p:
         wire(p)
         approve_quote(p, 17)
         p.kill_at("after_accepted")
         p.drain()
-        names = [w.config.name for w in p.workers]  # the killed one
         p.restart()
         p.clock.advance(minutes=1)
         p.drain()
-        names += [w.config.name for w in p.workers]
-    assert len(set(names)) == 2
-
-    def ours() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith(tuple(names))]
-
-    wait_for(lambda: not ours(), "the workers' heartbeat threads to end", timeout=15)
+        p.assert_effects("send-quote-17", 1)
+        started = [t.name for t in set(threading.enumerate()) - before]
+        assert started == []
+    assert [t.name for t in set(threading.enumerate()) - before] == []

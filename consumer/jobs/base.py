@@ -8,6 +8,7 @@ holds the driver (every statement goes through it) and the settings.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
@@ -46,6 +47,7 @@ class StoreBase:
 
     driver: JobDriver
     config: StoreConfig
+    rng: random.Random | None = None  # the retry jitter's source when fail() is given none
 
     def _clock(self, conn: Connection, now: float | None) -> float:
         return self.driver.clock_read(conn, now)

@@ -227,7 +227,7 @@ class LeaseMoves(StoreBase):
                 auth_failures=auth_failures,
                 elapsed=max(0.0, clock - started),
                 provider=provider or row.provider,
-                rng=rng,
+                rng=rng if rng is not None else self.rng,
             )
             values: dict[str, Any] = {
                 "auth_failures": auth_failures,

@@ -39,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -159,6 +160,8 @@ class Store(LeaseMoves, Recovery):
     ``create_schema=False``. ``clock`` (a callable returning unix seconds) replaces the
     database clock in every call that gives no ``now``, the operation intents' deadlines
     included: a test moves the whole job pipeline's time with it (``outbox.testing``).
+    ``rng`` (a ``random.Random``) draws the retry backoffs' jitter wherever ``fail`` is given
+    none (default: the ``random`` module): a seeded one makes a test's retries repeat.
 
     ``driver`` (:class:`consumer.jobs.driver.JobDriver`) is the storage seam: every statement
     the store runs goes through it, and the other modules of ``consumer.jobs`` (operation
@@ -172,6 +175,7 @@ class Store(LeaseMoves, Recovery):
         config: StoreConfig | None = None,
         create_schema: bool = True,
         clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine
@@ -191,6 +195,9 @@ class Store(LeaseMoves, Recovery):
         # ``clock``: unix seconds that replace the database clock wherever a call gives no
         # ``now`` (leases, backoffs, timers, intents' deadlines): a test's own time.
         self.driver.clock = clock
+        if rng is not None and not isinstance(rng, random.Random):
+            raise ConfigError("rng", f"must be a random.Random, got {type(rng).__name__}")
+        self.rng = rng
         self._cursor = ""  # fairness rotation: the tenant served first by the last claim
         self._cursor_lock = threading.Lock()
         if create_schema:

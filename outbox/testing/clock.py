@@ -16,9 +16,10 @@ class Clock:
     agrees with it before the test advances it.
 
     The pipeline hands it to the job store (``Store(clock=...)``: leases, backoffs, timers,
-    operation intents' deadlines), to consumers (``run_once(now=...)``: entries idle by this
-    clock are claimed back) and to the fake providers (a slow or late answer takes test time,
-    not real time).
+    operation intents' deadlines), to the relay (``run_once(now=...)``: its cycle's intervals),
+    to consumers (``run_once(now=...)``: entries idle by this clock are claimed back), to
+    workers (``run_once(now=...)``) and to the fake providers (a slow or late answer takes
+    test time, not real time).
     """
 
     def __init__(self) -> None:

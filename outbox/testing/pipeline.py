@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import random
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -228,6 +229,9 @@ class Pipeline(Assertions):
     ``database_url``: a PostgreSQL URL (a schema of the pipeline's own is made in it) or a
     SQLite URL (used as is). ``redis_url``: a Redis server shared with others (keys under a
     prefix of the pipeline's own). ``stream``: the stream template (``{topic}``).
+    ``seed``: the pipeline's randomness (:attr:`random`: the jobs' retry backoff jitter, the
+    relay's, the fake providers' random faults) comes from ``random.Random(seed)``, so the
+    same test gives the same result run after run; ``None`` seeds it from the system.
     """
 
     def __init__(
@@ -238,6 +242,7 @@ class Pipeline(Assertions):
         redis_url: str | None = None,
         stream: str = "outbox.{topic}",
         relay_config: RelayConfig | None = None,
+        seed: int | None = 0,
     ) -> None:
         if directory is None and (database_url is None or redis_url is None):
             raise ConfigError(
@@ -245,6 +250,8 @@ class Pipeline(Assertions):
             )
         self.directory = None if directory is None else os.fspath(directory)
         self.clock = Clock()
+        self.seed = seed
+        self.random = random.Random(seed)
         self.token = uuid.uuid4().hex[:10]
         self._closers: list[Callable[[], None]] = []
         self._schema: str | None = None
@@ -255,7 +262,7 @@ class Pipeline(Assertions):
             self.stream_template = self.prefix + stream
             self.outbox = Outbox(self.engine)
             self.outbox.create_schema()
-            self.store = Store(self.engine, clock=self.clock)
+            self.store = Store(self.engine, clock=self.clock, rng=self.random)
             self._relay_config = replace(
                 relay_config or RelayConfig(), listen=False, name_prefix=f"{self.prefix}relay"
             )
@@ -367,6 +374,7 @@ class Pipeline(Assertions):
             publisher,
             self._relay_config,
             name=f"{self.prefix}relay-{uuid.uuid4().hex[:6]}",
+            rng=self.random,
         )
 
     def consumer(
@@ -424,9 +432,12 @@ class Pipeline(Assertions):
             # The public copy (what the CLI's flags do): the same handlers, our database,
             # Redis, config and hooks; the streams under the pipeline's prefix.
             made = spec.users.with_overrides(
-                database=self.engine, redis=self.redis, config=spec.config, hooks=hooks
+                database=self.engine,
+                redis=self.redis,
+                config=spec.config,
+                hooks=hooks,
+                streams=spec.streams,
             )
-            made.streams = list(spec.streams)
         else:
             made = Consumer(
                 self.engine,
@@ -533,6 +544,7 @@ class Pipeline(Assertions):
             clock=self.clock,
             advance=self.clock.advance,
         )
+        fake.simulator.set_faults({"faults": [], "seed": self.random.random()})
         self.fakes.append(fake)
         return fake
 
@@ -630,7 +642,7 @@ class Pipeline(Assertions):
         )
 
     def _cycle(self, moved: Counter[str]) -> None:
-        while (published := self.relay.run_once()) > 0:
+        while (published := self.relay.run_once(now=self.clock())) > 0:
             moved["published"] += published
         for consumer in self.consumers:
             while (acked := consumer.run_once(block=False, now=self.clock())) > 0:
