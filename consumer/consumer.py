@@ -63,6 +63,7 @@ from consumer.handling import BatchProcessor, ConsumerTx, Outcome
 from consumer.reading import CLUSTER_BLOCK_SLICE_MS, Entry, StreamReader, text
 from consumer.retention import dead_letter_duty
 from outbox.db import make_engine
+from outbox.duty import Duty
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
@@ -152,9 +153,20 @@ class Consumer:
         self._schema_ready = False
         self._carry: list[Entry] = []  # a batch whose transaction failed: retried first
         self._unacked: Outcome | None = None  # committed but not yet acknowledged
-        self._next_maintenance = 0.0
         self._beating = False  # a heartbeat thread keeps the key fresh (inside run())
-        self._next_purge = 0.0
+        # The batch loop's periodic duties (outbox.duty), besides the background vacuum and
+        # dead-letter retention above: lag and stale consumers, and the inbox's retention,
+        # one bounded batch per round on the loop's path (a full batch: again at once).
+        self._maintenance = Duty(
+            "consumer maintenance", self.config.maintenance_interval_seconds, self._maintain_streams
+        )
+        self._inbox_purge = Duty(
+            "inbox purge",
+            self.config.purge_interval_seconds,
+            self._purge_round,
+            retry_failed=True,
+            again_in=lambda removed: 0.0 if removed >= self.config.purge_batch else None,
+        )
         # Redis (consumer.reading) and the database (consumer.handling), each its own part.
         self.reader = StreamReader(
             lambda: self.redis,
@@ -395,8 +407,8 @@ class Consumer:
         host's comes off ``claim_idle_ms``."""
         ahead_ms = 0 if now is None else max(0, int((now - time.time()) * 1000))
         self._prepare()
-        if not self._beating and time.monotonic() >= self.reader.next_beat:
-            self.reader.beat()
+        if not self._beating:
+            self.reader.heartbeat.maybe_run()
         if self._unacked is not None:
             self._acknowledge(self._unacked)
             self._unacked = None
@@ -522,24 +534,25 @@ class Consumer:
 
     def _maintain(self) -> None:
         now = time.monotonic()
-        if now >= self._next_maintenance:
-            self._next_maintenance = now + self.config.maintenance_interval_seconds
-            for name in self.streams:
-                self._report_lag(name)
-                if self.config.stale_consumer_ms is not None:
-                    self._remove_stale_consumers(name)
+        self._maintenance.maybe_run(now)
         if self.vacuum is not None:
             self.vacuum.maybe_start()  # background, when due and autovacuum is off
         self.retention.maybe_start()  # dead letters (consumer.retention): background, when due
-        if now >= self._next_purge:
-            # One bounded batch per cycle, on the batch loop's path: entries arriving meanwhile
-            # wait for one DELETE of purge_batch rows, not for a whole backlog. A full batch
-            # means more are due: the next cycle purges again instead of waiting the interval.
-            removed = self.purge_inbox(max_batches=1)
-            full = removed >= self.config.purge_batch
-            self._next_purge = now + (0.0 if full else self.config.purge_interval_seconds)
-            if removed:
-                log.info("inbox purged", extra=fields(group=self.group, rows=removed))
+        self._inbox_purge.maybe_run(now)
+
+    def _maintain_streams(self) -> None:
+        for name in self.streams:
+            self._report_lag(name)
+            if self.config.stale_consumer_ms is not None:
+                self._remove_stale_consumers(name)
+
+    def _purge_round(self) -> int:
+        # One bounded batch per round, on the batch loop's path: entries arriving meanwhile
+        # wait for one DELETE of purge_batch rows, not for a whole backlog.
+        removed = self.purge_inbox(max_batches=1)
+        if removed:
+            log.info("inbox purged", extra=fields(group=self.group, rows=removed))
+        return removed
 
     def _report_lag(self, stream: str) -> None:
         for info in self.redis.xinfo_groups(stream):

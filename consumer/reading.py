@@ -29,6 +29,7 @@ import redis as redislib
 from redis.cluster import RedisCluster
 
 from consumer.config import ConsumerConfig
+from outbox.duty import Duty, Interval
 from outbox.logs import fields
 from outbox.redis_client import slot_of
 
@@ -78,8 +79,10 @@ class StreamReader:
         self.config = config
         self._stop = stop
         self.ready = False  # the groups exist (made again after a NOGROUP)
-        self.next_beat = 0.0
-        self.next_liveness_check = 0.0
+        # Liveness (outbox.duty): this consumer's heartbeat, and the look for dead peers.
+        seconds = config.heartbeat_interval_ms / 1000
+        self.heartbeat = Duty("consumer heartbeat", seconds, self._set_heartbeat_key)
+        self.dead_peer_check = Interval(seconds)
         self._cursors: dict[str, str] = {}
         self._next_autoclaim: dict[str, float] = {}  # per stream: its last scan was empty
         self._groups: list[list[str]] | None = None  # streams per XREADGROUP (slots)
@@ -124,7 +127,10 @@ class StreamReader:
         return f"outbox:consumer-alive:{self.group}:{consumer}"
 
     def beat(self) -> None:
-        self.next_beat = time.monotonic() + self.config.heartbeat_interval_ms / 1000
+        """Refresh the heartbeat key now (the next beat is due an interval later)."""
+        self.heartbeat.run_now()
+
+    def _set_heartbeat_key(self) -> None:
         self.redis.set(
             self.heartbeat_key(self.name),
             str(int(time.time() * 1000)),
@@ -213,10 +219,9 @@ class StreamReader:
         that has just started. XCLAIM's ``min-idle-time`` (one heartbeat interval) makes the
         claim a compare-and-set: of two survivors claiming together, one gets each entry.
         """
-        now = time.monotonic()
-        if now < self.next_liveness_check:
+        if not self.dead_peer_check.due():
             return []
-        self.next_liveness_check = now + self.config.heartbeat_interval_ms / 1000
+        self.dead_peer_check.done()
         claimed: list[Entry] = []
         for stream in self.streams:
             if room - len(claimed) <= 0:

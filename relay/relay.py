@@ -30,7 +30,6 @@ here, the cycle, the loop and the duties it runs.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
@@ -45,6 +44,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from outbox.backoff import Backoff
 from outbox.core import Outbox
 from outbox.db import make_engine
+from outbox.duty import Duty, Interval
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
@@ -80,6 +80,9 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
         ConnectionError,
     )
 
+
+RECONCILE_INTERVAL = 0.5
+"""Seconds between two looks for orphaned intents (and at once after a rebalance)."""
 
 REDIS_CHECK_BACKOFF = Backoff(0.5, 30.0)
 """After a failed check of Redis, the next one waits 0.5 s, 1 s, 2 s ... up to 30 s (never
@@ -132,17 +135,27 @@ class Relay:
         self.stats = RelayStats()
         self.store: Store = open_store(self.engine, self.schema, self.config)
         self._epoch = 0
-        self._sweep_due = True
-        self._last_sweep = 0.0
-        self._last_orphan_check = -1e9
-        self._last_retention = -1e9
-        self._last_vacuum = time.monotonic()
+        cfg = self.config
+        # When the next claim is a sweep: every sweep_interval, and at once when asked.
+        self._sweep = Interval(cfg.sweep_interval)
+        # The relay's periodic duties (outbox.duty), each with its interval: reconciliation
+        # of orphaned intents and the check of Redis on the cycle's path, retention and
+        # vacuum after it (the owner of partition 0 only).
+        self.reconciliation = Duty("reconcile", RECONCILE_INTERVAL, self._reconcile)
+        self.redis_check = Duty(
+            "Redis check", cfg.redis_check_interval, self.check_redis, retry_failed=True
+        )
+        self.retention = Duty("outbox retention", cfg.retention_interval, self.delete_expired)
+        self.vacuum = (
+            Duty("outbox vacuum", cfg.vacuum_interval, self._start_vacuum, first="later")
+            if cfg.vacuum_interval > 0
+            else None
+        )
         self._vacuum: threading.Thread | None = None
         self._infra = infrastructure_errors()
         self._sender: Sender | None = None
         self.on_progress: Callable[[Relay], None] | None = None
         self._stopping = threading.Event()
-        self._last_redis_check = -math.inf
         self._redis_check_failures = 0
         # The publish of one claimed batch and the memory it keeps (relay.batch), and the
         # check of Redis's persistence and lost entries (relay.data_loss).
@@ -163,7 +176,7 @@ class Relay:
 
     def _want_sweep(self) -> None:
         """The next claim is a sweep: rows wait below the claim floor."""
-        self._sweep_due = True
+        self._sweep.make_due()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -202,20 +215,16 @@ class Relay:
             # does not take this relay's last batch for an orphan.
             quiesce()
         if self.store.rebalance():
-            self._sweep_due = True
-            self._last_orphan_check = -1e9
+            self._sweep.make_due()
+            self.reconciliation.make_due()
         published = 0
-        if at - self._last_orphan_check >= 0.5:
-            self._last_orphan_check = at
-            published += self._reconcile()
+        if self.reconciliation.due(at):
+            published += self.reconciliation.run_now(at)
             if self.store.retry_ready():
-                self._sweep_due = True
-        if (
-            self._batches.marker_behind
-            or at - self._last_redis_check >= self.config.redis_check_interval
-        ):
+                self._sweep.make_due()
+        if self._batches.marker_behind or self.redis_check.due(at):
             self._check_redis_in_cycle(at, quiesce)
-        sweep = self._sweep_due or at - self._last_sweep >= self.config.sweep_interval
+        sweep = self._sweep.due(at)
         if self._batches.redis_suspect:
             # The last batch failed on Redis: check it answers before claiming (and counting
             # an attempt on) another batch.
@@ -227,8 +236,7 @@ class Relay:
                 # just been published; it must see that receipt, or it skips the waiting
                 # rows while the key's later rows above the claim start go out before them.
                 quiesce()
-            self._sweep_due = False
-            self._last_sweep = at
+            self._sweep.done(at)
         batch = self._claim(sweep, started)
         return published, batch
 
@@ -239,8 +247,7 @@ class Relay:
         if quiesce is not None:
             quiesce()  # a repair must not race the batches in hand
         try:
-            self.check_redis()
-            self._last_redis_check = started
+            self.redis_check.run_now(started)
             self._redis_check_failures = 0
         except self._infra as exc:
             retry_in = min(
@@ -248,7 +255,7 @@ class Relay:
                 REDIS_CHECK_BACKOFF.cap(self._redis_check_failures),
             )
             self._redis_check_failures += 1
-            self._last_redis_check = started - self.config.redis_check_interval + retry_in
+            self.redis_check.interval.done(started, again_in=retry_in)
             log.warning(
                 "cannot check Redis now",
                 extra=fields(
@@ -274,7 +281,7 @@ class Relay:
             # Retried heads: once published, the rows waiting behind them (some below the
             # claim start) are claimable. The next claim must be a sweep, and (pipelined) it
             # waits for this batch's receipts, so no later row of those keys goes first.
-            self._sweep_due = True
+            self._sweep.make_due()
         self.stats.cycles += 1
         self._hook("relay_cycle_ok", time.time())
         if not records:
@@ -294,7 +301,7 @@ class Relay:
         found, missing = resolved
         self.stats.reconciled_found += len(found)
         self.stats.reconciled_missing += len(missing)
-        self._sweep_due = True
+        self._sweep.make_due()
         self._hook("relay_reconciled", len(found), len(missing))
         log.info(
             "reconciled intents without receipts",
@@ -433,17 +440,10 @@ class Relay:
 
     def _run_duties(self, now: float) -> None:
         """Retention and vacuum, when due, by the owner of partition 0 only."""
-        cfg = self.config
-        if now - self._last_retention >= cfg.retention_interval and 0 in self.store.owned:
-            self._last_retention = now
-            self.delete_expired()
-        if (
-            cfg.vacuum_interval > 0
-            and now - self._last_vacuum >= cfg.vacuum_interval
-            and 0 in self.store.owned
-        ):
-            self._last_vacuum = now
-            self._start_vacuum(self.store)
+        if self.retention.due(now) and 0 in self.store.owned:
+            self.retention.run_now(now)
+        if self.vacuum is not None and self.vacuum.due(now) and 0 in self.store.owned:
+            self.vacuum.run_now(now)
 
     def _wait_out(self, exc: Exception, loop: _LoopState, event: _EitherEvent) -> None:
         """A turn failed: log it (outages are expected; anything else is a bug, logged with
@@ -502,7 +502,7 @@ class Relay:
         """Wake on a NOTIFY, a stop request, or the polling interval."""
         if self.store.supports_notify and self.config.listen:
             if self.store.wait_for_notify(min(interval, 0.25)) == 2:
-                self._sweep_due = True
+                self._sweep.make_due()
         else:
             event.wait(interval)
 
@@ -517,10 +517,11 @@ class Relay:
         self.store.close()
         log.info("relay stopped", extra=fields(relay=self.name, published=self.stats.published))
 
-    def _start_vacuum(self, store: Store) -> None:
+    def _start_vacuum(self) -> None:
         """Vacuum in the background (a database without autovacuum only); one at a time."""
         if self._vacuum is not None and self._vacuum.is_alive():
             return
+        store = self.store
 
         def vacuum() -> None:
             try:

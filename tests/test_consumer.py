@@ -260,7 +260,7 @@ def test_a_dead_peer_is_found_by_its_heartbeat_and_a_live_one_keeps_its_entries(
 
     # Idle longer than the survivor's TTL, but its key is there: alive, nothing taken.
     wait_for(lambda: live_idle_ms() >= 300, "live idle past the survivor's ttl", timeout=20)
-    survivor.reader.next_liveness_check = 0.0
+    survivor.reader.dead_peer_check.make_due()
     assert survivor.run_once(block=False) == 0
     assert job_identities(survivor.engine) == []
     [owner] = redis_client.xpending(stream, "billing")["consumers"]

@@ -100,6 +100,7 @@ from consumer.jobs.slots import SlotRunner
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox import tracing
 from outbox.backoff import Backoff
+from outbox.duty import Interval
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
@@ -156,7 +157,7 @@ class Worker(WorkerDuties):
         # moves: no lease outlives a real-time interval there, and no thread may write).
         self.heartbeat = True
         self._liveness_stop = threading.Event()
-        self._last_recover = 0.0
+        self._recovery = Interval(lambda: self.config.recover_interval)  # outbox.duty
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
@@ -171,7 +172,8 @@ class Worker(WorkerDuties):
         self.providers: dict[str, Provider] = dict(providers or {})
         self.default_timeout = float(default_timeout)
         self._operations: Operations | None = None
-        self._last_reconcile = time.monotonic()  # the first sweep after one interval
+        # The receipt sweep: its first round one interval after start (outbox.duty).
+        self._reconciliation = Interval(lambda: self.config.reconcile_interval, first="later")
         # Wake-ups of idle loops: the LISTEN thread (PostgreSQL) counts notifications, an idle
         # loop sleeps only if none came since its last empty claim (no lost wake-up).
         self._kick: Callable[[], None] | None = None  # while ``run`` runs: wake its slots
@@ -415,11 +417,9 @@ class Worker(WorkerDuties):
         # interval late. A timer the clocks disagree on is dropped: the interval remains.
         with self._recover_lock:
             timer = self._next_timer
-            due = time.monotonic() - self._last_recover >= self.config.recover_interval or (
-                timer is not None and time.time() >= timer
-            )
+            due = self._recovery.due() or (timer is not None and time.time() >= timer)
             if due:
-                self._last_recover = time.monotonic()
+                self._recovery.done()
                 self._next_timer = None
         if not due:
             return False
@@ -460,9 +460,9 @@ class Worker(WorkerDuties):
         if operations is None:
             return
         with self._recover_lock:
-            due = time.monotonic() - self._last_reconcile >= self.config.reconcile_interval
+            due = self._reconciliation.due()
             if due:
-                self._last_reconcile = time.monotonic()
+                self._reconciliation.done()
         if due:
             operations.reconcile()
 

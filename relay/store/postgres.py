@@ -18,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
 from outbox.dialect import NOW_SQL, POSTGRESQL
+from outbox.duty import Interval
 from outbox.logs import fields
 from outbox.maintenance import vacuum_unless_autovacuum
 from outbox.schema import OutboxSchema, table_schema_of
@@ -249,6 +250,10 @@ SETTLE = 0.25
 """Seconds between reading a sequence value and the snapshot whose xmax covers it."""
 
 
+FLOOR_SAMPLE_INTERVAL = 0.05
+"""Seconds between two samples of the snapshot that raise the claim floor."""
+
+
 class PostgresStore:
     """The relay's statements on PostgreSQL (psycopg 3, autocommit: each statement is one
     short transaction). See the module doc for the design."""
@@ -288,8 +293,10 @@ class PostgresStore:
         self._floor = 0  # highest sequence value that can no longer appear
         self._low = 0  # where ordinary claims start (see claim)
         self._sweep_pos: int | None = None  # where the sweep in progress goes on
-        self._last_rebalance = -math.inf
-        self._last_sample = -math.inf
+        # When partitions are next rebalanced (and at once without any), and when the
+        # snapshot is next sampled for the floor (outbox.duty).
+        self._rebalance = Interval(lambda: self.rebalance_interval)
+        self._floor_sample = Interval(FLOOR_SAMPLE_INTERVAL)
 
     # -- connections ------------------------------------------------------------------------
 
@@ -359,7 +366,7 @@ class PostgresStore:
         self._floor = 0
         self._low = 0
         self._sweep_pos = None
-        self._last_rebalance = -math.inf
+        self._rebalance.make_due()
 
     def close(self) -> None:
         for conn in (self._conn, self._listen_conn):
@@ -391,15 +398,14 @@ class PostgresStore:
         return self._owned
 
     def rebalance_due(self) -> bool:
-        return time.monotonic() - self._last_rebalance >= self.rebalance_interval or not self._owned
+        return self._rebalance.due() or not self._owned
 
     def rebalance(self) -> bool:
         """Take or give back partitions toward a fair share; True if any were taken (their
         orphaned intents were marked, and the caller should sweep)."""
         if not self.rebalance_due():
             return False
-        now = time.monotonic()
-        self._last_rebalance = now
+        self._rebalance.done()
         self.connect()
         assert self._conn is not None
         try:
@@ -454,12 +460,12 @@ class PostgresStore:
     # -- floor ------------------------------------------------------------------------------
 
     def _advance_floor(self) -> None:
-        """Sample the snapshot (at most every 100 ms) and raise the floor past sequence
-        values whose transactions have all finished (see the module doc)."""
+        """Sample the snapshot (at most every ``FLOOR_SAMPLE_INTERVAL``) and raise the floor
+        past sequence values whose transactions have all finished (see the module doc)."""
         now = time.monotonic()
-        if now - self._last_sample < 0.05 or not self._sequence:
+        if not self._floor_sample.due(now) or not self._sequence:
             return
-        self._last_sample = now
+        self._floor_sample.done(now)
         assert self._conn is not None
         try:
             row = self._conn.execute(PG_SNAPSHOT, {"seq": self._sequence}).fetchone()
