@@ -1,10 +1,18 @@
 """What an outage is: a database or a Redis that went away, or is not there yet.
 
 One place decides (DBOS's ``db_retry`` with ``retriable_postgres_exception`` is the model):
-every long-running loop waits out and retries what :func:`is_outage` says is an outage, logs
-it as one line (no traceback: the message says which service and why), and recovers by
-itself when the service returns. Anything else is a bug or a bad input and is reported with
-its traceback.
+every long-running loop (the relay's, a consumer's, a worker's) waits out and retries what
+:func:`is_outage` says is an outage, logs it as one line (no traceback: the message says
+which service and why), and recovers by itself when the service returns. Anything else is a
+bug or a bad input and is reported with its traceback.
+
+- :func:`is_outage`: the connection is gone, refused, reset or timed out, or the server
+  says "not now" (Redis ``LOADING`` after a restart, ``READONLY`` after a failover, ``OOM``
+  at maxmemory, ``CLUSTERDOWN``, ...: :data:`TRANSIENT_REPLIES`).
+- :func:`service_errors`: every error the database or Redis can raise, an outage or a
+  refusal. A duty on the side of a loop (the relay's check of Redis, a worker's heartbeat)
+  waits these out instead of failing its loop; :func:`is_outage` then decides whether the
+  log line carries a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +21,31 @@ import functools
 
 import redis
 from redis.exceptions import RedisClusterException
-from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    OperationalError,
+    SQLAlchemyError,
+)
+
+TRANSIENT_REPLIES = (
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "NOREPLICAS",
+    "READONLY",
+    "MOVED",
+    "ASK",
+    "MISCONF",
+)
+"""Redis's error replies that mean "not now": the server is there but cannot take the
+command yet (loading, at maxmemory, a replica after a failover, a cluster whose slots move,
+a failed snapshot that blocks writes). A command refused so is tried again later; the relay
+also reads them in per-entry replies (``relay.replies.classify_reply``)."""
 
 
 @functools.cache
@@ -30,12 +62,15 @@ def outage_errors() -> tuple[type[BaseException], ...]:
         psycopg.OperationalError,
         psycopg.InterfaceError,
         # Redis: connection refused or reset, timeouts, LOADING after a restart, a cluster
-        # whose slots are moving or down.
+        # whose slots are moving or down, a replica after a failover, maxmemory.
         redis.ConnectionError,
         redis.TimeoutError,
         redis.exceptions.BusyLoadingError,
         redis.exceptions.ClusterDownError,
         redis.exceptions.TryAgainError,
+        redis.exceptions.ReadOnlyError,
+        redis.exceptions.MasterDownError,
+        redis.exceptions.OutOfMemoryError,
         RedisClusterException,
         # The network under either.
         ConnectionError,
@@ -44,11 +79,28 @@ def outage_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+@functools.cache
+def service_errors() -> tuple[type[BaseException], ...]:
+    """Every error of the database or Redis: the outages and the refusals (see the module
+    docstring)."""
+    return (*outage_errors(), redis.RedisError, SQLAlchemyError)
+
+
+def reply_code(exc: redis.ResponseError) -> str:
+    """The code of a Redis error reply (``OOM``, ``LOADING``, ...). redis-py takes a known
+    code off a whole-call refusal's message and keeps it in ``status_code``; other replies
+    keep it in the text."""
+    return str(getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]).upper()
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` means a database or Redis that is unavailable (wait and retry), as
     opposed to a bug or a bad input. A DBAPI error that invalidated its connection (the
-    server went away mid-statement) is an outage whatever its class."""
+    server went away mid-statement) is an outage whatever its class; so is a Redis reply
+    that says "not now" (:data:`TRANSIENT_REPLIES`)."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, redis.ResponseError) and reply_code(exc) in TRANSIENT_REPLIES:
         return True
     return isinstance(exc, outage_errors())
 
@@ -62,3 +114,13 @@ def outage_service(exc: BaseException) -> str | None:
     if isinstance(exc, DBAPIError) or type(exc).__module__.startswith("psycopg"):
         return "database"
     return None
+
+
+__all__ = [
+    "TRANSIENT_REPLIES",
+    "is_outage",
+    "outage_errors",
+    "outage_service",
+    "reply_code",
+    "service_errors",
+]

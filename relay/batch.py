@@ -29,6 +29,7 @@ from typing import Any
 
 from outbox import tracing
 from outbox.logs import fields
+from outbox.outage import is_outage
 from relay.config import RelayConfig
 from relay.errors import PermanentPublishError, RoutingError
 from relay.pipeline import Outcome, Recorder, record_outcome
@@ -277,6 +278,7 @@ class BatchPublisher:
         except self._infra as exc:
             log.warning(
                 "cannot end the backoff of refused records now; they retry on their own",
+                exc_info=not is_outage(exc),
                 extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
             )
             return

@@ -37,9 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.backoff import Backoff
 from outbox.core import Outbox
@@ -48,6 +46,7 @@ from outbox.duty import Duty, Interval
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
+from outbox.outage import is_outage, service_errors
 from outbox.schema import OutboxSchema, build_schema
 from relay.batch import BatchPublisher
 from relay.config import RelayConfig
@@ -67,18 +66,11 @@ log = logging.getLogger("outbox.relay")
 
 
 def infrastructure_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "a service is unavailable": wait and retry, never exit."""
-    import psycopg
-
-    return (
-        *INFRASTRUCTURE_ERRORS,
-        redis.RedisError,
-        psycopg.OperationalError,
-        psycopg.InterfaceError,
-        OperationalError,
-        DBAPIError,
-        ConnectionError,
-    )
+    """Every error of the database or Redis (``outbox.outage.service_errors``): what the
+    relay's side duties and its command's start wait out and retry, never exit on. Which of
+    them are outages (one log line) and which are refusals or bugs (a traceback) is
+    ``outbox.outage.is_outage``'s to say."""
+    return (*INFRASTRUCTURE_ERRORS, *service_errors())
 
 
 RECONCILE_INTERVAL = 0.5
@@ -258,6 +250,7 @@ class Relay:
             self.redis_check.interval.done(started, again_in=retry_in)
             log.warning(
                 "cannot check Redis now",
+                exc_info=not is_outage(exc),
                 extra=fields(
                     error=f"{type(exc).__name__}: {exc}"[:300],
                     attempt=self._redis_check_failures,
@@ -453,11 +446,10 @@ class Relay:
         self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         delay = self.config.outage_backoff.delay(loop.outage_attempt)
+        outage = is_outage(exc)
         log.warning(
-            "database or Redis unavailable; retrying"
-            if isinstance(exc, self._infra)
-            else "unexpected error; retrying",
-            exc_info=not isinstance(exc, self._infra),
+            "database or Redis unavailable; retrying" if outage else "unexpected error; retrying",
+            exc_info=not outage,
             extra=fields(
                 error=self.stats.last_error[:500],
                 attempt=loop.outage_attempt,

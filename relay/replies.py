@@ -13,23 +13,10 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from outbox.outage import TRANSIENT_REPLIES as TRANSIENT_REPLIES  # "not now", not "never"
+from outbox.outage import reply_code
 from relay.errors import PermanentPublishError
 from relay.records import Record
-
-# Error replies that say "not now" rather than "never": retried with backoff.
-TRANSIENT_REPLIES = (
-    "OOM",
-    "LOADING",
-    "BUSY",
-    "MASTERDOWN",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "NOREPLICAS",
-    "READONLY",
-    "MOVED",
-    "ASK",
-    "MISCONF",
-)
 
 
 class TransientError(Exception):
@@ -88,9 +75,6 @@ def send_fences(
 def classify_reply(exc: ResponseError) -> Exception:
     """A per-entry error reply: transient (retry later) or permanent (quarantine)."""
     message = str(exc)
-    # redis-py takes a known code (OOM, LOADING, TRYAGAIN, MOVED, ...) off a whole-call
-    # refusal's message and keeps it in ``status_code``; per-entry replies keep it in the text.
-    head = (getattr(exc, "status_code", None) or message.split(" ", 1)[0]).upper()
-    if head in TRANSIENT_REPLIES or isinstance(exc, redis.exceptions.ReadOnlyError):
+    if reply_code(exc) in TRANSIENT_REPLIES or isinstance(exc, redis.exceptions.ReadOnlyError):
         return TransientError(message)
     return PermanentPublishError(f"Redis refused the entry: {message}")

@@ -105,6 +105,7 @@ from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
+from outbox.outage import is_outage
 
 if TYPE_CHECKING:
     from consumer.jobs.operations import Operations, Provider
@@ -523,6 +524,7 @@ class Worker(WorkerDuties):
                 failures += 1
                 log.warning(
                     "liveness beat failed",
+                    exc_info=not is_outage(exc),  # an outage is one line; anything else a bug
                     extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
                 )
             if self._liveness_stop.wait(self.config.liveness_interval):
@@ -606,6 +608,7 @@ class Worker(WorkerDuties):
                 failures += 1
                 log.warning(
                     "LISTEN failed; polling meanwhile",
+                    exc_info=not is_outage(exc),
                     extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
                 )
                 if listener is not None:
