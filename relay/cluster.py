@@ -103,98 +103,131 @@ def publish_by_slot(
     doc). Returns one result per entry, in order, like :meth:`RedisStreamPublisher.publish`;
     raises on a connection error or timeout, and :class:`ReplicasNotConfirmed` when ``WAIT``
     falls short."""
-    client = publisher.client
-    by_slot: dict[int, list[int]] = {}
-    for i, p in enumerate(prepared):
-        by_slot.setdefault(slot_of(p.stream), []).append(i)
-    results: list[str | Exception | None] = [None] * len(prepared)
-    fences = {slot: slot_fence(fence, prepared[idx[0]].stream) for slot, idx in by_slot.items()}
-    todo = list(by_slot)
+    batch = _SlotBatch(publisher, prepared, fence, wait_replicas, wait_timeout_ms)
+    todo = list(batch.by_slot)
     for attempt in range(MOVED_RETRIES + 1):
         if attempt:
-            refresh_slots(client)
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for slot in todo:
-            try:
-                node = client.nodes_manager.get_node_from_slot(slot)
-            except RedisClusterException as exc:  # slot not covered: a failover under way
-                error: Exception = TransientError(f"CLUSTERDOWN slot {slot}: {exc}")
-                for i in by_slot[slot]:
-                    results[i] = error
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(slot)
+            refresh_slots(batch.client)
+        todo = batch.send(todo)  # the slots refused with MOVED: sent again
+        if not todo:
+            break
+    else:
+        batch.fail(todo, TransientError("MOVED: the slot map kept changing; retrying later"))
+    return [r if r is not None else TransientError("not sent") for r in batch.results]
+
+
+class _SlotBatch:
+    """One batch of :func:`publish_by_slot`: its entries by slot, and a result per entry."""
+
+    def __init__(
+        self,
+        publisher: RedisStreamPublisher,
+        prepared: Sequence[Prepared],
+        fence: str,
+        wait_replicas: int,
+        wait_timeout_ms: int,
+    ) -> None:
+        self.publisher = publisher
+        self.client = publisher.client
+        self.prepared = prepared
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.by_slot: dict[int, list[int]] = {}
+        for i, p in enumerate(prepared):
+            self.by_slot.setdefault(slot_of(p.stream), []).append(i)
+        self.fences = {
+            slot: slot_fence(fence, prepared[idx[0]].stream) for slot, idx in self.by_slot.items()
+        }
+        self.results: list[str | Exception | None] = [None] * len(prepared)
+
+    def fail(self, slots: Sequence[int], error: Exception) -> None:
+        for slot in slots:
+            for i in self.by_slot[slot]:
+                self.results[i] = error
+
+    def send(self, slots: Sequence[int]) -> list[int]:
+        """One round trip for ``slots``: every master's calls sent, then every reply read;
+        the entries count as added only once every ``WAIT`` confirmed. Returns the slots
+        refused with MOVED (nothing of them was added)."""
         moved: list[int] = []
         replies: dict[int, Any] = {}
         sent: list[tuple[Any, Any, list[int]]] = []
         try:
-            for node, slots in by_node.values():
-                pool = client.get_redis_connection(node).connection_pool
+            for node, node_slots in self._by_node(slots):
+                pool = self.client.get_redis_connection(node).connection_pool
                 conn = pool.get_connection()
-                sent.append((pool, conn, slots))
-                parts = [
-                    publisher.script_call(
-                        [prepared[i] for i in by_slot[slot]],
-                        fences[slot],
-                        publisher.marker_for(prepared[by_slot[slot][0]].stream),
-                        publisher.known_in_slot(slot),
-                    )
-                    for slot in slots
-                ]
-                if wait_replicas:
-                    parts.append(wait_command(wait_replicas, wait_timeout_ms))
-                conn.send_packed_command(parts, check_health=True)
-            for _pool, conn, slots in sent:
-                for slot in slots:
-                    members = by_slot[slot]
-                    try:
-                        reply = conn.read_response()
-                    except MovedError:
-                        moved.append(slot)  # refused whole: nothing was added
-                        continue
-                    except ResponseError as exc:
-                        error = classify_reply(exc)
-                        for i in members:
-                            results[i] = error
-                        continue
-                    replies[slot] = reply
-                if wait_replicas:
-                    acked = int(conn.read_response())
-                    if acked < wait_replicas:
-                        raise ReplicasNotConfirmed(
-                            f"WAIT {wait_replicas}: {acked} replica(s) confirmed within "
-                            f"{wait_timeout_ms} ms on {conn.host}:{conn.port}"
-                        )
+                sent.append((pool, conn, node_slots))
+                conn.send_packed_command(self._calls(node_slots), check_health=True)
+            for _pool, conn, node_slots in sent:
+                self._read(conn, node_slots, replies, moved)
         except BaseException:
             # Unread replies would be read as the next command's: drop these connections.
             for _pool, conn, _slots in sent:
                 conn.disconnect()
-            refresh_slots(client)
+            refresh_slots(self.client)
             raise
         finally:
             for pool, conn, _slots in sent:
                 pool.release(conn)
-        # Only now (every WAIT confirmed) do the entries count as added.
         for slot, reply in replies.items():
-            members = by_slot[slot]
-            entries = [prepared[i] for i in members]
-            slot_results = publisher.script_results(reply, entries, fences[slot])
-            for i, result in zip(members, slot_results, strict=True):
-                results[i] = result
-            added = [(r, e.stream) for r, e in zip(slot_results, entries, strict=True)]
-            publisher.saw_in_slot(
-                slot,
-                [r for r, _ in added if isinstance(r, str)],
-                [name for r, name in added if isinstance(r, str)],
+            self._added(slot, reply)
+        return moved
+
+    def _by_node(self, slots: Sequence[int]) -> list[tuple[Any, list[int]]]:
+        """The masters of ``slots`` with their slots; a slot no master covers (a failover
+        under way) gets a transient error."""
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for slot in slots:
+            try:
+                node = self.client.nodes_manager.get_node_from_slot(slot)
+            except RedisClusterException as exc:
+                self.fail([slot], TransientError(f"CLUSTERDOWN slot {slot}: {exc}"))
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(slot)
+        return list(by_node.values())
+
+    def _calls(self, slots: Sequence[int]) -> list[bytes]:
+        publisher = self.publisher
+        parts = [
+            publisher.script_call(
+                [self.prepared[i] for i in self.by_slot[slot]],
+                self.fences[slot],
+                publisher.marker_for(self.prepared[self.by_slot[slot][0]].stream),
+                publisher.known_in_slot(slot),
             )
-        if not moved:
-            break
-        todo = moved
-    else:
-        error = TransientError("MOVED: the slot map kept changing; retrying later")
-        for slot in todo:
-            for i in by_slot[slot]:
-                results[i] = error
-    return [r if r is not None else TransientError("not sent") for r in results]
+            for slot in slots
+        ]
+        if self.wait_replicas:
+            parts.append(wait_command(self.wait_replicas, self.wait_timeout_ms))
+        return parts
+
+    def _read(
+        self, conn: Any, slots: Sequence[int], replies: dict[int, Any], moved: list[int]
+    ) -> None:
+        for slot in slots:
+            try:
+                replies[slot] = conn.read_response()
+            except MovedError:
+                moved.append(slot)  # refused whole: nothing was added
+            except ResponseError as exc:
+                self.fail([slot], classify_reply(exc))
+        if self.wait_replicas:
+            acked = int(conn.read_response())
+            if acked < self.wait_replicas:
+                raise ReplicasNotConfirmed(
+                    f"WAIT {self.wait_replicas}: {acked} replica(s) confirmed within "
+                    f"{self.wait_timeout_ms} ms on {conn.host}:{conn.port}"
+                )
+
+    def _added(self, slot: int, reply: Any) -> None:
+        """A slot's script reply into its entries' results (every WAIT confirmed)."""
+        members = self.by_slot[slot]
+        entries = [self.prepared[i] for i in members]
+        slot_results = self.publisher.script_results(reply, entries, self.fences[slot])
+        for i, result in zip(members, slot_results, strict=True):
+            self.results[i] = result
+        added = [e.stream for r, e in zip(slot_results, entries, strict=True) if isinstance(r, str)]
+        self.publisher.saw_in_slot(slot, [r for r in slot_results if isinstance(r, str)], added)
 
 
 def set_fences_by_slot(

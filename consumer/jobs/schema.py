@@ -355,27 +355,11 @@ def upgrade_schema(conn: Connection) -> None:
     prep = conn.dialect.identifier_preparer
     if inspector.has_table(operations.name):
         present = {c["name"] for c in inspector.get_columns(operations.name)}
-        for name in ADDED_OPERATION_COLUMNS:
-            if name not in present:
-                column = operations.c[name]
-                conn.execute(
-                    text(
-                        f"ALTER TABLE {prep.format_table(operations)} ADD COLUMN "
-                        f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
-                    )
-                )
+        _add_columns(conn, operations, [n for n in ADDED_OPERATION_COLUMNS if n not in present])
         OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
 
     job_columns = {c["name"] for c in inspector.get_columns(jobs.name)}
-    for name in ADDED_JOB_COLUMNS:
-        if name not in job_columns:
-            column = jobs.c[name]
-            conn.execute(
-                text(
-                    f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN "
-                    f"{prep.quote(name)} {column.type.compile(dialect=conn.dialect)}"
-                )
-            )
+    _add_columns(conn, jobs, [n for n in ADDED_JOB_COLUMNS if n not in job_columns])
     if "queue" not in job_columns:
         queue = jobs.c.queue
         conn.execute(
@@ -394,6 +378,20 @@ def upgrade_schema(conn: Connection) -> None:
     paused_queues.create(conn, checkfirst=True)
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
+
+
+def _add_columns(conn: Connection, table: Table, names: list[str]) -> None:
+    """ALTER TABLE ... ADD COLUMN for each of ``names``: nullable columns, their type as the
+    table declares it."""
+    prep = conn.dialect.identifier_preparer
+    for name in names:
+        column_type = table.c[name].type.compile(dialect=conn.dialect)
+        conn.execute(
+            text(
+                f"ALTER TABLE {prep.format_table(table)} ADD COLUMN "
+                f"{prep.quote(name)} {column_type}"
+            )
+        )
 
 
 def create_tables(conn: Connection) -> None:
