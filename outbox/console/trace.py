@@ -35,7 +35,7 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,11 +131,35 @@ def _as_int(q: str) -> int | None:
 def collect(
     conn: Connection, tables: Tables, q: str, present: set[str], redis: Any = None
 ) -> Trace:
-    """Find everything ``q`` names and what it links to (see the module docstring)."""
+    """Find everything ``q`` names and what it links to (see the module docstring): what
+    ``q`` names directly, the events of the jobs found so, the inbox rows and dead letters,
+    the jobs the events made, the jobs' history and receipts, the stream entries, the audit
+    of it all, and the verdict."""
     trace = Trace(query=q)
     trace.clock = float(conn.execute(select(db_epoch())).scalar_one())
-    t = tables.outbox
     has = present.__contains__
+    _named(conn, tables, q, has, trace)
+    if has(tables.outbox.name) and trace.jobs and not trace.events:
+        _events_of_jobs(conn, tables, trace)  # a job id or an operation id was asked
+    _inbox_and_dead_letters(conn, tables, q, has, trace)
+    if has(jobs.name) and trace.events:
+        _add(trace.jobs, _event_jobs(conn, trace.events), "id")
+    if trace.jobs:
+        _history_and_receipts(conn, has, trace)
+    if redis is not None:
+        trace.stream_entries = stream_entries(redis, trace.events)
+    if has(audit.name):
+        trace.audit = _audit_of(conn, trace)
+    trace.verdict, trace.because = verdict(trace)
+    return trace
+
+
+def _named(
+    conn: Connection, tables: Tables, q: str, has: Callable[[str], bool], trace: Trace
+) -> None:
+    """The events, receipts and jobs ``q`` names: an event id, identity or key; an
+    operation id (and its job); a job id, subject or action."""
+    t = tables.outbox
     if has(t.name):
         for column in (t.c.event_id, t.c.identity, t.c.key):
             _add(trace.events, _lookup(conn, t, column, [q], t.c.seq), "event_id")
@@ -144,21 +168,31 @@ def collect(
         ops = _rows(conn.execute(select(operations).where(operations.c.operation_id == q)))
         _add(trace.receipts, ops, "operation_id")
         job_ids.update(int(r["job_id"]) for r in ops)
-    number = _as_int(q)
     if has(jobs.name):
+        number = _as_int(q)
         if number is not None:
             job_ids.add(number)
         for column, values in ((jobs.c.id, sorted(job_ids)), (jobs.c.subject, [q])):
             _add(trace.jobs, _lookup(conn, jobs, column, values, jobs.c.id), "id")
         _add(trace.jobs, _lookup(conn, jobs, jobs.c.action, [q], jobs.c.id), "id")
-    # Events of the jobs found directly (a job id or an operation id was asked).
-    if has(t.name) and trace.jobs and not trace.events:
-        subjects = sorted({j["subject"] for j in trace.jobs if j["subject"]})
-        actions = {j["action"] for j in trace.jobs}
-        names = sorted(actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs})
-        for column, values in ((t.c.identity, names), (t.c.key, subjects)):
-            _add(trace.events, _lookup(conn, t, column, values, t.c.seq), "event_id")
-        trace.events.sort(key=lambda e: int(e["seq"]))
+
+
+def _events_of_jobs(conn: Connection, tables: Tables, trace: Trace) -> None:
+    """The events of the jobs found directly, by identity and by subject."""
+    t = tables.outbox
+    subjects = sorted({j["subject"] for j in trace.jobs if j["subject"]})
+    actions = {j["action"] for j in trace.jobs}
+    names = sorted(actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs})
+    for column, values in ((t.c.identity, names), (t.c.key, subjects)):
+        _add(trace.events, _lookup(conn, t, column, values, t.c.seq), "event_id")
+    trace.events.sort(key=lambda e: int(e["seq"]))
+
+
+def _inbox_and_dead_letters(
+    conn: Connection, tables: Tables, q: str, has: Callable[[str], bool], trace: Trace
+) -> None:
+    """The inbox rows of the events' identities in every group, and the dead letters of
+    those identities or events."""
     identities = {e["identity"] for e in trace.events}
     event_ids = {e["event_id"] for e in trace.events}
     if not trace.events:
@@ -183,39 +217,26 @@ def collect(
         trace.dead_letters = _rows(
             conn.execute(select(dl).where(match).order_by(dl.c.id).limit(TRACE_LIMIT))
         )
-    if has(jobs.name) and trace.events:
-        _add(trace.jobs, _event_jobs(conn, trace.events), "id")
-    if trace.jobs:
-        ids = sorted(int(j["id"]) for j in trace.jobs)
-        history: dict[int, list[dict[str, Any]]] = {}
-        if has(attempts.name):
-            for row in _rows(
-                conn.execute(
-                    select(attempts).where(attempts.c.job_id.in_(ids)).order_by(attempts.c.id)
-                )
-            ):
-                history.setdefault(int(row["job_id"]), []).append(row)
-        for job in trace.jobs:
-            job["history"] = history.get(int(job["id"]), [])[-TRACE_LIMIT:]
-        if has(operations.name):
-            _add(
-                trace.receipts,
-                _rows(
-                    conn.execute(
-                        select(operations)
-                        .where(operations.c.job_id.in_(ids))
-                        .order_by(operations.c.created_at)
-                        .limit(TRACE_LIMIT)
-                    )
-                ),
-                "operation_id",
-            )
-    if redis is not None:
-        trace.stream_entries = stream_entries(redis, trace.events)
-    if has(audit.name):
-        trace.audit = _audit_of(conn, trace)
-    trace.verdict, trace.because = verdict(trace)
-    return trace
+
+
+def _history_and_receipts(conn: Connection, has: Callable[[str], bool], trace: Trace) -> None:
+    """Each job's attempt history (its last TRACE_LIMIT moves) and the jobs' receipts."""
+    ids = sorted(int(j["id"]) for j in trace.jobs)
+    history: dict[int, list[dict[str, Any]]] = {}
+    if has(attempts.name):
+        query = select(attempts).where(attempts.c.job_id.in_(ids)).order_by(attempts.c.id)
+        for row in _rows(conn.execute(query)):
+            history.setdefault(int(row["job_id"]), []).append(row)
+    for job in trace.jobs:
+        job["history"] = history.get(int(job["id"]), [])[-TRACE_LIMIT:]
+    if has(operations.name):
+        receipts = (
+            select(operations)
+            .where(operations.c.job_id.in_(ids))
+            .order_by(operations.c.created_at)
+            .limit(TRACE_LIMIT)
+        )
+        _add(trace.receipts, _rows(conn.execute(receipts)), "operation_id")
 
 
 def _lookup(
