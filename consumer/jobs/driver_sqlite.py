@@ -105,8 +105,7 @@ class SqliteJobDriver(JobDriver):
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One short write transaction on the DBAPI connection: the write lock taken up front
         (as :meth:`begin`), committed on success, rolled back on any exception."""
-        with self._lock, self.engine.connect() as conn:
-            raw: Any = conn.connection.dbapi_connection
+        with self._lock, self._raw() as raw:
             raw.execute("BEGIN IMMEDIATE")
             try:
                 yield raw
@@ -115,13 +114,22 @@ class SqliteJobDriver(JobDriver):
                 raise
             raw.commit()
 
+    @contextmanager
+    def _raw(self) -> Iterator[Any]:
+        """A pooled DBAPI connection without SQLAlchemy's Connection around it (its set-up
+        and tear-down cost more than a short statement); back to the pool, reset, after."""
+        pooled = self.engine.raw_connection()
+        try:
+            yield pooled.driver_connection
+        finally:
+            pooled.close()
+
     def provider_pause(self, provider: str) -> tuple[float, float] | None:
         params: dict[str, Any] = {"provider": provider}
         sql = _PAUSE_SQL.format(now=_NOW)
         if self.clock is not None:
             sql, params["now"] = _PAUSE_SQL.format(now="CAST(:now AS REAL)"), self.clock()
-        with self._lock, self.engine.connect() as conn:
-            raw: Any = conn.connection.dbapi_connection
+        with self._lock, self._raw() as raw:
             row = raw.execute(sql, params).fetchone()  # autocommit: its own read
         return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
 
