@@ -115,6 +115,7 @@ def catalog(url: str) -> dict[str, Any]:
         engine.dispose()
 
 
+@pytest.mark.slow  # alembic autogenerate on both databases (~15 s under load)
 def test_autogenerate_then_upgrade_makes_what_create_schema_makes(
     tmp_path: Path, fresh_databases: tuple[str, str]
 ) -> None:
@@ -193,6 +194,7 @@ def test_the_migration_extras_know_every_hot_table() -> None:
     assert set(HOT_TABLES) == {build_inbox_schema().inbox.name, *JOB_HOT_TABLES}
 
 
+@pytest.mark.slow  # alembic autogenerate (~9 s under load)
 def test_a_database_migrated_before_tracing_gets_the_trace_context_column_by_autogenerate(
     tmp_path: Path, fresh_databases: tuple[str, str]
 ) -> None:

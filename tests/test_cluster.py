@@ -205,6 +205,7 @@ def test_wait_without_replicas_is_not_a_receipt(stream_prefix: str) -> None:
         client.close()
 
 
+@pytest.mark.slow  # a private 6-node cluster (~9 s under load)
 def test_moved_slot_is_retried_with_a_fresh_slot_map(
     private_cluster: PrivateCluster, stream_prefix: str
 ) -> None:
@@ -597,6 +598,7 @@ def test_slot_migrated_under_load_loses_nothing_and_duplicates_nothing(
 # -- the command lines, end to end -------------------------------------------------------------
 
 
+@pytest.mark.slow  # relay, consumer and worker processes (14-50 s under load)
 def test_cli_relay_consumer_and_worker_on_the_cluster(
     pg_url: str, redis_cluster: PrivateCluster, stream_prefix: str, tmp_path: Path
 ) -> None:

@@ -49,6 +49,7 @@ def console(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # four console processes (10-70 s under load)
 def test_trace_prints_the_story_and_exits_1_when_not_found(
     world: World, db_url: str, redis_url: str
 ) -> None:
@@ -70,6 +71,7 @@ def test_trace_prints_the_story_and_exits_1_when_not_found(
     )
 
 
+@pytest.mark.slow  # two console processes (5-22 s under load)
 def test_init_db_creates_the_audit_table_and_the_lookup_indexes(world: World, db_url: str) -> None:
     missing = missing_lookup_indexes(world.engine)
     assert "ix_outbox_events_identity_seq" in missing and len(missing) <= len(LOOKUP_INDEXES)
@@ -128,6 +130,7 @@ def test_serve_takes_the_token_from_a_file_or_the_environment(
     assert "the token is the only protection" in log
 
 
+@pytest.mark.slow  # a console process per bad usage (6-48 s under load)
 def test_serve_refuses_bad_usage(pg_url: str, tmp_path: Path) -> None:
     short = tmp_path / "short"
     short.write_text("tiny\n")

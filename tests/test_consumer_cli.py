@@ -299,6 +299,7 @@ def test_dead_letters_and_replay(
     consumer.engine.dispose()
 
 
+@pytest.mark.slow  # a consumer process and 300 events (4-13 s)
 def test_run_drains_and_exits_zero_on_sigterm(
     pg_url: str,
     redis_target: RedisTarget,
@@ -356,6 +357,7 @@ def idle_ms_of(client: redis.Redis, stream: str, pid: int) -> int:
     return -1
 
 
+@pytest.mark.slow  # waits out 6 s of a hung peer, two processes (14-27 s)
 def test_a_consumer_killed_mid_batch_is_taken_over_by_a_live_peer_with_the_defaults(
     pg_url: str,
     redis_target: RedisTarget,

@@ -99,6 +99,7 @@ def test_not_run_marks_stand_before_python_blocks() -> None:
         )
 
 
+@pytest.mark.slow  # mkdocs build (~15 s under load)
 def test_site_builds_strict(tmp_path: Path) -> None:
     """Every page is in the nav, every link and anchor resolves: ``mkdocs build --strict``."""
     result = subprocess.run(

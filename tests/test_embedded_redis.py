@@ -74,6 +74,7 @@ def stream_length(directory: Path) -> int:
     return int(result.stdout.strip())
 
 
+@pytest.mark.slow  # two relay processes on the embedded server (~10 s under load)
 def test_two_processes_share_one_server_and_the_last_one_stops_it(tmp_path: Path) -> None:
     first = start_user(tmp_path, "a")
     second = start_user(tmp_path, "b")

@@ -310,6 +310,7 @@ def test_prometheus_pages_on_a_poisoned_relay_and_resolves_after_the_fix(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # an exporter process (~10 s under load)
 def test_outbox_relay_metrics_serves_the_gauges_and_stops_on_sigterm(
     pg_url: str, outbox_engine: tuple[sa.Engine, OutboxSchema], tmp_path: Path
 ) -> None:
@@ -335,6 +336,7 @@ def test_outbox_relay_metrics_serves_the_gauges_and_stops_on_sigterm(
     assert exporter.process.returncode == 0, exporter.output()
 
 
+@pytest.mark.slow  # exporter processes (~9 s under load)
 def test_outbox_relay_metrics_rejects_a_bad_port(pg_url: str) -> None:
     result = subprocess.run(
         relay_command("metrics", "--database-url", pg_url, "--port", "70000"),

@@ -82,6 +82,7 @@ def _claim(store: Store, action: str = "email-1"):  # type: ignore[no-untyped-de
     return lease
 
 
+@pytest.mark.slow  # the simulator and call timeouts (~9 s under load)
 def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
     db_url: str, simulator: SimulatorProcess
 ) -> None:
@@ -121,6 +122,7 @@ def test_a_timeout_leaves_the_receipt_unknown_and_lookup_reconciles(
     store.dispose()
 
 
+@pytest.mark.slow  # the simulator and call timeouts (~8 s under load)
 def test_idempotency_key_reconciles_without_lookup(
     db_url: str, simulator: SimulatorProcess
 ) -> None:
@@ -140,6 +142,7 @@ def test_idempotency_key_reconciles_without_lookup(
     store.dispose()
 
 
+@pytest.mark.slow  # the simulator and call timeouts (~9 s under load)
 def test_a_provider_without_lookup_or_idempotency_sends_the_job_to_review(
     db_url: str, simulator: SimulatorProcess
 ) -> None:
@@ -255,6 +258,7 @@ def test_worker_killed_after_the_provider_accepted_gives_exactly_one_effect(
     store.dispose()
 
 
+@pytest.mark.slow  # the simulator and a sweeping worker (8-9 s under load)
 def test_a_worker_sweeps_receipts_periodically(db_url: str, simulator: SimulatorProcess) -> None:
     """Worker(providers=...) runs Operations.reconcile every reconcile_interval, inside
     run_once: an UNKNOWN receipt is settled while its job waits for its retry."""

@@ -232,6 +232,7 @@ def test_a_call_in_flight_past_the_lease_is_not_duplicated(
     store.dispose()
 
 
+@pytest.mark.slow  # a worker process and the simulator (10-15 s under load)
 def test_the_sweep_settles_an_unknown_receipt_without_claiming_the_job(
     db_url: str, sim: SimulatorProcess
 ) -> None:
@@ -276,6 +277,7 @@ def test_the_sweep_settles_an_unknown_receipt_without_claiming_the_job(
         ({"kind": "error_after", "status": 502}, UNKNOWN, READY),
     ],
 )
+@pytest.mark.slow  # a worker process and the simulator per fault (12 cases, 7-14 s each under load)
 def test_each_status_class_lands_in_its_receipt_state(
     db_url: str, sim: SimulatorProcess, fault: dict[str, object], state: str, job_state: str
 ) -> None:
@@ -311,6 +313,7 @@ def test_each_status_class_lands_in_its_receipt_state(
     store.dispose()
 
 
+@pytest.mark.slow  # worker processes and the simulator (~30 s under load)
 def test_settle_in_code_validates_and_refuses(db_url: str) -> None:
     from consumer.errors import JobError, OperationError
 
@@ -333,6 +336,7 @@ def test_settle_in_code_validates_and_refuses(db_url: str) -> None:
     store.dispose()
 
 
+@pytest.mark.slow  # a worker process and a slow simulator (~7 s under load)
 def test_lease_is_extended_to_the_call_deadline(db_url: str, sim: SimulatorProcess) -> None:
     store = Store(db_url)
     provider = HttpProvider("mail", sim.send_url, timeout=45.0)

@@ -729,6 +729,7 @@ def test_created_at_comes_from_the_database_clock(outbox: Writer) -> None:
 # -- concurrency (PostgreSQL) --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # eight writer threads (~15 s under load)
 def test_eight_threads_every_committed_event_present_exactly_once(pg_url: str) -> None:
     box = Outbox(pg_url)
     box.create_schema()

@@ -120,6 +120,7 @@ def _describe(plan: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("stats", ["none", "stale", "published"])
+@pytest.mark.slow  # 100,000 rows loaded for EXPLAIN ANALYZE (7-22 s under load)
 def test_relay_claim_reads_a_batch_not_the_backlog(
     conn: psycopg.Connection[Any], stats: str
 ) -> None:
@@ -162,6 +163,7 @@ def test_relay_claim_reads_a_batch_not_the_backlog(
 
 
 @pytest.mark.parametrize("stats", ["none", "stale"])
+@pytest.mark.slow  # 100,000 rows loaded for EXPLAIN ANALYZE (~6 s under load)
 def test_relay_receipts_read_the_batch_not_the_backlog(
     conn: psycopg.Connection[Any], stats: str
 ) -> None:
@@ -202,6 +204,7 @@ def _fill_jobs(conn: psycopg.Connection[Any], stats: str, tenants: int) -> None:
 
 @pytest.mark.parametrize("tenants", [1, 10])
 @pytest.mark.parametrize("stats", ["none", "stale"])
+@pytest.mark.slow  # 100,000 rows loaded for EXPLAIN ANALYZE (4-5 s under load)
 def test_jobs_claim_reads_a_batch_not_the_backlog(
     conn: psycopg.Connection[Any], stats: str, tenants: int
 ) -> None:
@@ -226,6 +229,7 @@ def _compiled(statement: Any, params: dict[str, Any]) -> tuple[str, dict[str, An
 
 
 @pytest.mark.parametrize("stats", ["none", "stale", "fresh"])
+@pytest.mark.slow  # 100,000 rows loaded for EXPLAIN ANALYZE (12-27 s under load)
 def test_jobs_claim_with_queues_routes_and_a_tenant_limit_reads_a_batch(
     conn: psycopg.Connection[Any], stats: str
 ) -> None:

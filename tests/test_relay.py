@@ -378,6 +378,7 @@ def test_intent_without_receipt_is_reconciled_not_duplicated(
     assert all(r["state"] == "published" for r in rows(outbox))
 
 
+@pytest.mark.slow  # a private Redis stopped and restarted (9-10 s under load)
 def test_redis_down_keeps_intents_and_recovers_without_duplicates(
     outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
 ) -> None:

@@ -52,6 +52,7 @@ def target_client(redis_target: RedisTarget) -> Iterator[Any]:
     client.close()
 
 
+@pytest.mark.slow  # relay processes (11-28 s under load)
 def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
     result = cli("init-db", "--database-url", db_url)
     assert result.returncode == 0, result.stderr
@@ -93,6 +94,7 @@ def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
     assert json.loads(cli("status", "--json", "--database-url", db_url).stdout)["quarantined"] == 0
 
 
+@pytest.mark.slow  # a relay process per bad argument (~18 s under load)
 def test_bad_arguments_and_unreachable_services() -> None:
     assert cli("run", "--no-such-flag").returncode == 2
     assert cli().returncode == 2
@@ -111,6 +113,7 @@ def test_bad_arguments_and_unreachable_services() -> None:
     assert main(["status", "--database-url", "postgresql://x@127.0.0.1:1/x"]) == 1
 
 
+@pytest.mark.slow  # relay processes (5-7 s under load)
 def test_run_once_publishes(
     pg_url: str, redis_target: RedisTarget, target_client: Any, stream_prefix: str
 ) -> None:
@@ -134,6 +137,7 @@ def test_run_once_publishes(
     assert got == ids
 
 
+@pytest.mark.slow  # a relay process (7-9 s under load)
 def test_sigterm_drains_and_exits_zero(
     pg_url: str, redis_target: RedisTarget, target_client: Any, stream_prefix: str
 ) -> None:
@@ -215,6 +219,7 @@ def test_run_waits_for_database_instead_of_exiting(tmp_path: Path, redis_url: st
             proc.wait()
 
 
+@pytest.mark.slow  # the demo as a process (~16 s under load)
 def test_demo_runs_on_the_embedded_default(tmp_path: Path) -> None:
     result = cli("demo", "--duration", "3", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -244,6 +249,7 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flag", ["--help"])
+@pytest.mark.slow  # a relay process per subcommand (~30 s under load)
 def test_help(flag: str) -> None:
     result = cli(flag)
     assert result.returncode == 0 and "run" in result.stdout and "demo" in result.stdout
@@ -251,6 +257,7 @@ def test_help(flag: str) -> None:
         assert cli(command, "--help").returncode == 0
 
 
+@pytest.mark.slow  # a relay process (~10 s under load)
 def test_run_serves_metrics(
     pg_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
 ) -> None:

@@ -190,6 +190,7 @@ def test_a_redis_that_refuses_config_does_not_stop_the_relay_and_the_gauge_says_
     assert value("outbox_relay_redis_persistence", {"mode": "unknown"}) == 0.0
 
 
+@pytest.mark.slow  # relay processes and private servers (~25 s under load)
 def test_require_aof_refuses_to_start_without_aof_and_says_why(sqlite_url: str) -> None:
     with PrivateRedis() as plain:
         result = cli(
@@ -230,6 +231,7 @@ def test_require_aof_refuses_to_start_without_aof_and_says_why(sqlite_url: str) 
 # -- lost data ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a private Redis (~6 s under load)
 def test_flushall_is_detected_before_a_new_entry_hides_it_and_republish_repairs(
     outbox: Outbox, db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -411,6 +413,7 @@ def test_a_missing_marker_alone_is_not_a_loss(outbox: Outbox) -> None:
 # -- republish on the shared Redis ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # relay processes (~40 s under load)
 def test_republish_cli_options_on_the_shared_redis(
     outbox: Outbox, db_url: str, redis_url: str, redis_client: redis.Redis, stream_prefix: str
 ) -> None:
