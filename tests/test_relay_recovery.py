@@ -509,6 +509,7 @@ def test_time_retention_trims_old_entries_but_never_what_a_group_still_needs(
 # -- the loop: relay process, flush, republish, consumer dedup ------------------------------------
 
 
+@pytest.mark.slow  # 1,000 events, relay processes, a private Redis flushed (~16 s under load)
 def test_flush_after_half_consumed_then_republish_gives_one_job_per_identity(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -613,6 +614,7 @@ def test_flush_after_half_consumed_then_republish_gives_one_job_per_identity(
     assert tuple(jobs) == (1020, 1020)
 
 
+@pytest.mark.slow  # a relay process and a private Redis (~8 s under load)
 def test_a_relay_process_exports_persistence_and_a_data_loss(
     sqlite_url: str, tmp_path: Path
 ) -> None:

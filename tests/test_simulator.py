@@ -145,6 +145,7 @@ def test_sigterm_while_a_request_hangs_still_exits_0(own_sim: SimulatorProcess) 
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
+@pytest.mark.slow  # a simulator process of its own, stopped and started again (~24 s under load)
 def test_effects_survive_a_restart(own_sim: SimulatorProcess, kill: bool) -> None:
     sim = own_sim
     first = send(sim, {"to": "a"}, key="k1", op="1:email").json()["id"]
@@ -327,6 +328,7 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
+@pytest.mark.slow  # a simulator process of its own, stopped to read its log (~14 s under load)
 def test_a_client_killed_mid_send_leaves_no_traceback_in_the_log(own_sim: SimulatorProcess) -> None:
     for partial in (
         b"POST /send HTTP/1.1\r\nHost: x\r\nContent-Len",  # cut in the headers

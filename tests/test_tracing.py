@@ -222,6 +222,7 @@ def test_a_duplicate_events_span_says_so(
     assert pipeline.store.counts()["READY"] == 1
 
 
+@pytest.mark.slow  # the simulator process and a retried dispatch (~8 s under load)
 def test_a_retried_dispatch_is_in_the_same_trace(
     spans: Spans, pipeline: Pipeline, simulator: SimulatorProcess
 ) -> None:
@@ -266,6 +267,7 @@ def test_a_retried_dispatch_is_in_the_same_trace(
     assert traceparent_ids(effect["headers"]["traceparent"]) == ids(first)
 
 
+@pytest.mark.slow  # the simulator process and a reconciling worker (~13 s under load)
 def test_the_reconciliation_sweep_is_a_span_in_the_jobs_trace(
     spans: Spans, pipeline: Pipeline, simulator: SimulatorProcess
 ) -> None:
@@ -292,6 +294,7 @@ def test_the_reconciliation_sweep_is_a_span_in_the_jobs_trace(
     assert attributes(reconcile)["outbox.receipt.state"] == "ACCEPTED"
 
 
+@pytest.mark.slow  # the simulator process and the whole pipeline (~10 s under load)
 def test_without_an_sdk_the_context_still_travels_through_the_job(
     pipeline: Pipeline, simulator: SimulatorProcess
 ) -> None:
