@@ -4,7 +4,8 @@ One ``email`` handler dispatching each job through an ``HttpProvider`` named by 
 payload (``"provider"``: ``mail`` by default, or ``sms``). The environment chooses:
 ``MAIL_URL`` / ``SMS_URL`` (the simulators), ``MAIL_RATE`` (the mail provider's
 ``rate_limit``), ``HANDLER`` (``sync``: a ``def`` handler with ``job.dispatch``; ``async``: an
-``async def`` one with ``await job.adispatch``), ``SIM_TIMEOUT`` (the call timeout).
+``async def`` one with ``await job.adispatch``), ``SIM_TIMEOUT`` (the call timeout),
+``WORKER_TTL`` (the lease ttl, 5 s).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def build() -> Worker:
         providers["sms"] = _provider("sms", os.environ["SMS_URL"], None)
     worker = Worker(
         providers=providers,
-        ttl=5.0,
+        ttl=float(os.environ.get("WORKER_TTL", "5")),
         recover_interval=0.2,
         reconcile_interval=0.3,
         poll_interval=0.05,

@@ -284,6 +284,33 @@ def test_renew_never_shortens_a_lease(store: Store) -> None:
     assert store.get(lease.job_id).lease_expires_at == pytest.approx(2100)
 
 
+def test_renew_batch_renews_every_held_lease_in_one_call_and_names_the_lost(
+    store: Store,
+) -> None:
+    for i in range(5):
+        store.enqueue("t", f"job-{i}")
+    leases = store.claim_batch("a", 5, ttl=10, now=1000)
+    assert len(leases) == 5
+    with store.driver.begin() as conn:  # one lease already lasts longer (a call in flight)
+        assert store.driver.job_lease_extend(conn, leases[0].job_id, "a", leases[0].epoch, 5000)
+    store.finish(leases[1], now=1001)  # finished meanwhile: not held any more
+    assert store.renew_batch(leases[2:4], ttl=30, now=1005).done == [
+        leases[2].job_id,
+        leases[3].job_id,
+    ]
+    assert store.recover(now=1011).requeued == 1  # only the one not renewed expired...
+    assert store.claim("t", "job-4", "b", ttl=10, now=1012) == 2  # ...another worker has it
+    result = store.renew_batch(leases, ttl=30, now=1013)  # what the holder believes it holds
+    assert result.done == sorted(x.job_id for x in (leases[0], leases[2], leases[3]))
+    assert result.conflicts == sorted(x.job_id for x in (leases[1], leases[4]))
+    assert store.get(leases[0].job_id).lease_expires_at == pytest.approx(5000)  # never shorter
+    for lease in leases[2:4]:
+        assert store.get(lease.job_id).lease_expires_at == pytest.approx(1043)
+    job = store.get("t", "job-4")
+    assert (job.lease_owner, job.lease_epoch) == ("b", 2)  # the other worker's lease stands
+    assert store.renew_batch([], ttl=30).done == []
+
+
 def test_recovery_returns_only_expired_leases(store: Store) -> None:
     for i in range(6):
         store.enqueue("t", f"job-{i}")

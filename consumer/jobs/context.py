@@ -40,6 +40,7 @@ class JobContext:
         self.operations = operations
         self.executor = executor  # where adispatch runs its database statements
         self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
+        self._dispatch_depth = 0  # dispatches under way (every beat renews the lease)
         self.outcome: str | None = None  # set when the handler moved the job itself
         self.lost = False  # set by the heartbeat when the lease was lost (fenced)
         self._progress = 1
@@ -98,11 +99,27 @@ class JobContext:
                 self._call_depth -= 1
                 self._progress += 1
 
+    @contextmanager
+    def dispatching(self) -> Iterator[None]:
+        """Around a whole dispatch (``Operations.dispatch``): the job waits on the worker's
+        own machinery (its database statements, the provider's limits), not on a stuck
+        handler, so every beat renews the lease meanwhile, however long the database takes
+        on a loaded machine (outside the provider call itself: see :meth:`provider_call`)."""
+        with self._lock:
+            self._dispatch_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._dispatch_depth -= 1
+                self._progress += 1
+
     def _due_for_renewal(self) -> bool:
         with self._lock:
             if self._call_depth:
                 return False
-            if self._progress > self._renewed and self.outcome is None and not self.lost:
+            moving = self._progress > self._renewed or self._dispatch_depth > 0
+            if moving and self.outcome is None and not self.lost:
                 self._renewed = self._progress
                 return True
             return False

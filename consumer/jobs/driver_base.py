@@ -407,6 +407,30 @@ class JobDriver:
         )
         return moved is not None
 
+    def job_renew_batch(
+        self,
+        conn: Connection,
+        worker: str,
+        leases: Sequence[tuple[int, int]],
+        until: float,
+        clock: float,
+    ) -> list[int]:
+        """Fenced, one statement: make each ``(job_id, epoch)`` lease of ``worker`` last at
+        least until ``until``, never shorter than it is; the ids renewed (the others were
+        lost)."""
+        extended = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
+        rows = conn.execute(
+            update(jobs)
+            .where(
+                tuple_(jobs.c.id, jobs.c.lease_epoch).in_(list(leases)),
+                jobs.c.lease_owner == worker,
+                jobs.c.state == LEASED,
+            )
+            .values(lease_expires_at=extended, updated_at=clock)
+            .returning(jobs.c.id)
+        ).all()
+        return [int(r[0]) for r in rows]
+
     def job_lock_held(
         self, conn: Connection, where: ColumnElement[bool], worker: str, epoch: int
     ) -> Any:

@@ -394,12 +394,14 @@ class Ticket:
     """A permit to call a provider now; give it back with :meth:`ProviderGate.leave`."""
 
     provider: str
-    started: float = 0.0  # monotonic: the reserved start of the call (the latency's origin)
+    started: float = 0.0  # monotonic: the reserved start of the call
     waited: float = 0.0  # seconds from the permit to the reserved start
     held: bool = False  # a call went out at the reserved start (the next needs a new one)
     timed_out: bool = False  # the call got no answer in time (AIMD's strongest signal)
     retry_after: float | None = None  # a 429/503's Retry-After: the fleet pauses
     latest: float = math.inf  # monotonic: the latest start the call's deadline allows
+    called: float = 0.0  # monotonic: when the last call went out (after its hold)
+    answered: float = 0.0  # monotonic: when it returned or failed (AIMD's latency sample)
 
 
 class ProviderGate:
@@ -578,26 +580,34 @@ class ProviderGate:
         then the call with :func:`send_by` set; a :class:`StartMissed` takes a new start
         and tries again (nothing was sent)."""
 
+        # The latency AIMD learns from is the call's alone, from here to its answer: not the
+        # intent and receipt writes around it, nor a wait for the database or the CPU
+        # before it (a busy worker must not read its own queues as a slow provider, cut
+        # its permits and hand its jobs back: that churn is what collapsed a loaded worker).
         def sync() -> Any:
             while True:
                 self.hold(ticket, progress)
                 token = _SEND_BY.set(self._send_by(ticket))
+                ticket.called = time.monotonic()
                 try:
                     return step.sync()
                 except StartMissed:
                     continue  # held: the next hold reserves a new start
                 finally:
+                    ticket.answered = time.monotonic()
                     _SEND_BY.reset(token)
 
         async def aio(run: Runner) -> Any:
             while True:
                 await self.ahold(ticket, progress, run)
                 token = _SEND_BY.set(self._send_by(ticket))
+                ticket.called = time.monotonic()
                 try:
                     return await step.aio(run)
                 except StartMissed:
                     continue
                 finally:
+                    ticket.answered = time.monotonic()
                     _SEND_BY.reset(token)
 
         return Step(sync, aio)
@@ -609,8 +619,9 @@ class ProviderGate:
         self, ticket: Ticket, *, timed_out: bool = False, retry_after: float | None = None
     ) -> None:
         """The call ended: learn from its latency; a Retry-After pauses the fleet."""
-        latency = max(0.0, time.monotonic() - ticket.started)
-        self.permits.release(latency if ticket.held else None, timed_out=timed_out)
+        made = ticket.held and ticket.called > 0.0
+        latency = max(0.0, ticket.answered - ticket.called) if made else None
+        self.permits.release(latency, timed_out=timed_out)
         if retry_after is not None and self.fleet is not None:
             until = self.fleet.pause(self.name, retry_after)
             call_hook(self.hooks, "provider_paused", self.name, retry_after, until)

@@ -271,6 +271,14 @@ class Operations:
         return receipt
 
     def _plan(self, job: Any, name: str, provider: str, request: Mapping[str, Any]) -> Plan:
+        # A worker's job is renewed at every beat while its dispatch is under way.
+        dispatching = getattr(job, "dispatching", None)
+        with dispatching() if dispatching is not None else nullcontext():
+            return (yield from self._dispatch_plan(job, name, provider, request))
+
+    def _dispatch_plan(
+        self, job: Any, name: str, provider: str, request: Mapping[str, Any]
+    ) -> Plan:
         lease: Lease = getattr(job, "lease", job)
         if not isinstance(lease, Lease):
             raise JobError("job", "must be a Lease or a JobContext")
