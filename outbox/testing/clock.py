@@ -16,8 +16,9 @@ class Clock:
     agrees with it before the test advances it.
 
     The pipeline hands it to the job store (``Store(clock=...)``: leases, backoffs, timers,
-    operation intents' deadlines), to the relay (``run_once(now=...)``: its cycle's intervals; and each cycle moves the
-    database-stamped backoffs and intent ages of pending outbox rows back by the advance),
+    operation intents' deadlines), to the relay (``run_once(now=...)``: its cycle's
+    intervals; each cycle also moves the database-stamped backoffs and intent ages of
+    pending outbox rows back by the advance),
     to consumers (``run_once(now=...)``: entries idle by this clock are claimed back), to
     workers (``run_once(now=...)``) and to the fake providers (a slow or late answer takes
     test time, not real time).
