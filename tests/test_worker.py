@@ -352,9 +352,11 @@ def test_run_until_stop_drains_and_returns(db_url: str) -> None:
     store.enqueue("t", "noop-2")
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
-    wait_for(lambda: store.get("t", "noop-2").state == DONE, "noop-2 done", timeout=30)
-    worker.stop()
-    runner.join(30)
+    try:
+        wait_for(lambda: store.get("t", "noop-2").state == DONE, "noop-2 done", timeout=30)
+    finally:
+        worker.stop()  # a failed wait must not leave the loop running past the test
+        runner.join(30)
     assert not runner.is_alive()
     assert seen == ["noop-1", "noop-2"]
     store.dispose()
