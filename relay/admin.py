@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from outbox.schema import OutboxSchema
 from outbox.tablestats import known_tables, table_stats
 from relay.records import RequeueResult
-from relay.store import open_store
+from relay.store import store_for
 
 __all__ = ["RequeueResult", "requeue", "status"]
 
@@ -25,7 +25,7 @@ def status(engine: Engine, schema: OutboxSchema) -> dict[str, Any]:
     the database clock, 0 when nothing is pending. ``tables``: every table of the toolkit in
     this database (``outbox.tablestats``: sizes, and whether its retention keeps up)."""
     topics: dict[str, dict[str, Any]] = {}
-    for topic, line in open_store(engine, schema).status().items():
+    for topic, line in store_for(engine, schema).status().items():
         row = asdict(line)
         row["oldest_unpublished_age_seconds"] = round(row["oldest_unpublished_age_seconds"], 3)
         topics[topic] = row
@@ -58,4 +58,4 @@ def requeue(
     and ``last_error`` are kept as history (a requeued row keeps holding back the later
     events of its key until it is published). By id, or every quarantined one."""
     ids = None if event_ids is None else list(event_ids)
-    return open_store(engine, schema).requeue(ids, all_quarantined)
+    return store_for(engine, schema).requeue(ids, all_quarantined)

@@ -570,7 +570,7 @@ def _aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> s
 
 def cmd_republish(args: argparse.Namespace) -> int:
     from relay.republish import Throttle, parse_since, republish
-    from relay.store import open_store
+    from relay.store import store_for
 
     since = parse_since(args.since) if args.since is not None else None
     if args.from_seq is not None and args.from_seq < 0:
@@ -595,7 +595,7 @@ def cmd_republish(args: argparse.Namespace) -> int:
 
     try:
         result = republish(
-            open_store(engine, schema),
+            store_for(engine, schema),
             publisher,
             since=since,
             from_seq=args.from_seq,

@@ -60,7 +60,7 @@ from relay.publisher import (
 from relay.reconcile import fence_key, reconcile_orphans
 from relay.records import Record, RelayStats
 from relay.redis_health import Persistence
-from relay.store import Store, open_store
+from relay.store import Store, store_for
 
 log = logging.getLogger("outbox.relay")
 
@@ -125,7 +125,7 @@ class Relay:
         self.hooks = hooks or NO_HOOKS
         self.name = name or incarnation_name(self.config.name_prefix)
         self.stats = RelayStats()
-        self.store: Store = open_store(self.engine, self.schema, self.config)
+        self.store: Store = store_for(self.engine, self.schema, self.config)
         self._epoch = 0
         cfg = self.config
         # When the next claim is a sweep: every sweep_interval, and at once when asked.

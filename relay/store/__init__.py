@@ -44,8 +44,11 @@ from relay.store.sqlite import SQLITE_CLAIM as SQLITE_CLAIM
 from relay.store.sqlite import SqliteStore as SqliteStore
 
 
-def open_store(engine: Engine, schema: OutboxSchema, config: RelayConfig | None = None) -> Store:
-    """The store for ``engine``'s database: the one place that asks which database it is."""
+def store_for(engine: Engine, schema: OutboxSchema, config: RelayConfig | None = None) -> Store:
+    """The store for ``engine``'s database: the one place that asks which database it is.
+
+    Named as the other seams' factories are (``<seam>_for(engine, ...)``:
+    :func:`consumer.jobs.driver.driver_for`, :func:`consumer.inbox.inbox_for`)."""
     config = config or RelayConfig()
     if is_postgresql(engine.dialect.name):
         return PostgresStore(
@@ -60,3 +63,7 @@ def open_store(engine: Engine, schema: OutboxSchema, config: RelayConfig | None 
     if engine.dialect.name == SQLITE:
         return SqliteStore(engine, schema, reconcile_after=config.reconcile_after)
     raise ConfigError("database_url", f"unsupported database {engine.dialect.name}")
+
+
+open_store = store_for
+"""The earlier name of :func:`store_for`, kept for callers that import it."""
