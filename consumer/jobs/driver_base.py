@@ -414,22 +414,34 @@ class JobDriver:
         leases: Sequence[tuple[int, int]],
         until: float,
         clock: float,
-    ) -> list[int]:
-        """Fenced, one statement: make each ``(job_id, epoch)`` lease of ``worker`` last at
-        least until ``until``, never shorter than it is; the ids renewed (the others were
-        lost)."""
+    ) -> tuple[list[int], list[int]]:
+        """Fenced: make each ``(job_id, epoch)`` lease of ``worker`` last at least until
+        ``until``, never shorter than it is: ``(renewed, skipped)``. A row locked by another
+        transaction (its holder finishing or moving it) is skipped, not waited for: the
+        renewal never deadlocks with a batch finish (measured: it did, locking in another
+        order); the others were lost."""
+        wanted = tuple_(jobs.c.id, jobs.c.lease_epoch).in_(list(leases))
+        present = {job_id for job_id, _ in leases}
+        locking = (
+            select(jobs.c.id)
+            .where(jobs.c.id.in_(sorted(present)))
+            .order_by(jobs.c.id)
+            .with_for_update(skip_locked=True)
+        )
+        locked = {int(r[0]) for r in conn.execute(locking)}
         extended = case((jobs.c.lease_expires_at < until, until), else_=jobs.c.lease_expires_at)
         rows = conn.execute(
             update(jobs)
             .where(
-                tuple_(jobs.c.id, jobs.c.lease_epoch).in_(list(leases)),
+                jobs.c.id.in_(sorted(locked)),
+                wanted,
                 jobs.c.lease_owner == worker,
                 jobs.c.state == LEASED,
             )
             .values(lease_expires_at=extended, updated_at=clock)
             .returning(jobs.c.id)
         ).all()
-        return [int(r[0]) for r in rows]
+        return [int(r[0]) for r in rows], sorted(present - locked)
 
     def job_lock_held(
         self, conn: Connection, where: ColumnElement[bool], worker: str, epoch: int

@@ -84,7 +84,9 @@ class LeaseMoves(StoreBase):
     ) -> BatchResult:
         """:meth:`renew` many leases in one statement (a worker's heartbeat: one round trip
         per beat, not one per job in hand), each fenced on its own epoch. ``done``: renewed;
-        ``conflicts``: leases that were lost (nothing raised)."""
+        ``conflicts``: leases that were lost (nothing raised); a lease whose row another
+        transaction holds locked at that moment (its finish) is in neither: the next beat
+        renews it if it is still held."""
         seconds = _ttl(ttl)
         items = list(leases)
         for lease in items:
@@ -97,16 +99,20 @@ class LeaseMoves(StoreBase):
         for lease in items:
             by_worker.setdefault(lease.worker, []).append(lease)
         renewed: list[int] = []
+        skipped: list[int] = []
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             for worker, group in by_worker.items():
                 pairs = [(lease.job_id, lease.epoch) for lease in group]
-                renewed.extend(
-                    self.driver.job_renew_batch(conn, worker, pairs, clock + seconds, clock)
+                done, busy = self.driver.job_renew_batch(
+                    conn, worker, pairs, clock + seconds, clock
                 )
-        held = set(renewed)
+                renewed.extend(done)
+                skipped.extend(busy)
+        held, busy_now = set(renewed), set(skipped)
         return BatchResult(
-            done=sorted(held), conflicts=sorted(x.job_id for x in items if x.job_id not in held)
+            done=sorted(held),
+            conflicts=sorted(x.job_id for x in items if x.job_id not in held | busy_now),
         )
 
     def finish(
