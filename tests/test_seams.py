@@ -1,0 +1,282 @@
+"""The storage seams' contract suites, in the spirit of River's ``riverdrivertest``.
+
+Each test drives one seam's operations directly (no relay loop, no worker, no consumer
+around them) on PostgreSQL and on SQLite (the ``db_url`` fixture) and asserts the same
+observable result on both: the relay's store (``relay.store.store_for``), the job store's
+driver (``consumer.jobs.driver.driver_for``) and the consumer's inbox
+(``consumer.inbox.inbox_for``). A database-specific override that changes what a caller
+sees fails here on its database (docs/contributing.md, "Storage seams").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from consumer.inbox import Inbox, build_inbox_schema, inbox_for
+from consumer.jobs.base import StoreConfig
+from consumer.jobs.checks import _job_values
+from consumer.jobs.driver import JobDriver, driver_for
+from consumer.jobs.schema import jobs
+from consumer.jobs.states import DONE, LEASED, READY
+from consumer.jobs.store import Store as JobStore
+from outbox import Outbox
+from outbox.db import make_engine
+from relay import RelayConfig
+from relay.store import Store, open_store, store_for
+
+OWNER = "relay-seams"
+WORKER = "worker-seams"
+
+# -- the relay's store --------------------------------------------------------------------
+
+
+@pytest.fixture
+def outbox(db_url: str) -> Outbox:
+    o = Outbox(db_url)
+    o.create_schema()
+    return o
+
+
+@pytest.fixture
+def store(outbox: Outbox) -> Iterator[Store]:
+    s = store_for(outbox.engine, outbox.schema, RelayConfig())
+    s.connect()
+    s.rebalance()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def emit(outbox: Outbox, *keys: str) -> list[str]:
+    with outbox.transaction() as tx:
+        return [tx.emit("seams.t", key=key, payload={"key": key}) for key in keys]
+
+
+def test_the_old_factory_name_is_the_new_one() -> None:
+    assert open_store is store_for
+
+
+def test_store_claims_in_seq_order_and_not_twice(outbox: Outbox, store: Store) -> None:
+    ids = emit(outbox, "a", "b", "c")
+    records = store.claim(10, OWNER, 1, True)
+    assert [r.event_id for r in records] == ids
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+    assert {r.topic for r in records} == {"seams.t"}
+    assert [r.key for r in records] == ["a", "b", "c"]
+    assert all(r.attempts == 0 for r in records)
+    assert store.claim(10, OWNER, 1, True) == []  # claimed rows are not claimed again
+    assert store.backlog()[0] == 3  # claimed is still pending
+
+
+def test_store_receipts_are_fenced_by_owner_and_epoch(outbox: Outbox, store: Store) -> None:
+    emit(outbox, "a", "b")
+    first, second = store.claim(10, OWNER, 1, True)
+    assert store.mark_published(OWNER, 2, [(first.seq, "s", "1-0")]) == 0  # wrong epoch
+    assert store.mark_published("someone-else", 1, [(first.seq, "s", "1-0")]) == 0
+    assert store.mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 1
+    assert store.mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 0  # once
+    assert store.backlog()[0] == 1
+    page = store.published_page(0, 10)
+    assert [(r.event_id, stream) for r, stream in page] == [(first.event_id, "s")]
+    assert store.latest_receipts() == [("s", "1-0")]
+    assert store.mark_published(OWNER, 1, [(second.seq, "s", "2-0")]) == 1
+    assert store.backlog()[0] == 0
+    assert store.latest_receipts() == [("s", "2-0")]
+
+
+def test_store_release_makes_rows_claimable_again(outbox: Outbox, store: Store) -> None:
+    emit(outbox, "a", "b")
+    records = store.claim(10, OWNER, 1, True)
+    store.release(OWNER, 2, [r.seq for r in records])  # a stale epoch releases nothing
+    assert store.claim(10, OWNER, 2, True) == []
+    store.release(OWNER, 1, [r.seq for r in records])
+    again = store.claim(10, OWNER, 2, True)
+    assert [r.seq for r in again] == [r.seq for r in records]
+    assert all(r.attempts == 0 for r in again)  # a release is not an attempt
+
+
+def test_store_failure_counts_an_attempt_and_backs_off(outbox: Outbox, store: Store) -> None:
+    emit(outbox, "a", "b")
+    now, later = store.claim(10, OWNER, 1, True)
+    store.mark_failed(OWNER, 1, [(now.seq, 0.0, "boom", False), (later.seq, 3600.0, "x", False)])
+    retried = store.claim(10, OWNER, 2, True)
+    assert [(r.seq, r.attempts) for r in retried] == [(now.seq, 1)]  # the other backs off
+    status = store.status()["seams.t"]
+    assert (status.pending, status.quarantined, status.max_attempts) == (2, 0, 1)
+
+
+def test_store_quarantine_and_requeue(outbox: Outbox, store: Store) -> None:
+    (event_id,) = emit(outbox, "a")
+    (record,) = store.claim(10, OWNER, 1, True)
+    store.quarantine(OWNER, 1, [(record.seq, "poison")])
+    status = store.status()["seams.t"]
+    assert (status.pending, status.quarantined, status.max_attempts) == (0, 1, 1)
+    assert store.claim(10, OWNER, 2, True) == []
+    result = store.requeue(None, True)
+    assert result.requeued == [event_id]
+    assert store.requeue([event_id, "nope"], False).unknown == ["nope"]
+    assert store.status()["seams.t"].quarantined == 0
+    (back,) = store.claim(10, OWNER, 3, True)
+    assert (back.event_id, back.attempts) == (event_id, 1)
+
+
+# -- the job store's driver ---------------------------------------------------------------
+
+
+@pytest.fixture
+def driver(db_url: str) -> Iterator[JobDriver]:
+    job_store = JobStore(db_url)  # creates the schema through its driver
+    try:
+        yield driver_for(job_store.engine)
+    finally:
+        job_store.dispose()
+
+
+def claim(driver: JobDriver, limit: int = 10) -> list[Any]:
+    params: dict[str, Any] = {
+        "cursor": "",
+        "max_tenants": StoreConfig().max_tenants_scanned,
+        "limit": limit,
+        "worker": WORKER,
+        "ttl": 60.0,
+        "queues": None,
+        "routes": None,
+        "tenant_limit": None,
+        "tenant_limits": {},
+    }
+    with driver.begin() as conn:
+        return list(driver.job_claim_batch(conn, params, False))
+
+
+def test_driver_insert_is_once_per_tenant_and_action(driver: JobDriver) -> None:
+    with driver.begin() as conn:
+        job_id, created = driver.job_insert(conn, _job_values("t1", "a1"))
+        again, created_again = driver.job_insert(conn, _job_values("t1", "a1"))
+        other, _ = driver.job_insert(conn, _job_values("t2", "a1"))
+    assert (created, created_again, again) == (True, False, job_id)
+    assert other != job_id
+    rows = [_job_values("t1", "a1"), _job_values("t3", "a3")]
+    with driver.begin() as conn:
+        new, existing = driver.job_insert_many(conn, rows)
+        counts = driver.job_count_by_state(conn)
+    assert list(new) == [("t3", "a3")]
+    assert existing == {("t1", "a1"): job_id}
+    assert counts == {READY: 3}
+
+
+def test_driver_claim_leases_each_job_once(driver: JobDriver) -> None:
+    with driver.begin() as conn:
+        ids = {driver.job_insert(conn, _job_values(f"t{n}", "a"))[0] for n in range(3)}
+    rows = claim(driver)
+    assert {int(r.id) for r in rows} == ids
+    assert {int(r.lease_epoch) for r in rows} == {1}
+    assert claim(driver) == []
+    with driver.begin() as conn:
+        assert driver.job_count_by_state(conn) == {LEASED: 3}
+
+
+def test_driver_finish_is_fenced_on_the_epoch(driver: JobDriver) -> None:
+    with driver.begin() as conn:
+        first = driver.job_insert(conn, _job_values("t1", "a"))[0]
+        second = driver.job_insert(conn, _job_values("t2", "a"))[0]
+    claim(driver)
+    with driver.begin() as conn:
+        assert driver.job_finish_batch(conn, WORKER, [(first, 1), (second, 2)], None) == [first]
+        assert driver.job_finish_batch(conn, WORKER, [(first, 1)], None) == []  # once
+        moved = driver.job_update_fenced(conn, jobs.c.id == second, "other", 1, {"priority": 5})
+        assert moved is None  # not the lease holder
+        assert driver.job_update_fenced(conn, jobs.c.id == second, WORKER, 1, {"priority": 5})
+        assert driver.job_state(conn, jobs.c.id == first) == DONE
+        assert driver.job_state(conn, jobs.c.id == second) == LEASED
+        assert driver.job_lease_extend(conn, second, WORKER, 1, 10.0**10)
+        assert not driver.job_lease_extend(conn, second, WORKER, 2, 10.0**10)
+
+
+def test_driver_intent_is_fenced_and_written_once(driver: JobDriver) -> None:
+    with driver.begin() as conn:
+        job_id = driver.job_insert(conn, _job_values("t1", "a"))[0]
+    claim(driver)
+    intent = {"job_id": job_id, "provider": "p", "digest": "d" * 64, "timeout": 30.0}
+    assert driver.operation_intent(operation_id="op1", worker=WORKER, epoch=1, **intent) == (
+        "created"
+    )
+    assert driver.operation_intent(operation_id="op1", worker=WORKER, epoch=1, **intent) == (
+        "exists"
+    )
+    assert driver.operation_intent(operation_id="op2", worker=WORKER, epoch=2, **intent) == (
+        "fenced"
+    )
+    with driver.connect() as conn:
+        assert driver.operation_get(conn, "op2") is None  # a fenced intent writes nothing
+        row = driver.operation_get(conn, "op1")
+        lease = driver.job_get(conn, jobs.c.id == job_id)
+    assert (row.state, row.attempts, row.job_id) == ("PENDING", 1, job_id)
+    assert lease.lease_expires_at >= row.call_deadline  # the lease covers the call
+    assert driver.operation_record("op1", {"state": "ACCEPTED"}, if_states=["PENDING"])
+    assert not driver.operation_record("op1", {"state": "UNKNOWN"}, if_states=["PENDING"])
+    with driver.connect() as conn:
+        assert driver.operation_get(conn, "op1").state == "ACCEPTED"
+
+
+# -- the consumer's inbox -----------------------------------------------------------------
+
+
+@pytest.fixture
+def inbox(db_url: str) -> Iterator[Inbox]:
+    engine: Engine = make_engine(db_url)
+    box = inbox_for(engine, build_inbox_schema())
+    box.schema_create()
+    try:
+        yield box
+    finally:
+        engine.dispose()
+
+
+def inbox_rows(group: str, *identities: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "group_name": group,
+            "identity": identity,
+            "event_id": f"e-{identity}",
+            "topic": "seams.t",
+            "stream": "s",
+            "entry_id": f"{n}-0",
+        }
+        for n, identity in enumerate(identities, 1)
+    ]
+
+
+def test_inbox_inserts_each_identity_once_per_group(inbox: Inbox) -> None:
+    with inbox.engine.begin() as conn:
+        assert inbox.inbox_insert(conn, inbox_rows("g", "a", "b")) == {"a", "b"}
+    with inbox.engine.begin() as conn:
+        assert inbox.inbox_insert(conn, inbox_rows("g", "a", "b", "c")) == {"c"}
+        assert inbox.inbox_insert(conn, inbox_rows("other", "a")) == {"a"}  # another group
+        assert inbox.inbox_seen(conn, "g", ["a", "c", "z"]) == {"a", "c"}
+
+
+def test_inbox_delete_undoes_an_insert_in_its_transaction(inbox: Inbox) -> None:
+    with inbox.engine.begin() as conn:
+        inbox.inbox_insert(conn, inbox_rows("g", "a", "b"))
+        inbox.inbox_delete(conn, "g", ["b"])
+    with inbox.engine.begin() as conn:
+        assert inbox.inbox_insert(conn, inbox_rows("g", "a", "b")) == {"b"}
+
+
+def test_inbox_purge_deletes_only_rows_past_the_retention(inbox: Inbox) -> None:
+    with inbox.engine.begin() as conn:
+        inbox.inbox_insert(conn, inbox_rows("g", *"abcde"))
+        inbox.inbox_insert(conn, inbox_rows("other", "a"))
+    assert inbox.inbox_purge("g", 3600.0, batch=2, max_batches=10) == 0
+    future = datetime.now(UTC) + timedelta(days=1)
+    assert inbox.inbox_purge("g", 60.0, batch=2, max_batches=2, now=future) == 4  # bounded
+    assert inbox.inbox_purge("g", 60.0, batch=2, max_batches=2, now=future) == 1
+    with inbox.engine.begin() as conn:
+        assert inbox.inbox_seen(conn, "g", list("abcde")) == set()
+        assert inbox.inbox_seen(conn, "other", ["a"]) == {"a"}  # another group's rows stay
