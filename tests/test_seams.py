@@ -10,6 +10,7 @@ sees fails here on its database (docs/contributing.md, "Storage seams").
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,20 +18,86 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Engine
 
-from consumer.inbox import Inbox, build_inbox_schema, inbox_for
+from consumer.inbox import Inbox, PostgresInbox, SqliteInbox, build_inbox_schema, inbox_for
 from consumer.jobs.base import StoreConfig
 from consumer.jobs.checks import _job_values
-from consumer.jobs.driver import JobDriver, driver_for
+from consumer.jobs.driver import JobDriver, PostgresJobDriver, SqliteJobDriver, driver_for
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import DONE, LEASED, READY
 from consumer.jobs.store import Store as JobStore
 from outbox import Outbox
 from outbox.db import make_engine
+from outbox.dialect import is_postgresql
 from relay import RelayConfig
-from relay.store import Store, open_store, store_for
+from relay.store import PostgresStore, SqliteStore, Store, open_store, store_for
 
 OWNER = "relay-seams"
 WORKER = "worker-seams"
+
+# -- the shape every seam shares ----------------------------------------------------------
+
+# The methods that own their transaction (or connection) instead of taking the caller's
+# ``conn``; every other public method takes it first (docs/contributing.md, "Storage seams").
+# A new entry here is a decision to write down there, with its reason.
+OWN_TRANSACTION = {
+    JobDriver: {
+        "begin",
+        "autocommit",
+        "connect",
+        "job_ready_listener",
+        "provider_pause",  # a read on every dispatch, on the DBAPI connection
+        "operation_intent",  # the dispatch fast path: one transaction by contract
+        "operation_record",  # the same, for the receipt
+    },
+    Inbox: {"session", "schema_create", "inbox_purge", "dead_letter_list", "dead_letter_count"},
+}
+
+
+def _public_methods(cls: type) -> dict[str, list[str]]:
+    return {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+
+
+@pytest.mark.parametrize(
+    "base, classes",
+    [
+        (JobDriver, (JobDriver, PostgresJobDriver, SqliteJobDriver)),
+        (Inbox, (Inbox, PostgresInbox, SqliteInbox)),
+    ],
+)
+def test_one_rule_for_who_owns_the_transaction(base: type, classes: tuple[type, ...]) -> None:
+    for cls in classes:
+        methods = _public_methods(cls)
+        own = {name for name, params in methods.items() if params[1:2] != ["conn"]}
+        assert own == OWN_TRANSACTION[base], cls.__name__
+        # An override keeps its base's signature: callers never ask which database it is.
+        for name, params in methods.items():
+            assert params == _public_methods(base)[name], f"{cls.__name__}.{name}"
+
+
+def test_the_relay_store_owns_every_transaction() -> None:
+    """The relay's store holds its own connection; no method joins a caller's transaction."""
+    for cls in (PostgresStore, SqliteStore):
+        for name, params in _public_methods(cls).items():
+            assert "conn" not in params, f"{cls.__name__}.{name}"
+
+
+def test_each_factory_picks_its_database_class(db_url: str) -> None:
+    outbox = Outbox(db_url)
+    engine = make_engine(db_url)
+    try:
+        pg = is_postgresql(engine.dialect.name)
+        relay_store = store_for(outbox.engine, outbox.schema)
+        assert type(relay_store) is (PostgresStore if pg else SqliteStore)
+        assert type(driver_for(engine)) is (PostgresJobDriver if pg else SqliteJobDriver)
+        assert type(inbox_for(engine)) is (PostgresInbox if pg else SqliteInbox)
+    finally:
+        engine.dispose()
+        outbox.engine.dispose()
+
 
 # -- the relay's store --------------------------------------------------------------------
 

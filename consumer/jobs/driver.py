@@ -4,7 +4,9 @@ In the spirit of River's ``riverdriver``: :class:`consumer.jobs.store.Store` val
 and keeps the contract; a :class:`JobDriver` runs the SQL. Methods are named noun first
 (``job_claim_batch``, ``job_update_fenced``, ``operation_insert``) and take an open
 :class:`~sqlalchemy.engine.Connection` so that several of them make one transaction
-(:meth:`JobDriver.begin`).
+(:meth:`JobDriver.begin`). The exceptions are the dispatch path's ``operation_intent`` and
+``operation_record`` (and the read ``provider_pause``): each is one unit of work committed on
+its own, on the DBAPI connection (docs/contributing.md, "Storage seams").
 
 Most statements are SQLAlchemy Core that compiles the same on both databases; they live in
 :class:`JobDriver` (``consumer.jobs.driver_base``). What differs lives in its two

@@ -5,6 +5,8 @@ Why the statements look as they do (partitions owned through advisory locks, the
 key only, the claim floor that never skips a late commit, the receipt as a compare-and-set,
 the single relay on SQLite) is explained once, in docs/explanation/claims-and-order.md and
 docs/explanation/reconciliation.md; each statement below carries its own reason beside it.
+:func:`store_for` picks the store for an engine; every store method commits on its own
+(docs/contributing.md, "Storage seams").
 """
 
 from __future__ import annotations
