@@ -421,6 +421,7 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stats", ["none", "fresh"])
+@pytest.mark.slow  # 60,000 jobs loaded for EXPLAIN ANALYZE (~12 s each at load 3)
 def test_the_job_purge_reads_its_batch_not_the_table(pg_url: str, stats: str) -> None:
     from consumer.jobs.retention import PG_JOB_PURGE
     from outbox.maintenance import psycopg_connector
