@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 First = Literal["now", "later"]
 """When the first round is due: at once (``"now"``), or one interval after the duty is made
@@ -150,4 +152,21 @@ class Duty(Generic[T]):
         return f"Duty({self.name!r}, {self.interval!r})"
 
 
-__all__ = ["Duty", "First", "Interval"]
+def weakly(method: Callable[P, T]) -> Callable[P, T]:
+    """A bound method that does not keep its object alive. An object whose parts (its duties,
+    its helpers) hold its own bound methods is a reference cycle: dropped by its user, it
+    lives on until the cyclic garbage collector runs, with whatever it holds (a relay: its
+    partition locks, so a new relay in the same process claims nothing until then)."""
+    ref = weakref.WeakMethod(method)
+    name = method.__qualname__  # not ``method``: the closure would hold it, and its object
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{name}: its object is gone")
+        return bound(*args, **kwargs)
+
+    return call
+
+
+__all__ = ["Duty", "First", "Interval", "weakly"]

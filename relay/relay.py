@@ -42,7 +42,7 @@ from sqlalchemy.engine import URL, Engine
 from outbox.backoff import Backoff
 from outbox.core import Outbox
 from outbox.db import make_engine
-from outbox.duty import Duty, Interval
+from outbox.duty import Duty, Interval, weakly
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
@@ -133,13 +133,15 @@ class Relay:
         # The relay's periodic duties (outbox.duty), each with its interval: reconciliation
         # of orphaned intents and the check of Redis on the cycle's path, retention and
         # vacuum after it (the owner of partition 0 only).
-        self.reconciliation = Duty("reconcile", RECONCILE_INTERVAL, self._reconcile)
+        self.reconciliation = Duty("reconcile", RECONCILE_INTERVAL, weakly(self._reconcile))
         self.redis_check = Duty(
-            "Redis check", cfg.redis_check_interval, self.check_redis, retry_failed=True
+            "Redis check", cfg.redis_check_interval, weakly(self.check_redis), retry_failed=True
         )
-        self.retention = Duty("outbox retention", cfg.retention_interval, self.delete_expired)
+        self.retention = Duty(
+            "outbox retention", cfg.retention_interval, weakly(self.delete_expired)
+        )
         self.vacuum = (
-            Duty("outbox vacuum", cfg.vacuum_interval, self._start_vacuum, first="later")
+            Duty("outbox vacuum", cfg.vacuum_interval, weakly(self._start_vacuum), first="later")
             if cfg.vacuum_interval > 0
             else None
         )
@@ -157,13 +159,13 @@ class Relay:
             self.publisher,
             self.config,
             stats=self.stats,
-            hook=self._hook,
-            want_sweep=self._want_sweep,
+            hook=weakly(self._hook),
+            want_sweep=weakly(self._want_sweep),
             infra=self._infra,
             rng=rng,
         )
         self._redis_check = RedisCheck(
-            self.store, self.publisher, self.config, self.stats, self._hook
+            self.store, self.publisher, self.config, self.stats, weakly(self._hook)
         )
 
     def _want_sweep(self) -> None:

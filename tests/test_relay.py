@@ -6,9 +6,11 @@ commits under concurrency, partitions shared by replicas) takes ``pg_url``.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -615,3 +617,24 @@ def test_run_until_stop_then_run_again(
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert [r["state"] for r in rows(outbox)] == ["published", "published"]
+
+
+def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    """A relay holds nothing that points back at it (its duties and helpers call it through
+    weak references), so dropping it frees it at once, with its partitions: a new relay in
+    the same process publishes on its first cycle, whether or not the cyclic garbage
+    collector has run (it is off here)."""
+    gc.disable()
+    try:
+        first = make_relay(outbox, redis_client, stream_prefix)
+        first.run_once()
+        gone = weakref.ref(first)
+        del first
+        assert gone() is None
+        with outbox.transaction() as tx:
+            tx.emit("t", key="k", payload={"n": 1})
+        assert make_relay(outbox, redis_client, stream_prefix).run_once() == 1
+    finally:
+        gc.enable()

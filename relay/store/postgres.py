@@ -18,7 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
 from outbox.dialect import NOW_SQL, POSTGRESQL
-from outbox.duty import Interval
+from outbox.duty import Interval, weakly
 from outbox.logs import fields
 from outbox.maintenance import vacuum_unless_autovacuum
 from outbox.schema import OutboxSchema, table_schema_of
@@ -295,7 +295,9 @@ class PostgresStore:
         self._sweep_pos: int | None = None  # where the sweep in progress goes on
         # When partitions are next rebalanced (and at once without any), and when the
         # snapshot is next sampled for the floor (outbox.duty).
-        self._rebalance = Interval(lambda: self.rebalance_interval)
+        # (Read through a weak reference: a lambda on self would make the store a cycle, kept
+        # with its partition locks until the cyclic garbage collector ran.)
+        self._rebalance = Interval(weakly(self._rebalance_seconds))
         self._floor_sample = Interval(FLOOR_SAMPLE_INTERVAL)
 
     # -- connections ------------------------------------------------------------------------
@@ -317,6 +319,9 @@ class PostgresStore:
         # WAL flush per batch.
         conn.execute("SET synchronous_commit = off")
         return conn
+
+    def _rebalance_seconds(self) -> float:
+        return self.rebalance_interval
 
     def connect(self) -> None:
         if self._conn is not None and not self._conn.closed:

@@ -89,6 +89,12 @@ class SqliteStore:
         self._lock_fd = None
         self._owned = frozenset()
 
+    def __del__(self) -> None:
+        # A relay its user dropped lets go of the database at once, as on PostgreSQL (where
+        # the partition locks go with the connection): the lock file is this process's.
+        with contextlib.suppress(Exception):
+            self.close()
+
     @property
     def owned(self) -> frozenset[int]:
         return self._owned
