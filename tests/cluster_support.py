@@ -37,6 +37,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from tests.services import wait_for
+
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from services import free_port
 except ImportError:  # pragma: no cover - if tests/ becomes a package
@@ -102,15 +104,15 @@ class ClusterNode:
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server {self.port} exited: {self.log()}")
-            with contextlib.suppress(redis.RedisError):
-                if self.client().ping():
-                    return
-            time.sleep(0.05)
-        raise TimeoutError(f"redis-server {self.port} did not answer")
+        wait_for(
+            self._answers, f"redis-server {self.port} to answer", 15, ignore=(redis.RedisError,)
+        )
+
+    def _answers(self) -> bool:
+        """Whether the node answers PING; a node whose process has exited never will."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"redis-server {self.port} exited: {self.log()}")
+        return bool(self.client().ping())
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
@@ -235,16 +237,13 @@ class PrivateCluster:
     def wait_healthy(self, timeout: float = 60.0, *, replicas: bool = True) -> None:
         """Every live node says ``cluster_state:ok`` and sees the same slot owners; with
         ``replicas`` every live replica's link to its master is up."""
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                if self._healthy(replicas):
-                    return
-            except redis.RedisError as exc:
-                last = str(exc)
-            time.sleep(0.1)
-        raise TimeoutError(f"cluster not healthy within {timeout:.0f} s ({last})")
+        wait_for(
+            lambda: self._healthy(replicas),
+            "the cluster to be healthy",
+            timeout,
+            0.1,
+            ignore=(redis.RedisError,),
+        )
 
     def _healthy(self, replicas: bool) -> bool:
         views: set[str] = set()
@@ -285,14 +284,15 @@ class PrivateCluster:
         master. Restart the victim only after this: a master that restarts empty before its
         replica is promoted wipes the replica too (it resyncs from the empty master)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError, RuntimeError, StopIteration):
-                master = self.master_of(key)
-                if master.port != victim.port:
-                    self.wait_healthy(max(1.0, deadline - time.monotonic()), replicas=False)
-                    return master
-            time.sleep(0.1)
-        raise TimeoutError(f"no replica took over from {victim.address} within {timeout} s")
+        master = wait_for(
+            lambda: (m := self.master_of(key)).port != victim.port and m,
+            f"a replica to take over from {victim.address}",
+            timeout,
+            0.1,
+            ignore=(redis.RedisError, RuntimeError, StopIteration),
+        )
+        self.wait_healthy(max(1.0, deadline - time.monotonic()), replicas=False)
+        return master
 
     def restart(self, node: ClusterNode) -> None:
         node.start()

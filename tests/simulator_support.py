@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -148,15 +147,8 @@ class SimulatorProcess:
             self.stop()
         self.client.close()
         self.client = httpx.Client(timeout=10.0)
-        deadline = time.monotonic() + 10
-        while True:  # the port is free again as soon as the old process is gone
-            try:
-                self.start()
-                return
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        # The port is free again as soon as the old process is gone.
+        wait_for(self.start, "the simulator to start again", 10, 0.1, ignore=(RuntimeError,))
 
     def close(self) -> None:
         try:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -328,12 +327,17 @@ def test_wait_replicas_unconfirmed_on_one_server_is_reconciled_not_assumed(
         with pytest.raises(ReplicasNotConfirmed):
             relay.run_once()
         assert status(outbox.engine, outbox.schema)["pending"] == 20  # no receipt assumed
+
         # Nor does the reconciliation trust what it finds while no replica confirms it.
-        time.sleep(config.reconcile_after)
-        with pytest.raises(ReplicasNotConfirmed):
-            for _ in range(20):
+        def reconciliation_refused() -> bool:
+            try:
                 relay.run_once()
-                time.sleep(0.05)
+            except ReplicasNotConfirmed:
+                return True
+            return False
+
+        # Once the intents are past reconcile_after, the reconciliation runs and refuses.
+        wait_for(reconciliation_refused, "the reconciliation to refuse, unconfirmed", 20)
         assert relay.stats.reconciled_found == 0
         relay.store.close()
         # An operator drops the requirement (no replica here): the batch is found, once.
@@ -826,13 +830,20 @@ def test_master_restarted_empty_without_wait_replicas_is_detected_and_republishe
         private_cluster.restart(victim)  # back at once, empty, still the master
         private_cluster.wait_healthy()
         writers.join(60)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            entries = read_streams(client, stream_prefix)
-            missing = writers.stats.confirmed - {e.event_id for e in entries}
-            if not missing and pending_count(engine) == (0, 0):
-                break
-            time.sleep(0.5)
+
+        def missing_events() -> set[str]:
+            return writers.stats.confirmed - {
+                e.event_id for e in read_streams(client, stream_prefix)
+            }
+
+        wait_for(
+            lambda: not missing_events() and pending_count(engine) == (0, 0),
+            "every committed event in the streams and nothing pending",
+            90,
+            0.5,
+            diagnose=procs.tail,
+        )
+        missing = missing_events()
         logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("relay-*.log")))
         codes = procs.terminate_all()
     assert codes == [0, 0], procs.tail()

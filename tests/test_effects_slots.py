@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,13 +147,12 @@ def test_no_job_is_leased_beyond_the_free_slots(
 
     def watch() -> None:  # the database's view: LEASED jobs, sampled all along
         with store.engine.connect() as conn:
-            while not watching.is_set():
+            while not watching.wait(0.01):  # a sample every 10 ms until told to stop
                 count = conn.execute(
                     text("SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED'")
                 ).scalar_one()
                 leased.append(int(count))
                 conn.commit()
-                time.sleep(0.01)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

@@ -21,6 +21,7 @@ from consumer.jobs.states import LEASED, READY
 from consumer.jobs.store import QueueDepth, Store
 from consumer.jobs.worker import Worker, WorkerConfig
 from outbox.errors import ConfigError
+from tests.services import wait_for
 
 
 def test_enqueue_puts_jobs_in_the_default_queue_unless_given(db_url: str) -> None:
@@ -419,9 +420,7 @@ def test_a_running_worker_keeps_each_queue_within_its_slots(db_url: str) -> None
     thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        while store.counts()["DONE"] < 12 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: store.counts()["DONE"] >= 12, "the 12 jobs DONE", 60)
     finally:
         worker.stop()
         thread.join(30)
