@@ -88,22 +88,15 @@ class LeaseMoves(StoreBase):
         transaction holds locked at that moment (its finish) is in neither: the next beat
         renews it if it is still held."""
         seconds = _ttl(ttl)
-        items = list(leases)
-        for lease in items:
-            if not isinstance(lease, Lease):
-                raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
+        items, by_worker = _by_worker(leases)
         when = _time("now", now)
         if not items:
             return BatchResult()
-        by_worker: dict[str, list[Lease]] = {}
-        for lease in items:
-            by_worker.setdefault(lease.worker, []).append(lease)
         renewed: list[int] = []
         skipped: list[int] = []
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            for worker, group in by_worker.items():
-                pairs = [(lease.job_id, lease.epoch) for lease in group]
+            for worker, pairs in by_worker.items():
                 done, busy = self.driver.job_renew_batch(
                     conn, worker, pairs, clock + seconds, clock
                 )
@@ -133,20 +126,13 @@ class LeaseMoves(StoreBase):
     def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
         """Finish many leases in one transaction, each fenced on its own epoch. Leases that
         were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
-        items = list(leases)
-        for lease in items:
-            if not isinstance(lease, Lease):
-                raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
+        items, by_worker = _by_worker(leases)
         when = _time("now", now)
         if not items:
             return BatchResult()
         done: list[int] = []
-        by_worker: dict[str, list[Lease]] = {}
-        for lease in items:
-            by_worker.setdefault(lease.worker, []).append(lease)
         with self.driver.begin() as conn:
-            for worker, group in by_worker.items():
-                pairs = [(lease.job_id, lease.epoch) for lease in group]
+            for worker, pairs in by_worker.items():
                 done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
         finished = set(done)
         return BatchResult(
@@ -591,3 +577,15 @@ class LeaseMoves(StoreBase):
         if state is None:
             raise JobNotFound(f"no job {label}")
         return str(state)
+
+
+def _by_worker(leases: Iterable[Lease]) -> tuple[list[Lease], dict[str, list[tuple[int, int]]]]:
+    """A batch of leases checked (``JobError`` for anything but a Lease), and its (job id,
+    epoch) pairs by the worker holding them: the batch moves fence each on its own epoch."""
+    items = list(leases)
+    by_worker: dict[str, list[tuple[int, int]]] = {}
+    for lease in items:
+        if not isinstance(lease, Lease):
+            raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
+        by_worker.setdefault(lease.worker, []).append((lease.job_id, lease.epoch))
+    return items, by_worker
