@@ -26,6 +26,7 @@ from consumer.jobs.driver_base import (
     ReadyListener,
     _check_operation_columns,
 )
+from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import (
     create_tables,
     jobs,
@@ -149,33 +150,16 @@ class PostgresJobDriver(JobDriver):
         if_states: Sequence[str] = (),
         if_attempts: int | None = None,
     ) -> bool:
-        # Every dispatch records its receipt: the statement goes to psycopg as text, built
-        # once per shape, instead of an UPDATE built and compiled by SQLAlchemy on each call
-        # (about two thirds of the statement's client cost).
-        shape = (
-            tuple(values),
-            tuple(stamp),
-            bool(unless_states),
-            bool(if_states),
-            if_attempts is not None,
-        )
-        sql = self._record_sql.get(shape)
-        if sql is None:
-            sql = self._record_sql[shape] = self._record_statement(*shape)
-        params = dict(values)
-        params.update(
-            _operation_id=operation_id,
-            _unless=list(unless_states),
-            _if=list(if_states),
-            _attempts=if_attempts,
+        sql, params = self._records(
+            operation_id, values, stamp, unless_states, if_states, if_attempts
         )
         with self.autocommit() as conn:
             raw: Any = conn.connection.dbapi_connection
             return raw.execute(sql, params).fetchone() is not None
 
     @cached_property
-    def _record_sql(self) -> dict[tuple[Any, ...], str]:
-        return {}
+    def _records(self) -> RecordStatements:  # (consumer.jobs.record_text)
+        return RecordStatements(self._record_statement, states=list)
 
     def _record_statement(
         self,

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
 from consumer.jobs.driver_base import JobDriver, _check_operation_columns, _Fenced
+from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import JOBS_TABLE, OPERATIONS_TABLE, PROVIDER_LIMITS_TABLE
 from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, SQLITE
@@ -177,29 +178,15 @@ class SqliteJobDriver(JobDriver):
         if_states: Sequence[str] = (),
         if_attempts: int | None = None,
     ) -> bool:
-        shape = (
-            tuple(values),
-            tuple(stamp),
-            bool(unless_states),
-            bool(if_states),
-            if_attempts is not None,
-        )
-        sql = self._record_sql.get(shape)
-        if sql is None:
-            sql = self._record_sql[shape] = _record_statement(*shape)
-        params = dict(values)
-        params.update(
-            _operation_id=operation_id,
-            _unless=json.dumps(list(unless_states)),
-            _if=json.dumps(list(if_states)),
-            _attempts=if_attempts,
+        sql, params = self._records(
+            operation_id, values, stamp, unless_states, if_states, if_attempts
         )
         with self._write() as raw:
             return raw.execute(sql, params).fetchone() is not None
 
     @cached_property
-    def _record_sql(self) -> dict[tuple[Any, ...], str]:
-        return {}
+    def _records(self) -> RecordStatements:  # (consumer.jobs.record_text)
+        return RecordStatements(_record_statement, states=json.dumps)
 
 
 def _record_statement(
