@@ -63,7 +63,7 @@ from consumer.handling import BatchProcessor, ConsumerTx, Outcome
 from consumer.reading import CLUSTER_BLOCK_SLICE_MS, Entry, StreamReader, text
 from consumer.retention import dead_letter_duty
 from outbox.db import make_engine
-from outbox.duty import Duty
+from outbox.duty import Duty, weakly
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
@@ -157,19 +157,23 @@ class Consumer:
         # The batch loop's periodic duties (outbox.duty), besides the background vacuum and
         # dead-letter retention above: lag and stale consumers, and the inbox's retention,
         # one bounded batch per round on the loop's path (a full batch: again at once).
+        # Each part calls back through weak references (outbox.duty.weakly): a consumer its
+        # user drops is freed at once, with its connections, not when the cyclic collector runs.
         self._maintenance = Duty(
-            "consumer maintenance", self.config.maintenance_interval_seconds, self._maintain_streams
+            "consumer maintenance",
+            self.config.maintenance_interval_seconds,
+            weakly(self._maintain_streams),
         )
         self._inbox_purge = Duty(
             "inbox purge",
             self.config.purge_interval_seconds,
-            self._purge_round,
+            weakly(self._purge_round),
             retry_failed=True,
-            again_in=lambda removed: 0.0 if removed >= self.config.purge_batch else None,
+            again_in=weakly(self._purge_again_in),
         )
         # Redis (consumer.reading) and the database (consumer.handling), each its own part.
         self.reader = StreamReader(
-            lambda: self.redis,
+            weakly(self._redis_client),
             group=self.group,
             name=self.name,
             streams=self.streams,
@@ -182,7 +186,7 @@ class Consumer:
             config=self.config,
             inbox=self.inbox,
             handlers=self._handlers,
-            dead_letter_stream_for=self.dead_letter_stream_for,
+            dead_letter_stream_for=weakly(self.dead_letter_stream_for),
         )
 
     # -- construction helpers ---------------------------------------------------------------
@@ -545,6 +549,13 @@ class Consumer:
             self._report_lag(name)
             if self.config.stale_consumer_ms is not None:
                 self._remove_stale_consumers(name)
+
+    def _purge_again_in(self, removed: int) -> float | None:
+        """A full batch of the inbox purge: the next round at once."""
+        return 0.0 if removed >= self.config.purge_batch else None
+
+    def _redis_client(self) -> redislib.Redis:
+        return self.redis
 
     def _purge_round(self) -> int:
         # One bounded batch per round, on the batch loop's path: entries arriving meanwhile

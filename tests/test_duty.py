@@ -3,11 +3,14 @@ clock the test moves, and the duties each loop names."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 
-from outbox.duty import Duty, Interval
+from consumer import Consumer, Store, Worker
+from outbox.duty import Duty, Interval, weakly
 
 
 class Clock:
@@ -130,3 +133,39 @@ def test_the_relay_names_its_duties_with_their_intervals(tmp_path: Path) -> None
         off.store.close()
     finally:
         relay.store.close()
+
+
+def test_weakly_does_not_keep_its_object_alive() -> None:
+    class Owner:
+        def answer(self) -> int:
+            return 42
+
+    owner = Owner()
+    call = weakly(owner.answer)
+    assert call() == 42
+    gone = weakref.ref(owner)
+    del owner
+    assert gone() is None
+    with pytest.raises(ReferenceError):
+        call()
+
+
+def test_a_dropped_consumer_or_worker_is_freed_at_once(
+    sqlite_url: str, redis_url: str, stream_prefix: str
+) -> None:
+    """Their duties call back through weak references: no reference cycle keeps a consumer
+    or a worker (their engines, their connections) alive after the user drops it, whether or
+    not the cyclic garbage collector runs (it is off here)."""
+    gc.disable()
+    try:
+        consumer = Consumer(sqlite_url, redis_url, group="g", streams=[f"{stream_prefix}.s"])
+        consumer.add_handler("t", lambda event, tx: None)
+        consumer.run_once(block=False)
+        worker = Worker(Store(sqlite_url))
+        worker.register("send", lambda job: None)
+        worker.run_once()
+        gone = [weakref.ref(consumer), weakref.ref(worker)]
+        del consumer, worker
+        assert [ref() for ref in gone] == [None, None]
+    finally:
+        gc.enable()

@@ -100,7 +100,7 @@ from consumer.jobs.slots import SlotRunner
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox import tracing
 from outbox.backoff import Backoff
-from outbox.duty import Interval
+from outbox.duty import Interval, weakly
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
@@ -158,7 +158,9 @@ class Worker(WorkerDuties):
         # moves: no lease outlives a real-time interval there, and no thread may write).
         self.heartbeat = True
         self._liveness_stop = threading.Event()
-        self._recovery = Interval(lambda: self.config.recover_interval)  # outbox.duty
+        # The intervals read the config at each check (the CLI replaces it after construction),
+        # through weak references: a lambda on self would keep a dropped worker alive.
+        self._recovery = Interval(weakly(self._recover_seconds))  # outbox.duty
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
@@ -174,7 +176,7 @@ class Worker(WorkerDuties):
         self.default_timeout = float(default_timeout)
         self._operations: Operations | None = None
         # The receipt sweep: its first round one interval after start (outbox.duty).
-        self._reconciliation = Interval(lambda: self.config.reconcile_interval, first="later")
+        self._reconciliation = Interval(weakly(self._reconcile_seconds), first="later")
         # Wake-ups of idle loops: the LISTEN thread (PostgreSQL) counts notifications, an idle
         # loop sleeps only if none came since its last empty claim (no lost wake-up).
         self._kick: Callable[[], None] | None = None  # while ``run`` runs: wake its slots
@@ -518,6 +520,12 @@ class Worker(WorkerDuties):
             log.info("recovered the jobs of dead workers", extra=fields(**result.__dict__))
             self._notified()  # this worker's idle loops claim them at once
         return result
+
+    def _recover_seconds(self) -> float:
+        return self.config.recover_interval
+
+    def _reconcile_seconds(self) -> float:
+        return self.config.reconcile_interval
 
     def _liveness(self) -> None:
         # Its own thread: a long handler never makes this worker look dead.
