@@ -71,8 +71,15 @@ from consumer.jobs.store import Store
 from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 
-__all__ = ["RATE_MARGIN", "AdaptiveLimit", "FleetLimits", "ProviderGate", "StartMissed", "Ticket"]
-__all__ += ["send_by"]
+__all__ = [
+    "RATE_MARGIN",
+    "AdaptiveLimit",
+    "FleetLimits",
+    "ProviderGate",
+    "StartMissed",
+    "Ticket",
+    "send_by",
+]
 
 RATE_MARGIN = 1.25  # calls are spaced RATE_MARGIN / rate_limit apart (see the docstring)
 MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
