@@ -42,6 +42,7 @@ from outbox.core import _PENDING, EventBuffer, EventSpec, Outbox
 from outbox.db import configure_sqlite, default_database_url, normalise_url
 from outbox.errors import ConfigError
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent
+from outbox.partitions import partition_length
 from outbox.schema import DEFAULT_TABLE, OutboxSchema
 
 P = ParamSpec("P")
@@ -127,10 +128,19 @@ class AsyncOutbox:
     def max_payload_bytes(self) -> int:
         return self.core.max_payload_bytes
 
-    async def create_schema(self, *, notify: bool | None = None) -> None:
-        """Create the outbox table and its indexes if missing (see ``Outbox.create_schema``)."""
+    async def create_schema(
+        self, *, notify: bool | None = None, partitioned: str | int | None = None
+    ) -> None:
+        """Create the outbox table and its indexes if missing (see ``Outbox.create_schema``;
+        ``partitioned="hourly"|"daily"|seconds`` on PostgreSQL)."""
+        if partitioned is not None:
+            partition_length(partitioned)  # a bad value fails before any connection
         async with self.engine.begin() as conn:
-            await conn.run_sync(lambda sync: self.core.create_schema_on(sync, notify=notify))
+            await conn.run_sync(
+                lambda sync: self.core.create_schema_on(
+                    sync, notify=notify, partitioned=partitioned
+                )
+            )
 
     def event(
         self,

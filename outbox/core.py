@@ -153,15 +153,22 @@ class Outbox:
     def table(self) -> Table:
         return self.schema.table
 
-    def create_schema(self, *, notify: bool | None = None) -> None:
+    def create_schema(
+        self, *, notify: bool | None = None, partitioned: str | int | None = None
+    ) -> None:
         """Create the outbox table and its indexes if they do not exist (idempotent).
 
         ``notify`` (PostgreSQL): True adds the NOTIFY trigger that wakes relays at once (at
         the price of a global lock at every writer's commit), False drops it; None, the
         default, creates a new table without it (relays poll, quickly while busy) and leaves
         an existing table as it is. See ``outbox.schema``.
+
+        ``partitioned`` (PostgreSQL): ``"hourly"``, ``"daily"`` or seconds per partition (a
+        whole number, e.g. 120) creates the table partitioned on ``created_at``; retention
+        then drops whole partitions (``outbox.partitions``). ConfigError on SQLite or when
+        the table already exists unpartitioned.
         """
-        create_schema(self.engine, self.schema, notify=notify)
+        create_schema(self.engine, self.schema, notify=notify, partitioned=partitioned)
 
     # -- validation -----------------------------------------------------------------------
 
@@ -365,9 +372,15 @@ class Outbox:
         table = preparer.format_table(self.schema.table)
         return f"INSERT INTO {table} ({columns})"
 
-    def create_schema_on(self, connection: Connection, *, notify: bool | None = None) -> None:
+    def create_schema_on(
+        self,
+        connection: Connection,
+        *,
+        notify: bool | None = None,
+        partitioned: str | int | None = None,
+    ) -> None:
         """``create_schema`` on a Connection the caller holds (the async path runs it)."""
-        create_schema(connection, self.schema, notify=notify)
+        create_schema(connection, self.schema, notify=notify, partitioned=partitioned)
 
     @overload
     def transactional(self, fn: Callable[Concatenate[Transaction, P], R]) -> Callable[P, R]: ...

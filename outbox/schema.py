@@ -42,11 +42,13 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import TextClause
 
+from outbox import partitions
 from outbox.dialect import (
     db_now as db_now,
 )  # re-exported: the column default lives in outbox.dialect
 from outbox.errors import ConfigError
 from outbox.event import MAX_NAME_LENGTH
+from outbox.partitions import partition_length
 
 PENDING = "pending"
 PUBLISHED = "published"
@@ -86,6 +88,9 @@ class OutboxSchema:
     table: Table
     table_name: str
     schema: str | None
+    partitioned: int | None = None
+    """Seconds per partition of a table partitioned on ``created_at`` (``outbox.partitions``),
+    or None for a plain table."""
 
     @property
     def qualified_name(self) -> str:
@@ -104,12 +109,23 @@ def build_schema(
     table_name: str = DEFAULT_TABLE,
     schema: str | None = None,
     metadata: MetaData | None = None,
+    *,
+    partitioned: str | int | None = None,
 ) -> OutboxSchema:
-    """Define the outbox table (and its indexes) on ``metadata`` (a new one by default)."""
+    """Define the outbox table (and its indexes) on ``metadata`` (a new one by default).
+
+    ``partitioned`` (PostgreSQL): ``"hourly"``, ``"daily"`` or seconds per partition: the
+    table is ``PARTITION BY RANGE (created_at)``, its primary key ``(seq, created_at)`` and
+    ``event_id``'s unique index ``(event_id, created_at)`` (a partitioned table's unique
+    keys must hold the partition key; see :mod:`outbox.partitions`)."""
     name = check_identifier("table", table_name)
     assert name is not None
     schema_name = check_identifier("schema", schema, optional=True)
+    length = partition_length(partitioned)
     md = metadata if metadata is not None else MetaData()
+    extra: dict[str, Any] = {}
+    if length:
+        extra["postgresql_partition_by"] = "RANGE (created_at)"
     table = Table(
         name,
         md,
@@ -119,7 +135,7 @@ def build_schema(
             primary_key=True,
             autoincrement=True,
         ),
-        Column("event_id", String(64), nullable=False, unique=True),
+        Column("event_id", String(64), nullable=False, unique=not length),
         Column("topic", String(MAX_NAME_LENGTH), nullable=False),
         Column("key", String(MAX_NAME_LENGTH), nullable=False),
         Column("key_hash", BigInteger, nullable=False),
@@ -132,6 +148,7 @@ def build_schema(
             DateTime(timezone=True),
             nullable=False,
             server_default=db_now(),
+            primary_key=bool(length),
         ),
         Column("available_at", DateTime(timezone=True), nullable=False, server_default=db_now()),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
@@ -144,7 +161,10 @@ def build_schema(
         Column("stream_id", String(64), nullable=True),
         Column("published_at", DateTime(timezone=True), nullable=True),
         schema=schema_name,
+        **extra,
     )
+    if length:
+        Index(f"ux_{name}_event_id", table.c.event_id, table.c.created_at, unique=True)
     # The relay's claim reads pending rows in sequence order. A partial index holds only the
     # pending rows, so it stays small however many published rows wait for retention, and
     # the claim never walks past published ones. (Updated-away entries linger in it until
@@ -181,7 +201,9 @@ def build_schema(
         postgresql_where=_blocked_predicate(table),
         sqlite_where=_blocked_predicate(table),
     )
-    return OutboxSchema(metadata=md, table=table, table_name=name, schema=schema_name)
+    return OutboxSchema(
+        metadata=md, table=table, table_name=name, schema=schema_name, partitioned=length
+    )
 
 
 def _blocked_predicate(table: Table) -> Any:
@@ -209,7 +231,11 @@ PG_STORAGE_PARAMETERS = {
 
 
 def create_schema(
-    bind: Engine | Connection, outbox_schema: OutboxSchema, *, notify: bool | None = None
+    bind: Engine | Connection,
+    outbox_schema: OutboxSchema,
+    *,
+    notify: bool | None = None,
+    partitioned: str | int | None = None,
 ) -> None:
     """Create the table and indexes if missing (idempotent, safe to call at every start).
 
@@ -223,15 +249,30 @@ def create_schema(
     hand-written outbox (x2.05-2.15 here, x1.00-1.13 without the trigger); the relay's
     polling after a busy batch (``RelayConfig.poll_interval``, 5 ms) keeps commit -> stream
     latency low without it.
+
+    ``partitioned`` (PostgreSQL only): ``"hourly"``, ``"daily"`` or seconds per partition
+    creates the table partitioned on ``created_at`` (:mod:`outbox.partitions`), with its
+    DEFAULT partition and the partitions of the next periods. None (the default) takes the
+    schema's own choice (``build_schema(partitioned=...)``) and leaves an existing table as
+    it is. ConfigError, with nothing changed, on SQLite, on an existing plain table (it is
+    never converted) and on a partitioned one of another period length.
     """
+    length = partition_length(partitioned) or outbox_schema.partitioned
+    if length and bind.dialect.name != "postgresql":
+        raise ConfigError(
+            "partitioned",
+            f"a partitioned outbox needs PostgreSQL; {bind.dialect.name} has no table partitions",
+        )
     if isinstance(bind, Engine):
         with bind.begin() as conn:
-            _create(conn, outbox_schema, notify)
+            _create(conn, outbox_schema, notify, length)
     else:
-        _create(bind, outbox_schema, notify)
+        _create(bind, outbox_schema, notify, length)
 
 
-def _create(conn: Connection, outbox_schema: OutboxSchema, notify: bool | None) -> None:
+def _create(
+    conn: Connection, outbox_schema: OutboxSchema, notify: bool | None, length: int | None
+) -> None:
     existed = False
     if conn.dialect.name == "postgresql":
         # Several processes may call create_schema at once (relay replicas starting together);
@@ -239,13 +280,35 @@ def _create(conn: Connection, outbox_schema: OutboxSchema, notify: bool | None) 
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-ddl"})
         if outbox_schema.schema:
             conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{outbox_schema.schema}"'))
-        existed = (
-            conn.execute(text("SELECT to_regclass(:q)"), {"q": _qualified(outbox_schema)}).scalar()
-            is not None
+        kind = partitions.relkind(conn, _qualified(outbox_schema))
+        existed = kind is not None
+        if kind == "r" and length:
+            raise ConfigError(
+                "partitioned",
+                f"{outbox_schema.qualified_name} already exists and is not partitioned; it is "
+                "not converted: create a partitioned table under another name and move to it",
+            )
+        if kind == "p":
+            found = partitions.table_length(conn, _qualified(outbox_schema))
+            if length and found != length:
+                raise ConfigError(
+                    "partitioned",
+                    f"{outbox_schema.qualified_name} is partitioned every {found} s, not "
+                    f"every {length} s; a partitioned table keeps its period",
+                )
+            length = found
+    if length and outbox_schema.partitioned != length:
+        outbox_schema = build_schema(
+            outbox_schema.table_name, outbox_schema.schema, partitioned=length
         )
     outbox_schema.metadata.create_all(conn, checkfirst=True)
     # None: a table created just now has no trigger; an existing one keeps its choice.
-    create_extras(conn, outbox_schema, notify=False if notify is None and not existed else notify)
+    create_extras(
+        conn,
+        outbox_schema,
+        notify=False if notify is None and not existed else notify,
+        partitioned=length,
+    )
 
 
 def _qualified(outbox_schema: OutboxSchema) -> str:
@@ -254,7 +317,11 @@ def _qualified(outbox_schema: OutboxSchema) -> str:
 
 
 def create_extras(
-    conn: Connection, outbox_schema: OutboxSchema, *, notify: bool | None = True
+    conn: Connection,
+    outbox_schema: OutboxSchema,
+    *,
+    notify: bool | None = True,
+    partitioned: str | int | None = None,
 ) -> None:
     """What the relay needs beyond the table metadata, added when missing (so a table made
     by an earlier version, or by an Alembic migration, gets them too): the blocked-key index,
@@ -267,6 +334,11 @@ def create_extras(
     at once; but a transaction that has sent NOTIFY takes a global lock at commit, which
     serialises the commits of many concurrent writers. Without it the relay's adaptive
     polling finds new rows.
+
+    ``partitioned`` (a table created ``PARTITION BY RANGE (created_at)``, by
+    ``build_schema(partitioned=...)`` or a migration): its period comment, its DEFAULT
+    partition and the partitions of the current and next periods, each partition with the
+    storage parameters (a partitioned table takes none itself).
     """
     table = outbox_schema.table
     name = outbox_schema.table_name
@@ -276,12 +348,24 @@ def create_extras(
     if conn.dialect.name != "postgresql":
         return
     oid = conn.execute(text("SELECT to_regclass(:q)::oid"), {"q": qualified}).scalar()
-    options = conn.execute(
-        text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = :oid"), {"oid": oid}
-    ).scalar()
+    length = partition_length(partitioned) or outbox_schema.partitioned
+    is_partitioned = partitions.relkind(conn, qualified) == "p"
+    if is_partitioned:
+        _partition_extras(conn, outbox_schema, length)
+    elif length:
+        raise ConfigError(
+            "partitioned", f"{outbox_schema.qualified_name} exists and is not partitioned"
+        )
+    options = (
+        []
+        if is_partitioned
+        else conn.execute(
+            text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = :oid"), {"oid": oid}
+        ).scalar()
+    )
     present = {str(o).split("=", 1)[0] for o in (options or [])}
     missing = {k: v for k, v in PG_STORAGE_PARAMETERS.items() if k not in present}
-    if missing:
+    if missing and not is_partitioned:
         settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
         conn.execute(text(f"ALTER TABLE {qualified} SET ({settings})"))
     # LISTEN/NOTIFY wake-up: one notification per inserting statement (not per row), on the
@@ -317,6 +401,30 @@ def create_extras(
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
             )
         )
+
+
+def _partition_extras(conn: Connection, outbox_schema: OutboxSchema, length: int | None) -> None:
+    qualified = _qualified(outbox_schema)
+    found = partitions.commented_length(conn, qualified)
+    if found is None:
+        if not length:
+            raise ConfigError(
+                "partitioned",
+                f"{outbox_schema.qualified_name} is partitioned: give its period "
+                "(create_extras(op, partitioned='hourly'|'daily'|seconds))",
+            )
+        conn.execute(text(f"COMMENT ON TABLE {qualified} IS '{partitions.comment(length)}'"))
+        found = length
+    elif length and found != length:
+        raise ConfigError(
+            "partitioned",
+            f"{outbox_schema.qualified_name} is partitioned every {found} s, not {length} s",
+        )
+    schema_name = table_schema_of(conn, outbox_schema)
+    partitions.create_default(conn, schema_name, outbox_schema.table_name, PG_STORAGE_PARAMETERS)
+    partitions.ensure_partitions(
+        conn, schema_name, outbox_schema.table_name, found, PG_STORAGE_PARAMETERS
+    )
 
 
 def _trigger_function(function: str, body: str) -> TextClause:

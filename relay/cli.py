@@ -71,6 +71,14 @@ RETENTION = Flag(
     default=DEFAULT_RETENTION_SECONDS,
     metavar="SECONDS",
 )
+PARTITIONED = Flag(
+    "--partitioned",
+    help="PostgreSQL: create a new table partitioned on created_at, one partition per hour "
+    "or day; retention then drops whole partitions (an existing plain table is refused, "
+    "never converted)",
+    choices=("hourly", "daily"),
+    metavar="hourly|daily",
+)
 RUN_FLAGS = (
     *COMMON,
     *REDIS,
@@ -216,7 +224,7 @@ def build_parser() -> Parser:
     init = sub.add_parser(
         "init-db", help="create the outbox table and indexes (the NOTIFY trigger with --notify)"
     )
-    add_flags(init, *COMMON)
+    add_flags(init, *COMMON, PARTITIONED)
     wake = init.add_mutually_exclusive_group()
     wake.add_argument(
         "--no-notify",
@@ -465,12 +473,15 @@ def cmd_purge(args: argparse.Namespace) -> int:
 def cmd_init_db(args: argparse.Namespace) -> int:
     engine, schema = _engine_and_schema(args)
     try:
-        create_schema(engine, schema, notify=args.notify)
+        create_schema(engine, schema, notify=args.notify, partitioned=args.partitioned)
+    except ConfigError:
+        raise
     except Exception as exc:
         return _fail(_db_problem(exc, args))
     finally:
         engine.dispose()
-    print(f"outbox table {schema.qualified_name} ready at {describe_url(engine.url)}")
+    how = f" (partitioned {args.partitioned})" if args.partitioned else ""
+    print(f"outbox table {schema.qualified_name}{how} ready at {describe_url(engine.url)}")
     return 0
 
 
