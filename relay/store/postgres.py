@@ -68,6 +68,12 @@ _BLOCKED = """NOT EXISTS (
 # UPDATE SKIP LOCKED with the state re-checked. Nothing but this relay locks pending rows of
 # its partitions, so this skips nothing in practice; a row skipped anyway is left to the next
 # sweep, as before.
+#
+# The update then takes the locked rows by primary key (``seq = ANY(ARRAY(...))``: an index
+# scan of the batch whatever the estimates). As a join (``FROM picked``) the planner, which
+# guesses a few hundred picked rows, hashed them against a sequential scan of the whole
+# table once its statistics put the table at a few thousand rows: a claim cost O(table),
+# published rows included (measured: 3.6 ms for 20 rows out of 3,800, most of a cycle).
 _CHUNK = (
     """SELECT coalesce(array_agg(o.seq ORDER BY o.seq), '{}'::bigint[]) AS seqs
         FROM {t} o
@@ -111,7 +117,7 @@ picked AS (
         FOR UPDATE OF o SKIP LOCKED) l
 )
 UPDATE {t} t SET claimed_by = %(owner)s, claim_epoch = %(epoch)s, claimed_at = now()
-FROM picked WHERE t.seq = picked.seq
+WHERE t.seq = ANY(ARRAY(SELECT seq FROM picked))
   AND (SELECT set_config('synchronous_commit', 'on', true)) = 'on'
 RETURNING """
     + _PG_RECORD_COLUMNS
