@@ -3,7 +3,8 @@ at a steady rate, on PostgreSQL (issue 25: <= 20 ms p99 at 1,000 events/s withou
 
 Writer threads commit ``--per-tx`` events per transaction at ``--rate`` events/s in all
 (paced on a schedule, not as fast as they can) and note each event's commit time; a reader
-XREADs the stream and notes each entry's arrival; the relay is a subprocess with the
+process of its own XREADs the stream and notes each entry's arrival (in the writers' process
+it waited for their GIL, and arrivals were stamped late); the relay is a subprocess with the
 defaults (``--poll-interval`` to try others). The schema is ``create_schema()``'s default
 (no NOTIFY trigger) or, with ``--notify``, the trigger. Figures after ``--warmup`` seconds:
 p50 / p99 / max of arrival - commit (the same host's clock), and the rates reached.
@@ -14,6 +15,7 @@ p50 / p99 / max of arrival - commit (the same host's clock), and the rates reach
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import statistics
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import redis
 import sqlalchemy as sa
@@ -79,9 +82,16 @@ def main(argv: list[str]) -> int:
     deadline = time.time() + 120
     while not client.xlen(stream) and time.time() < deadline:
         time.sleep(0.05)
+    probe = client.xrevrange(stream, count=1)
+    after = probe[0][0].decode() if probe else "0"
     committed: dict[str, float] = {}
-    arrived: list[tuple[float, float]] = []  # (commit time, latency)
     stop = threading.Event()
+    spawn = multiprocessing.get_context("spawn")
+    reader_stop = spawn.Event()
+    ours, theirs = spawn.Pipe(duplex=False)
+    reader = spawn.Process(
+        target=read_stream, args=(args.redis_url, stream, after, reader_stop, theirs)
+    )
     lock = threading.Lock()
     start = time.time() + 1.0
     end = start + args.warmup + args.seconds
@@ -104,34 +114,21 @@ def main(argv: list[str]) -> int:
                     committed[str(event_id)] = now
             due += tx_interval
 
-    def read() -> None:
-        last = "$"
-        reader = redis.Redis.from_url(args.redis_url)
-        while not stop.is_set():
-            found = reader.xread({stream: last}, count=1000, block=200)
-            now = time.time()
-            for _name, entries in found or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    event_id = fields[b"id"].decode()
-                    with lock:
-                        at = committed.get(event_id)
-                    if at is not None:
-                        arrived.append((at, now - at))
-        reader.close()
-
     threads = [threading.Thread(target=write, args=(n,)) for n in range(args.writers)]
-    reader_thread = threading.Thread(target=read)
+    arrivals: list[tuple[str, float]] = []
     try:
-        reader_thread.start()
+        reader.start()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         time.sleep(1.0)  # the last events reach the stream
+        reader_stop.set()
+        arrivals = ours.recv()
     finally:
         stop.set()
-        reader_thread.join()
+        reader_stop.set()
+        reader.join(30)
         relay.send_signal(signal.SIGTERM)
         relay.wait(30)
         client.delete(stream)
@@ -140,6 +137,7 @@ def main(argv: list[str]) -> int:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
+    arrived = [(committed[e], t - committed[e]) for e, t in arrivals if e in committed]
     measured = sorted(lat for at, lat in arrived if at >= start + args.warmup)
     written = sum(1 for at in committed.values() if at >= start + args.warmup)
     if not measured:
@@ -155,3 +153,20 @@ def main(argv: list[str]) -> int:
         f"max {ms[-1]:.1f} ms"
     )
     return 0
+
+
+def read_stream(redis_url: str, stream: str, after: str, stop: Any, out: Any) -> None:
+    """The reader process: XREAD ``stream`` from entry ``after`` until ``stop`` is set, then
+    send (event id, arrival time) of every entry read through ``out``."""
+    reader = redis.Redis.from_url(redis_url)
+    arrivals: list[tuple[str, float]] = []
+    last = after
+    while not stop.is_set():
+        found = reader.xread({stream: last}, count=1000, block=200)
+        now = time.time()
+        for _name, entries in found or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                arrivals.append((fields[b"id"].decode(), now))
+    reader.close()
+    out.send(arrivals)
