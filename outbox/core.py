@@ -279,10 +279,7 @@ class Outbox:
                 # locks the aggregate) goes first, so that for one key the row's seq is
                 # taken after that lock, and seq order stays commit order.
                 session_or_connection.flush()
-            # A Session with several binds picks the one for the outbox table.
-            connection = session_or_connection.connection(
-                bind_arguments={"clause": self.schema.table}
-            )
+            connection = self._connection_of(session_or_connection)
         elif isinstance(session_or_connection, Connection):
             connection = session_or_connection
         else:
@@ -290,6 +287,13 @@ class Outbox:
                 "emit needs a SQLAlchemy Session or Connection, got "
                 f"{type(session_or_connection).__name__}"
             )
+        self._insert(connection, events)
+
+    def _connection_of(self, session: Session) -> Connection:
+        # A Session with several binds picks the one for the outbox table.
+        return session.connection(bind_arguments={"clause": self.schema.table})
+
+    def _insert(self, connection: Connection, events: list[NewEvent]) -> None:
         if self._insert_head is None:
             statement = insert(self.schema.table)
             if len(events) == 1:
@@ -361,7 +365,7 @@ class Outbox:
         session.flush()
         events = list(pending)
         pending.clear()
-        self.write(session, events)
+        self._insert(self._connection_of(session), events)  # flushed just above
 
     def _build_fast_insert_head(self) -> str | None:
         dialect = self.engine.dialect

@@ -709,6 +709,33 @@ def test_event_ids_are_time_ordered_uuid7(outbox: Writer) -> None:
     assert len(set(ids)) == 50
 
 
+def test_event_ids_of_a_forked_child_share_no_random_bits_with_the_parent() -> None:
+    """The random bits are drawn in chunks: a child forked with part of a chunk unused must
+    draw its own, or it would make the parent's next ids' random parts."""
+    import os
+
+    from outbox.ids import new_event_id
+
+    new_event_id()  # the parent holds a chunk, almost all of it unused
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then exit without running pytest's teardown
+        os.close(read)
+        os.write(write, ",".join(new_event_id() for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    child = b"".join(chunks).decode().split(",")
+    parent = [new_event_id() for _ in range(100)]
+    assert len(child) == 100
+    assert not {i[19:] for i in child} & {i[19:] for i in parent}  # the 62 random bits
+    assert all(uuid.UUID(i).version == 7 for i in child + parent)
+
+
 def test_created_at_comes_from_the_database_clock(outbox: Writer) -> None:
     with outbox.transaction() as tx:
         tx.emit("t", key="k", payload=1)
