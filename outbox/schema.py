@@ -175,14 +175,18 @@ def build_schema(
         postgresql_where=table.c.state == PENDING,
         sqlite_where=table.c.state == PENDING,
     )
-    # Metrics and `status` group pending rows by topic and want the oldest of each.
-    Index(
-        f"ix_{name}_pending_topic",
-        table.c.topic,
-        table.c.created_at,
-        postgresql_where=table.c.state == PENDING,
-        sqlite_where=table.c.state == PENDING,
-    )
+    # Metrics and `status` group pending rows by topic and want the oldest of each. Not on a
+    # partitioned table: without statistics the planner took this index (same predicate as
+    # the one above) for the claim's lookups by seq in a small partition, a full scan of its
+    # pending rows per row claimed (measured: 700 ms per batch of 500 at 1,790 pending).
+    if not length:
+        Index(
+            f"ix_{name}_pending_topic",
+            table.c.topic,
+            table.c.created_at,
+            postgresql_where=table.c.state == PENDING,
+            sqlite_where=table.c.state == PENDING,
+        )
     # Quarantined rows are few and must be listed fast, for `status`, `requeue` and alerts.
     Index(
         f"ix_{name}_quarantined",

@@ -52,6 +52,7 @@ from relay.batch import BatchPublisher
 from relay.config import RelayConfig
 from relay.data_loss import RedisCheck
 from relay.errors import ConfigError
+from relay.partitions import PartitionUpkeep
 from relay.pipeline import Recorder, Sender
 from relay.publisher import (
     INFRASTRUCTURE_ERRORS,
@@ -139,6 +140,12 @@ class Relay:
         )
         self.retention = Duty(
             "outbox retention", cfg.retention_interval, weakly(self.delete_expired)
+        )
+        # A partitioned table (outbox.partitions): partitions made ahead and dropped whole,
+        # instead of the DELETE above (relay.partitions).
+        self.partition_upkeep = PartitionUpkeep(self.engine, self.schema, cfg.retention_seconds)
+        self.partition_duty = Duty(
+            "outbox partitions", self.partition_upkeep.interval, self.partition_upkeep.run_once
         )
         self.vacuum = (
             Duty("outbox vacuum", cfg.vacuum_interval, weakly(self._start_vacuum), first="later")
@@ -321,8 +328,9 @@ class Relay:
         return self._redis_check.persistence
 
     def delete_expired(self) -> int:
-        """Delete published rows older than the retention, in bounded batches."""
-        if self.config.retention_seconds <= 0:
+        """Delete published rows older than the retention, in bounded batches (none from a
+        partitioned table: its partition duty drops whole partitions)."""
+        if self.config.retention_seconds <= 0 or self.partition_upkeep.partitioned:
             return 0
         total = 0
         for _ in range(20):
@@ -434,9 +442,11 @@ class Relay:
         return max(published, claimed)
 
     def _run_duties(self, now: float) -> None:
-        """Retention and vacuum, when due, by the owner of partition 0 only."""
+        """Retention, partition upkeep and vacuum, when due, by the owner of partition 0."""
         if self.retention.due(now) and 0 in self.store.owned:
             self.retention.run_now(now)
+        if self.partition_duty.due(now) and 0 in self.store.owned:
+            self.partition_duty.run_now(now)
         if self.vacuum is not None and self.vacuum.due(now) and 0 in self.store.owned:
             self.vacuum.run_now(now)
 

@@ -18,6 +18,7 @@ from outbox.purge import run_purge
 from outbox.retention import check_batch, check_seconds, purge_all
 from outbox.schema import OutboxSchema
 from relay.config import RelayConfig
+from relay.partitions import PartitionRetention, PartitionUpkeep
 from relay.store import PG_RETENTION, SqliteStore
 
 # What PG_RETENTION would delete, counted with the same bounds (a range of the primary key
@@ -83,9 +84,21 @@ def purge_command(
     as_json: bool,
     batch: int,
 ) -> int:
-    """``outbox-relay purge``: published rows past the retention, per table."""
+    """``outbox-relay purge``: published rows past the retention, per table; on a partitioned
+    table (``relay.partitions``), the partitions past it, dropped whole (``--dry-run`` lists
+    each with its row estimate)."""
     target = OutboxRetention(engine, schema, retention_seconds)
     check_batch("batch_size", batch)
+    upkeep = PartitionUpkeep(engine, schema, target.retention_seconds)
+    if upkeep.partitioned:
+        whole = PartitionRetention(upkeep)
+        return run_purge(
+            "outbox-relay",
+            dry_run=dry_run,
+            as_json=as_json,
+            count=whole.by_partition,
+            purge=lambda progress: purge_all([whole], batch=batch, progress=progress),
+        )
     return run_purge(
         "outbox-relay",
         dry_run=dry_run,
