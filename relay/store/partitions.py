@@ -19,6 +19,8 @@ machine), no sequential scan of a partition larger than the batch's lookups woul
 
 from __future__ import annotations
 
+from typing import Any
+
 RELKIND_SQL = "SELECT relkind::text FROM pg_class WHERE oid = to_regclass(%s)"
 
 _SEQ_JOIN = "WHERE t.seq = u.seq"
@@ -63,4 +65,11 @@ def partitioned_statements(statements: dict[str, str]) -> dict[str, str]:
     return out
 
 
-__all__ = ["RELKIND_SQL", "partitioned_statements"]
+def statements_for(conn: Any, table: str, statements: dict[str, str]) -> dict[str, str]:
+    """``statements`` as they are for a plain table, rewritten for a partitioned one
+    (``conn``: the store's psycopg connection; ``table``: the quoted table)."""
+    row = conn.execute(RELKIND_SQL, (table,)).fetchone()
+    return partitioned_statements(statements) if row and row[0] == "p" else statements
+
+
+__all__ = ["RELKIND_SQL", "partitioned_statements", "statements_for"]

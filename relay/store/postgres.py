@@ -29,7 +29,7 @@ from relay.store.base import (
     _requeue,
     _status,
 )
-from relay.store.partitions import RELKIND_SQL, partitioned_statements
+from relay.store.partitions import statements_for
 
 log = logging.getLogger("outbox.relay")
 
@@ -354,8 +354,7 @@ class PostgresStore:
                     "backlog": PG_BACKLOG,
                 }.items()
             }
-            if (conn.execute(RELKIND_SQL, (t,)).fetchone() or ("",))[0] == "p":
-                self._sql = partitioned_statements(self._sql)  # relay.store.partitions
+            self._sql = statements_for(conn, t, self._sql)  # relay.store.partitions
             self._sql["table"] = t
             seq_row = conn.execute(
                 "SELECT pg_get_serial_sequence(%s, 'seq')",
