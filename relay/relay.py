@@ -211,11 +211,14 @@ class Relay:
         started = time.monotonic()
         at = started if now is None else now  # what the intervals are measured on
         self.store.connect()
-        if quiesce is not None and self.store.rebalance_due():
-            # Partitions are given back only with every receipt written, so the next owner
-            # does not take this relay's last batch for an orphan.
+        if quiesce is not None and not self.store.owned:
+            # A new session (the old one, and its partitions, are gone): the partitions it
+            # takes may hold batches still in hand, which must not be taken for orphans.
             quiesce()
-        if self.store.rebalance():
+        # Partitions are given back only with every receipt written, so the next owner does
+        # not take this relay's last batch for an orphan. (Not before every rebalance: that
+        # stalled the claim once a second for a publish and a receipt round trip.)
+        if self.store.rebalance(before_release=quiesce):
             self._sweep.make_due()
             self.reconciliation.make_due()
         published = 0

@@ -9,7 +9,7 @@ import math
 import random
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -410,9 +410,9 @@ class PostgresStore:
     def rebalance_due(self) -> bool:
         return self._rebalance.due() or not self._owned
 
-    def rebalance(self) -> bool:
-        """Take or give back partitions toward a fair share; True if any were taken (their
-        orphaned intents were marked, and the caller should sweep)."""
+    def rebalance(self, before_release: Callable[[], None] | None = None) -> bool:
+        """Take or give back partitions toward a fair share (``before_release`` runs first if
+        any go back); True if any were taken (orphans marked: the caller should sweep)."""
         if not self.rebalance_due():
             return False
         self._rebalance.done()
@@ -429,6 +429,8 @@ class PostgresStore:
             taken: set[int] = set()
             if len(mine) > target:
                 extra = sorted(mine)[target:]
+                if before_release is not None:
+                    before_release()
                 self._conn.execute(
                     "SELECT pg_advisory_unlock(%s, p) FROM unnest(%s::int[]) p",
                     (self._lock_class, extra),

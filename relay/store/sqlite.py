@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -102,7 +102,7 @@ class SqliteStore:
     def rebalance_due(self) -> bool:
         return not self._owned
 
-    def rebalance(self) -> bool:
+    def rebalance(self, before_release: Callable[[], None] | None = None) -> bool:
         if self._owned:
             return False
         path = self._lock_path()
