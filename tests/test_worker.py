@@ -379,9 +379,9 @@ def _listening(engine: sa.Engine) -> bool:
 
 def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
     """PostgreSQL: enqueue, resume and recovery NOTIFY; an idle worker whose poll interval is
-    far away claims at once (polling stays the fallback)."""
-    store = Store(pg_url)
-    other = Store(pg_url)  # another process's store, as a consumer's would be
+    far away claims at once (polling stays the fallback). NOTIFY is off by default."""
+    store = Store(pg_url, config=StoreConfig(notify=True))
+    other = Store(pg_url, config=StoreConfig(notify=True))  # another process's, a consumer's
     worker = Worker(store, poll_interval=120.0)
     worker.register("noop", lambda job: None)
     reviewed: list[int] = []
@@ -411,6 +411,31 @@ def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
     other.dispose()
 
 
+def test_without_notify_a_worker_that_just_worked_polls_quickly(db_url: str) -> None:
+    """Issue 25: enqueues do not NOTIFY by default, so a LISTENing worker hears nothing; it
+    polls every few milliseconds for a while after a claim that found work (then backs off
+    toward its poll interval), not once per poll interval. Here the poll interval is two
+    minutes: jobs enqueued while the worker is (recently) busy must not wait for it."""
+    store = Store(db_url)
+    other = Store(db_url, create_schema=False)  # another process's store, a consumer's
+    worker = Worker(store, poll_interval=120.0)
+    worker.register("noop", lambda job: None)
+    other.enqueue("t", "noop-0")  # the first claim finds work: the worker is busy
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        for n in range(5):
+            wait_for(lambda n=n: store.get("t", f"noop-{n}").state == DONE, "done", timeout=60)
+            other.enqueue("t", f"noop-{n + 1}")
+        wait_for(lambda: store.get("t", "noop-5").state == DONE, "noop-5 done", timeout=60)
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    store.dispose()
+    other.dispose()
+
+
 def test_notify_is_a_choice(pg_url: str) -> None:
     """Enqueues NOTIFY only for rows they create; StoreConfig(notify=False) never does."""
     import psycopg
@@ -424,11 +449,11 @@ def test_notify_is_a_choice(pg_url: str) -> None:
         def notified() -> int:
             return len(list(listener.notifies(timeout=0.3)))
 
-        quiet = Store(pg_url, config=StoreConfig(notify=False))
+        quiet = Store(pg_url)  # the default (issue 25): no NOTIFY, no commit lock
         quiet.enqueue("t", "a-1")
         quiet.enqueue_many([{"tenant": "t", "action": "a-2"}])
         assert notified() == 0
-        loud = Store(pg_url)
+        loud = Store(pg_url, config=StoreConfig(notify=True))
         loud.enqueue("t", "a-3")
         assert notified() == 1
         loud.enqueue("t", "a-3")  # a duplicate creates nothing and wakes nobody

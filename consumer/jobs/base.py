@@ -22,14 +22,17 @@ from outbox.errors import ConfigError
 class StoreConfig:
     """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries.
 
-    ``notify`` (PostgreSQL): enqueues, resumes and recoveries NOTIFY, so LISTENing workers
-    claim at once instead of at their next poll. False turns it off (a transaction that sent
-    NOTIFY takes a global lock at commit: heavy concurrent enqueuers may prefer polling)."""
+    ``notify`` (PostgreSQL): True makes enqueues, resumes and recoveries NOTIFY, so
+    LISTENing workers claim at once. Off by default (issue 25): a transaction that sent
+    NOTIFY takes a global lock at commit, which serialises concurrent enqueuers (``python -m
+    bench job_wake``: 8 writers enqueue ~1.4x as many jobs/s without it), and a worker whose
+    store does not notify polls adaptively instead (every 10 ms for a second after a claim
+    that found work, then backing off to ``poll_interval``; ``consumer.jobs.slots``)."""
 
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_tenants_scanned: int = 1000
     recover_limit: int = 500
-    notify: bool = True
+    notify: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.retry, RetryPolicy):

@@ -58,8 +58,8 @@ One channel per schema (``outbox_jobs_ready.<schema>``, computed by the server f
 session's ``current_schema()``, where the job table resolves): NOTIFY channels are
 database-wide, and job stores in other schemas of the same database must not wake each
 other's workers (nor make a quiet store look loud). A transaction that sent NOTIFY takes a
-global lock at commit (it serialises heavy concurrent enqueuers): ``StoreConfig(notify=False)``
-turns it off, and workers poll."""
+global lock at commit (it serialises heavy concurrent enqueuers), so it is sent only with
+``StoreConfig(notify=True)``; by default workers poll."""
 
 INSERT_CHUNK = 500
 """Rows per statement of ``job_insert_many`` (one binary array per column on PostgreSQL)."""

@@ -15,7 +15,11 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
   and while jobs run, claims are at least ``CLAIM_SPACING`` apart, so slots freed meanwhile
   are claimed together (2 workers x 16 threads claiming one job each was CPU-bound on this
   machine). When a claim fills every free slot there may be more: the next slot freed
-  claims again; otherwise the runner waits for a NOTIFY (PostgreSQL), a timer or the poll.
+  claims again; otherwise the runner waits for a NOTIFY (PostgreSQL, with
+  ``StoreConfig(notify=True)``), a timer or the poll. Without NOTIFY (the default) the poll
+  is adaptive, like the relay's: every ``BUSY_POLL`` for ``BUSY_WINDOW`` after a claim that
+  found work, then doubling toward ``poll_interval`` (an empty claim reads the READY index
+  only, ~0.1-0.2 ms of the server).
 - Finishes are recorded in batches: a finished job joins the batch being written, and the
   first one waiting writes everyone's in one ``finish_batch`` (group commit). Its slot is
   freed once its finish is recorded, so the leases a worker holds never exceed its slots.
@@ -63,6 +67,8 @@ log = logging.getLogger("outbox.worker")
 
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
+BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
+BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
 
 
 def is_async_handler(fn: Callable[..., Any]) -> bool:
@@ -243,7 +249,12 @@ class SlotRunner:
         worker = self.worker
         stop = worker.stop_flag
         backoff = Backoff(0.2, 10.0)
-        idle = Backoff(0.01, worker.config.poll_interval)
+        idle = Backoff(BUSY_POLL, worker.config.poll_interval)
+        # Without NOTIFY from the enqueuers (``StoreConfig.notify``, off by default) an idle
+        # loop polls: every BUSY_POLL for a BUSY_WINDOW after a claim that found work, then
+        # doubling toward poll_interval (``empty`` counts the empty claims after the window).
+        notified = worker._store().config.notify
+        busy_until = 0.0
         failures = 0
         empty = 0
         last_claim = 0.0
@@ -262,7 +273,10 @@ class SlotRunner:
             due = [pool for pool in open_pools if pool.more or pool.claimed_at <= stale]
             if not due and not kicked:
                 limit = worker._sleep_limit()
-                pause = worker.config.poll_interval if worker._listening else idle.cap(empty)
+                if worker._listening and notified:
+                    pause = worker.config.poll_interval  # a NOTIFY wakes it at once
+                else:
+                    pause = idle.cap(empty)
                 pause = pause if limit is None else min(pause, limit)
                 # A full group whose last claim filled it claims again once a slot is freed.
                 watch_freed = any(pool.more for pool in self.pools)
@@ -298,7 +312,11 @@ class SlotRunner:
                 await asyncio.sleep(delay)
                 continue
             failures = 0
-            empty = 0 if any(results) else empty + 1
+            if any(results):
+                busy_until = time.monotonic() + BUSY_WINDOW
+                empty = 0
+            elif time.monotonic() >= busy_until:
+                empty += 1
             worker._hook("worker_cycle_ok", time.time())
 
     async def _wait(self, pause: float, watch_freed: bool) -> str:

@@ -32,9 +32,9 @@ Contract:
 - **Storage.** Every statement runs through ``Store.driver`` (``consumer.jobs.driver``: one
   PostgreSQL and one SQLite implementation side by side); this module never asks which
   database it runs on. Names are checked by ``outbox.validate`` before anything is written.
-- **Wake-ups** (PostgreSQL, ``StoreConfig.notify``): an enqueue that creates a job, a
-  ``resume`` and a recovery that makes jobs READY send a NOTIFY at commit; idle workers
-  LISTEN.
+- **Wake-ups** (PostgreSQL, ``StoreConfig(notify=True)``; off by default): an enqueue that
+  creates a job, a ``resume`` and a recovery that makes jobs READY send a NOTIFY at commit;
+  idle workers LISTEN. Without it idle workers poll adaptively (``consumer.jobs.slots``).
 """
 
 from __future__ import annotations

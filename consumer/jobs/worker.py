@@ -62,9 +62,11 @@ External effects: ``Worker(store, providers={"mail": provider})`` gives handlers
 receipts whose call deadline passed every ``reconcile_interval`` seconds
 (``Operations.reconcile``).
 
-Wake-up: on PostgreSQL ``run`` LISTENs for jobs that became READY (an enqueue's trigger, a
-resume, a recovery; ``StoreConfig.notify``) and an idle loop claims at once; polling every
-``poll_interval`` stays the fallback (SQLite, ``listen=False``, a lost LISTEN connection).
+Wake-up: an idle loop polls adaptively (every 10 ms for a second after a claim that found
+work, then doubling toward ``poll_interval``; ``consumer.jobs.slots``). With
+``StoreConfig(notify=True)`` (off by default: NOTIFY takes a global lock at every enqueuing
+commit) ``run`` LISTENs for jobs that became READY on PostgreSQL and claims at once, polling
+every ``poll_interval`` as the fallback.
 
 Vacuum: finished jobs leave dead tuples and dead READY-index entries behind, which every
 claim would walk. When the server runs without autovacuum, ``run_once`` vacuums the job
