@@ -70,8 +70,7 @@ _BLOCKED = """NOT EXISTS (
 # its partitions, so this skips nothing in practice; a row skipped anyway is left to the next
 # sweep, as before.
 #
-# The update takes the locked rows by primary key (``seq = ANY(ARRAY(...))``); as a join
-# (``FROM picked``) it hashed them against a scan of the whole table, published rows too.
+# The update takes the locked rows by primary key: a join hashed them against the table.
 _CHUNK = (
     """SELECT coalesce(array_agg(o.seq ORDER BY o.seq), '{}'::bigint[]) AS seqs
         FROM {t} o
@@ -410,7 +409,7 @@ class PostgresStore:
     def rebalance_due(self) -> bool:
         return self._rebalance.due() or not self._owned
 
-    def rebalance(self, before_release: Callable[[], None] | None = None) -> bool:
+    def rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
         """Take or give back partitions toward a fair share (``before_release`` runs first if
         any go back); True if any were taken (orphans marked: the caller should sweep)."""
         if not self.rebalance_due():
@@ -429,8 +428,7 @@ class PostgresStore:
             taken: set[int] = set()
             if len(mine) > target:
                 extra = sorted(mine)[target:]
-                if before_release is not None:
-                    before_release()
+                before_release()
                 self._conn.execute(
                     "SELECT pg_advisory_unlock(%s, p) FROM unnest(%s::int[]) p",
                     (self._lock_class, extra),

@@ -102,7 +102,7 @@ class SqliteStore:
     def rebalance_due(self) -> bool:
         return not self._owned
 
-    def rebalance(self, before_release: Callable[[], None] | None = None) -> bool:
+    def rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
         if self._owned:
             return False
         path = self._lock_path()
