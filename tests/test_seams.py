@@ -16,13 +16,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
 from consumer.inbox import Inbox, PostgresInbox, SqliteInbox, build_inbox_schema, inbox_for
 from consumer.jobs.base import StoreConfig
 from consumer.jobs.checks import _job_values
 from consumer.jobs.driver import JobDriver, PostgresJobDriver, SqliteJobDriver, driver_for
-from consumer.jobs.schema import jobs
+from consumer.jobs.schema import jobs, provider_limits
 from consumer.jobs.states import DONE, LEASED, READY
 from consumer.jobs.store import Store as JobStore
 from outbox import Outbox
@@ -44,6 +45,7 @@ OWN_TRANSACTION = {
         "begin",
         "autocommit",
         "connect",
+        "pinned",  # this thread's transactions on one connection (a worker's heartbeat)
         "job_ready_listener",
         "provider_pause",  # a read on every dispatch, on the DBAPI connection
         "operation_intent",  # the dispatch fast path: one transaction by contract
@@ -289,6 +291,24 @@ def test_driver_intent_is_fenced_and_written_once(driver: JobDriver) -> None:
     assert not driver.operation_record("op1", {"state": "UNKNOWN"}, if_states=["PENDING"])
     with driver.connect() as conn:
         assert driver.operation_get(conn, "op1").state == "ACCEPTED"
+
+
+def test_driver_intent_reads_the_providers_pause(driver: JobDriver) -> None:
+    with driver.begin() as conn:
+        job_id = driver.job_insert(conn, _job_values("t1", "a"))[0]
+        conn.execute(insert(provider_limits).values(provider="p", paused_until=10.0**10))
+        conn.execute(insert(provider_limits).values(provider="q", paused_until=1.0))
+    claim(driver)
+    intent = {"job_id": job_id, "digest": "d" * 64, "timeout": 30.0}
+    kw: dict[str, Any] = {"worker": WORKER, "epoch": 1, **intent}
+    with driver.connect() as conn:
+        before = driver.job_get(conn, jobs.c.id == job_id).lease_expires_at
+    assert driver.operation_intent(operation_id="op1", provider="p", **kw) == "paused"
+    with driver.connect() as conn:
+        assert driver.operation_get(conn, "op1") is None  # a paused provider: nothing written
+        assert driver.job_get(conn, jobs.c.id == job_id).lease_expires_at == before
+    # A pause in the past binds nobody.
+    assert driver.operation_intent(operation_id="op1", provider="q", **kw) == "created"
 
 
 # -- the consumer's inbox -----------------------------------------------------------------

@@ -100,13 +100,32 @@ class JobDriver:
         self._lock: AbstractContextManager[Any] = (
             threading.RLock() if isinstance(engine.pool, StaticPool) else nullcontext()
         )
+        self._pinned = threading.local()  # a thread's own connection (:meth:`pinned`)
 
     # -- connections and schema -----------------------------------------------------------
 
     @contextmanager
+    def _checkout(self) -> Iterator[Connection]:
+        pinned: Connection | None = getattr(self._pinned, "conn", None)
+        with nullcontext(pinned) if pinned is not None else self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def pinned(self) -> Iterator[None]:
+        """This thread's :meth:`begin` and :meth:`connect` on ONE connection, held for the
+        block: a worker's heartbeat, whose renewals must not queue for a pooled connection
+        behind 256 slots' statements (its leases expired there)."""
+        with self.engine.connect() as conn:
+            self._pinned.conn = conn
+            try:
+                yield
+            finally:
+                self._pinned.conn = None
+
+    @contextmanager
     def begin(self) -> Iterator[Connection]:
         """A short read-write transaction owned by the store (commits on success)."""
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._checkout() as conn:
             self._prepare(conn)
             with conn.begin():
                 yield conn
@@ -121,7 +140,7 @@ class JobDriver:
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection for reads."""
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._checkout() as conn:
             yield conn
 
     def _prepare(self, conn: Connection) -> None:
@@ -653,10 +672,15 @@ class JobDriver:
         (PENDING, its deadline now + ``timeout``, the call counted) and extend the lease to
         that deadline, both or neither. ``"created"``; ``"exists"`` when the operation has
         an intent already (nothing written; the caller reads it); ``"fenced"`` when the
-        lease is not held at ``epoch`` (nothing written)."""
+        lease is not held at ``epoch``; ``"paused"`` when the provider is paused (the
+        check before every call, in the same unit of work; nothing written)."""
         now: Any = db_epoch() if self.clock is None else self.clock()
         try:
             with self.begin() as conn:
+                given = {"now": now} if self.clock is not None else {}
+                row = conn.execute(_pause_query(bool(given)), {"provider": provider, **given})
+                if (found := row.first()) is not None and found[0] > found[1]:
+                    return "paused"
                 created = self.operation_insert(
                     conn,
                     {

@@ -31,6 +31,7 @@ from consumer.jobs.schema import (
     create_tables,
     jobs,
     operations,
+    provider_limits,
 )
 from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, insert_or_ignore
@@ -135,7 +136,9 @@ class PostgresJobDriver(JobDriver):
             statement, params["now"] = self._intent_sql_at, self.clock()
         with self.autocommit() as conn:
             raw: Any = conn.connection.dbapi_connection
-            held, created = raw.execute(statement, params).fetchone()
+            paused, held, created = raw.execute(statement, params).fetchone()
+        if paused:
+            return "paused"
         if not held:
             return "fenced"
         return "created" if created else "exists"
@@ -196,21 +199,28 @@ class PostgresJobDriver(JobDriver):
         return self._intent_statement("CAST(%(now)s AS double precision)")
 
     def _intent_statement(self, now: str) -> str:
+        # The provider's pause is read in the same statement (the check before every call,
+        # without a round trip of its own): a paused provider gets no intent, no lease
+        # extension; the caller hands the job back.
         prep = self.engine.dialect.identifier_preparer
         return (
-            f"WITH lease AS ("
+            f"WITH pause AS ("
+            f" SELECT 1 FROM {prep.format_table(provider_limits)}"
+            f" WHERE provider = %(provider)s AND paused_until > {now}),"
+            f" lease AS ("
             f" UPDATE {prep.format_table(jobs)} SET lease_expires_at = CASE"
             f" WHEN lease_expires_at < {now} + %(timeout)s THEN {now} + %(timeout)s"
             f" ELSE lease_expires_at END"
             f" WHERE id = %(job_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(worker)s"
-            f" AND state = %(leased)s RETURNING id),"
+            f" AND state = %(leased)s AND NOT EXISTS (SELECT 1 FROM pause) RETURNING id),"
             f" intent AS ("
             f" INSERT INTO {prep.format_table(operations)} (operation_id, job_id, provider,"
             f" request_digest, state, attempts, call_deadline, created_at, updated_at)"
             f" SELECT %(operation_id)s, %(job_id)s, %(provider)s, %(digest)s, 'PENDING', 1,"
             f" {now} + %(timeout)s, {now}, {now} FROM lease"
             f" ON CONFLICT (operation_id) DO NOTHING RETURNING 1)"
-            f" SELECT EXISTS (SELECT 1 FROM lease), EXISTS (SELECT 1 FROM intent)"
+            f" SELECT EXISTS (SELECT 1 FROM pause), EXISTS (SELECT 1 FROM lease),"
+            f" EXISTS (SELECT 1 FROM intent)"
         )
 
     def job_ready_notify(self, conn: Connection) -> None:

@@ -156,8 +156,11 @@ class SqliteJobDriver(JobDriver):
         if self.clock is not None:  # a clock of the caller's (a test's): bound, not read
             insert, params["now"] = _INTENT_SQL.format(now="CAST(:now AS REAL)"), self.clock()
         fence = {"job_id": job_id, "epoch": epoch, "worker": worker}
+        pause = _PAUSED_SQL.format(now=_NOW if self.clock is None else "CAST(:now AS REAL)")
         try:
             with self._write() as raw:
+                if raw.execute(pause, params).fetchone() is not None:
+                    return "paused"  # checked under the write lock: nothing written
                 created = raw.execute(insert, params).fetchone()
                 if created is None:
                     return "exists"
@@ -228,6 +231,11 @@ _EXTEND_SQL = (
     " THEN :until ELSE lease_expires_at END"
     " WHERE id = :job_id AND lease_epoch = :epoch AND lease_owner = :worker"
     f" AND state = '{LEASED}' RETURNING id"
+)
+
+# The provider's pause, if it is on (the intent's check, before every call).
+_PAUSED_SQL = (
+    f"SELECT 1 FROM {PROVIDER_LIMITS_TABLE} WHERE provider = :provider AND paused_until > {{now}}"
 )
 
 # The provider's pause and the clock it is compared to.

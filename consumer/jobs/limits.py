@@ -7,8 +7,11 @@ deadline):
 - **A pause, for every worker.** A ``429`` or ``503`` with ``Retry-After`` pauses the
   provider until then: the worker that got the answer writes ``paused_until`` into
   ``outbox_provider_limits`` (database clock), and every worker reads it before each call
-  (a process that has seen the pause skips the read until it ends). Only calls already in
-  flight reach the provider during a pause.
+  (a process that has seen the pause skips the read until it ends). The read costs no
+  round trip of its own: a dispatch's intent statement, which every call writes first,
+  checks the pause in the same statement (``JobDriver.operation_intent``), and so does a
+  rate reservation; only the sweep's lookups read it apart. Only calls already in flight
+  reach the provider during a pause.
 - **A rate, for every worker.** A provider that declares ``rate_limit`` (calls per second
   for the whole fleet) gets its calls spaced, not burst: each call reserves the next start
   time in the provider's row in one UPDATE (``next_call_at = max(next_call_at, now) +
@@ -436,12 +439,26 @@ class ProviderGate:
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
 
-    def _check_pause(self) -> None:
-        if self.fleet is None or self.spacing:
-            return  # a rate reservation reads the pause in the same statement
-        until = self.fleet.paused_until(self.name)
+    def _check_pause(self, read: bool = True) -> None:
+        """Refuse a call to a paused provider: what this process learnt (no round trip),
+        then, when ``read``, the database. A dispatch passes ``read=False``: its intent's
+        statement reads the pause (``JobDriver.operation_intent``: ``"paused"``), and a rate
+        reservation reads it too, each in a statement that is made anyway."""
+        if self.fleet is None:
+            return
+        until = self.fleet.paused_locally(self.name)
+        if until is None and read and not self.spacing:
+            until = self.fleet.paused_until(self.name)
         if until is not None:
             raise self._throttled(f"is paused until {until:.3f}", until)
+
+    def paused(self) -> ProviderThrottled:
+        """The refusal for a provider found paused by a dispatch's intent statement."""
+        until = self.fleet.paused_until(self.name) if self.fleet is not None else None
+        if until is None:  # the pause ended since: try again at once
+            clock = self.fleet.store.driver.clock if self.fleet is not None else None
+            until = (clock or time.time)()
+        return self._throttled(f"is paused until {until:.3f}", until)
 
     def _full(self) -> ProviderThrottled:
         # Hand back rather than queue: the jobs already waiting would take about this long.
@@ -463,9 +480,12 @@ class ProviderGate:
             raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
         return time.monotonic() + wait
 
-    def enter(self, progress: Callable[[], None] | None = None) -> Ticket:
-        """Wait (in this thread) for the right to call the provider now."""
-        self._check_pause()
+    def enter(
+        self, progress: Callable[[], None] | None = None, *, read_pause: bool = True
+    ) -> Ticket:
+        """Wait (in this thread) for the right to call the provider now (``read_pause``:
+        :meth:`_check_pause`)."""
+        self._check_pause(read_pause)
         if not self.permits.try_acquire():
             if self.permits.waiting >= self.max_waiting:
                 raise self._full()
@@ -484,11 +504,18 @@ class ProviderGate:
         return Ticket(self.name, start, max(0.0, start - time.monotonic()))
 
     async def aenter(
-        self, run: Callable[..., Any], progress: Callable[[], None] | None = None
+        self,
+        run: Callable[..., Any],
+        progress: Callable[[], None] | None = None,
+        *,
+        read_pause: bool = True,
     ) -> Ticket:
         """:meth:`enter` for a coroutine: the database reads go through ``run`` (the worker's
         executor), the waits are the event loop's."""
-        await run(self._check_pause)
+        if read_pause and self.fleet is not None and not self.spacing:
+            await run(self._check_pause)
+        else:
+            self._check_pause(False)  # no round trip: no executor hop either
         if not self.permits.try_acquire():
             if self.permits.waiting >= self.max_waiting:
                 raise self._full()
@@ -500,7 +527,7 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            start = await run(self._reserve)
+            start = await run(self._reserve) if self.spacing else self._reserve()
         except BaseException:
             self.permits.release(None)
             raise

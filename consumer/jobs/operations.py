@@ -293,8 +293,10 @@ class Operations:
         gate = self.gate(connector)
         progress = getattr(job, "progress", None)
         try:
+            # The pause is read by the intent's statement (no round trip of its own here).
             ticket = yield Step(
-                lambda: gate.enter(progress), lambda run: gate.aenter(run, progress)
+                lambda: gate.enter(progress, read_pause=False),
+                lambda run: gate.aenter(run, progress, read_pause=False),
             )
         except ProviderThrottled as exc:
             # Nothing written, nothing sent: hand the job back until the provider may be
@@ -329,7 +331,11 @@ class Operations:
         # The call's deadline counts the wait for its reserved start (a rate limit's spacing)
         # and room for a new one if the call misses it.
         timeout += gate.budget(ticket)
-        step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
+        try:
+            step, row = self._intent(lease, operation_id, connector.name, digest, timeout)
+        except ProviderThrottled as exc:  # paused: nothing written, nothing sent
+            self._hand_back(job, lease, exc)
+            raise
         if step == ACCEPTED:
             return _receipt(row)
         if step == FAILED:
@@ -590,6 +596,8 @@ class Operations:
             return "send", None
         if step == "fenced":
             raise fenced
+        if step == "paused":
+            raise self.gate(self.providers[provider]).paused()
         # An earlier intent exists: read it under the job's lock and say what to do.
         with driver.begin() as conn:
             held = driver.job_lock_held(conn, jobs.c.id == lease.job_id, lease.worker, lease.epoch)
