@@ -289,3 +289,38 @@ def test_sigkill_while_jobs_wait_for_their_provider(
         stop(second)
     one_effect_each(sim, job_ids)  # exactly one effect each: none lost, none doubled
     store.dispose()
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_no_lease_expires_under_every_slot_busy(
+    pg_url: str, sim: SimulatorProcess, handler: str
+) -> None:
+    # 600 jobs on the default 256 slots, a 300 ms provider, a 3 s lease: the first claim
+    # takes every slot at once, and every job's lease must stay renewed until its finish is
+    # recorded, however long the worker's own queues (its connection pool, its executor)
+    # make it wait. Lost before: the heartbeat waited for a pooled connection behind the
+    # slots, and a finished job waiting for its batch was not renewed at all.
+    sim.configure(latency=0.3)
+    store = Store(pg_url)
+    job_ids = [
+        lease.job_id
+        for lease in store.enqueue_many(
+            [
+                {"tenant": "studio", "action": f"email-b-{i}", "subject": f"b{i}@example.com"}
+                for i in range(600)
+            ]
+        )
+    ]
+    worker = start_worker(pg_url, sim, handler, ttl=3.0)
+    try:
+        wait_for(lambda: all_done(store, job_ids), "every job done", timeout=240)
+    finally:
+        err = stop(worker)
+    assert "lease lost" not in err and "lease conflict" not in err, err[-3000:]
+    with store.engine.connect() as conn:
+        outcomes = Counter(
+            str(o) for (o,) in conn.execute(text("SELECT outcome FROM outbox_job_attempts"))
+        )
+    assert outcomes["expired"] == 0, outcomes  # no lease expired under a live job
+    one_effect_each(sim, job_ids)
+    store.dispose()

@@ -45,6 +45,7 @@ class JobContext:
         self.lost = False  # set by the heartbeat when the lease was lost (fenced)
         self._progress = 1
         self._renewed = 0
+        self._waiting_start = True  # claimed, its handler not started yet (see started())
         self._lock = threading.Lock()
 
     # -- facts ----------------------------------------------------------------------------
@@ -86,6 +87,15 @@ class JobContext:
         with self._lock:
             self._progress += 1
 
+    def started(self) -> None:
+        """The handler starts now (the worker calls it). Until then the job waits on the
+        worker's own queue (a free thread, the event loop), not on a stuck handler: every
+        beat renews it. Renewed once only, the last of a 256-job claim lost their leases
+        while the pool made its threads on a loaded machine."""
+        with self._lock:
+            self._waiting_start = False
+            self._progress += 1
+
     @contextmanager
     def provider_call(self, timeout: float) -> Iterator[None]:
         """Around one provider call (``Operations.dispatch``): its intent extended the lease
@@ -118,7 +128,13 @@ class JobContext:
         with self._lock:
             if self._call_depth:
                 return False
+            # A job done but not yet recorded (its finish waits for the next batch) is still
+            # LEASED: renewed until the batch takes it (then its renewal is skipped, locked,
+            # or conflicts quietly: it is no longer running).
             moving = self._progress > self._renewed or self._dispatch_depth > 0
+            moving = moving or self._waiting_start
+            if self.outcome == "done" and not self.lost:
+                return True
             if moving and self.outcome is None and not self.lost:
                 self._renewed = self._progress
                 return True

@@ -371,7 +371,7 @@ class SlotRunner:
             routed = worker.route(ctx.lease)
             if routed is not None and is_async_handler(routed[1]):
                 started = time.monotonic()
-                ctx.progress()  # the handler's start: renewed from here
+                ctx.started()  # renewed at every beat until here
                 worker._hook("worker_job_started", routed[0], **ctx.lease.facts())
                 error: BaseException | None = None
                 with tracing.running(ctx.lease, worker.route):  # this task's context

@@ -43,11 +43,13 @@ cancellation condition holds, re-plans it (a new timer) when the version changed
 
 Heartbeat: one thread renews the leases of running jobs every ``ttl / 3`` seconds, but only
 for handlers that reported progress (``job.progress()``) since the last renewal; starting
-counts as progress. A stuck handler therefore loses its lease after about one ttl and
-another worker takes the job over; its late moves get ``Conflict`` (fenced). While a
-provider call is in flight (``job.dispatch``), the lease already lasts until the call's
-deadline (the intent's transaction extended it) and the heartbeat leaves it alone; the call's
-end counts as progress.
+counts as progress, and a claimed job is renewed at every beat until its handler starts
+(it waits on the worker, not on a handler), as is a finished one until its finish is
+recorded. The renewals run on a connection of their own. A stuck handler therefore loses
+its lease after about one ttl and another worker takes the job over; its late moves get
+``Conflict`` (fenced). While a provider call is in flight (``job.dispatch``), the lease
+already lasts until the call's deadline (the intent's transaction extended it) and the
+heartbeat leaves it alone; the call's end counts as progress.
 
 Liveness: ``run`` keeps a row in ``outbox_workers`` (its name, alive until the database clock
 + ``liveness_ttl``, default 3 s) from a thread of its own every ``liveness_interval`` (1 s),
@@ -327,7 +329,7 @@ class Worker(WorkerDuties):
         """Run one job's handler in this thread and record its outcome (a ``def`` handler;
         an ``async def`` one called here runs to its end on an event loop of its own)."""
         started = time.monotonic()
-        ctx.progress()  # the handler's start: renewed from here (a busy process starts late)
+        ctx.started()  # renewed at every beat until here (a busy process starts late)
         routed = self.route(ctx.lease)
         self._hook("worker_job_started", routed[0] if routed else "unrouted", **ctx.lease.facts())
         error: BaseException | None = None
@@ -485,19 +487,31 @@ class Worker(WorkerDuties):
 
     def _beat(self) -> None:
         interval = self.config.ttl / 3
+        pin = contextlib.ExitStack()
+        pinned = False
         while True:
             with self._active_lock:
                 contexts = list(self._active.values())
             if not contexts and self.stop_flag.stopped:
+                pin.close()
                 return
             # Every due lease in one fenced statement: one round trip per beat, however many
             # jobs are in hand (one renewal per job, 256 of them behind the slots' own
             # statements and the GIL, took 6-20 s a beat: leases expired under live jobs).
+            # On a connection of its own, kept from beat to beat: checked out of the pool
+            # each time, a beat waited behind 256 slot threads for one of its 30 connections
+            # (seconds on a loaded machine, longer than a ttl).
             due = [ctx for ctx in contexts if ctx._due_for_renewal()]
+            store = self._store()
             try:
-                result = self._store().renew_batch([c.lease for c in due], ttl=self.config.ttl)
+                if not pinned and due:
+                    pin.enter_context(store.driver.pinned())
+                    pinned = True
+                result = store.renew_batch([c.lease for c in due], ttl=self.config.ttl)
             except SQLAlchemyError as exc:
                 log.warning("lease renewal failed", extra=fields(error=repr(exc)))
+                pin.close()  # a new connection at the next beat
+                pinned = False
                 result = None
             lost = set(result.conflicts) if result is not None else set()
             for ctx in due:
@@ -509,6 +523,7 @@ class Worker(WorkerDuties):
                     ctx.lost = True
                     log.warning("lease lost at renewal", extra=fields(job_id=ctx.job_id))
             if self.stop_flag.wait(interval) and not self._active:
+                pin.close()
                 return
 
     # -- liveness -------------------------------------------------------------------------
