@@ -379,6 +379,7 @@ class SlotRunner:
                         await routed[1](ctx)
                     except Exception as exc:
                         error = exc
+                    ctx.ended()  # renewed at every beat from here
                     result = await self._db(worker._settle, ctx, routed, started, error)
                     tracing.note("outbox.job.outcome", result[0])
             else:

@@ -48,8 +48,9 @@ counts as progress, and a claimed job is renewed at every beat until its handler
 recorded. The renewals run on a connection of their own. A stuck handler therefore loses
 its lease after about one ttl and another worker takes the job over; its late moves get
 ``Conflict`` (fenced). While a provider call is in flight (``job.dispatch``), the lease
-already lasts until the call's deadline (the intent's transaction extended it) and the
-heartbeat leaves it alone; the call's end counts as progress.
+already lasts until the call's deadline (the intent's transaction extended it), and the
+heartbeat keeps renewing it for up to twice the call's timeout (a call that overran its
+deadline on a busy process keeps its lease); the call's end counts as progress.
 
 Liveness: ``run`` keeps a row in ``outbox_workers`` (its name, alive until the database clock
 + ``liveness_ttl``, default 3 s) from a thread of its own every ``liveness_interval`` (1 s),
@@ -340,6 +341,7 @@ class Worker(WorkerDuties):
                     asyncio.run(_awaited(result))
             except Exception as exc:
                 error = exc
+        ctx.ended()  # renewed at every beat from here (the outcome waits on the worker)
         return self._settle(ctx, routed, started, error)
 
     def _settle(
@@ -519,7 +521,8 @@ class Worker(WorkerDuties):
                     continue
                 with self._active_lock:
                     still_running = ctx.job_id in self._active and ctx.outcome is None
-                if still_running:  # not merely finished between snapshot and renewal
+                # not merely finished, or moved by its outcome, between snapshot and renewal
+                if still_running and not ctx._ended:
                     ctx.lost = True
                     log.warning("lease lost at renewal", extra=fields(job_id=ctx.job_id))
             if self.stop_flag.wait(interval) and not self._active:
