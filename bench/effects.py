@@ -42,8 +42,9 @@ from consumer import Store  # noqa: E402
 from tests.simulator_support import SimulatorProcess  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
-HEAD = "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect |"
-HEAD = "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect |"
+HEAD = (
+    "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect | handed back |"
+)
 BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -98,6 +99,14 @@ def _enqueue(store: Store, tag: str, start: int, count: int) -> None:
     )
 
 
+def _handed_back(store: Store) -> int:
+    """Jobs handed back READY by a provider limit so far (``deferred`` attempts): each costs
+    a move and a claim again, without an effect."""
+    with store.engine.connect() as conn:
+        query = text("SELECT count(*) FROM outbox_job_attempts WHERE outcome = 'deferred'")
+        return int(conn.execute(query).scalar_one())
+
+
 def _latencies(store: Store, effects: list[dict[str, Any]], since: float) -> list[float]:
     created: dict[int, float] = {}
     with store.engine.connect() as conn:
@@ -122,7 +131,7 @@ def offered(
     store: Store, sim: SimulatorProcess, pid: int, rate: float, seconds: float, tag: str
 ) -> dict[str, Any]:
     """Enqueue at ``rate`` for ``seconds`` (ticks of 50 ms), then let it settle."""
-    before = len(sim.effects())
+    before, back = len(sim.effects()), _handed_back(store)
     cpu0, t0 = _cpu_seconds(pid), time.time()
     sent = 0
     while (elapsed := time.time() - t0) < seconds:
@@ -146,13 +155,14 @@ def offered(
         "p99": _q(lat, 0.99),
         "cpu_pct": 100 * cpu / window,
         "cpu_ms": 1000 * cpu / max(made, 1),
+        "handed_back": _handed_back(store) - back,
     }
 
 
 def ceiling(
     store: Store, sim: SimulatorProcess, pid: int, backlog: int, tag: str
 ) -> dict[str, Any]:
-    before = len(sim.effects())
+    before, back = len(sim.effects()), _handed_back(store)
     _enqueue(store, tag, 0, backlog)
     cpu0 = _cpu_seconds(pid)
     deadline = time.time() + 300
@@ -165,6 +175,7 @@ def ceiling(
         "effects": len(times),
         "effects_per_s": (len(times) - 1) / span if span else 0.0,
         "cpu_ms": 1000 * cpu / max(len(times), 1),
+        "handed_back": _handed_back(store) - back,
     }
 
 
@@ -197,18 +208,20 @@ def main(argv: Sequence[str]) -> int:
                     time.sleep(2.0)  # the worker is up
                     print(f"\n{handler} handler")
                     print(HEAD)
-                    print("|---|---|---|---|---|---|")
+                    print("|---|---|---|---|---|---|---|")
                     for i, rate in enumerate(rates):
                         row = offered(store, sim, worker.pid, rate, args.seconds, f"r{i}")
                         print(
                             f"| {rate:.0f} | {row['effects_per_s']:.0f} | {_ms(row['p50'])} | "
-                            f"{_ms(row['p99'])} | {row['cpu_pct']:.0f} | {row['cpu_ms']:.2f} |",
+                            f"{_ms(row['p99'])} | {row['cpu_pct']:.0f} | {row['cpu_ms']:.2f} | "
+                            f"{row['handed_back']} |",
                             flush=True,
                         )
                     top = ceiling(store, sim, worker.pid, args.backlog, "max")
                     print(
                         f"ceiling: {top['effects']} jobs drained at {top['effects_per_s']:.0f} "
-                        f"effects/s, {top['cpu_ms']:.2f} ms CPU per effect",
+                        f"effects/s, {top['cpu_ms']:.2f} ms CPU per effect, "
+                        f"{top['handed_back']} handed back",
                         flush=True,
                     )
                 finally:
