@@ -243,6 +243,14 @@ class Soak:
                     *("--commits", str(self.run_dir / f"commits{index}.log")),
                 ],
             )
+        # The clock starts at the first commit of every writer (a cold process takes seconds
+        # to import on a loaded machine), so the first interval is not a start-up artefact.
+        deadline = time.monotonic() + 120
+        paths = [self.run_dir / f"commits{index}.log" for index in range(writers)]
+        while time.monotonic() < deadline:
+            if all(path.exists() and path.stat().st_size for path in paths):
+                break
+            time.sleep(0.1)
 
     def stop(self) -> None:
         order = [n for n in self.procs if n.startswith("writer")]
@@ -492,6 +500,73 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
             )
 
 
+def report(paths: list[Path]) -> str:
+    """Markdown tables of the summaries (``--report``), one column per run."""
+    runs = [json.loads(path.read_text()) for path in paths]
+
+    def line(name: str, cells: list[str]) -> str:
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    def num(value: Any, digits: int = 0) -> str:
+        if value is None or value != value:
+            return "-"
+        return f"{value:,.{digits}f}"
+
+    out = [line("", [r["label"] for r in runs]), line("---", ["---"] * len(runs))]
+    rows = [
+        ("offered quotes/s", [num(r["rate"]) for r in runs]),
+        ("minutes", [num(r["minutes"], 1) for r in runs]),
+        (
+            "load average (1 min): mean (min-max)",
+            [
+                f"{r['load1']['mean']:.1f} ({r['load1']['min']:.1f}-{r['load1']['max']:.1f})"
+                for r in runs
+            ],
+        ),
+        ("committed/s after the windows", [num(r["committed_s_mean"], 1) for r in runs]),
+        (
+            "relay claims/s: first 5 min -> last 5 min",
+            [
+                f"{r['first']['claims_s']:.1f} -> {r['last']['claims_s']:.1f}"
+                f" (x{r['claims_ratio']:.3f})"
+                for r in runs
+            ],
+        ),
+        (
+            "commit -> effect p99 (ms): first 5 min -> last 5 min",
+            [
+                f"{r['first']['p99_ms']:,.0f} -> {r['last']['p99_ms']:,.0f} (x{r['p99_ratio']:.2f})"
+                for r in runs
+            ],
+        ),
+        (
+            "commit -> effect p50 / p99, whole run (ms)",
+            [f"{r['p50_ms_all']:,.0f} / {r['p99_ms_all']:,.0f}" for r in runs],
+        ),
+        ("WAL bytes per event", [num(r["wal_per_event_mean"]) for r in runs]),
+        (
+            "relay batch time per event (ms)",
+            [num(r["relay_busy_ms_per_event_mean"], 2) for r in runs],
+        ),
+        ("relay CPU per event (ms)", [num(r["cpu_relay_ms_per_event"], 2) for r in runs]),
+        ("PostgreSQL CPU per event (ms)", [num(r["cpu_postgres_ms_per_event"], 2) for r in runs]),
+    ]
+    out += [line(name, cells) for name, cells in rows]
+    out += ["", "Rows and total size: mean over the 5 minutes after the first windows -> mean over"]
+    out += ["the last 5 minutes.", ""]
+    out += [line("table", [r["label"] for r in runs]), line("---", ["---"] * len(runs))]
+    for short in TABLES:
+        cells = []
+        for r in runs:
+            rows_, size = r["flat"][f"{short}_rows"], r["flat"][f"{short}_bytes"]
+            cells.append(
+                f"{num(rows_['after_windows'])} -> {num(rows_['last'])} rows,"
+                f" {size['after_windows'] / 2**20:.2f} -> {size['last'] / 2**20:.2f} MiB"
+            )
+        out.append(line(short, cells))
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__)
     parser.add_argument("--rate", type=float, default=300.0, help="quotes/s in all [300]")
@@ -509,7 +584,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reports", default=str(ROOT / "bench" / "reports"))
     parser.add_argument("--chart", default=None, help="PNG path [docs/images/soak-LABEL.png]")
     parser.add_argument("--plot", nargs="+", default=None, help="CSVs to chart, no run")
+    parser.add_argument("--report", nargs="+", default=None, help="JSON summaries: markdown")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report([Path(p) for p in args.report]))
+        return 0
     from bench.soak_chart import plot
 
     if args.plot:
