@@ -1,7 +1,7 @@
 """The relay's statements on a partitioned outbox table (``outbox.partitions``).
 
 The statements of :mod:`relay.store.postgres` join a batch's sequence numbers to the table
-(``FROM unnest(...) u WHERE t.seq = u.seq``, ``FROM picked WHERE t.seq = picked.seq``). On
+(``FROM unnest(...) u WHERE t.seq = u.seq``; the claim ``t.seq = ANY(ARRAY(... picked))``). On
 one table the planner probes the primary key per row. On a partitioned table each probe is
 one per partition, and without statistics (DESIGN.md: autovacuum is off here) the planner
 costed that above a hash join over a sequential scan of EVERY partition: measured, 100,000
@@ -40,7 +40,7 @@ _REWRITES: dict[str, tuple[tuple[str, str], ...]] = {
         ("SELECT l.seq FROM (", "SELECT l.seq, l.created_at FROM ("),
         ("        SELECT o.seq FROM ", "        SELECT o.seq, o.created_at FROM "),
         (
-            "FROM picked WHERE t.seq = picked.seq",
+            "WHERE t.seq = ANY(ARRAY(SELECT seq FROM picked))",
             "WHERE t.seq = ANY(ARRAY(SELECT seq FROM picked))\n"
             "  AND t.created_at >= (SELECT min(created_at) FROM picked)\n"
             "  AND t.created_at <= (SELECT max(created_at) FROM picked)",
