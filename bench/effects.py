@@ -1,7 +1,7 @@
 """One worker process with its defaults against a slow provider: effects/s, CPU per effect.
 
 ``python -m bench effects [--latency 0.3] [--rates 50,100,200,400] [--seconds S]
-[--backlog N] [--handlers sync,async]``
+[--backlog N] [--handlers sync,async] [--capacity N]``
 
 One ``outbox-simulator serve`` adding ``--latency`` seconds to every send, one ``outbox-worker
 run tests.effects_app:build`` process with no flags (its default slots), PostgreSQL (the
@@ -13,6 +13,11 @@ handler calling ``job.dispatch``; ``async``: an ``async def`` one awaiting
   enqueue -> effect p50 / p99, the worker's CPU (% of one core) and CPU per effect (ms);
 - the ceiling: ``--backlog`` jobs enqueued at once, drained; effects/s from the first effect
   to the last, and CPU per effect.
+
+``--capacity N``: the provider serves N sends at once and queues the others (a provider
+slower than what is offered: overload). Each row also gives the provider requests per
+effect (every call that reached it, sends, resends and lookups, over the effects made),
+and the jobs handed back by a provider limit.
 
 The CPU is the worker process's utime + stime from ``/proc``. Figures depend on what else
 the machine runs (say so when quoting them): a benchmark, never a timed test.
@@ -131,7 +136,7 @@ def offered(
     store: Store, sim: SimulatorProcess, pid: int, rate: float, seconds: float, tag: str
 ) -> dict[str, Any]:
     """Enqueue at ``rate`` for ``seconds`` (ticks of 50 ms), then let it settle."""
-    before, back = len(sim.effects()), _handed_back(store)
+    before, back, calls = len(sim.effects()), _handed_back(store), len(sim.arrivals())
     cpu0, t0 = _cpu_seconds(pid), time.time()
     sent = 0
     while (elapsed := time.time() - t0) < seconds:
@@ -148,6 +153,7 @@ def offered(
     while len(sim.effects()) - before < sent and time.time() < deadline:
         time.sleep(0.2)
     lat = _latencies(store, sim.effects(), t0)
+    settled = len(sim.effects()) - before
     return {
         "offered": rate,
         "effects_per_s": made / window,
@@ -156,13 +162,14 @@ def offered(
         "cpu_pct": 100 * cpu / window,
         "cpu_ms": 1000 * cpu / max(made, 1),
         "handed_back": _handed_back(store) - back,
+        "requests": (len(sim.arrivals()) - calls) / max(settled, 1),
     }
 
 
 def ceiling(
     store: Store, sim: SimulatorProcess, pid: int, backlog: int, tag: str
 ) -> dict[str, Any]:
-    before, back = len(sim.effects()), _handed_back(store)
+    before, back, calls = len(sim.effects()), _handed_back(store), len(sim.arrivals())
     _enqueue(store, tag, 0, backlog)
     cpu0 = _cpu_seconds(pid)
     deadline = time.time() + 300
@@ -176,6 +183,7 @@ def ceiling(
         "effects_per_s": (len(times) - 1) / span if span else 0.0,
         "cpu_ms": 1000 * cpu / max(len(times), 1),
         "handed_back": _handed_back(store) - back,
+        "requests": (len(sim.arrivals()) - calls) / max(len(times), 1),
     }
 
 
@@ -190,11 +198,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="each rate's window")
     parser.add_argument("--backlog", type=int, default=3000, help="jobs for the ceiling")
     parser.add_argument("--handlers", default="async,sync")
+    parser.add_argument("--capacity", type=int, default=None, help="sends served at once")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
-    print(f"provider: {args.latency * 1000:.0f} ms per send; one worker process, defaults")
+    served = f", {args.capacity} sends at once" if args.capacity else ""
+    print(f"provider: {args.latency * 1000:.0f} ms per send{served}; one worker, defaults")
     for handler in [h.strip() for h in args.handlers.split(",") if h.strip()]:
         schema, url = _schema_url()
         directory = Path(tempfile.mkdtemp(prefix="bench-effects-"))
@@ -202,26 +212,27 @@ def main(argv: Sequence[str]) -> int:
         store.create_schema()
         try:
             with SimulatorProcess(directory / "sim.db") as sim:
-                sim.configure(latency=args.latency)
+                sim.configure(latency=args.latency, capacity=args.capacity)
                 worker = _worker(url, sim, handler, directory / "worker.log")
                 try:
                     time.sleep(2.0)  # the worker is up
                     print(f"\n{handler} handler")
                     print(HEAD)
-                    print("|---|---|---|---|---|---|---|")
+                    print("|---|---|---|---|---|---|---|---|")
                     for i, rate in enumerate(rates):
                         row = offered(store, sim, worker.pid, rate, args.seconds, f"r{i}")
                         print(
                             f"| {rate:.0f} | {row['effects_per_s']:.0f} | {_ms(row['p50'])} | "
                             f"{_ms(row['p99'])} | {row['cpu_pct']:.0f} | {row['cpu_ms']:.2f} | "
-                            f"{row['handed_back']} |",
+                            f"{row['handed_back']} | {row['requests']:.2f} |",
                             flush=True,
                         )
                     top = ceiling(store, sim, worker.pid, args.backlog, "max")
                     print(
                         f"ceiling: {top['effects']} jobs drained at {top['effects_per_s']:.0f} "
                         f"effects/s, {top['cpu_ms']:.2f} ms CPU per effect, "
-                        f"{top['handed_back']} handed back",
+                        f"{top['handed_back']} handed back, "
+                        f"{top['requests']:.2f} requests per effect",
                         flush=True,
                     )
                 finally:
