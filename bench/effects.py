@@ -48,7 +48,8 @@ from tests.simulator_support import SimulatorProcess  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 HEAD = (
-    "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect | handed back |"
+    "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect "
+    "| handed back | requests/effect |"
 )
 BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
