@@ -88,13 +88,13 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     spawn = multiprocessing.get_context("spawn")
     reader_stop = spawn.Event()
+    reader_ready = spawn.Event()
     ours, theirs = spawn.Pipe(duplex=False)
     reader = spawn.Process(
-        target=read_stream, args=(args.redis_url, stream, after, reader_stop, theirs)
+        target=read_stream,
+        args=(args.redis_url, stream, after, reader_ready, reader_stop, theirs),
     )
     lock = threading.Lock()
-    start = time.time() + 1.0
-    end = start + args.warmup + args.seconds
     tx_interval = args.per_tx * args.writers / args.rate  # per writer
 
     def write(n: int) -> None:
@@ -115,9 +115,15 @@ def main(argv: list[str]) -> int:
             due += tx_interval
 
     threads = [threading.Thread(target=write, args=(n,)) for n in range(args.writers)]
-    arrivals: list[tuple[str, float]] = []
+    arrivals: list[tuple[str, float, float]] = []
     try:
         reader.start()
+        # The writers start once the reader reads (a spawned process takes seconds to
+        # import on a busy machine; entries read late would be stamped late).
+        if not reader_ready.wait(120):
+            raise RuntimeError("the reader process did not start")
+        start = time.time() + 0.5
+        end = start + args.warmup + args.seconds
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -137,11 +143,14 @@ def main(argv: list[str]) -> int:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
-    arrived = [(committed[e], t - committed[e]) for e, t in arrivals if e in committed]
-    measured = sorted(lat for at, lat in arrived if at >= start + args.warmup)
+    arrived = [(committed[e], t - committed[e], x) for e, t, x in arrivals if e in committed]
+    measured = sorted(lat for at, lat, _x in arrived if at >= start + args.warmup)
+    # Where it went: commit -> XADD (the entry id's Redis clock, ms) and XADD -> read.
+    xadd = sorted(x - at for at, _lat, x in arrived if at >= start + args.warmup)
+    read_lag = sorted(at + lat - x for at, lat, x in arrived if at >= start + args.warmup)
     written = sum(1 for at in committed.values() if at >= start + args.warmup)
     if not measured:
-        print("no events measured")
+        print(f"no events measured ({len(arrivals)} read, {len(committed)} committed)")
         return 1
     ms = [x * 1000 for x in measured]
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
@@ -152,14 +161,26 @@ def main(argv: list[str]) -> int:
         f"{len(measured)} measured: p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, "
         f"max {ms[-1]:.1f} ms"
     )
+
+    def p(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(len(values) * q))] * 1000
+
+    print(
+        f"  commit -> XADD (entry id, Redis clock): p50 {p(xadd, 0.5):.0f} ms, "
+        f"p99 {p(xadd, 0.99):.0f} ms; XADD -> read: p50 {p(read_lag, 0.5):.0f} ms, "
+        f"p99 {p(read_lag, 0.99):.0f} ms (entry ids are whole milliseconds)"
+    )
     return 0
 
 
-def read_stream(redis_url: str, stream: str, after: str, stop: Any, out: Any) -> None:
-    """The reader process: XREAD ``stream`` from entry ``after`` until ``stop`` is set, then
-    send (event id, arrival time) of every entry read through ``out``."""
+def read_stream(redis_url: str, stream: str, after: str, ready: Any, stop: Any, out: Any) -> None:
+    """The reader process: XREAD ``stream`` from entry ``after`` (``ready`` set once it
+    can) until ``stop`` is set, then send (event id, arrival time) of every entry read
+    through ``out``."""
     reader = redis.Redis.from_url(redis_url)
-    arrivals: list[tuple[str, float]] = []
+    reader.ping()
+    ready.set()
+    arrivals: list[tuple[str, float, float]] = []
     last = after
     while not stop.is_set():
         found = reader.xread({stream: last}, count=1000, block=200)
@@ -167,6 +188,7 @@ def read_stream(redis_url: str, stream: str, after: str, stop: Any, out: Any) ->
         for _name, entries in found or []:
             for entry_id, fields in entries:
                 last = entry_id
-                arrivals.append((fields[b"id"].decode(), now))
+                xadd_ms = int(entry_id.split(b"-")[0])
+                arrivals.append((fields[b"id"].decode(), now, xadd_ms / 1000))
     reader.close()
     out.send(arrivals)
