@@ -253,6 +253,22 @@ def test_bad_partition_settings_are_config_errors_naming_the_problem(
 # -- publishing across partitions ------------------------------------------------------------
 
 
+def test_every_relay_statement_rewrite_still_fits_the_plain_statements() -> None:
+    from relay.store import postgres
+    from relay.store.partitions import _REWRITES, unfit_rewrites
+
+    plain = {
+        "claim": postgres.PG_CLAIM,
+        "published": postgres.PG_PUBLISHED,
+        "failed": postgres.PG_FAILED,
+        "quarantine": postgres.PG_QUARANTINE,
+        "resolve_found": postgres.PG_RESOLVE_FOUND,
+        "resolve_missing": postgres.PG_RESOLVE_MISSING,
+    }
+    assert set(plain) == set(_REWRITES)
+    assert unfit_rewrites(plain) == []
+
+
 def test_events_across_partition_boundaries_are_published_once_in_key_order(
     pg_url: str, redis_client: redis.Redis, stream_prefix: str
 ) -> None:
@@ -263,22 +279,21 @@ def test_events_across_partition_boundaries_are_published_once_in_key_order(
     written: list[tuple[str, str]] = []
     # A transaction begun now and committed last: its rows are stamped with its start, so
     # they land in an earlier partition than rows committed before it (the claim floor).
-    held = outbox.engine.connect()
-    held_tx = held.begin()
-    late = outbox.emit(held, "t", key="late", payload={"n": 0})
-    started = time.monotonic()
-    n = 0
-    while time.monotonic() - started < 3.5:  # across three or four boundaries
-        with outbox.transaction() as tx:
-            for _ in range(20):
-                key = f"k{n % 7}"
-                written.append((tx.emit("t", key=key, payload={"n": n}), key))
-                n += 1
-        relay.run_once()
-        relay.partition_duty.maybe_run()  # what ``run`` does after each cycle
-        time.sleep(0.05)
-    held_tx.commit()
-    held.close()
+    with outbox.engine.connect() as held:
+        held_tx = held.begin()
+        late = outbox.emit(held, "t", key="late", payload={"n": 0})
+        started = time.monotonic()
+        n = 0
+        while time.monotonic() - started < 3.5:  # across three or four boundaries
+            with outbox.transaction() as tx:
+                for _ in range(20):
+                    key = f"k{n % 7}"
+                    written.append((tx.emit("t", key=key, payload={"n": n}), key))
+                    n += 1
+            relay.run_once()
+            relay.partition_duty.maybe_run()  # what ``run`` does after each cycle
+            time.sleep(0.05)
+        held_tx.commit()
     written.append((late, "late"))
     with outbox.transaction() as tx:
         after = tx.emit("t", key="late", payload={"n": 1})

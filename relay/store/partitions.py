@@ -11,15 +11,21 @@ receipts, O(table) per batch.
 So on a partitioned table each of those statements also bounds ``t.seq`` by the batch's own
 array (``t.seq = ANY(...)``): every partition is then read through an index, a probe per
 sequence number, or (a partition too small for that to pay) scanned whole, which costs what
-the small partition holds. The claim's UPDATE finds its rows by the array of what it locked,
-and within the ``created_at`` range of those rows, so partitions outside that range are not
-read at all (run-time pruning). Measured on the same table: 17-60 ms per claim (a loaded
-machine), no sequential scan of a partition larger than the batch's lookups would cost.
+the small partition holds. The claim's UPDATE finds its rows by the array of what it locked (as
+on a plain table) and within the ``created_at`` range of those rows, so partitions outside
+that range are not read at all (run-time pruning). Measured on the same table: 17-60 ms
+per claim (a loaded machine), no sequential scan of a partition larger than the batch's
+lookups would cost.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from outbox.logs import fields
+
+log = logging.getLogger("outbox.relay")
 
 RELKIND_SQL = "SELECT relkind::text FROM pg_class WHERE oid = to_regclass(%s)"
 
@@ -51,18 +57,32 @@ _REWRITES: dict[str, tuple[tuple[str, str], ...]] = {
 
 def partitioned_statements(statements: dict[str, str]) -> dict[str, str]:
     """The statements of :mod:`relay.store.postgres` (by name, ``{t}`` already replaced)
-    rewritten for a partitioned table (see the module docstring). Each rewrite must apply
-    exactly once: a statement changed in ``postgres.py`` so that one no longer does fails
-    here, at the relay's first connection, not silently slow."""
+    rewritten for a partitioned table (see the module docstring). A statement that a rewrite
+    no longer fits (``postgres.py`` changed it) is kept as it is, with a warning: correct,
+    maybe slow; tests/test_partitioned.py checks that every rewrite applies."""
     out = dict(statements)
     for name, rewrites in _REWRITES.items():
         sql = out[name]
         for old, new in rewrites:
             if sql.count(old) != 1:
-                raise AssertionError(f"relay statement {name!r}: {old!r} does not occur once")
+                log.warning(
+                    "relay statement not rewritten for a partitioned table",
+                    extra=fields(statement=name, expected=old),
+                )
+                break
             sql = sql.replace(old, new)
-        out[name] = sql
+        else:
+            out[name] = sql
     return out
+
+
+def unfit_rewrites(statements: dict[str, str]) -> list[str]:
+    """The names of the statements a rewrite no longer fits (for the tests)."""
+    return [
+        name
+        for name, rewrites in _REWRITES.items()
+        if any(statements[name].count(old) != 1 for old, _new in rewrites)
+    ]
 
 
 def statements_for(conn: Any, table: str, statements: dict[str, str]) -> dict[str, str]:
@@ -72,4 +92,4 @@ def statements_for(conn: Any, table: str, statements: dict[str, str]) -> dict[st
     return partitioned_statements(statements) if row and row[0] == "p" else statements
 
 
-__all__ = ["RELKIND_SQL", "partitioned_statements", "statements_for"]
+__all__ = ["RELKIND_SQL", "partitioned_statements", "statements_for", "unfit_rewrites"]
