@@ -185,11 +185,22 @@ def _pg_sizes(conn: Connection, wanted: Sequence[tuple[str, str | None, str]]) -
     names = [quoted_table(name, schema) for name, schema, _kind in wanted]
     rows = conn.execute(
         text(
-            """SELECT q.n, coalesce(s.n_live_tup, greatest(c.reltuples, 0)::bigint),
-                      s.n_dead_tup, pg_table_size(c.oid), pg_indexes_size(c.oid)
+            # A partitioned table (outbox.partitions) counts as one: the sums over its
+            # partitions (pg_partition_tree's leaves).
+            """SELECT q.n, p.live, p.dead, p.tb, p.ib
             FROM unnest(CAST(:names AS text[])) WITH ORDINALITY AS q(n, i)
             JOIN pg_class c ON c.oid = to_regclass(q.n)
-            LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"""
+            CROSS JOIN LATERAL (
+                SELECT sum(coalesce(s.n_live_tup, greatest(m.reltuples, 0)::bigint))::bigint
+                           AS live,
+                       CASE WHEN count(s.relid) > 0 THEN sum(s.n_dead_tup)::bigint END AS dead,
+                       sum(pg_table_size(t.relid))::bigint AS tb,
+                       sum(pg_indexes_size(t.relid))::bigint AS ib
+                FROM (SELECT relid FROM pg_partition_tree(c.oid)
+                      WHERE isleaf AND c.relkind = 'p'
+                      UNION ALL SELECT c.oid WHERE c.relkind <> 'p') t
+                JOIN pg_class m ON m.oid = t.relid
+                LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid) p"""
         ),
         {"names": names},
     ).all()

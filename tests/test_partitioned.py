@@ -39,6 +39,7 @@ from outbox import partitions as parts
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.schema import PG_STORAGE_PARAMETERS
+from outbox.tablestats import table_stats
 from relay import RedisStreamPublisher, Relay, RelayConfig
 from relay.partitions import PartitionUpkeep
 from relay.republish import republish
@@ -211,6 +212,9 @@ def test_create_schema_partitioned_from_the_api_sync_and_async(pg_url: str) -> N
     with outbox.transaction() as tx:
         event_id = tx.emit("t", key="k", payload={"n": 1})
     assert partition_of_rows(outbox.engine)[event_id] != f"{TABLE}_default"
+    with outbox.engine.connect() as conn:  # status and metrics count the partitions as one
+        (stats,) = table_stats(conn, [(TABLE, None, "outbox")])
+    assert stats.table_bytes and stats.table_bytes > 0 and stats.index_bytes
 
     async def make() -> None:
         aio = AsyncOutbox(pg_url.replace("+psycopg", "+psycopg_async"), table="async_events")
