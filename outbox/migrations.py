@@ -30,6 +30,12 @@ migration that creates the outbox table::
 ``Outbox.create_schema()`` runs, so a database migrated by Alembic and one made by
 ``create_schema()`` end up the same (tests/test_alembic.py checks exactly that). A second
 autogenerate finds no differences: Alembic compares neither triggers nor storage parameters.
+
+A partitioned outbox (``outbox.partitions``): ``build_schema(partitioned="hourly")`` in
+``target_metadata`` makes autogenerate write ``create_table(..., postgresql_partition_by=
+'RANGE (created_at)')`` with the ``(seq, created_at)`` primary key, and
+``create_extras(op, partitioned="hourly")`` adds the partitions (without any, every insert
+fails: a partitioned table keeps rows in its partitions only).
 """
 
 from __future__ import annotations
@@ -56,15 +62,23 @@ def create_extras(
     schema: str | None = None,
     notify: bool | None = None,
     hot_tables: tuple[str, ...] = HOT_TABLES,
+    partitioned: str | int | None = None,
 ) -> None:
     """In a migration: the outbox table's NOTIFY trigger (added with ``notify=True``, dropped
     with False; None, the default, adds none and keeps an existing one: relays poll and
     writers' commits take no NOTIFY lock; ``outbox.schema``), storage
     parameters and blocked-key index, and the storage parameters of the ``hot_tables`` that
     exist, each added only if missing. ``op`` is ``alembic.op``; on SQLite only the index
-    applies."""
+    applies. ``partitioned`` (``"hourly"``, ``"daily"`` or seconds: the table's metadata came
+    from ``build_schema(partitioned=...)``): the period comment, the DEFAULT partition and
+    the partitions of the current and next periods (``outbox.partitions``)."""
     bind = op.get_bind()
-    _create_extras(bind, build_schema(table, schema), notify=notify)
+    _create_extras(
+        bind,
+        build_schema(table, schema, partitioned=partitioned),
+        notify=notify,
+        partitioned=partitioned,
+    )
     if bind.dialect.name != "postgresql":
         return
     for name in hot_tables:
