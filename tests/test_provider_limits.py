@@ -137,3 +137,36 @@ def test_http_provider_sends_nothing_past_send_by(sim: SimulatorProcess, form: s
     assert send()  # no reserved start: it goes
     assert len(sim.effects(operation_id)) == 1
     provider.close()
+
+
+def test_a_fast_providers_permits_do_not_shrink_on_the_workers_own_delays() -> None:
+    """A provider answering in 50 µs, sampled through a busy worker (a call now and then
+    20-60 ms, the thread scheduled late): that is the machine, not a queue at the provider.
+    Before the floor every such call took 10 % off, the limit fell to 1 and the worker
+    handed back nearly every job (seen at load 30 in the soak)."""
+    permits = limits.AdaptiveLimit(16)
+    for i in range(400):
+        assert permits.try_acquire()
+        permits._last_decrease = 0.0  # each late call comes after the cool-down
+        permits.release(0.06 if i % 3 == 0 else 0.00005)
+    assert permits.limit >= 15
+
+
+def test_a_slow_providers_queue_still_shrinks_the_permits() -> None:
+    """The floor leaves real providers alone: a 100 ms provider that starts answering in
+    1 s (a queue at it) loses permits, and a timeout halves them."""
+    permits = limits.AdaptiveLimit(16)
+    for _ in range(20):
+        assert permits.try_acquire()
+        permits.release(0.1)
+    assert permits.limit == 16
+    for _ in range(20):
+        assert permits.try_acquire()
+        permits._last_decrease = 0.0  # each slow answer comes after the cool-down
+        permits.release(1.0)
+    assert permits.limit < 16 * 0.9**10
+    before = permits.limit
+    assert permits.try_acquire()
+    permits._last_decrease = 0.0
+    permits.release(5.0, timed_out=True)
+    assert permits.limit <= max(1.0, before * 0.5)

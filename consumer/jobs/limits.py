@@ -37,7 +37,9 @@ deadline):
 - **Calls in flight, learnt per process (AIMD).** :class:`AdaptiveLimit` starts at the
   worker's slots and halves on a timeout, takes 10 % off when a call's latency exceeds
   ``tolerance`` times the provider's best recent latency (a queue building up at the
-  provider), and adds about one per round of successes otherwise; at most one decrease per
+  provider; the best is taken as at least ``latency_floor``, 20 ms, so that a provider
+  answering in microseconds does not read the worker's own scheduling delays on a busy
+  machine as overload and shrink to one call in flight), and adds about one per round of successes otherwise; at most one decrease per
   recent latency, so one wave of slow answers does not collapse it. A provider that serves
   8 sends at once is then sent about that many, not buried under calls that time out and
   come back as lookups and resends (the metastable overload of retrying clients).
@@ -291,6 +293,14 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+LATENCY_FLOOR = 0.02
+"""Seconds: the least "best recent latency" :class:`AdaptiveLimit` compares a call with. A
+provider that answers in 50 µs would otherwise count any call slower than 200 µs (a thread
+scheduled late on a loaded machine) as a queue at the provider: measured at load 30, its
+limit fell to 1 and the worker handed back nearly every job. Real providers answer in
+50-300 ms, so the floor changes nothing for them."""
+
+
 class AdaptiveLimit:
     """Calls in flight to one provider, adapted to what it serves (AIMD; module docstring).
     Thread-safe, shared by a worker's thread pool and its event loop."""
@@ -303,10 +313,12 @@ class AdaptiveLimit:
         tolerance: float = 4.0,
         backoff: float = 0.9,
         timeout_backoff: float = 0.5,
+        latency_floor: float = LATENCY_FLOOR,
     ) -> None:
         self.maximum = max(1, maximum)
         self.minimum = max(1, min(minimum, self.maximum))
         self.tolerance = tolerance
+        self.latency_floor = latency_floor
         self.backoff = backoff
         self.timeout_backoff = timeout_backoff
         self.limit = float(self.maximum)
@@ -385,7 +397,10 @@ class AdaptiveLimit:
         if timed_out and cooled:
             self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
             self._last_decrease = now
-        elif latency > self.tolerance * self._best and len(self._samples) >= 10:
+        elif (
+            latency > self.tolerance * max(self._best, self.latency_floor)
+            and len(self._samples) >= 10
+        ):
             if cooled:
                 self.limit = max(float(self.minimum), self.limit * self.backoff)
                 self._last_decrease = now
