@@ -41,8 +41,9 @@ deadline):
   answering in microseconds does not read the worker's own scheduling delays on a busy
   machine as overload and shrink to one call in flight), and adds about one per round of
   successes otherwise; at most one decrease per recent latency, so one wave of slow answers
-  does not collapse it. A provider that serves 8 sends at once is then sent about that many, not buried under calls that time out and
-  come back as lookups and resends (the metastable overload of retrying clients).
+  does not collapse it. A provider that serves 8 sends at once is then sent about that
+  many, not buried under calls that time out and come back as lookups and resends (the
+  metastable overload of retrying clients).
 
 A job that would wait longer than the limit allows (the pause, a rate reservation more than
 ``max_wait`` ahead, more than ``max_waiting`` jobs of this process already waiting for a
