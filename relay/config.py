@@ -42,9 +42,9 @@ class RelayConfig:
       ``key_hash % partitions``; each partition is owned by one replica at a time (see
       :mod:`relay.store`). Every replica of one outbox must use the same number.
     - ``poll_interval`` / ``max_poll_interval``: adaptive polling. After a cycle that found
-      work the relay polls again after ``poll_interval`` (5 ms); each idle cycle doubles the
-      wait up to ``max_poll_interval`` (1 s). With ``listen`` and a table that has the NOTIFY
-      trigger (``init-db --notify``), a commit wakes the relay at once.
+      work the relay polls again ``poll_interval`` (5 ms) after that cycle began; each idle
+      cycle doubles the wait up to ``max_poll_interval`` (1 s). With ``listen`` and a table
+      that has the NOTIFY trigger (``init-db --notify``), a commit wakes the relay at once.
     - ``retention_seconds``: published rows older than this are deleted, in batches of
       ``retention_batch`` rows, every ``retention_interval`` seconds. ``0`` disables
       retention. Quarantined rows are never deleted.

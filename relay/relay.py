@@ -383,6 +383,7 @@ class Relay:
         loop = _LoopState(interval=self.config.poll_interval, last_progress=time.monotonic())
         try:
             while not event.is_set():
+                started = time.monotonic()
                 try:
                     published = self._step()
                     if loop.outage_attempt:
@@ -399,7 +400,11 @@ class Relay:
                 self._pace(loop, published, now)
                 if event.is_set():
                     break
-                self._idle(loop.interval, event)
+                # The interval runs from the cycle's start: a claim that took 4 ms of a 5 ms
+                # poll waits 1 ms, not 5 (commit -> stream was claim + a whole interval).
+                wait = loop.interval - (now - started)
+                if wait > 0:
+                    self._idle(wait, event)
         finally:
             self._stop_pipeline()
 
