@@ -1,6 +1,6 @@
 """The relay's statements on a partitioned outbox table (``outbox.partitions``).
 
-The statements of :mod:`relay.store.postgres` join a batch's sequence numbers to the table
+The statements of :mod:`relay.store.pg_statements` join a batch's sequence numbers to the table
 (``FROM unnest(...) u WHERE t.seq = u.seq``; the claim ``t.seq = ANY(ARRAY(... picked))``). On
 one table the planner probes the primary key per row. On a partitioned table each probe is
 one per partition, and without statistics (DESIGN.md: autovacuum is off here) the planner
@@ -56,7 +56,7 @@ _REWRITES: dict[str, tuple[tuple[str, str], ...]] = {
 
 
 def partitioned_statements(statements: dict[str, str]) -> dict[str, str]:
-    """The statements of :mod:`relay.store.postgres` (by name, ``{t}`` already replaced)
+    """The statements of :mod:`relay.store.pg_statements` (by name, ``{t}`` already replaced)
     rewritten for a partitioned table (see the module docstring). A statement that a rewrite
     no longer fits (``postgres.py`` changed it) is kept as it is, with a warning: correct,
     maybe slow; tests/test_partitioned.py checks that every rewrite applies."""

@@ -25,7 +25,7 @@ from relay.store.base import (
     _requeue,
     _status,
 )
-from relay.store.postgres import _BLOCKED
+from relay.store.pg_statements import _BLOCKED
 
 log = logging.getLogger("outbox.relay")
 
