@@ -65,6 +65,18 @@ def pg_schema(pg_admin_engine: sa.Engine) -> Iterator[str]:
             ),
             {"q": f"%{schema}%"},
         )
+        # ... and sessions that hold a lock on the schema's tables without naming it (a
+        # failed test's connection left idle in a transaction through search_path): the DROP
+        # would wait on them for good, and with it the suite.
+        conn.execute(
+            sa.text(
+                "SELECT pg_terminate_backend(l.pid) FROM pg_locks l "
+                "JOIN pg_class c ON c.oid = l.relation "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = :s AND l.pid <> pg_backend_pid()"
+            ),
+            {"s": schema},
+        )
         conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
 
