@@ -19,6 +19,7 @@ What they prove:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -36,47 +37,30 @@ import sqlalchemy as sa
 
 from outbox import AsyncOutbox, Outbox
 from outbox import partitions as parts
-from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.schema import PG_STORAGE_PARAMETERS
 from outbox.tablestats import table_stats
-from relay import RedisStreamPublisher, Relay, RelayConfig
+from relay import RedisStreamPublisher, Relay
 from relay.partitions import PartitionUpkeep
 from relay.republish import republish
 from relay.store import store_for
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from services import wait_for
+    from test_relay import fast_config as config
+    from test_relay_cli import cli as relay_cli
+    from test_relay_faults import pending_count
 except ImportError:  # pragma: no cover
     from tests.services import wait_for
+    from tests.test_relay import fast_config as config
+    from tests.test_relay_cli import cli as relay_cli
+    from tests.test_relay_faults import pending_count
+
+cli = functools.partial(relay_cli, timeout=120)
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "outbox_events"
 HOUR = 3600
-
-
-def config(**overrides: Any) -> RelayConfig:
-    values: dict[str, Any] = {
-        "publish_deadline": 0.5,
-        "clock_margin": 0.2,
-        "record_backoff": Backoff(0.05, 0.2),
-        "rebalance_interval": 0.1,
-    }
-    values.update(overrides)
-    return RelayConfig(**values)
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    full_env["PYTHONPATH"] = str(ROOT)
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "relay", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-    )
 
 
 def relkind(engine: sa.Engine, table: str = TABLE) -> str | None:
@@ -464,7 +448,9 @@ def test_a_sigkilled_relay_on_a_partitioned_table_loses_and_duplicates_nothing(
                 "every event in the stream",
                 timeout=90,
             )
-            time.sleep(0.5)  # a duplicate would arrive now
+            # A duplicate would be XADDed before its row's receipt: once no row is left
+            # unpublished, every publish this relay will make has been made.
+            wait_for(lambda: pending_count(outbox.engine) == (0, 0), "every receipt", timeout=60)
         finally:
             relay.send_signal(signal.SIGTERM)
             relay.wait(30)
