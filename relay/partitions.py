@@ -112,7 +112,7 @@ class PartitionUpkeep:
             )
         for part in droppable:
             if count:
-                part = self._counted(part)
+                part = self._counted(part, schema_name)
             try:
                 with self.engine.begin() as conn:
                     went = partitions.drop_partition(conn, schema_name, name, part)
@@ -134,9 +134,8 @@ class PartitionUpkeep:
             )
         return done
 
-    def _counted(self, part: Partition) -> Partition:
+    def _counted(self, part: Partition, schema_name: str) -> Partition:
         with self.engine.connect() as conn:
-            schema_name = table_schema_of(conn, self.schema)
             rows = conn.exec_driver_sql(
                 f"SELECT count(*) FROM {partitions.qualified(schema_name, part.name)}"
             ).scalar_one()
@@ -156,7 +155,7 @@ class PartitionUpkeep:
                 self.retention_seconds,
                 now=now,
             )
-        return [self._counted(p) for p in droppable] if count else droppable
+        return [self._counted(p, schema_name) for p in droppable] if count else droppable
 
     def partitions(self) -> list[Partition]:
         """The toolkit's partitions of the table, oldest first (empty on a plain table)."""

@@ -462,9 +462,10 @@ class ProviderGate:
         reservation reads it too, each in a statement that is made anyway."""
         if self.fleet is None:
             return
-        until = self.fleet.paused_locally(self.name)
-        if until is None and read and not self.spacing:
-            until = self.fleet.paused_until(self.name)
+        if read and not self.spacing:
+            until = self.fleet.paused_until(self.name)  # what it learnt, else the database
+        else:
+            until = self.fleet.paused_locally(self.name)
         if until is not None:
             raise self._throttled(f"is paused until {until:.3f}", until)
 
