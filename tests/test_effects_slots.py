@@ -324,3 +324,30 @@ def test_no_lease_expires_under_every_slot_busy(
     assert outcomes["expired"] == 0, outcomes  # no lease expired under a live job
     one_effect_each(sim, job_ids)
     store.dispose()
+
+
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_a_full_provider_does_not_make_the_slots_churn(
+    pg_url: str, sim: SimulatorProcess, handler: str
+) -> None:
+    # A provider serving one send at a time, 100 ms each (10/s), 80 jobs on 32 slots: its
+    # adaptive permits settle at a few calls in flight and 16 jobs wait for them; the other
+    # slots have nothing useful to claim. Before, each of them claimed the next job at once
+    # and handed it back (READY again, a "deferred" attempt) as fast as the database
+    # answered: 70 (async) and 151 (sync) hand-backs for 80 effects, each a claim and a
+    # write. A slot whose job was handed back now waits before it claims again, longer for
+    # each hand-back in a row (consumer.jobs.limits): 13 and 15.
+    sim.configure(latency=0.1, capacity=1)
+    store = Store(pg_url)
+    job_ids = enqueue(store, 80)
+    worker = start_worker(pg_url, sim, handler, concurrency=32)
+    try:
+        wait_for(lambda: all_done(store, job_ids), "every job done", timeout=120)
+    finally:
+        stop(worker)
+    with store.engine.connect() as conn:
+        query = text("SELECT count(*) FROM outbox_job_attempts WHERE outcome = 'deferred'")
+        handed_back = int(conn.execute(query).scalar_one())
+    assert handed_back <= len(job_ids) // 2, handed_back
+    one_effect_each(sim, job_ids)
+    store.dispose()

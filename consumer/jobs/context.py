@@ -21,6 +21,7 @@ from consumer.jobs.store import Lease, Store, Time, Timer, _time
 from outbox.errors import ConfigError
 
 if TYPE_CHECKING:
+    from consumer.errors import ProviderThrottled
     from consumer.jobs.operations import Operations, Receipt
 
 __all__ = ["JobContext"]
@@ -43,6 +44,7 @@ class JobContext:
         self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
         self._dispatch_depth = 0  # dispatches under way (every beat renews the lease)
         self.outcome: str | None = None  # set when the handler moved the job itself
+        self.throttled: ProviderThrottled | None = None  # its provider's limit handed it back
         self.lost = False  # set by the heartbeat when the lease was lost (fenced)
         self._progress = 1
         self._renewed = 0

@@ -52,11 +52,21 @@ no failure counted): a throttled or paused provider never holds every slot of a 
 never stops the jobs of other providers. A job waiting within the limit keeps its slot and
 its lease (it reports progress, the heartbeat renews it); no intent exists yet, so a SIGKILL
 meanwhile loses nothing and sends nothing twice.
+
+The worker's slot that held a handed-back job then waits before it claims again
+(``consumer.jobs.slots``, :meth:`ProviderGate.aparked`), holding no lease: PARK_BASE seconds,
+doubled for each job of that provider handed back since a call last found a permit free at
+once, at most PARK_MAX; a permit released here that no waiting job takes wakes one such slot
+at once. Otherwise, behind a backlog of that provider's jobs, a freed slot claims the next
+one at once and hands it back too, as fast as the database answers: measured against a
+provider serving 8 sends at once (100 ms each, ~80/s) under 200 jobs/s, 3,103 hand-backs in
+8 s, 13.5 ms of CPU per effect and 45 effects/s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import math
 import threading
@@ -78,6 +88,8 @@ from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 
 __all__ = [
+    "PARK_BASE",
+    "PARK_MAX",
     "RATE_MARGIN",
     "AdaptiveLimit",
     "FleetLimits",
@@ -92,6 +104,8 @@ MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
 LATE = 0.05  # seconds past its reserved start after which a call reserves a new one
 REBOOK = 2 * MAX_WAIT  # seconds a call's deadline allows for new starts after a missed one
 RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
+PARK_BASE = 0.25  # seconds a slot whose job was handed back waits before it claims again
+PARK_MAX = 4.0  # ... doubled for each hand-back in a row, at most this (module docstring)
 
 
 _SEND_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar(
@@ -325,6 +339,7 @@ class AdaptiveLimit:
         self.limit = float(self.maximum)
         self.in_flight = 0
         self._waiters: deque[_Waiter] = deque()
+        self._parked: deque[_Waiter] = deque()  # worker slots waiting to claim (aparked)
         self._samples: deque[float] = deque(maxlen=100)
         self._best = 0.0
         self._last_decrease = 0.0
@@ -370,6 +385,22 @@ class AdaptiveLimit:
             raise
         return self._settle(waiter)
 
+    async def aparked(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a permit to be released (a worker slot whose
+        job was handed back, on the worker's loop: ``consumer.jobs.slots``). A release
+        wakes one parked slot, so that the slots claim at the pace the permits come back."""
+        waiter = _Waiter(asyncio.get_running_loop())
+        with self._lock:
+            self._parked.append(waiter)
+        assert waiter.future is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._parked.remove(waiter)
+
     def _settle(self, waiter: _Waiter) -> bool:
         with self._lock:
             if waiter.granted:
@@ -388,6 +419,8 @@ class AdaptiveLimit:
             if latency is not None:
                 self._learn(latency, timed_out)
             self._grant()
+            if self._parked and not self._waiters:  # room, that no waiting job took
+                self._parked.popleft().wake()
 
     def _learn(self, latency: float, timed_out: bool) -> None:
         now = time.monotonic()
@@ -451,6 +484,7 @@ class ProviderGate:
         self.permits = AdaptiveLimit(slots)
         self.hooks = hooks if hooks is not None else NO_HOOKS
         self.patience = 5.0  # seconds a job waits for a permit before it is handed back
+        self.handed_back = 0  # jobs handed back since a call found a permit free (aparked)
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
@@ -476,6 +510,15 @@ class ProviderGate:
             clock = self.fleet.store.driver.clock if self.fleet is not None else None
             until = (clock or time.time)()
         return self._throttled(f"is paused until {until:.3f}", until)
+
+    async def aparked(self) -> None:
+        """A worker slot whose job this provider's limit handed back waits before it claims
+        again: PARK_BASE doubled for each hand-back since a call last found a permit free
+        at once, at most PARK_MAX, or less: a permit released here that no waiting job
+        takes wakes one such slot (module docstring)."""
+        self.handed_back += 1
+        seconds = min(PARK_MAX, PARK_BASE * 2 ** min(self.handed_back - 1, 16))
+        await self.permits.aparked(seconds)
 
     def _full(self) -> ProviderThrottled:
         # Hand back rather than queue: the jobs already waiting would take about this long.
@@ -503,7 +546,9 @@ class ProviderGate:
         """Wait (in this thread) for the right to call the provider now (``read_pause``:
         :meth:`_check_pause`)."""
         self._check_pause(read_pause)
-        if not self.permits.try_acquire():
+        if self.permits.try_acquire():
+            self.handed_back = 0  # room: the slots parked for this provider are not needed
+        else:
             if self.permits.waiting >= self.max_waiting:
                 raise self._full()
             self._waiting(+1, progress)
@@ -533,7 +578,9 @@ class ProviderGate:
             await run(self._check_pause)
         else:
             self._check_pause(False)  # no round trip: no executor hop either
-        if not self.permits.try_acquire():
+        if self.permits.try_acquire():
+            self.handed_back = 0  # room: the slots parked for this provider are not needed
+        else:
             if self.permits.waiting >= self.max_waiting:
                 raise self._full()
             self._waiting(+1, progress)

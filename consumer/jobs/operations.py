@@ -223,6 +223,11 @@ class Operations:
                 self._gates[connector.name] = gate
             return gate
 
+    def gate_named(self, name: str) -> ProviderGate | None:
+        """The limits of the provider called ``name``, if this process has called it."""
+        with self._gates_lock:
+            return self._gates.get(name)
+
     # -- reading ----------------------------------------------------------------------------
 
     def receipt(self, operation_id: str) -> Receipt | None:

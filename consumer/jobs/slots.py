@@ -59,6 +59,7 @@ from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
 
 if TYPE_CHECKING:  # the worker imports operations lazily too (only with providers)
+    from consumer.errors import ProviderThrottled
     from consumer.jobs.operations import Operations, Provider
 
 __all__ = ["CLAIM_SPACING", "SlotHost", "SlotRunner", "is_async_handler"]
@@ -167,6 +168,7 @@ class SlotRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
+        self._halt: asyncio.Event | None = None  # set at a stop
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: list[tuple[JobContext, str, float, asyncio.Future[bool]]] = []
         self._flushing = False
@@ -174,10 +176,12 @@ class SlotRunner:
     # -- from other threads ---------------------------------------------------------------
     def kick(self) -> None:
         """Work may be waiting (a NOTIFY, a recovery, a stop): claim now. Thread-safe."""
-        loop, kick = self._loop, self._kick
+        loop, kick, halt = self._loop, self._kick, self._halt
         if loop is not None and kick is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
                 loop.call_soon_threadsafe(kick.set)
+                if halt is not None and self.worker.stop_flag.stopped:
+                    loop.call_soon_threadsafe(halt.set)  # parked slots end their wait
 
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -195,6 +199,7 @@ class SlotRunner:
         self._loop = asyncio.get_running_loop()
         self._kick = asyncio.Event()
         self._freed = asyncio.Event()
+        self._halt = asyncio.Event()
         self._kick.set()  # claim at once
         self.worker._hook("worker_slots", 0, self.slots)
         for pool in self.pools:  # every group's series from the start, idle ones too
@@ -385,6 +390,10 @@ class SlotRunner:
             else:
                 result = await self._loop.run_in_executor(self.threads, worker._run_traced, ctx)
             outcome, label, started = result
+            if outcome == "throttled" and ctx.throttled is not None:
+                with worker._active_lock:  # handed back: no lease for the heartbeat to renew
+                    worker._active.pop(ctx.job_id, None)
+                await self._park(ctx.throttled)
             if outcome in ("waiting_external", "waiting_review"):
                 # a wait with ``until`` may come before every timer the worker knows
                 await self._db(worker._learn_timer, worker._store())
@@ -405,6 +414,22 @@ class SlotRunner:
             self._freed.set()
             worker._hook("worker_slots", self.busy, self.slots)
             worker._hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
+
+    async def _park(self, throttled: ProviderThrottled) -> None:
+        """The slot of a job its provider's limit handed back waits before it is freed
+        (``ProviderGate.aparked``; ``consumer.jobs.limits``: behind a backlog for that
+        provider, a slot freed at once claims its next job and hands it back too, at the
+        database's speed). A stop ends the wait."""
+        operations = self.worker.operations
+        gate = operations.gate_named(throttled.provider) if operations is not None else None
+        if gate is None or self._halt is None:
+            return
+        parked = asyncio.ensure_future(gate.aparked())
+        halted = asyncio.ensure_future(self._halt.wait())
+        await asyncio.wait((parked, halted), return_when=asyncio.FIRST_COMPLETED)
+        for task in (parked, halted):
+            task.cancel()
+        await asyncio.gather(parked, halted, return_exceptions=True)
 
     async def _finish(self, ctx: JobContext, label: str, started: float) -> None:
         """Record this job's finish in the next batch (group commit, module docstring)."""

@@ -371,7 +371,8 @@ class Worker(WorkerDuties):
                         raise error
                 except Conflict:
                     raise
-                except ProviderThrottled:
+                except ProviderThrottled as throttled:
+                    ctx.throttled = throttled
                     outcome = "throttled"  # dispatch handed the job back until the provider
                 except OperationUnresolved:
                     outcome = ctx.outcome or "waiting_review"  # dispatch moved the job
