@@ -170,3 +170,45 @@ def test_a_slow_providers_queue_still_shrinks_the_permits() -> None:
     permits._last_decrease = 0.0
     permits.release(5.0, timed_out=True)
     assert permits.limit <= max(1.0, before * 0.5)
+
+
+def test_a_parked_slot_wakes_on_a_permit_no_waiting_job_takes() -> None:
+    """The slot of a handed-back job waits (``ProviderGate.aparked``) until a permit comes
+    back that no job waiting for one takes, or its time is up: a permit taken by a waiting
+    job leaves it parked (claiming then would only hand another job back)."""
+
+    async def scenario() -> None:
+        permits = limits.AdaptiveLimit(1)
+        assert permits.try_acquire()
+        waiting = asyncio.ensure_future(permits.aacquire(5.0))  # a job waiting for a permit
+        parked = asyncio.ensure_future(permits.aparked(5.0))
+        await asyncio.sleep(0.05)
+        permits.release(None)  # the waiting job takes it: the slot stays parked
+        assert await waiting
+        await asyncio.sleep(0.05)
+        assert not parked.done()
+        permits.release(None)  # nobody waits for this one: the parked slot wakes
+        await asyncio.wait_for(parked, 1.0)
+        assert not permits._parked
+        await permits.aparked(0.01)  # its time up, nothing released: it returns too
+        assert not permits._parked
+
+    asyncio.run(scenario())
+
+
+def test_the_wait_grows_with_each_hand_back_until_a_permit_is_free_at_once() -> None:
+    """0.25 s, doubled for each of the provider's hand-backs since a call found a permit
+    free at once, at most ``PARK_MAX``; a permit free at once starts again from the first."""
+    waits: list[float] = []
+    made = ProviderGate("mail", None, rate_limit=None, slots=4)
+
+    async def parked(seconds: float) -> None:
+        waits.append(seconds)
+
+    made.permits.aparked = parked  # type: ignore[method-assign]
+    for _ in range(6):
+        asyncio.run(made.aparked())
+    assert waits == [0.25, 0.5, 1.0, 2.0, 4.0, limits.PARK_MAX]
+    made.leave(made.enter())  # a permit free at once
+    asyncio.run(made.aparked())
+    assert waits[-1] == limits.PARK_BASE

@@ -419,7 +419,7 @@ class AdaptiveLimit:
             if latency is not None:
                 self._learn(latency, timed_out)
             self._grant()
-            if self._parked and not self._waiters:  # room, that no waiting job took
+            if self._parked and self.in_flight < int(self.limit):  # room no waiter took
                 self._parked.popleft().wake()
 
     def _learn(self, latency: float, timed_out: bool) -> None:
