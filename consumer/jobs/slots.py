@@ -379,14 +379,15 @@ class SlotRunner:
                 ctx.started()  # renewed at every beat until here
                 worker._hook("worker_job_started", routed[0], **ctx.lease.facts())
                 error: BaseException | None = None
-                with tracing.running(ctx.lease, worker.route):  # this task's context
+                with tracing.running(ctx.lease, worker.route) as span:  # this task's context
                     try:
                         await routed[1](ctx)
                     except Exception as exc:
                         error = exc
                     ctx.ended()  # renewed at every beat from here
+                    span.set("outbox.job.outcome", "interrupted")  # unless settled below
                     result = await self._db(worker._settle, ctx, routed, started, error)
-                    tracing.note("outbox.job.outcome", result[0])
+                    span.set("outbox.job.outcome", result[0])
             else:
                 result = await self._loop.run_in_executor(self.threads, worker._run_traced, ctx)
             outcome, label, started = result
@@ -406,6 +407,11 @@ class SlotRunner:
             log.warning("job interrupted by a database error", extra=fields(error=repr(exc)))
             with contextlib.suppress(Exception):  # unreachable still: the lease expires by its ttl
                 await self._db(worker._hand_back_after_error, [ctx])
+        except Exception as exc:  # the worker's own fault, not the handler's: say so
+            log.error(
+                "job run failed in the worker; its lease expires by its ttl",
+                extra=fields(job_id=ctx.job_id, error=repr(exc)[:500]),
+            )
         finally:
             with worker._active_lock:
                 worker._active.pop(ctx.job_id, None)

@@ -321,9 +321,13 @@ class Worker(WorkerDuties):
         return moved
 
     def _run_traced(self, ctx: JobContext) -> tuple[str, str, float]:
-        with tracing.running(ctx.lease, self.route):  # the job's trace goes on
-            result = self._run_one(ctx)
-            tracing.note("outbox.job.outcome", result[0])
+        with tracing.running(ctx.lease, self.route) as span:  # the job's trace goes on
+            try:
+                result = self._run_one(ctx)
+            except BaseException:
+                span.set("outbox.job.outcome", "interrupted")
+                raise
+            span.set("outbox.job.outcome", result[0])  # on the run span, whatever is current
         return result
 
     def _run_one(self, ctx: JobContext) -> tuple[str, str, float]:
