@@ -386,9 +386,9 @@ class AdaptiveLimit:
         return self._settle(waiter)
 
     async def aparked(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a permit to be released (a worker slot whose
-        job was handed back, on the worker's loop: ``consumer.jobs.slots``). A release
-        wakes one parked slot, so that the slots claim at the pace the permits come back."""
+        """Wait up to ``timeout`` seconds (a worker slot whose job was handed back, on the
+        worker's loop: ``consumer.jobs.slots``); a permit released that no waiting job
+        takes wakes one parked slot, so that the slots claim only when a job could run."""
         waiter = _Waiter(asyncio.get_running_loop())
         with self._lock:
             self._parked.append(waiter)
