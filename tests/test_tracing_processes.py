@@ -133,8 +133,9 @@ def test_every_quote_is_one_trace_from_the_domain_span_to_the_providers_request(
         assert by_id[process.parent_span_id].name == "approve quote"
         assert process.attributes["outbox.inbox.decision"] == "handled"
     # A run span per claim. On a loaded machine a job may be claimed more than once (handed
-    # back by its provider's adaptive limit, or a call that timed out and is looked up by
-    # the next run): every claim is in the quote's trace, and exactly one per job ends done.
+    # back by its provider's adaptive limit, a call that timed out and is looked up by the
+    # next run, a finish lost to a database error and run again, its receipt found): every
+    # claim is in the quote's trace and says how it ended, and every job has one done.
     runs = receiver.of("worker", "run ")
     outcomes = Counter(str(run.attributes.get("outbox.job.outcome")) for run in runs)
     done = {
@@ -142,7 +143,7 @@ def test_every_quote_is_one_trace_from_the_domain_span_to_the_providers_request(
         for run in runs
         if run.attributes.get("outbox.job.outcome") == "done"
     }
-    assert len(done) == outcomes["done"] == QUOTES, (outcomes, worker_log[-3000:])
+    assert len(done) == QUOTES, (outcomes, worker_log[-3000:])
     assert "None" not in outcomes, (outcomes, worker_log[-3000:])  # every run says how it ended
     for run in runs:
         assert by_id[run.parent_span_id].name.startswith("process ")
@@ -152,7 +153,7 @@ def test_every_quote_is_one_trace_from_the_domain_span_to_the_providers_request(
         for d in dispatches
         if d.attributes.get("outbox.receipt.state") == "ACCEPTED"
     )
-    assert set(accepted) == done and set(accepted.values()) == {1}, (accepted, worker_log[-3000:])
+    assert set(accepted) == done, (accepted, worker_log[-3000:])  # one effect each: below
     for dispatch in dispatches:
         assert by_id[dispatch.parent_span_id].name.startswith("run ")
     assert len(effects) == QUOTES
