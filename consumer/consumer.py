@@ -140,7 +140,9 @@ class Consumer:
         self.inbox = q.inbox_for(self.engine, self.tables)
         # Without autovacuum on the server, the consumer vacuums its inbox itself (every
         # inserted row is deleted by retention later: dead tuples all day). outbox.maintenance.
-        self.vacuum = PeriodicVacuum.for_engine(self.engine, [self.inbox.hot_table], what="inbox")
+        self.vacuum = PeriodicVacuum.for_engine(
+            self.engine, [self.inbox.inbox_table_quoted], what="inbox"
+        )
         self.retention = dead_letter_duty(
             self.inbox,
             self.config.dead_letter_retention_seconds,

@@ -212,7 +212,7 @@ class Inbox:
         """Per-dialect additions once the tables exist."""
 
     @property
-    def hot_table(self) -> str:
+    def inbox_table_quoted(self) -> str:
         """The inbox table, quoted: written by every batch and purged by retention, so it
         gets the hot-table autovacuum settings and a vacuum by the consumer when the server
         runs without autovacuum (``outbox.maintenance``)."""
@@ -413,7 +413,7 @@ class PostgresInbox(Inbox):
 
     def _after_ddl(self, conn: Connection) -> None:
         # Every handled entry inserts a row and retention deletes it: dead tuples all day.
-        set_storage_parameters(conn, self.hot_table, HOT_TABLE_AUTOVACUUM)
+        set_storage_parameters(conn, self.inbox_table_quoted, HOT_TABLE_AUTOVACUUM)
 
     def _lock_rows(self, query: Any) -> Any:
         return query.with_for_update()

@@ -25,7 +25,7 @@ def status(engine: Engine, schema: OutboxSchema) -> dict[str, Any]:
     the database clock, 0 when nothing is pending. ``tables``: every table of the toolkit in
     this database (``outbox.tablestats``: sizes, and whether its retention keeps up)."""
     topics: dict[str, dict[str, Any]] = {}
-    for topic, line in store_for(engine, schema).status().items():
+    for topic, line in store_for(engine, schema).outbox_status().items():
         row = asdict(line)
         row["oldest_unpublished_age_seconds"] = round(row["oldest_unpublished_age_seconds"], 3)
         topics[topic] = row
@@ -58,4 +58,4 @@ def requeue(
     and ``last_error`` are kept as history (a requeued row keeps holding back the later
     events of its key until it is published). By id, or every quarantined one."""
     ids = None if event_ids is None else list(event_ids)
-    return store_for(engine, schema).requeue(ids, all_quarantined)
+    return store_for(engine, schema).outbox_requeue(ids, all_quarantined)

@@ -274,7 +274,7 @@ class BatchPublisher:
         if not seqs:
             return
         try:
-            retried = self.store.retry_now(seqs)
+            retried = self.store.outbox_retry_now(seqs)
         except self._infra as exc:
             log.warning(
                 "cannot end the backoff of refused records now; they retry on their own",

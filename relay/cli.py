@@ -645,7 +645,7 @@ def _live_line() -> Any:
         if now - state["last"] < 1.0:
             return
         try:
-            backlog, oldest = relay.store.backlog()
+            backlog, oldest = relay.store.outbox_backlog()
         except Exception:
             backlog, oldest = -1, None
         rate = (relay.stats.published - state["published"]) / max(now - state["t"], 1e-9)

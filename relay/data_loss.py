@@ -47,7 +47,7 @@ class RedisCheck:
     def check(self) -> bool:
         """Report the persistence, then look for lost entries; True if any were lost."""
         self._report_persistence(check_persistence(self.publisher.client))
-        receipts = self.store.latest_receipts()
+        receipts = self.store.receipt_latest()
         if self.publisher.known_last_id is None and receipts:
             self.publisher.saw_entry(*max(receipts, key=lambda r: entry_id_key(r[1])))
         if self.publisher.cluster:
@@ -105,7 +105,7 @@ class RedisCheck:
         """Redis holds less than the receipts: it lost acknowledged entries. Everything
         published after the last id it still has may be gone."""
         after = self._published_after(known, stream, marker, intact)
-        since = self.store.oldest_published_since(after)
+        since = self.store.outbox_oldest_published_since(after)
         command = (
             f"outbox-relay republish --since {since_argument(since)}"
             if since is not None

@@ -49,15 +49,15 @@ class Outcome:
 
 
 def record_outcome(store: Store, outcome: Outcome) -> None:
-    recorded = store.mark_published(outcome.owner, outcome.epoch, outcome.receipts)
+    recorded = store.outbox_mark_published(outcome.owner, outcome.epoch, outcome.receipts)
     if recorded != len(outcome.receipts):
         log.warning(
             "some receipts were fenced out (their intent was reconciled by another relay)",
             extra=fields(expected=len(outcome.receipts), recorded=recorded, epoch=outcome.epoch),
         )
-    store.mark_failed(outcome.owner, outcome.epoch, outcome.failed)
-    store.quarantine(outcome.owner, outcome.epoch, outcome.quarantine)
-    store.release(outcome.owner, outcome.epoch, outcome.release)
+    store.outbox_mark_failed(outcome.owner, outcome.epoch, outcome.failed)
+    store.outbox_quarantine(outcome.owner, outcome.epoch, outcome.quarantine)
+    store.outbox_release(outcome.owner, outcome.epoch, outcome.release)
 
 
 class Stage(Generic[T]):

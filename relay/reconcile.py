@@ -34,7 +34,7 @@ def reconcile_orphans(
     """Resolve up to ``batch_size`` intents without receipts whose window has passed: the
     events found in their streams (receipts recorded) and those missing (intents cleared,
     published again). None when there was none."""
-    orphans = store.orphans(config.batch_size)
+    orphans = store.orphan_list(config.batch_size)
     if not orphans:
         return None
     groups, missing = _by_stream(publisher, orphans)
@@ -63,7 +63,7 @@ def reconcile_orphans(
                 missing.append(orphan)
             else:
                 found.append((orphan, stream, entry_id))
-    store.resolve_orphans(found, missing)
+    store.orphan_resolve(found, missing)
     return found, missing
 
 

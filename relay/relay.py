@@ -211,20 +211,20 @@ class Relay:
         started = time.monotonic()
         at = started if now is None else now  # what the intervals are measured on
         self.store.connect()
-        if quiesce is not None and not self.store.owned:
+        if quiesce is not None and not self.store.partitions_owned:
             # A new session (the old one, and its partitions, are gone): the partitions it
             # takes may hold batches still in hand, which must not be taken for orphans.
             quiesce()
         # Partitions are given back only with every receipt written, so the next owner does
         # not take this relay's last batch for an orphan. (Not before every rebalance: that
         # stalled the claim once a second for a publish and a receipt round trip.)
-        if self.store.rebalance(before_release=quiesce or (lambda: None)):
+        if self.store.partition_rebalance(before_release=quiesce or (lambda: None)):
             self._sweep.make_due()
             self.reconciliation.make_due()
         published = 0
         if self.reconciliation.due(at):
             published += self.reconciliation.run_now(at)
-            if self.store.retry_ready():
+            if self.store.outbox_retry_ready():
                 self._sweep.make_due()
         if self._batches.marker_behind or self.redis_check.due(at):
             self._check_redis_in_cycle(at, quiesce)
@@ -281,7 +281,7 @@ class Relay:
                 error, self._batches.recorder.error = self._batches.recorder.error, None
                 raise error
             self._batches.seen_at_claim[epoch] = self._batches.recorder.recorded_epoch
-        records = self.store.claim(self.config.batch_size, self.name, epoch, sweep)
+        records = self.store.outbox_claim(self.config.batch_size, self.name, epoch, sweep)
         if any(r.attempts for r in records):
             # Retried heads: once published, the rows waiting behind them (some below the
             # claim start) are claimable. The next claim must be a sweep, and (pipelined) it
@@ -337,7 +337,7 @@ class Relay:
             return 0
         total = 0
         for _ in range(20):
-            deleted = self.store.delete_published(
+            deleted = self.store.outbox_delete_published(
                 self.config.retention_seconds, self.config.retention_batch
             )
             total += deleted
@@ -451,11 +451,11 @@ class Relay:
 
     def _run_duties(self, now: float) -> None:
         """Retention, partition upkeep and vacuum, when due, by the owner of partition 0."""
-        if self.retention.due(now) and 0 in self.store.owned:
+        if self.retention.due(now) and 0 in self.store.partitions_owned:
             self.retention.run_now(now)
-        if self.partition_duty.due(now) and 0 in self.store.owned:
+        if self.partition_duty.due(now) and 0 in self.store.partitions_owned:
             self.partition_duty.run_now(now)
-        if self.vacuum is not None and self.vacuum.due(now) and 0 in self.store.owned:
+        if self.vacuum is not None and self.vacuum.due(now) and 0 in self.store.partitions_owned:
             self.vacuum.run_now(now)
 
     def _wait_out(self, exc: Exception, loop: _LoopState, event: _EitherEvent) -> None:
@@ -513,7 +513,7 @@ class Relay:
     def _idle(self, interval: float, event: _EitherEvent) -> None:
         """Wake on a NOTIFY, a stop request, or the polling interval."""
         if self.store.supports_notify and self.config.listen:
-            if self.store.wait_for_notify(min(interval, 0.25)) == 2:
+            if self.store.notify_wait(min(interval, 0.25)) == 2:
                 self._sweep.make_due()
         else:
             event.wait(interval)
@@ -537,7 +537,7 @@ class Relay:
 
         def vacuum() -> None:
             try:
-                took = store.vacuum_if_no_autovacuum()
+                took = store.outbox_vacuum_if_no_autovacuum()
             except Exception as exc:
                 log.warning(
                     "vacuum failed", extra=fields(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -554,7 +554,7 @@ class Relay:
 
     def _log_progress(self, elapsed: float, before: int) -> None:
         try:
-            backlog, oldest = self.store.backlog()
+            backlog, oldest = self.store.outbox_backlog()
         except self._infra:
             backlog, oldest = -1, None
         log.info(
@@ -565,7 +565,7 @@ class Relay:
                 backlog=backlog,
                 oldest_unpublished_age_seconds=None if oldest is None else round(oldest, 3),
                 quarantined=self.stats.quarantined,
-                partitions=sorted(self.store.owned),
+                partitions=sorted(self.store.partitions_owned),
             ),
         )
 

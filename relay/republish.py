@@ -100,7 +100,7 @@ def republish(
     after = (from_seq - 1) if from_seq is not None else 0
     failed_keys: set[str] = set()
     while True:
-        page = store.published_page(after, batch_size, since=since, topic=topic)
+        page = store.outbox_published_page(after, batch_size, since=since, topic=topic)
         if not page:
             break
         after = page[-1][0].seq

@@ -5,7 +5,7 @@ The relay's own loop deletes published rows older than ``RelayConfig.retention_s
 same deletion, on demand, with a count of what would go (``--dry-run``). The SQL is the
 relay store's: ``relay.store.PG_RETENTION`` on PostgreSQL (it walks the table from its
 oldest rows and stops at the first row created after the cutoff), the SQLite store's
-``delete_published`` elsewhere. Pending and quarantined rows are never deleted.
+``outbox_delete_published`` elsewhere. Pending and quarantined rows are never deleted.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class OutboxRetention:
             store = SqliteStore(
                 self.engine, self.schema, reconcile_after=RelayConfig().reconcile_after
             )
-            return store.delete_published(self.retention_seconds, limit)
+            return store.outbox_delete_published(self.retention_seconds, limit)
         sql = PG_RETENTION.replace("{t}", self.quoted)
         with self.engine.begin() as conn:
             result = conn.exec_driver_sql(sql, {"age": self.retention_seconds, "limit": limit})

@@ -339,8 +339,8 @@ def test_old_partitions_drop_only_when_all_published_and_the_stream_is_untouched
     assert where[quarantined] not in listed and where[pending] not in listed
 
     relay.store.connect()
-    relay.store.rebalance()
-    assert 0 in relay.store.owned
+    relay.store.partition_rebalance()
+    assert 0 in relay.store.partitions_owned
     assert relay.delete_expired() == 0  # no DELETE on a partitioned table
     done = relay.partition_duty.run_now()
     assert {p.name for p in done.dropped} == set(listed)

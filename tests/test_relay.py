@@ -447,7 +447,7 @@ def test_retention_deletes_only_old_published_rows(
         )
     relay = make_relay(outbox, redis_client, stream_prefix, retention_seconds=3600.0)
     relay.store.connect()
-    relay.store.rebalance()
+    relay.store.partition_rebalance()
     assert relay.delete_expired() == 1
     left = {r["event_id"] for r in rows(outbox)}
     assert left == {recent, quarantined, pending}
@@ -502,7 +502,11 @@ def test_replicas_share_partitions_and_publish_everything_once_in_order(
         t.start()
     try:
         # The replicas even out their shares.
-        wait_for(lambda: all(r.store.owned for r in relays), "both replicas owning", timeout=20)
+        wait_for(
+            lambda: all(r.store.partitions_owned for r in relays),
+            "both replicas owning",
+            timeout=20,
+        )
         for n in range(30):
             with outbox.transaction() as tx:
                 for k in keys[n % 4 :: 4]:
@@ -519,7 +523,7 @@ def test_replicas_share_partitions_and_publish_everything_once_in_order(
     assert len({e["id"] for e in got}) == total
     for k in keys:
         assert [e["id"] for e in got if e["subject"] == k] == expected[k]
-    owned = [r.store.owned for r in relays]
+    owned = [r.store.partitions_owned for r in relays]
     assert not (owned[0] & owned[1])
     assert all(r.stats.published > 0 for r in relays)
 
@@ -534,8 +538,8 @@ def test_a_fenced_batch_adds_nothing(
         tx.emit("t", key="B", payload=2)
     zombie = make_relay(outbox, redis_client, stream_prefix)
     zombie.store.connect()
-    zombie.store.rebalance()
-    records = zombie.store.claim(10, zombie.name, 1, True)
+    zombie.store.partition_rebalance()
+    records = zombie.store.outbox_claim(10, zombie.name, 1, True)
     assert len(records) == 2
     prepared = [zombie.publisher.prepare(r) for r in records]
     # The fence of the batch's slot (the batch's fence name itself on one server).

@@ -325,7 +325,7 @@ def test_a_redis_restored_from_an_older_snapshot_is_seen(
         [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
         since = parse_since(error.__dict__["fields"]["republish"].split("--since ", 1)[1])
         # The window starts at or before the first event published after the snapshot.
-        page = open_store(outbox.engine, outbox.schema).published_page(0, 100)
+        page = open_store(outbox.engine, outbox.schema).outbox_published_page(0, 100)
         first_lost = min(parse_since(r.time) for r, _s in page if r.event_id in lost)
         assert since <= first_lost
         result = republish(
@@ -373,7 +373,7 @@ def test_a_loss_hidden_by_a_writer_that_knew_nothing_of_it_is_still_seen(
         assert len(hooks.losses) == 1
         [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
         since = parse_since(error.__dict__["fields"]["republish"].split("--since ", 1)[1])
-        page = open_store(outbox.engine, outbox.schema).published_page(0, 100)
+        page = open_store(outbox.engine, outbox.schema).outbox_published_page(0, 100)
         assert since <= min(parse_since(r.time) for r, _s in page if r.event_id in lost)
         relay.store.close()
 
@@ -423,7 +423,7 @@ def test_republish_cli_options_on_the_shared_redis(
     mails = emit(outbox, 3, topic="mail", start=100)
     drain(relay)
     relay.store.close()
-    created = open_store(outbox.engine, outbox.schema).published_page(0, 1)[0][0].time
+    created = open_store(outbox.engine, outbox.schema).outbox_published_page(0, 1)[0][0].time
     quote_stream, mail_stream = f"{stream_prefix}.quote", f"{stream_prefix}.mail"
     redis_client.delete(quote_stream, mail_stream)  # what a flush would do to them
     common = ("--database-url", db_url, "--redis-url", redis_url)

@@ -87,6 +87,40 @@ def test_the_relay_store_owns_every_transaction() -> None:
             assert "conn" not in params, f"{cls.__name__}.{name}"
 
 
+# One naming scheme for the three seams: noun first, the thing an operation acts on and then
+# what it does (``job_claim_batch``, ``inbox_insert``, ``outbox_claim``), as River's driver
+# names its operations. Only the connection's own life (open, close, a transaction, a held
+# connection) is named by its verb. A new noun here is a decision, like OWN_TRANSACTION.
+NOUNS = {
+    Store: {"outbox", "partition", "partitions", "orphan", "notify", "receipt"},
+    JobDriver: {"job", "queue", "worker", "attempt", "operation", "provider", "clock", "schema"},
+    Inbox: {"inbox", "dead_letter", "clock", "schema"},
+}
+LIFECYCLE = {"connect", "close", "begin", "autocommit", "pinned", "session", "name"}
+
+
+@pytest.mark.parametrize(
+    "classes",
+    [
+        (Store, PostgresStore, SqliteStore),
+        (JobDriver, PostgresJobDriver, SqliteJobDriver),
+        (Inbox, PostgresInbox, SqliteInbox),
+    ],
+    ids=["relay-store", "job-driver", "inbox"],
+)
+def test_one_naming_scheme_noun_first(classes: tuple[type, ...]) -> None:
+    nouns = NOUNS[classes[0]]
+    for cls in classes:
+        names = {n for n, _ in inspect.getmembers(cls) if not n.startswith("_")}
+        names -= {"payload_is_json", "supports_notify", "partitions", "notify", "tables"}
+        odd = sorted(
+            n
+            for n in names - LIFECYCLE
+            if not any(n == noun or n.startswith(noun + "_") for noun in nouns)
+        )
+        assert not odd, f"{cls.__name__}: not named noun first: {odd}"
+
+
 def test_each_factory_picks_its_database_class(db_url: str) -> None:
     outbox = Outbox(db_url)
     engine = make_engine(db_url)
@@ -115,7 +149,7 @@ def outbox(db_url: str) -> Outbox:
 def store(outbox: Outbox) -> Iterator[Store]:
     s = store_for(outbox.engine, outbox.schema, RelayConfig())
     s.connect()
-    s.rebalance()
+    s.partition_rebalance()
     try:
         yield s
     finally:
@@ -133,65 +167,67 @@ def test_the_old_factory_name_is_the_new_one() -> None:
 
 def test_store_claims_in_seq_order_and_not_twice(outbox: Outbox, store: Store) -> None:
     ids = emit(outbox, "a", "b", "c")
-    records = store.claim(10, OWNER, 1, True)
+    records = store.outbox_claim(10, OWNER, 1, True)
     assert [r.event_id for r in records] == ids
     assert [r.seq for r in records] == sorted(r.seq for r in records)
     assert {r.topic for r in records} == {"seams.t"}
     assert [r.key for r in records] == ["a", "b", "c"]
     assert all(r.attempts == 0 for r in records)
-    assert store.claim(10, OWNER, 1, True) == []  # claimed rows are not claimed again
-    assert store.backlog()[0] == 3  # claimed is still pending
+    assert store.outbox_claim(10, OWNER, 1, True) == []  # claimed rows are not claimed again
+    assert store.outbox_backlog()[0] == 3  # claimed is still pending
 
 
 def test_store_receipts_are_fenced_by_owner_and_epoch(outbox: Outbox, store: Store) -> None:
     emit(outbox, "a", "b")
-    first, second = store.claim(10, OWNER, 1, True)
-    assert store.mark_published(OWNER, 2, [(first.seq, "s", "1-0")]) == 0  # wrong epoch
-    assert store.mark_published("someone-else", 1, [(first.seq, "s", "1-0")]) == 0
-    assert store.mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 1
-    assert store.mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 0  # once
-    assert store.backlog()[0] == 1
-    page = store.published_page(0, 10)
+    first, second = store.outbox_claim(10, OWNER, 1, True)
+    assert store.outbox_mark_published(OWNER, 2, [(first.seq, "s", "1-0")]) == 0  # wrong epoch
+    assert store.outbox_mark_published("someone-else", 1, [(first.seq, "s", "1-0")]) == 0
+    assert store.outbox_mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 1
+    assert store.outbox_mark_published(OWNER, 1, [(first.seq, "s", "1-0")]) == 0  # once
+    assert store.outbox_backlog()[0] == 1
+    page = store.outbox_published_page(0, 10)
     assert [(r.event_id, stream) for r, stream in page] == [(first.event_id, "s")]
-    assert store.latest_receipts() == [("s", "1-0")]
-    assert store.mark_published(OWNER, 1, [(second.seq, "s", "2-0")]) == 1
-    assert store.backlog()[0] == 0
-    assert store.latest_receipts() == [("s", "2-0")]
+    assert store.receipt_latest() == [("s", "1-0")]
+    assert store.outbox_mark_published(OWNER, 1, [(second.seq, "s", "2-0")]) == 1
+    assert store.outbox_backlog()[0] == 0
+    assert store.receipt_latest() == [("s", "2-0")]
 
 
 def test_store_release_makes_rows_claimable_again(outbox: Outbox, store: Store) -> None:
     emit(outbox, "a", "b")
-    records = store.claim(10, OWNER, 1, True)
-    store.release(OWNER, 2, [r.seq for r in records])  # a stale epoch releases nothing
-    assert store.claim(10, OWNER, 2, True) == []
-    store.release(OWNER, 1, [r.seq for r in records])
-    again = store.claim(10, OWNER, 2, True)
+    records = store.outbox_claim(10, OWNER, 1, True)
+    store.outbox_release(OWNER, 2, [r.seq for r in records])  # a stale epoch releases nothing
+    assert store.outbox_claim(10, OWNER, 2, True) == []
+    store.outbox_release(OWNER, 1, [r.seq for r in records])
+    again = store.outbox_claim(10, OWNER, 2, True)
     assert [r.seq for r in again] == [r.seq for r in records]
     assert all(r.attempts == 0 for r in again)  # a release is not an attempt
 
 
 def test_store_failure_counts_an_attempt_and_backs_off(outbox: Outbox, store: Store) -> None:
     emit(outbox, "a", "b")
-    now, later = store.claim(10, OWNER, 1, True)
-    store.mark_failed(OWNER, 1, [(now.seq, 0.0, "boom", False), (later.seq, 3600.0, "x", False)])
-    retried = store.claim(10, OWNER, 2, True)
+    now, later = store.outbox_claim(10, OWNER, 1, True)
+    store.outbox_mark_failed(
+        OWNER, 1, [(now.seq, 0.0, "boom", False), (later.seq, 3600.0, "x", False)]
+    )
+    retried = store.outbox_claim(10, OWNER, 2, True)
     assert [(r.seq, r.attempts) for r in retried] == [(now.seq, 1)]  # the other backs off
-    status = store.status()["seams.t"]
+    status = store.outbox_status()["seams.t"]
     assert (status.pending, status.quarantined, status.max_attempts) == (2, 0, 1)
 
 
 def test_store_quarantine_and_requeue(outbox: Outbox, store: Store) -> None:
     (event_id,) = emit(outbox, "a")
-    (record,) = store.claim(10, OWNER, 1, True)
-    store.quarantine(OWNER, 1, [(record.seq, "poison")])
-    status = store.status()["seams.t"]
+    (record,) = store.outbox_claim(10, OWNER, 1, True)
+    store.outbox_quarantine(OWNER, 1, [(record.seq, "poison")])
+    status = store.outbox_status()["seams.t"]
     assert (status.pending, status.quarantined, status.max_attempts) == (0, 1, 1)
-    assert store.claim(10, OWNER, 2, True) == []
-    result = store.requeue(None, True)
+    assert store.outbox_claim(10, OWNER, 2, True) == []
+    result = store.outbox_requeue(None, True)
     assert result.requeued == [event_id]
-    assert store.requeue([event_id, "nope"], False).unknown == ["nope"]
-    assert store.status()["seams.t"].quarantined == 0
-    (back,) = store.claim(10, OWNER, 3, True)
+    assert store.outbox_requeue([event_id, "nope"], False).unknown == ["nope"]
+    assert store.outbox_status()["seams.t"].quarantined == 0
+    (back,) = store.outbox_claim(10, OWNER, 3, True)
     assert (back.event_id, back.attempts) == (event_id, 1)
 
 

@@ -157,7 +157,7 @@ class JobDriver:
         """Tell listening workers that jobs became READY (at ``conn``'s commit)."""
 
     @property
-    def ready_channel_sql(self) -> str | None:
+    def job_ready_channel_sql(self) -> str | None:
         """SQL naming the channel an INSERT of READY jobs notifies, or None (no NOTIFY)."""
         return None
 
@@ -205,9 +205,9 @@ class JobDriver:
         ``unnest`` arrays on PostgreSQL, insertmanyvalues on SQLite).
 
         ``created_at``/``updated_at`` are numbers, or the database clock as an expression
-        (the same object in every row): :meth:`stamped_rows` makes them what this database
+        (the same object in every row): :meth:`job_rows_stamped` makes them what this database
         can bind."""
-        rows = self.stamped_rows(conn, rows)
+        rows = self.job_rows_stamped(conn, rows)
         created: dict[tuple[str, str], int] = {}
         for start in range(0, len(rows), INSERT_CHUNK):
             returned = bulk_insert(
@@ -216,7 +216,7 @@ class JobDriver:
                 rows[start : start + INSERT_CHUNK],
                 conflict=("tenant", "action"),
                 returning=("id", "tenant", "action"),
-                notify=self.ready_channel_sql,
+                notify=self.job_ready_channel_sql,
             )
             for job_id, tenant, action in returned:
                 created[(tenant, action)] = int(job_id)
@@ -226,7 +226,7 @@ class JobDriver:
             existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
         return created, existing
 
-    def stamped_rows(
+    def job_rows_stamped(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]
     ) -> Sequence[Mapping[str, Any]]:
         """Rows whose timestamps are the database clock get the clock read once (one value

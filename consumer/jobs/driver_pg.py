@@ -73,7 +73,7 @@ class PostgresJobDriver(JobDriver):
             for job_id, tenant, action in conn.execute(q.pg_job_ids(), params)
         }
 
-    def stamped_rows(
+    def job_rows_stamped(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]
     ) -> Sequence[Mapping[str, Any]]:
         # The clock expression, shared by every row, goes into the statement as SQL (bulk
@@ -83,10 +83,10 @@ class PostgresJobDriver(JobDriver):
             row["created_at"] is stamp and row["updated_at"] is stamp for row in rows
         ):
             return rows
-        return super().stamped_rows(conn, rows)
+        return super().job_rows_stamped(conn, rows)
 
     @property
-    def ready_channel_sql(self) -> str | None:
+    def job_ready_channel_sql(self) -> str | None:
         # A batch of jobs notifies on its INSERT's RETURNING (bulk_insert): no statement of
         # its own, and only when a row was created.
         return READY_CHANNEL_SQL if self.notify else None

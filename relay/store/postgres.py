@@ -206,16 +206,16 @@ class PostgresStore:
     # -- partitions -------------------------------------------------------------------------
 
     @property
-    def owned(self) -> frozenset[int]:
+    def partitions_owned(self) -> frozenset[int]:
         return self._owned
 
-    def rebalance_due(self) -> bool:
+    def partition_rebalance_due(self) -> bool:
         return self._rebalance.due() or not self._owned
 
-    def rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
+    def partition_rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
         """Take or give back partitions toward a fair share (``before_release`` runs first if
         any go back); True if any were taken (orphans marked: the caller should sweep)."""
-        if not self.rebalance_due():
+        if not self.partition_rebalance_due():
             return False
         self._rebalance.done()
         self.connect()
@@ -315,7 +315,7 @@ class PostgresStore:
 
     # -- claim and outcomes -----------------------------------------------------------------
 
-    def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
+    def outbox_claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
         if not self._owned:
             return []
         self._advance_floor()
@@ -347,11 +347,7 @@ class PostgresStore:
             self._low = int(max(self._low, min(examined_to, self._floor) + 1))
         return records
 
-    @property
-    def sweeping(self) -> bool:
-        return self._sweep_pos is not None
-
-    def mark_published(
+    def outbox_mark_published(
         self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
     ) -> int:
         if not receipts:
@@ -371,7 +367,7 @@ class PostgresStore:
         )
         return int(cur.rowcount)
 
-    def mark_failed(
+    def outbox_mark_failed(
         self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
     ) -> None:
         if not failures:
@@ -388,7 +384,9 @@ class PostgresStore:
             },
         )
 
-    def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None:
+    def outbox_quarantine(
+        self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]
+    ) -> None:
         if not failures:
             return
         self._execute(
@@ -401,16 +399,16 @@ class PostgresStore:
             },
         )
 
-    def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
+    def outbox_release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
         if seqs:
             self._execute("release", {"seqs": list(seqs), "owner": owner, "epoch": epoch})
 
-    def retry_now(self, seqs: Sequence[int]) -> int:
+    def outbox_retry_now(self, seqs: Sequence[int]) -> int:
         if not seqs:
             return 0
         return int(self._execute("retry_now", {"seqs": list(seqs)}).rowcount)
 
-    def orphans(self, limit: int) -> list[Orphan]:
+    def orphan_list(self, limit: int) -> list[Orphan]:
         if not self._owned:
             return []
         cur = self._execute(
@@ -424,7 +422,7 @@ class PostgresStore:
         )
         return [Orphan(*row) for row in cur.fetchall()]
 
-    def retry_ready(self) -> bool:
+    def outbox_retry_ready(self) -> bool:
         if not self._owned:
             return False
         cur = self._execute(
@@ -433,7 +431,7 @@ class PostgresStore:
         row = cur.fetchone()
         return bool(row and row[0])
 
-    def resolve_orphans(
+    def orphan_resolve(
         self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
     ) -> None:
         if found:
@@ -459,7 +457,7 @@ class PostgresStore:
 
     # -- wake-up ----------------------------------------------------------------------------
 
-    def wait_for_notify(self, timeout: float) -> int:
+    def notify_wait(self, timeout: float) -> int:
         """Wait up to ``timeout`` for a NOTIFY: 0 if none came, 1 for new rows, 2 when a
         ``requeue`` asked for a sweep. Without LISTEN (or if the listening connection
         fails) this is a plain sleep."""
@@ -497,7 +495,7 @@ class PostgresStore:
 
     # -- maintenance ------------------------------------------------------------------------
 
-    def vacuum_if_no_autovacuum(self) -> float | None:
+    def outbox_vacuum_if_no_autovacuum(self) -> float | None:
         """VACUUM the table when the server runs without autovacuum; seconds it took, or
         None when autovacuum is on (nothing done). Runs on a connection of its own."""
         # The decision and the VACUUM are outbox.maintenance's, shared with the job worker
@@ -507,11 +505,11 @@ class PostgresStore:
 
     # -- retention and progress -------------------------------------------------------------
 
-    def delete_published(self, older_than_seconds: float, limit: int) -> int:
+    def outbox_delete_published(self, older_than_seconds: float, limit: int) -> int:
         cur = self._execute("retention", {"age": float(older_than_seconds), "limit": limit})
         return int(cur.rowcount)
 
-    def backlog(self) -> tuple[int, float | None]:
+    def outbox_backlog(self) -> tuple[int, float | None]:
         row = self._execute("backlog", {}).fetchone()
         return int(row[0]), (float(row[1]) if row[1] is not None else None)
 
@@ -529,11 +527,11 @@ class PostgresStore:
             member=False,
         )
 
-    def status(self) -> dict[str, TopicStatus]:
+    def outbox_status(self) -> dict[str, TopicStatus]:
         with self.engine.connect() as conn:
             return _status(conn, _quoted(self.schema), NOW_SQL[POSTGRESQL])
 
-    def published_page(
+    def outbox_published_page(
         self,
         after_seq: int,
         limit: int,
@@ -553,7 +551,7 @@ class PostgresStore:
             rows = conn.exec_driver_sql(sql, params).fetchall()
         return [(Record(*row[:12]), row[12]) for row in rows]
 
-    def latest_receipts(self) -> list[tuple[str, str]]:
+    def receipt_latest(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(
                 f"SELECT stream, stream_id FROM {_quoted(self.schema)} "
@@ -561,7 +559,7 @@ class PostgresStore:
             ).fetchall()
         return _highest_receipts(rows)
 
-    def oldest_published_since(self, published_after: float | None) -> datetime | None:
+    def outbox_oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:
             return cast(
                 "datetime | None",
@@ -572,7 +570,9 @@ class PostgresStore:
                 ).scalar(),
             )
 
-    def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
+    def outbox_requeue(
+        self, event_ids: Sequence[str] | None, all_quarantined: bool
+    ) -> RequeueResult:
         outbox_schema = self.schema
 
         def ask_for_a_sweep(conn: Connection) -> None:

@@ -96,13 +96,13 @@ class SqliteStore:
             self.close()
 
     @property
-    def owned(self) -> frozenset[int]:
+    def partitions_owned(self) -> frozenset[int]:
         return self._owned
 
-    def rebalance_due(self) -> bool:
+    def partition_rebalance_due(self) -> bool:
         return not self._owned
 
-    def rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
+    def partition_rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
         if self._owned:
             return False
         path = self._lock_path()
@@ -137,7 +137,7 @@ class SqliteStore:
             )
         return True
 
-    def claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
+    def outbox_claim(self, limit: int, owner: str, epoch: int, sweep: bool) -> list[Record]:
         if not self._owned:
             return []
         sql = SQLITE_CLAIM.replace("{t}", self.t)
@@ -164,7 +164,7 @@ class SqliteStore:
             result = conn.execute(text(sql), params)
             return int(result.rowcount)
 
-    def mark_published(
+    def outbox_mark_published(
         self, owner: str, epoch: int, receipts: Sequence[tuple[int, str, str]]
     ) -> int:
         return self._run_many(
@@ -177,7 +177,7 @@ class SqliteStore:
             ],
         )
 
-    def mark_failed(
+    def outbox_mark_failed(
         self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
     ) -> None:
         self._run_many(
@@ -202,7 +202,9 @@ class SqliteStore:
             ],
         )
 
-    def quarantine(self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]) -> None:
+    def outbox_quarantine(
+        self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]
+    ) -> None:
         self._run_many(
             f"UPDATE {self.t} SET state = 'quarantined', attempts = attempts + 1, "
             "last_error = :err, claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
@@ -211,7 +213,7 @@ class SqliteStore:
             [{"seq": s, "err": err[:2000], "owner": owner, "epoch": epoch} for s, err in failures],
         )
 
-    def release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
+    def outbox_release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
         self._run_many(
             f"UPDATE {self.t} SET claimed_by = NULL, claim_epoch = NULL, claimed_at = NULL "
             "WHERE seq = :seq AND claimed_by = :owner AND claim_epoch = :epoch "
@@ -219,14 +221,14 @@ class SqliteStore:
             [{"seq": s, "owner": owner, "epoch": epoch} for s in seqs],
         )
 
-    def retry_now(self, seqs: Sequence[int]) -> int:
+    def outbox_retry_now(self, seqs: Sequence[int]) -> int:
         return self._run_many(
             f"UPDATE {self.t} SET available_at = {_SQLITE_NOW} WHERE seq = :seq "
             f"AND claimed_by IS NULL AND state = 'pending' AND available_at > {_SQLITE_NOW}",
             [{"seq": s} for s in seqs],
         )
 
-    def orphans(self, limit: int) -> list[Orphan]:
+    def orphan_list(self, limit: int) -> list[Orphan]:
         if not self._owned:
             return []
         with self.engine.connect() as conn:
@@ -246,7 +248,7 @@ class SqliteStore:
             for r in rows
         ]
 
-    def resolve_orphans(
+    def orphan_resolve(
         self, found: Sequence[tuple[Orphan, str, str]], missing: Sequence[Orphan]
     ) -> None:
         self._run_many(
@@ -271,14 +273,14 @@ class SqliteStore:
             [{"seq": o.seq, "owner": o.claimed_by, "epoch": o.claim_epoch} for o in missing],
         )
 
-    def retry_ready(self) -> bool:
+    def outbox_retry_ready(self) -> bool:
         return False  # SQLite claims always scan from the first pending row
 
-    def wait_for_notify(self, timeout: float) -> int:
+    def notify_wait(self, timeout: float) -> int:
         time.sleep(timeout)
         return 0
 
-    def delete_published(self, older_than_seconds: float, limit: int) -> int:
+    def outbox_delete_published(self, older_than_seconds: float, limit: int) -> int:
         with self.engine.begin() as conn:
             result = conn.execute(
                 text(
@@ -291,7 +293,7 @@ class SqliteStore:
             )
             return int(result.rowcount)
 
-    def backlog(self) -> tuple[int, float | None]:
+    def outbox_backlog(self) -> tuple[int, float | None]:
         with self.engine.connect() as conn:
             row = conn.execute(
                 text(
@@ -305,17 +307,19 @@ class SqliteStore:
     def receipt_store(self) -> None:
         return None  # one writer at a time: a second connection would only wait for the lock
 
-    def vacuum_if_no_autovacuum(self) -> None:
+    def outbox_vacuum_if_no_autovacuum(self) -> None:
         return None
 
-    def status(self) -> dict[str, TopicStatus]:
+    def outbox_status(self) -> dict[str, TopicStatus]:
         with self.engine.connect() as conn:
             return _status(conn, self.t, NOW_SQL[SQLITE])
 
-    def requeue(self, event_ids: Sequence[str] | None, all_quarantined: bool) -> RequeueResult:
+    def outbox_requeue(
+        self, event_ids: Sequence[str] | None, all_quarantined: bool
+    ) -> RequeueResult:
         return _requeue(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)
 
-    def published_page(
+    def outbox_published_page(
         self,
         after_seq: int,
         limit: int,
@@ -337,7 +341,7 @@ class SqliteStore:
             rows = conn.execute(text(sql), params).fetchall()
         return [(_sqlite_record(row[:12]), row[12]) for row in rows]
 
-    def latest_receipts(self) -> list[tuple[str, str]]:
+    def receipt_latest(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 text(
@@ -347,7 +351,7 @@ class SqliteStore:
             ).fetchall()
         return _highest_receipts(rows)
 
-    def oldest_published_since(self, published_after: float | None) -> datetime | None:
+    def outbox_oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:
             value = conn.execute(
                 text(
