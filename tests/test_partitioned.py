@@ -270,17 +270,23 @@ def test_events_across_partition_boundaries_are_published_once_in_key_order(
     with outbox.engine.connect() as held:
         held_tx = held.begin()
         late = outbox.emit(held, "t", key="late", payload={"n": 0})
-        started = time.monotonic()
-        n = 0
-        while time.monotonic() - started < 3.5:  # across three or four boundaries
-            with outbox.transaction() as tx:
-                for _ in range(20):
-                    key = f"k{n % 7}"
-                    written.append((tx.emit("t", key=key, payload={"n": n}), key))
-                    n += 1
+
+        def cycle() -> bool:
             relay.run_once()
             relay.partition_duty.maybe_run()  # what ``run`` does after each cycle
-            time.sleep(0.05)
+            return bool(redis_client.xlen(stream) >= len(written))
+
+        n = 0
+        spanned = sa.text(f"SELECT count(DISTINCT tableoid) FROM {outbox.schema.table_name}")
+        with outbox.engine.connect() as conn:
+            while conn.execute(spanned).scalar_one() < 4:  # across three boundaries at least
+                with outbox.transaction() as tx:
+                    for _ in range(20):
+                        key = f"k{n % 7}"
+                        written.append((tx.emit("t", key=key, payload={"n": n}), key))
+                        n += 1
+                wait_for(cycle, "the rows written so far (the held one aside) on the stream")
+                conn.rollback()  # a fresh snapshot for the next count
         held_tx.commit()
     written.append((late, "late"))
     with outbox.transaction() as tx:

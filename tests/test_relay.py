@@ -473,8 +473,10 @@ def test_late_commit_is_published_after_commit_and_not_overtaken(
         while time.monotonic() < deadline:
             with outbox.transaction() as other:
                 before.append(other.emit("t", key=f"o{len(before)}", payload={}))
-            relay.run_once()
-            time.sleep(0.02)
+            wait_for(
+                lambda: relay.run_once() >= 0 and redis_client.xlen(stream) >= len(before),
+                "the other keys' events to flow past the open transaction",
+            )
         assert late not in [e["id"] for e in entries(redis_client, stream)]
         tx.commit()
     with outbox.transaction() as tx2:
@@ -573,13 +575,15 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     )
     deadline = time.monotonic() + 1.5
     others = []
+    good = f"{stream_prefix}.good"
     while time.monotonic() < deadline:  # other keys flow; the floor passes K's rows
         with outbox.transaction() as tx:
             others.append(tx.emit("good", key=f"o{len(others)}", payload={}))
-        relay.run_once()
-        time.sleep(0.02)
+        wait_for(
+            lambda: relay.run_once() >= 0 and redis_client.xlen(good) >= len(others),
+            "the other keys' events to flow past K's",
+        )
     drain(relay, 20)
-    good = f"{stream_prefix}.good"
     assert not set(waiting) & {e["id"] for e in entries(redis_client, good)}
     redis_client.delete(f"{stream_prefix}.bad")
     requeue(outbox.engine, outbox.schema, [head])
