@@ -193,10 +193,18 @@ class Relay:
         cycle's intervals are measured on: the reconciliation of orphaned intents, the check
         of Redis and the sweep below the claim floor are due by it, so a test that advances
         its clock past them gets them on its next cycle. The rows' own times (``available_at``
-        of a backoff, a claim's age) stay on the database clock. Raises the infrastructure
+        of a backoff, a claim's age) stay on the database clock. A cycle that finds nothing
+        new sweeps at once when a row below the claim floor is claimable again (requeued, or
+        its backoff over), so a caller's own loop need not LISTEN. Raises the infrastructure
         error if the database or Redis is unavailable.
         """
         published, batch = self._cycle(now=now)
+        if batch is None and self.store.outbox_retry_ready():
+            # Nothing above the claim floor, but a row below it is claimable again (its
+            # backoff is over, or it was requeued). ``run`` learns of a requeue by LISTEN;
+            # a caller's own loop does not listen, and would wait for ``sweep_interval``.
+            self._sweep.done(time.monotonic() if now is None else now)
+            batch = self._claim(True, time.monotonic())
         if batch is not None:
             published += self._publish(*batch)
         return published

@@ -646,3 +646,31 @@ def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
         assert make_relay(outbox, redis_client, stream_prefix).run_once() == 1
     finally:
         gc.enable()
+
+
+def test_a_requeued_event_below_the_claim_floor_goes_out_on_the_next_cycle(
+    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    """A relay driven by ``run_once`` (a user's own loop, ``outbox.testing``) never LISTENs
+    for the sweep a requeue asks for. Once the claim floor has passed the quarantined row,
+    only a sweep reaches it: the cycle that finds nothing to claim checks for rows whose
+    backoff is over or that were requeued, and sweeps at once, not after ``sweep_interval``."""
+    poison_stream = f"{stream_prefix}.poison"
+    redis_client.set(poison_stream, "not a stream")
+    with outbox.transaction() as tx:
+        poisoned = tx.emit("poison", key="P", payload={})
+    relay = make_relay(outbox, redis_client, stream_prefix)
+    drain(relay, 2)
+    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "quarantined"
+    # Later events, over more than the floor's settle time, so the floor passes the row.
+    for n in range(6):
+        with outbox.transaction() as tx:
+            tx.emit("fine", key=f"k{n}", payload={"n": n})
+        time.sleep(0.1)
+        drain(relay, 2)
+    redis_client.delete(poison_stream)
+    assert requeue(outbox.engine, outbox.schema, [poisoned]).requeued == [poisoned]
+    while relay.run_once():
+        pass
+    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "published"
+    assert [e["id"] for e in entries(redis_client, poison_stream)] == [poisoned]
