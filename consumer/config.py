@@ -12,25 +12,18 @@ from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.retention import DEFAULT_DEAD_LETTER_RETENTION, check_seconds
 from outbox.schema import check_identifier
+from outbox.validate import check_number
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 """The inbox's deduplication window by default: seven days."""
 
 
 def _positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"must be an integer, got {type(value).__name__}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(
-            name, f"must be {'non-negative' if allow_zero else 'positive'}, got {value}"
-        )
+    check_number(name, value, ConfigError, integer=True, zero=allow_zero)
 
 
 def _positive_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(name, f"must be a number, got {type(value).__name__}")
-    if not value > 0:
-        raise ConfigError(name, f"must be positive, got {value}")
+    check_number(name, value, ConfigError)
 
 
 @dataclass(frozen=True)

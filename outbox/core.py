@@ -36,6 +36,7 @@ from outbox.db import make_engine
 from outbox.errors import ConfigError, InvalidEvent
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent, key_hash, make_event
 from outbox.schema import DEFAULT_TABLE, OutboxSchema, build_schema, create_schema
+from outbox.validate import check_number
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -120,10 +121,7 @@ class Outbox:
         metadata: MetaData | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
-        if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int):
-            raise ConfigError("max_payload_bytes", "must be an integer")
-        if max_payload_bytes <= 0:
-            raise ConfigError("max_payload_bytes", f"must be positive, got {max_payload_bytes}")
+        check_number("max_payload_bytes", max_payload_bytes, ConfigError, integer=True)
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine
         elif url_or_engine is None or isinstance(url_or_engine, (str, URL)):

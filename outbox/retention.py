@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from outbox.errors import ConfigError
 from outbox.logs import fields
+from outbox.validate import check_number
 
 log = logging.getLogger("outbox.retention")
 
@@ -69,17 +70,11 @@ DEFAULT_WORKER_GRACE = 3600.0
 
 def check_seconds(name: str, value: object, *, zero: bool = True) -> float:
     """A window in seconds: a finite number >= 0 (0 where allowed: keep forever)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(name, f"must be a number of seconds, got {value!r}")
-    if not value >= 0 or value == float("inf") or (value == 0 and not zero):
-        raise ConfigError(name, f"must be {'>= 0' if zero else '> 0'} seconds, got {value!r}")
-    return float(value)
+    return check_number(name, value, ConfigError, zero=zero)
 
 
 def check_batch(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100_000:
-        raise ConfigError(name, f"must be an integer from 1 to 100000, got {value!r}")
-    return value
+    return int(check_number(name, value, ConfigError, integer=True, maximum=100_000))
 
 
 class PurgeTarget(Protocol):

@@ -7,12 +7,17 @@ the rule is checked here, in Python, before anything reaches either database: th
 name fails the same way on both.
 
 Each part raises its own typed error (``InvalidEvent``, ``JobError``, ``ConfigError``,
-``UndecodableEntry``): they all take ``(field, problem)``, and :func:`check_name` is given the
-class to raise.
+``UndecodableEntry``): they all take ``(field, problem)``, and :func:`check_name` and
+:func:`check_number` are given the class to raise.
+
+A *number* setting (a size, a count, seconds, a rate) is an ``int`` or ``float``, never a
+``bool``, finite, and positive (or, where zero means "off", non-negative): one rule, checked
+by :func:`check_number`, so ``inf``, ``nan`` and ``True`` fail the same way everywhere.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 MAX_NAME_LENGTH = 200
@@ -56,3 +61,40 @@ def check_name(
         raise error(field, problem)
     assert isinstance(value, str)
     return value
+
+
+def number_problem(
+    value: object, *, integer: bool = False, zero: bool = False, maximum: float | None = None
+) -> str | None:
+    """What is wrong with ``value`` as a number setting, or None when it is a good one.
+    ``integer``: whole numbers only; ``zero``: 0 is allowed (it means "off");
+    ``maximum``: the largest value allowed."""
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return f"must be {'an integer' if integer else 'a number'}, got {value!r}"[:200]
+    assert isinstance(value, int | float)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        return f"must be {'non-negative' if zero else 'positive'}, got {value!r}"
+    if maximum is not None and value > maximum:
+        return f"must be at most {maximum:g}, got {value!r}"
+    return None
+
+
+def check_number(
+    field: str,
+    value: object,
+    error: ErrorFactory,
+    *,
+    integer: bool = False,
+    zero: bool = False,
+    maximum: float | None = None,
+    item: str | None = None,
+) -> float:
+    """Return ``value`` as a float if it is a good number setting (see the module doc), else
+    raise ``error(field, problem)``; ``item`` names the entry of a mapping setting the value
+    belongs to. Integers: ``int(check_number(..., integer=True))``."""
+    problem = number_problem(value, integer=integer, zero=zero, maximum=maximum)
+    if problem is not None:
+        raise error(field, problem if item is None else f"{item!r}: {problem}")
+    assert isinstance(value, int | float)
+    return float(value)

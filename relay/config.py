@@ -6,11 +6,11 @@ relay reads the environment.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_RETENTION_SECONDS = 24 * 3600.0
@@ -24,12 +24,7 @@ poll; once the flow stops, eight idle cycles back it off to ``max_poll_interval`
 
 
 def _positive(name: str, value: float, *, integer: bool = False, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(name, f"must be a number, got {type(value).__name__}")
-    if integer and not isinstance(value, int):
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise ConfigError(name, f"must be {'non-negative' if zero else 'positive'}, got {value!r}")
+    check_number(name, value, ConfigError, integer=integer, zero=zero)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from outbox.logs import fields as log_fields
+from outbox.validate import check_number
 from relay.cluster import publish_by_slot, set_fences_by_slot, template_has_hash_tag
 from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record, entry_id_key
@@ -93,14 +94,8 @@ class StreamTrim:
         floor_ttl: float = 10.0,
         clock: Any = time.time,
     ) -> None:
-        if retention_seconds is not None and (
-            isinstance(retention_seconds, bool)
-            or not isinstance(retention_seconds, (int, float))
-            or retention_seconds < 0
-        ):
-            raise ConfigError(
-                "stream_retention", f"must be >= 0 seconds, got {retention_seconds!r}"
-            )
+        if retention_seconds is not None:
+            check_number("stream_retention", retention_seconds, ConfigError, zero=True)
         self.client = client
         self.retention_seconds = float(retention_seconds or 0.0)
         self.floor_ttl = float(floor_ttl)
@@ -184,8 +179,7 @@ class StreamTemplate:
     def parse(cls, template: str, partitions: int = 16) -> StreamTemplate:
         if not isinstance(template, str) or not template.strip():
             raise ConfigError("stream", "the stream template must be a non-empty string")
-        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-            raise ConfigError("stream_partitions", f"must be a positive integer: {partitions!r}")
+        check_number("stream_partitions", partitions, ConfigError, integer=True)
         used: set[str] = set()
         try:
             parsed = list(string.Formatter().parse(template))
@@ -345,10 +339,8 @@ class RedisStreamPublisher:
     ) -> None:
         if redis_client is None:
             raise ConfigError("redis_client", "a redis.Redis client is required")
-        if maxlen is not None and (
-            isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0
-        ):
-            raise ConfigError("maxlen", f"must be a positive integer or None, got {maxlen!r}")
+        if maxlen is not None:
+            check_number("maxlen", maxlen, ConfigError, integer=True)
         if not isinstance(source, str) or not source:
             raise ConfigError("source", "must be a non-empty string")
         self.client = redis_client

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 from relay.errors import PermanentPublishError, RoutingError
 from relay.publisher import HeldBack, MarkerBehind, Prepared, RedisStreamPublisher
 from relay.store import Store
@@ -90,12 +91,9 @@ def republish(
     errors propagate (what was sent before them is in the stream, and a second run is safe)."""
     if (since is None) == (from_seq is None):
         raise ConfigError("since", "give exactly one of since and from_seq")
-    if from_seq is not None and (isinstance(from_seq, bool) or not isinstance(from_seq, int)):
-        raise ConfigError("from_seq", f"must be an integer, got {from_seq!r}")
-    if from_seq is not None and from_seq < 0:
-        raise ConfigError("from_seq", f"must be >= 0, got {from_seq}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {batch_size!r}")
+    if from_seq is not None:
+        check_number("from_seq", from_seq, ConfigError, integer=True, zero=True)
+    check_number("batch_size", batch_size, ConfigError, integer=True)
     result = RepublishResult(dry_run=dry_run)
     after = (from_seq - 1) if from_seq is not None else 0
     failed_keys: set[str] = set()

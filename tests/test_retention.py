@@ -66,8 +66,9 @@ def test_the_declared_windows_are_the_other_processes_defaults() -> None:
         ),
         ({"outbox_retention_seconds": 0.0}, "outbox_retention_seconds is 0"),
         ({"inbox_window_seconds": 0.0}, "inbox_window_seconds is 0"),
-        ({"job_retention_seconds": -1.0}, ">= 0"),
-        ({"purge_batch": 0}, "1 to 100000"),
+        ({"job_retention_seconds": -1.0}, "non-negative"),
+        ({"purge_batch": 0}, "positive"),
+        ({"purge_batch": 100_001}, "at most 100000"),
     ],
 )
 def test_settings_that_would_allow_a_second_job_are_refused(

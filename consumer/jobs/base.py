@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.retry import RetryPolicy
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,7 @@ class StoreConfig:
         if not isinstance(self.notify, bool):
             raise ConfigError("notify", f"must be True or False, got {self.notify!r}")
         for name in ("max_tenants_scanned", "recover_limit"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+            check_number(name, getattr(self, name), ConfigError, integer=True)
 
 
 class StoreBase:

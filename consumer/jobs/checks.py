@@ -20,7 +20,7 @@ from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
 from consumer.jobs.states import READY
 from outbox import tracing
 from outbox.errors import ConfigError
-from outbox.validate import check_name
+from outbox.validate import check_name, check_number
 
 Time = float | int | datetime
 """A time argument: unix seconds, or a datetime (naive means UTC)."""
@@ -127,11 +127,7 @@ def _version(field_name: str, value: object) -> str | None:
 
 
 def _ttl(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
-        raise JobError("ttl", f"must be a number of seconds, got {ttl!r}")
-    if ttl <= 0:
-        raise JobError("ttl", f"must be positive, got {ttl!r}")
-    return float(ttl)
+    return check_number("ttl", ttl, JobError)
 
 
 def _time(field_name: str, value: object) -> float | None:
@@ -226,8 +222,7 @@ def check_queue_settings(config: Any) -> None:
         raise ConfigError("queue_slots", f"must map queues to slots, got {slots!r}")
     for name, value in slots.items():
         check_name(slots_field, name, ConfigError)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(slots_field, f"{name!r}: slots must be a positive integer")
+        check_number(slots_field, value, ConfigError, integer=True, item=name)
         if config.queues is None or name not in config.queues:
             raise ConfigError(
                 "queue_slots",
@@ -236,15 +231,14 @@ def check_queue_settings(config: Any) -> None:
             )
     object.__setattr__(config, "queue_slots", dict(slots))
     limit = config.tenant_limit
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ConfigError("tenant_limit", f"must be a positive integer or None, got {limit!r}")
+    if limit is not None:
+        check_number("tenant_limit", limit, ConfigError, integer=True)
     limits = config.tenant_limits
     if not isinstance(limits, Mapping):
         raise ConfigError("tenant_limits", f"must map tenants to limits, got {limits!r}")
     for tenant, value in limits.items():
         check_name("tenant_limits", tenant, ConfigError)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("tenant_limits", f"{tenant!r}: must be a positive integer")
+        check_number("tenant_limits", value, ConfigError, integer=True, item=tenant)
     object.__setattr__(config, "tenant_limits", dict(limits))
 
 

@@ -25,6 +25,7 @@ from consumer.jobs.retention import JobRetentionConfig
 from outbox.errors import ConfigError
 from outbox.lifecycle import incarnation_name
 from outbox.maintenance import DEFAULT_VACUUM_INTERVAL
+from outbox.validate import check_number
 
 __all__ = ["DEFAULT_CONCURRENCY", "QueueSlots", "WorkerConfig"]
 
@@ -78,9 +79,7 @@ class WorkerConfig:
         if not isinstance(self.listen, bool):
             raise ConfigError("listen", f"must be True or False, got {self.listen!r}")
         for name in ("concurrency", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+            check_number(name, getattr(self, name), ConfigError, integer=True)
         for name in (
             "ttl",
             "poll_interval",
@@ -89,14 +88,8 @@ class WorkerConfig:
             "liveness_ttl",
             "liveness_interval",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, f"must be a positive number, got {value!r}")
-        value = self.vacuum_interval
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(
-                "vacuum_interval", f"must be zero (never) or positive seconds, got {value!r}"
-            )
+            check_number(name, getattr(self, name), ConfigError)
+        check_number("vacuum_interval", self.vacuum_interval, ConfigError, zero=True)  # 0: never
         if not isinstance(self.retention, JobRetentionConfig):
             raise ConfigError("retention", "must be a consumer.jobs.retention.JobRetentionConfig")
         if self.liveness_interval >= self.liveness_ttl:

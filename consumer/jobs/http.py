@@ -82,6 +82,7 @@ from consumer.errors import (
 from consumer.jobs.limits import StartMissed, send_by
 from outbox import tracing
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 #: Connections per pooled client: a provider's ``max_connections`` are spread over
 #: ``max_connections / SHARD`` clients (see ``HttpProvider.__init__``).
@@ -156,13 +157,7 @@ class HttpProvider:
         if idempotency_header is not None:
             _check_header_name("idempotency_header", idempotency_header)
         _check_header_name("operation_id_header", operation_id_header)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ConfigError("timeout", f"must be a positive number of seconds, not {timeout!r}")
+        check_number("timeout", timeout, ConfigError)
         if headers is not None:
             if not isinstance(headers, Mapping):
                 raise ConfigError("headers", "must be a mapping of header names to values")
@@ -174,23 +169,9 @@ class HttpProvider:
             raise ConfigError("client", "must be an httpx.Client (the provider is synchronous)")
         if not isinstance(ref_field, str) or not ref_field or "" in ref_field.split("."):
             raise ConfigError("ref_field", "must be a JSON field name or a dotted path")
-        if rate_limit is not None and (
-            isinstance(rate_limit, bool)
-            or not isinstance(rate_limit, int | float)
-            or not math.isfinite(rate_limit)
-            or rate_limit <= 0
-        ):
-            raise ConfigError(
-                "rate_limit", f"must be positive calls per second, not {rate_limit!r}"
-            )
-        if (
-            isinstance(max_connections, bool)
-            or not isinstance(max_connections, int)
-            or max_connections < 1
-        ):
-            raise ConfigError(
-                "max_connections", f"must be a positive integer, not {max_connections!r}"
-            )
+        if rate_limit is not None:
+            check_number("rate_limit", rate_limit, ConfigError)  # calls per second
+        check_number("max_connections", max_connections, ConfigError, integer=True)
 
         self.name = name
         self.send_url = send_url

@@ -51,7 +51,6 @@ import getpass
 import hashlib
 import json
 import logging
-import math
 import threading
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -79,7 +78,7 @@ from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import NO_HOOKS, Hooks
 from outbox.logs import fields
-from outbox.validate import check_name
+from outbox.validate import check_name, check_number
 
 __all__ = ["ACCEPTED", "FAILED", "NOT_SENT", "PENDING", "RECEIPT_STATES", "UNKNOWN"]
 __all__ += ["OperationInFlight", "Operations", "Provider", "Receipt", "ReconcileResult"]
@@ -163,14 +162,7 @@ def request_digest(request: Mapping[str, Any]) -> str:
 
 
 def _positive(field_name: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise JobError(field_name, f"must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return check_number(field_name, value, JobError)
 
 
 class Operations:
@@ -187,8 +179,7 @@ class Operations:
     ) -> None:
         if not isinstance(store, Store):
             raise JobError("store", f"must be a Store, got {type(store).__name__}")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise JobError("slots", f"must be a positive integer, got {slots!r}")
+        check_number("slots", slots, JobError, integer=True)
         self.store = store
         self.providers: dict[str, Provider] = dict(providers or {})
         self.default_timeout = _positive("default_timeout", default_timeout)
@@ -243,8 +234,7 @@ class Operations:
         for one in states:
             if one not in RECEIPT_STATES:
                 raise JobError("state", f"must be one of {', '.join(RECEIPT_STATES)}, got {one!r}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        check_number("limit", limit, JobError, integer=True)
         with self.store.driver.connect() as conn:
             rows = self.store.driver.operation_list(conn, states=states, limit=limit)
         return [_receipt(row) for row in rows]
@@ -441,8 +431,7 @@ class Operations:
         READY (its handler then finds the receipt, or sends once); with only an idempotency
         key the job becomes READY to resend under the key; with neither it goes to
         WAITING_REVIEW for an operator. A job leased to a live worker is left to it."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        check_number("limit", limit, JobError, integer=True)
         driver = self.store.driver
         with driver.connect() as conn:
             clock = driver.clock_read(conn, now)

@@ -16,6 +16,7 @@ from consumer.jobs.checks import Time, _name, _time, _ttl
 from consumer.jobs.rows import RecoveryResult
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import LEASED, NEEDS_ATTENTION, READY, check_transition
+from outbox.validate import check_number
 
 
 class Recovery(StoreBase):
@@ -31,8 +32,7 @@ class Recovery(StoreBase):
         so a lease renewed or finished meanwhile is left alone: a live lease is never touched.
         """
         bound = self.config.recover_limit if limit is None else limit
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
-            raise JobError("limit", f"must be a positive integer, got {bound!r}")
+        check_number("limit", bound, JobError, integer=True)
         when = _time("now", now)
         requeued = attention = woken = 0
         with self.driver.begin() as conn:
@@ -65,8 +65,7 @@ class Recovery(StoreBase):
         :meth:`recover`: the next claim increments the epoch and the dead worker's late moves
         get ``Conflict``. Cheap when nobody died: one read of the small liveness table."""
         bound = self.config.recover_limit if limit is None else limit
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
-            raise JobError("limit", f"must be a positive integer, got {bound!r}")
+        check_number("limit", bound, JobError, integer=True)
         when = _time("now", now)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_REVIEW
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 KINDS = ("transient", "permanent", "auth")
 
@@ -55,9 +56,7 @@ class RetryPolicy:
                     f"retry.provider_ceilings[{name!r}]", f"must be at least base, got {ceiling!r}"
                 )
         for name in ("max_attempts", "max_auth_failures"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"retry.{name}", f"must be a positive integer, got {value!r}")
+            check_number(f"retry.{name}", getattr(self, name), ConfigError, integer=True)
         if not _positive(self.max_elapsed):
             raise ConfigError("retry.max_elapsed", f"must be positive, got {self.max_elapsed!r}")
 

@@ -78,6 +78,7 @@ from consumer.jobs.states import (
     WAITING_REVIEW,
 )
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 __all__ = [
     "Attempt",
@@ -571,8 +572,7 @@ class Store(LeaseMoves, Recovery):
           taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
         """
         _name("worker", worker)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        check_number("limit", limit, JobError, integer=True)
         seconds = _ttl(ttl)
         when = _time("now", now)
         if when is None and self.driver.clock is not None:
@@ -619,9 +619,7 @@ def _names(field_name: str, values: Iterable[str] | None) -> list[str] | None:
 def _limit(field_name: str, value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise JobError(field_name, f"must be a positive integer or None, got {value!r}")
-    return value
+    return int(check_number(field_name, value, JobError, integer=True))
 
 
 def _limits(values: Mapping[str, int] | None) -> dict[str, int]:

@@ -111,6 +111,7 @@ from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
 from outbox.outage import is_outage
+from outbox.validate import check_number
 
 if TYPE_CHECKING:
     from consumer.jobs.operations import Operations, Provider
@@ -169,16 +170,8 @@ class Worker(WorkerDuties):
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
-        if (
-            isinstance(default_timeout, bool)
-            or not isinstance(default_timeout, (int, float))
-            or not default_timeout > 0
-        ):
-            raise ConfigError(
-                "default_timeout", f"must be positive seconds, got {default_timeout!r}"
-            )
+        self.default_timeout = check_number("default_timeout", default_timeout, ConfigError)
         self.providers: dict[str, Provider] = dict(providers or {})
-        self.default_timeout = float(default_timeout)
         self._operations: Operations | None = None
         # The receipt sweep: its first round one interval after start (outbox.duty).
         self._reconciliation = Interval(weakly(self._reconcile_seconds), first="later")
