@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from outbox import tracing
+from outbox import lifecycle, tracing
 from outbox.db import describe_url
 from outbox.errors import ConfigError, OutboxError
 
@@ -422,10 +422,13 @@ def run_main(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args: argparse.Namespace | None = None
+    lifecycle.reset_interrupted()
     try:
         args = parser.parse(argv)
         func = command or args.func
-        return int(func(args))
+        code = int(func(args))
+        # Ctrl-C stops a loop gracefully (it drains first); the exit says it was interrupted.
+        return Exit.INTERRUPTED if code == Exit.OK and lifecycle.interrupted() else code
     except SystemExit as exc:  # argparse: 0 for --help, 2 for bad usage; SIGTERM: 0
         return exc.code if isinstance(exc.code, int) else (Exit.OK if exc.code is None else 2)
     except KeyboardInterrupt:

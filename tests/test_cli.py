@@ -202,6 +202,7 @@ def _command(name: str) -> list[str]:
     """The installed console script, run as a user runs it: ``-P`` keeps Python from putting
     the working directory on sys.path itself, so the command has to."""
     module = {
+        "outbox-relay": "relay.cli",
         "outbox-consumer": "consumer.cli",
         "outbox-worker": "consumer.jobs.cli",
     }[name]
@@ -258,6 +259,86 @@ def test_the_working_directory_is_on_sys_path_and_ctrl_c_exits_130(
             proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in err
+
+
+RUN_APPS = textwrap.dedent(
+    """
+    import os
+    from consumer import Consumer, Store, Worker
+
+    def consumer():
+        return Consumer(group="app", streams=[os.environ["APP_STREAM"]])
+
+    def worker():
+        return Worker(Store(os.environ["APP_DB"]))
+    """
+)
+
+
+@pytest.mark.slow  # three processes started and stopped (3-8 s)
+@pytest.mark.parametrize(
+    ("name", "target", "started"),
+    [
+        ("outbox-relay", None, "relay started"),
+        ("outbox-consumer", "apps:consumer", "consumer started"),
+        ("outbox-worker", "apps:worker", "worker started"),
+    ],
+)
+def test_ctrl_c_on_a_running_loop_drains_then_exits_130(
+    name: str,
+    target: str | None,
+    started: str,
+    tmp_path: Path,
+    redis_url: str,
+    stream_prefix: str,
+) -> None:
+    """A real SIGINT, once the loop runs: the first asks for a graceful stop (the batch in
+    hand finishes), and the command then exits 130, as a program interrupted by Ctrl-C
+    does (issue 26's exit-code map); SIGTERM stays 0."""
+    (tmp_path / "apps.py").write_text(RUN_APPS)
+    db = f"sqlite:///{tmp_path}/x.db"
+    args = ["run", "--database-url", db]
+    if name != "outbox-worker":
+        args += ["--redis-url", redis_url]
+    if target is None:
+        args += ["--stream", f"{stream_prefix}.{{topic}}"]
+    else:
+        args.insert(1, target)
+    proc = subprocess.Popen(
+        [*_command(name), *args],
+        cwd=tmp_path,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+            "OUTBOX_LOG_LEVEL": "info",
+            "APP_STREAM": f"{stream_prefix}.quote",
+            "APP_DB": db,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def has_started() -> bool:
+        assert proc.stdout is not None
+        while proc.poll() is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if started in line:
+                return True
+        return False
+
+    try:
+        assert has_started(), "".join(lines) + (proc.stdout.read() if proc.stdout else "")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines) + out
+    assert proc.returncode == 130, text
+    assert "stopped" in text and "Traceback" not in text, text
 
 
 @pytest.mark.parametrize("name", ["outbox-consumer", "outbox-worker"])
