@@ -44,6 +44,7 @@ from outbox.cli import (
     Flag,
     Parser,
     add_flags,
+    existing_database_url,
     load_target,
     run_main,
 )
@@ -226,9 +227,11 @@ def _run(args: argparse.Namespace) -> int:
 # -- dead letters ------------------------------------------------------------------------------
 
 
-def _inbox(args: argparse.Namespace) -> Inbox:
-    """The consumer tables of ``--database-url``, created if missing."""
-    inbox = inbox_for(make_engine(args.database_url), build_inbox_schema(args.schema))
+def _inbox(args: argparse.Namespace, *, existing: bool = True) -> Inbox:
+    """The consumer tables of ``--database-url``, created if missing; ``existing``: a command
+    that reads or repairs refuses a SQLite file that is not there (init-db creates it)."""
+    url = existing_database_url(args.database_url) if existing else args.database_url
+    inbox = inbox_for(make_engine(url), build_inbox_schema(args.schema))
     inbox.schema_create()
     return inbox
 
@@ -291,7 +294,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _init_db(args: argparse.Namespace) -> int:
-    inbox = _inbox(args)
+    inbox = _inbox(args, existing=False)
     print(f"consumer tables ready in {describe_url(inbox.engine.url)}")
     return 0
 

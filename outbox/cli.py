@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox import lifecycle, tracing
-from outbox.db import describe_url
+from outbox.db import default_database_url, describe_url, missing_sqlite_file
 from outbox.errors import ConfigError, OutboxError
 
 log = logging.getLogger("outbox.cli")
@@ -443,6 +443,26 @@ def run_main(
         # Under opentelemetry-instrument: export the spans still buffered before the process
         # exits, the last batch's too when SIGTERM drained the loop (outbox.tracing).
         tracing.flush()
+
+
+class NoDatabase(OutboxError):
+    """A command that only reads or repairs was pointed at a SQLite file that does not exist."""
+
+
+def existing_database_url(url: str | None) -> str:
+    """The database of a command that only reads or repairs (status, receipts, dead letters,
+    queues, ...): ``url``, or the default SQLite file. A SQLite file that is not there is
+    refused (:class:`NoDatabase`) instead of created empty to fail on, or to answer "none"."""
+    chosen = url or default_database_url()
+    missing = missing_sqlite_file(chosen)
+    if missing is not None:
+        hint = (
+            "give --database-url (the demo keeps its database in .outbox/outbox.db)"
+            if url is None
+            else "check the path, or create it with init-db"
+        )
+        raise NoDatabase(f"no database at {missing}: {hint}")
+    return chosen
 
 
 def fail(prog: str, message: str, code: int = Exit.FAILURE) -> int:

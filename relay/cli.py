@@ -18,9 +18,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from outbox.backoff import Backoff, retry_forever
-from outbox.cli import DATABASE, LOGGING, METRICS, REDIS, Flag, Parser, add_flags, run_main
-from outbox.db import default_database_url, describe_url, make_engine, missing_sqlite_file
-from outbox.errors import ConfigError, OutboxError
+from outbox.cli import (
+    DATABASE,
+    LOGGING,
+    METRICS,
+    REDIS,
+    Flag,
+    Parser,
+    add_flags,
+    existing_database_url,
+    run_main,
+)
+from outbox.db import default_database_url, describe_url, make_engine
+from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
@@ -38,10 +48,6 @@ from relay.publisher import DEFAULT_STREAM_RETENTION, RedisStreamPublisher, Stre
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
-
-
-class NoDatabase(OutboxError):
-    """A command that reads the outbox was pointed at a SQLite file that does not exist."""
 
 
 # -- flags: one declaration each (outbox.cli), shared by the subcommands that take them ----------
@@ -339,16 +345,10 @@ def _engine_and_schema(args: argparse.Namespace, *, existing: bool = False) -> t
     (status, requeue, purge, republish) refuses a SQLite file that is not there, instead of
     creating an empty one to fail on."""
     schema = build_schema(args.table, args.schema)
-    url = args.database_url or default_database_url()
     if existing:
-        missing = missing_sqlite_file(url)
-        if missing is not None:
-            hint = (
-                "give --database-url (the demo keeps its database in .outbox/outbox.db)"
-                if args.database_url is None
-                else "check the path, or create it with init-db"
-            )
-            raise NoDatabase(f"no database at {missing}: {hint}")
+        url = existing_database_url(args.database_url)
+    else:
+        url = args.database_url or default_database_url()
     engine = make_engine(url)
     return engine, schema
 

@@ -473,6 +473,37 @@ def test_status_without_a_database_does_not_create_one(
 
 
 @pytest.mark.parametrize(
+    ("main", "prog", "argv"),
+    [
+        (consumer.jobs.cli.main, "outbox-worker", ["receipts"]),
+        (consumer.jobs.cli.main, "outbox-worker", ["queues", "list"]),
+        (
+            consumer.jobs.cli.main,
+            "outbox-worker",
+            ["settle", "1:email", "--not-sent", "--reason", "x"],
+        ),
+        (consumer.cli.main, "outbox-consumer", ["dead-letters"]),
+    ],
+    ids=["worker receipts", "worker queues list", "worker settle", "consumer dead-letters"],
+)
+def test_a_command_that_reads_never_creates_the_default_database(
+    main: Callable[[list[str]], int],
+    prog: str,
+    argv: list[str],
+    own_syspath: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command that only reads or repairs refuses a SQLite file that is not there, as
+    ``status`` does; before, these created an empty ``outbox.db`` and answered "none"."""
+    assert main(argv) == Exit.FAILURE
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: no database at {own_syspath}/outbox.db: give"), err
+    assert list(own_syspath.iterdir()) == []
+    assert main(["init-db"]) == Exit.OK  # the command that creates it still does
+    assert (own_syspath / "outbox.db").exists()
+
+
+@pytest.mark.parametrize(
     "flags",
     [["--redis-url", "redis://127.0.0.1:1/0"], ["--database-url", UNREACHABLE_PG]],
     ids=["redis down", "database down"],

@@ -72,6 +72,7 @@ from outbox.cli import (
     Parser,
     UsageError,
     add_flags,
+    existing_database_url,
     given_as,
     load_target,
     run_main,
@@ -229,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    url = args.database_url or default_database_url()
+    if args.command in ("init-db", "run"):  # these create the tables (run: a fresh default)
+        url = args.database_url or default_database_url()
+    else:  # the others read or repair what is there
+        url = existing_database_url(args.database_url)
     return int(args.func(args, url))
 
 
