@@ -292,8 +292,24 @@ METRICS: tuple[Flag, ...] = (METRICS_PORT, METRICS_HOST)
 LOGGING: tuple[Flag, ...] = (LOG_LEVEL,)
 
 
+class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands whose own ``--help`` opens with the line the command list shows."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        line = kwargs.get("help")
+        if kwargs.get("description") is None and isinstance(line, str) and line:
+            kwargs["description"] = line[0].upper() + line[1:] + ("" if line[-1] in ".)" else ".")
+        parser: argparse.ArgumentParser = super().add_parser(name, **kwargs)
+        return parser
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose :meth:`parse` also resolves the declared flags' variables."""
+    """An ArgumentParser whose :meth:`parse` also resolves the declared flags' variables, and
+    whose subcommands' ``--help`` says what they do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
         return resolve_environment(self.parse_args(list(argv) if argv is not None else None))

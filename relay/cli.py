@@ -10,6 +10,7 @@ interrupted (Ctrl-C). The flags are declared with :mod:`outbox.cli`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -20,11 +21,13 @@ from typing import Any
 from outbox.backoff import Backoff, retry_forever
 from outbox.cli import (
     DATABASE,
+    DATABASE_URL,
     LOGGING,
     METRICS,
     REDIS,
     Flag,
     Parser,
+    UsageError,
     add_flags,
     existing_database_url,
     run_main,
@@ -257,7 +260,9 @@ def build_parser() -> Parser:
     )
     add_flags(
         demo,
-        *COMMON,
+        # The demo's own default: its SQLite file lives in --data-dir, not the working dir.
+        dataclasses.replace(DATABASE_URL, shown_default="the SQLite file outbox.db in --data-dir"),
+        *(flag for flag in COMMON if flag is not DATABASE_URL),
         *REDIS,
         Flag("--rate", float, "quotes approved per second", default=20.0, env=None),
         Flag("--duration", float, "stop after this many seconds", env=None, metavar="SECONDS"),
@@ -490,6 +495,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = relay_config(args)
     StreamTemplate.parse(args.stream)  # a bad template fails before anything starts
+    if args.maxlen and args.stream_retention != DEFAULT_STREAM_RETENTION:
+        # One trimming rule per stream: a --stream-retention beside --maxlen would be ignored.
+        raise UsageError("--maxlen trims instead of --stream-retention: give one of them")
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
     stop = GracefulStop().install()

@@ -393,6 +393,31 @@ def test_every_command_is_built_with_the_helper() -> None:
         assert isinstance(parser, Parser), prog
 
 
+def test_every_subcommand_help_says_what_it_does() -> None:
+    """``outbox-relay run --help`` opens with the line the command list shows (the
+    subcommands' own help had only their options)."""
+    for prog, parser in installed_programs():
+        stack = [(prog, parser)]
+        while stack:
+            name, current = stack.pop()
+            for action in current._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for sub_name, sub in action.choices.items():
+                        assert sub.description, f"{name} {sub_name} --help has no description"
+                        stack.append((f"{name} {sub_name}", sub))
+
+
+def test_maxlen_beside_stream_retention_is_refused(
+    own_syspath: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--maxlen`` trims instead of ``--stream-retention``: given both, one would be
+    ignored, so the relay refuses to start (exit 2) and says which to drop."""
+    argv = ["run", "--maxlen", "100", "--stream-retention", "50", "--once"]
+    assert relay.cli.main(argv) == Exit.USAGE
+    assert "give one of them" in capsys.readouterr().err
+    assert list(own_syspath.iterdir()) == []  # refused before anything was opened
+
+
 def test_the_cli_reference_page_is_current() -> None:
     page = ROOT / "docs" / "reference" / "cli.md"
     generated = reference_markdown(installed_programs())

@@ -99,7 +99,8 @@ def test_quote_approved_over_http_becomes_a_job(
 
 
 def test_run_says_what_it_needs_and_exits_1_without_uvicorn() -> None:
-    """Without fastapi/uvicorn (no install line gives them), run.py says so and fails,
+    """Without fastapi (the README's install line for the example gives it), run.py says so
+    and fails,
     instead of exiting 0 after a child's ``No module named uvicorn``."""
     hide = (
         "import runpy, sys; sys.modules['uvicorn'] = None; "
@@ -109,7 +110,42 @@ def test_run_says_what_it_needs_and_exits_1_without_uvicorn() -> None:
         [sys.executable, "-c", hide], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 1
-    assert result.stderr.strip() == (
-        "this example needs uvicorn, which the toolkit does not install: "
-        "pip install fastapi uvicorn"
+    assert (
+        result.stderr.strip()
+        == "this example needs uvicorn, not installed here: pip install uvicorn"
     )
+
+
+@pytest.mark.slow  # the example on its embedded defaults: three processes, an embedded Redis
+def test_run_on_the_embedded_defaults_keeps_its_files_in_dot_outbox(tmp_path: Path) -> None:
+    """With no URLs, the example's SQLite file and embedded Redis go in ``.outbox/`` (git
+    ignores it), as the demo's do, not in the user's working directory."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(RUN), "--port", str(port)], cwd=tmp_path)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            wait_for(
+                lambda: http.get("/quotes/1").status_code == 404,
+                "the app to answer",
+                timeout=60,
+                interval=0.1,
+                ignore=(httpx.TransportError,),
+            )
+            quote_id = http.post("/quotes", json={"tenant": "studio", "total": 120}).json()["id"]
+            assert http.post(f"/quotes/{quote_id}/approve").status_code == 200
+
+            def job_done() -> Any:
+                job = http.get(f"/quotes/{quote_id}").json()["job"]
+                return job if job and job["state"] == "DONE" else None
+
+            wait_for(job_done, "the job done", timeout=60, interval=0.1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - surfaced by the assert
+            process.kill()
+            returncode = process.wait()
+    assert returncode == 0
+    assert [p.name for p in tmp_path.iterdir()] == [".outbox"]
+    assert (tmp_path / ".outbox" / "outbox.db").exists()

@@ -2,10 +2,11 @@
 
     python examples/fastapi_quotes/run.py [--port 8000] [--database-url URL] [--redis-url URL]
 
-It needs FastAPI and uvicorn, which the toolkit does not install (``pip install fastapi
-uvicorn``; without them it says so and exits 1). With no URLs everything runs on the
-embedded defaults in the working directory: the SQLite file outbox.db and an embedded Redis
-server. Three processes are started:
+It needs FastAPI, which the toolkit does not install (``pip install fastapi``; without it
+the script says so and exits 1; uvicorn comes with the toolkit, for the console). With no
+URLs everything runs on the embedded defaults, kept in ``--data-dir`` (``.outbox/``, which
+git ignores, as the demo's): the SQLite file outbox.db and an embedded Redis server (the
+three processes run in that folder). Three processes are started:
 
 - ``uvicorn app:app``: quotes approved over HTTP, events written with AsyncOutbox;
 - ``outbox-relay run``: committed events -> Redis Streams;
@@ -36,7 +37,8 @@ RELAY = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 NEEDS = ("fastapi", "uvicorn")
-"""What this example needs beyond the toolkit (``pip install fastapi uvicorn``)."""
+"""What this example imports beyond the toolkit's own code: fastapi (``pip install
+fastapi``) and uvicorn (a dependency of the toolkit, checked all the same)."""
 
 
 def missing_requirements() -> list[str]:
@@ -53,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_requirements()
     if missing:
         print(
-            f"this example needs {' and '.join(missing)}, which the toolkit does not install: "
-            f"pip install {' '.join(NEEDS)}",
+            f"this example needs {' and '.join(missing)}, not installed here: "
+            f"pip install {' '.join(missing)}",
             file=sys.stderr,
         )
         return 1
@@ -65,7 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=os.environ.get("QUOTES_REDIS_URL"))
     parser.add_argument("--stream", default=os.environ.get("QUOTES_STREAM", "outbox.{topic}"))
     parser.add_argument("--group", default=os.environ.get("QUOTES_GROUP", "billing"))
+    parser.add_argument(
+        "--data-dir",
+        default=".outbox",
+        help="where the embedded SQLite file and Redis live when no URL is given [.outbox]",
+    )
     args = parser.parse_args(argv)
+    data_dir = Path(args.data_dir).resolve()
+    if not (args.database_url and args.redis_url):
+        data_dir.mkdir(parents=True, exist_ok=True)
+    if not args.database_url:
+        args.database_url = f"sqlite:///{data_dir / 'outbox.db'}"
+    # The embedded Redis lives in the working directory of the processes that use it.
+    workdir = str(data_dir) if not args.redis_url else os.getcwd()
 
     env = dict(os.environ)
     env["QUOTES_STREAM"] = args.stream
@@ -103,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         for name, command in commands.items():
-            children[name] = subprocess.Popen(command, env=env, cwd=os.getcwd())
+            children[name] = subprocess.Popen(command, env=env, cwd=workdir)
         print(f"quotes app on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
         while not stopping:
             for name, child in children.items():
