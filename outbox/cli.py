@@ -312,7 +312,15 @@ class Parser(argparse.ArgumentParser):
         self.register("action", "parsers", _Subcommands)
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
-        return resolve_environment(self.parse_args(list(argv) if argv is not None else None))
+        args = resolve_environment(self.parse_args(list(argv) if argv is not None else None))
+        host = getattr(args, "metrics_host", None)
+        if getattr(args, "metrics_port", 0) is None and host not in (None, METRICS_HOST.default):
+            # A flag that cannot apply is refused, never ignored (issue 26).
+            raise UsageError(
+                f"--metrics-host {host} needs --metrics-port (OUTBOX_METRICS_PORT): "
+                "without a port no metrics server runs"
+            )
+        return args
 
 
 # -- MODULE:ATTRIBUTE ---------------------------------------------------------------------------

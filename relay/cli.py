@@ -88,6 +88,13 @@ PARTITIONED = Flag(
     choices=("hourly", "daily"),
     metavar="hourly|daily",
 )
+WAIT_TIMEOUT = Flag(
+    "--wait-timeout",
+    float,
+    "seconds WAIT may take before the batch is reconciled instead (with --wait-replicas)",
+    default=1.0,
+    metavar="SECONDS",
+)
 RUN_FLAGS = (
     *COMMON,
     *REDIS,
@@ -98,13 +105,7 @@ RUN_FLAGS = (
         default=0,
         metavar="N",
     ),
-    Flag(
-        "--wait-timeout",
-        float,
-        "seconds WAIT may take before the batch is reconciled instead",
-        default=1.0,
-        metavar="SECONDS",
-    ),
+    WAIT_TIMEOUT,
     STREAM,
     Flag("--batch-size", int, "rows per cycle", default=DEFAULT_BATCH_SIZE, metavar="N"),
     Flag(
@@ -324,6 +325,8 @@ def connect_redis(args: argparse.Namespace, stop: GracefulStop | None = None) ->
 
 def relay_config(args: argparse.Namespace) -> RelayConfig:
     """Flags and environment into the frozen config (ConfigError names a bad value)."""
+    if not args.wait_replicas and args.wait_timeout != WAIT_TIMEOUT.default:
+        raise UsageError("--wait-timeout applies only with --wait-replicas N (N > 0)")
     poll = args.poll_interval
     max_poll = args.max_poll_interval
     return RelayConfig(

@@ -407,6 +407,33 @@ def test_every_subcommand_help_says_what_it_does() -> None:
                         stack.append((f"{name} {sub_name}", sub))
 
 
+@pytest.mark.parametrize(
+    ("main", "argv", "says"),
+    [
+        (relay.cli.main, ["run", "--metrics-host", "0.0.0.0", "--once"], "needs --metrics-port"),
+        (
+            consumer.jobs.cli.main,
+            ["run", "apps:worker", "--metrics-host", "0.0.0.0"],
+            "needs --metrics-port",
+        ),
+        (relay.cli.main, ["run", "--wait-timeout", "3", "--once"], "only with --wait-replicas"),
+    ],
+    ids=["relay metrics host", "worker metrics host", "relay wait timeout"],
+)
+def test_a_flag_that_needs_another_is_refused_without_it(
+    main: Callable[[list[str]], int],
+    argv: list[str],
+    says: str,
+    own_syspath: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--metrics-host`` without ``--metrics-port`` (no metrics server would run) and
+    ``--wait-timeout`` without ``--wait-replicas`` (nothing waits) exit 2, never ignored."""
+    assert main(argv) == Exit.USAGE
+    assert says in capsys.readouterr().err
+    assert list(own_syspath.iterdir()) == []
+
+
 def test_maxlen_beside_stream_retention_is_refused(
     own_syspath: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -26,6 +26,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stop(process: subprocess.Popen[bytes]) -> int:
+    """SIGTERM the example (it stops its three processes) and return its exit status."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # pragma: no cover - surfaced by the caller's assert
+        process.kill()
+        return process.wait()
+
+
 @pytest.mark.slow
 def test_quote_approved_over_http_becomes_a_job(
     pg_url: str, redis_url: str, stream_prefix: str, redis_client: Any, tmp_path: Path
@@ -89,12 +99,7 @@ def test_quote_approved_over_http_becomes_a_job(
         # Exactly one event reached the stream (the refused second approval wrote none).
         assert redis_client.xlen(f"{stream_prefix}.quote.approved") == 1
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            returncode = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover - surfaced by the assert
-            process.kill()
-            returncode = process.wait()
+        returncode = stop(process)
     assert returncode == 0
 
 
@@ -140,12 +145,7 @@ def test_run_on_the_embedded_defaults_keeps_its_files_in_dot_outbox(tmp_path: Pa
 
             wait_for(job_done, "the job done", timeout=60, interval=0.1)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            returncode = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover - surfaced by the assert
-            process.kill()
-            returncode = process.wait()
+        returncode = stop(process)
     assert returncode == 0
     assert [p.name for p in tmp_path.iterdir()] == [".outbox"]
     assert (tmp_path / ".outbox" / "outbox.db").exists()
