@@ -200,10 +200,14 @@ class Inbox:
 
     def schema_create(self) -> None:
         """Create the tables if missing (idempotent, safe from several processes at once)."""
-        with self.engine.begin() as conn:
+        with self._ddl_engine().begin() as conn:
             self._before_ddl(conn)
             self.tables.metadata.create_all(conn, checkfirst=True)
             self._after_ddl(conn)
+
+    def _ddl_engine(self) -> Engine:
+        """The engine the DDL transaction runs on (SQLite: one that takes the write lock)."""
+        return self.engine
 
     def _before_ddl(self, conn: Connection) -> None:
         """Per-dialect preparation of the DDL transaction."""
@@ -421,6 +425,12 @@ class PostgresInbox(Inbox):
 
 class SqliteInbox(Inbox):
     """SQLite: a batch takes the write lock up front; timestamps are naive UTC text."""
+
+    def _ddl_engine(self) -> Engine:
+        # create_all reads the catalogue, then writes: in a plain BEGIN, a second process
+        # creating the tables at the same moment makes that upgrade fail at once with
+        # "database is locked" (no busy wait). BEGIN IMMEDIATE waits for the lock instead.
+        return self.engine.execution_options(sqlite_begin="IMMEDIATE")
 
     def session(self) -> Session:
         # BEGIN IMMEDIATE (outbox.db): the batch reads the inbox before it writes it; taking

@@ -268,6 +268,11 @@ def create_schema(
             f"a partitioned outbox needs PostgreSQL; {bind.dialect.name} has no table partitions",
         )
     if isinstance(bind, Engine):
+        if bind.dialect.name == "sqlite":
+            # It reads the catalogue, then writes: a plain BEGIN fails at once with "database
+            # is locked" when another process creates its tables at the same moment (three
+            # processes starting on a fresh file); BEGIN IMMEDIATE waits for the lock.
+            bind = bind.execution_options(sqlite_begin="IMMEDIATE")
         with bind.begin() as conn:
             _create(conn, outbox_schema, notify, length)
     else:

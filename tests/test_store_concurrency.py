@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -125,3 +129,40 @@ def test_fairness_holds_across_concurrent_claimers(pg_url: str) -> None:
     assert order[:60].count("B") == 20  # B done within its half of the first 60 claims
     for s in (store, *stores):
         s.dispose()
+
+
+CREATE_ALL = textwrap.dedent(
+    """
+    import sys, time
+    from consumer import Consumer, Store
+    from outbox import Outbox
+
+    url = sys.argv[1]
+    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start at one moment
+    Outbox(url).create_schema()
+    Consumer(url, "redis://127.0.0.1:1/0", group="g", topics=["t"]).create_schema()
+    Store(url).dispose()
+    """
+)
+
+
+def test_processes_creating_the_tables_of_a_fresh_sqlite_file_at_once(tmp_path: Path) -> None:
+    """The embedded default's first start: the app, the relay and the consumer each create
+    their tables in the same new SQLite file at the same moment. create_all reads, then
+    writes; in a plain BEGIN the loser's upgrade failed at once with "database is locked"
+    (the FastAPI example's billing process died of it). BEGIN IMMEDIATE waits instead."""
+    import time
+
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    at = str(time.time() + 2.0)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CREATE_ALL, url, at],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, "\n".join(outputs)
