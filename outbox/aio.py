@@ -135,7 +135,10 @@ class AsyncOutbox:
         ``partitioned="hourly"|"daily"|seconds`` on PostgreSQL)."""
         if partitioned is not None:
             partition_length(partitioned)  # a bad value fails before any connection
-        async with self.engine.begin() as conn:
+        engine = self.engine
+        if engine.dialect.name == "sqlite":  # the write lock up front (outbox.schema)
+            engine = engine.execution_options(sqlite_begin="IMMEDIATE")
+        async with engine.begin() as conn:
             await conn.run_sync(
                 lambda sync: self.core.create_schema_on(
                     sync, notify=notify, partitioned=partitioned

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from sqlalchemy import create_engine, event
@@ -64,6 +65,24 @@ def make_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
     return create_engine(parsed, **kwargs)
 
 
+def _use_wal(cursor: Any) -> None:
+    """Switch a file to WAL. The switch needs the file to itself and SQLite does not wait
+    for that (no busy handler): processes opening a fresh file at the same moment got
+    "database is locked" at connect. The switch is tried again until the busy timeout's
+    30 s are up; once another process has switched the file, it succeeds at once."""
+    deadline = time.monotonic() + 30.0
+    delay = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except Exception as exc:  # sqlite3's, or the aiosqlite adapter's of the same name
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)  # a file already in WAL takes the pragma without the lock
+            delay = min(delay * 2, 0.2)
+
+
 def configure_sqlite(engine: Engine) -> None:
     """WAL, a busy timeout, foreign keys, and BEGIN emitted by SQLAlchemy (see module doc)."""
     memory = engine.url.database in (None, "", ":memory:")
@@ -72,10 +91,10 @@ def configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        if not memory:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA busy_timeout=30000")
+        if not memory:
+            _use_wal(cursor)
+            cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
