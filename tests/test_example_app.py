@@ -26,6 +26,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def job_done(http: httpx.Client, quote_id: int) -> Any:
+    """The quote's job once it is DONE (None before: billing has not made or run it yet)."""
+    job = http.get(f"/quotes/{quote_id}").json()["job"]
+    return job if job and job["state"] == "DONE" else None
+
+
 def stop(process: subprocess.Popen[bytes]) -> int:
     """SIGTERM the example (it stops its three processes) and return its exit status."""
     process.send_signal(signal.SIGTERM)
@@ -79,12 +85,8 @@ def test_quote_approved_over_http_becomes_a_job(
             assert http.post("/quotes/999/approve").status_code == 404
             assert http.post("/quotes", json={"tenant": "", "total": 1}).status_code == 422
 
-            def job_done() -> Any:
-                job = http.get(f"/quotes/{quote_id}").json()["job"]
-                return job if job and job["state"] == "DONE" else None
-
             job = wait_for(
-                job_done,
+                lambda: job_done(http, quote_id),
                 "the job to be created and run",
                 timeout=60,
                 interval=0.1,
@@ -139,11 +141,7 @@ def test_run_on_the_embedded_defaults_keeps_its_files_in_dot_outbox(tmp_path: Pa
             quote_id = http.post("/quotes", json={"tenant": "studio", "total": 120}).json()["id"]
             assert http.post(f"/quotes/{quote_id}/approve").status_code == 200
 
-            def job_done() -> Any:
-                job = http.get(f"/quotes/{quote_id}").json()["job"]
-                return job if job and job["state"] == "DONE" else None
-
-            wait_for(job_done, "the job done", timeout=60, interval=0.1)
+            wait_for(lambda: job_done(http, quote_id), "the job done", timeout=60, interval=0.1)
     finally:
         returncode = stop(process)
     assert returncode == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import threading
 import time
 import weakref
@@ -662,12 +663,20 @@ def test_a_requeued_event_below_the_claim_floor_goes_out_on_the_next_cycle(
     relay = make_relay(outbox, redis_client, stream_prefix)
     drain(relay, 2)
     assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "quarantined"
-    # Later events, over more than the floor's settle time, so the floor passes the row.
-    for n in range(6):
+    # Later events until the claim floor (PostgreSQL's; SQLite claims without one) has
+    # passed the quarantined row: from then on only a sweep reaches it.
+    seq = {r["event_id"]: r for r in rows(outbox)}[poisoned]["seq"]
+    written = 0
+
+    def floor_passed() -> bool:
+        nonlocal written
         with outbox.transaction() as tx:
-            tx.emit("fine", key=f"k{n}", payload={"n": n})
-        time.sleep(0.1)
+            tx.emit("fine", key=f"k{written}", payload={"n": written})
+        written += 1
         drain(relay, 2)
+        return getattr(relay.store, "_low", math.inf) > seq
+
+    wait_for(floor_passed, "the claim floor to pass the quarantined row", timeout=30)
     redis_client.delete(poison_stream)
     assert requeue(outbox.engine, outbox.schema, [poisoned]).requeued == [poisoned]
     while relay.run_once():

@@ -133,12 +133,13 @@ def test_fairness_holds_across_concurrent_claimers(pg_url: str) -> None:
 
 CREATE_ALL = textwrap.dedent(
     """
-    import sys, time
+    import sys
     from consumer import Consumer, Store
     from outbox import Outbox
 
     url = sys.argv[1]
-    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start at one moment
+    print("ready", flush=True)
+    sys.stdin.readline()  # all start at one moment: when the test says go
     Outbox(url).create_schema()
     Consumer(url, "redis://127.0.0.1:1/0", group="g", topics=["t"]).create_schema()
     Store(url).dispose()
@@ -151,18 +152,22 @@ def test_processes_creating_the_tables_of_a_fresh_sqlite_file_at_once(tmp_path: 
     their tables in the same new SQLite file at the same moment. create_all reads, then
     writes; in a plain BEGIN the loser's upgrade failed at once with "database is locked"
     (the FastAPI example's billing process died of it). BEGIN IMMEDIATE waits instead."""
-    import time
-
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
-    at = str(time.time() + 2.0)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CREATE_ALL, url, at],
+            [sys.executable, "-c", CREATE_ALL, url],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for _ in range(6)
     ]
+    for proc in procs:  # every process imported and ready, then all go at once
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 6, "\n".join(outputs)
