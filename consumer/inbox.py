@@ -83,6 +83,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer.bulk import bulk_insert
+from outbox.db import write_locked
 from outbox.dialect import db_now, insert_or_ignore, is_postgresql, quoted_table
 from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.schema import check_identifier
@@ -200,14 +201,10 @@ class Inbox:
 
     def schema_create(self) -> None:
         """Create the tables if missing (idempotent, safe from several processes at once)."""
-        with self._ddl_engine().begin() as conn:
+        with write_locked(self.engine).begin() as conn:  # several processes may at once
             self._before_ddl(conn)
             self.tables.metadata.create_all(conn, checkfirst=True)
             self._after_ddl(conn)
-
-    def _ddl_engine(self) -> Engine:
-        """The engine the DDL transaction runs on (SQLite: one that takes the write lock)."""
-        return self.engine
 
     def _before_ddl(self, conn: Connection) -> None:
         """Per-dialect preparation of the DDL transaction."""
@@ -425,12 +422,6 @@ class PostgresInbox(Inbox):
 
 class SqliteInbox(Inbox):
     """SQLite: a batch takes the write lock up front; timestamps are naive UTC text."""
-
-    def _ddl_engine(self) -> Engine:
-        # create_all reads the catalogue, then writes: in a plain BEGIN, a second process
-        # creating the tables at the same moment makes that upgrade fail at once with
-        # "database is locked" (no busy wait). BEGIN IMMEDIATE waits for the lock instead.
-        return self.engine.execution_options(sqlite_begin="IMMEDIATE")
 
     def session(self) -> Session:
         # BEGIN IMMEDIATE (outbox.db): the batch reads the inbox before it writes it; taking

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from outbox.core import _PENDING, EventBuffer, EventSpec, Outbox
-from outbox.db import configure_sqlite, default_database_url, normalise_url
+from outbox.db import configure_sqlite, default_database_url, normalise_url, write_locked
 from outbox.errors import ConfigError
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent
 from outbox.partitions import partition_length
@@ -135,10 +135,7 @@ class AsyncOutbox:
         ``partitioned="hourly"|"daily"|seconds`` on PostgreSQL)."""
         if partitioned is not None:
             partition_length(partitioned)  # a bad value fails before any connection
-        engine = self.engine
-        if engine.dialect.name == "sqlite":  # the write lock up front (outbox.schema)
-            engine = engine.execution_options(sqlite_begin="IMMEDIATE")
-        async with engine.begin() as conn:
+        async with write_locked(self.engine).begin() as conn:
             await conn.run_sync(
                 lambda sync: self.core.create_schema_on(
                     sync, notify=notify, partitioned=partitioned

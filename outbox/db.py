@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
 from outbox.errors import ConfigError
+
+if TYPE_CHECKING:  # the async path loads on first use (outbox/__init__.py)
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    E = TypeVar("E", Engine, AsyncEngine)
 
 DEFAULT_SQLITE_FILE = "outbox.db"
 
@@ -102,6 +107,17 @@ def configure_sqlite(engine: Engine) -> None:
     def _on_begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get("sqlite_begin")
         conn.exec_driver_sql(f"BEGIN {mode}" if mode in ("IMMEDIATE", "EXCLUSIVE") else "BEGIN")
+
+
+def write_locked(engine: E) -> E:
+    """``engine`` (sync or async) whose transactions take SQLite's write lock at BEGIN
+    (``BEGIN IMMEDIATE``; any other database: ``engine`` itself). For work that reads and then
+    writes, such as creating tables: in a plain BEGIN, two processes doing it at the same
+    moment make the second one's upgrade fail at once with "database is locked" (SQLite runs
+    no busy handler for it), where BEGIN IMMEDIATE waits for the lock."""
+    if engine.dialect.name != "sqlite":
+        return engine
+    return engine.execution_options(sqlite_begin="IMMEDIATE")
 
 
 def missing_sqlite_file(url: str | URL) -> str | None:

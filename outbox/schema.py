@@ -43,6 +43,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import TextClause
 
 from outbox import partitions
+from outbox.db import write_locked
 from outbox.dialect import (
     db_now as db_now,
 )  # re-exported: the column default lives in outbox.dialect
@@ -268,12 +269,7 @@ def create_schema(
             f"a partitioned outbox needs PostgreSQL; {bind.dialect.name} has no table partitions",
         )
     if isinstance(bind, Engine):
-        if bind.dialect.name == "sqlite":
-            # It reads the catalogue, then writes: a plain BEGIN fails at once with "database
-            # is locked" when another process creates its tables at the same moment (three
-            # processes starting on a fresh file); BEGIN IMMEDIATE waits for the lock.
-            bind = bind.execution_options(sqlite_begin="IMMEDIATE")
-        with bind.begin() as conn:
+        with write_locked(bind).begin() as conn:  # several processes may create it at once
             _create(conn, outbox_schema, notify, length)
     else:
         _create(bind, outbox_schema, notify, length)
