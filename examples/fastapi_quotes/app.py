@@ -23,7 +23,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select,
 from consumer import Store
 from consumer.errors import JobNotFound
 from outbox import AsyncOutbox, AsyncTransaction
-from outbox.db import default_database_url
+from outbox.db import default_database_url, write_locked
 
 DATABASE_URL = os.environ.get("QUOTES_DATABASE_URL") or default_database_url()
 
@@ -45,7 +45,8 @@ jobs: Store | None = None  # read-only here: GET shows the job billing created
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     global jobs
     await aoutbox.create_schema()
-    async with aoutbox.engine.begin() as conn:
+    # The relay and billing may create their tables in the same SQLite file at this moment.
+    async with write_locked(aoutbox.engine).begin() as conn:
         await conn.run_sync(domain.create_all)
     jobs = await asyncio.to_thread(Store, DATABASE_URL)
     yield
