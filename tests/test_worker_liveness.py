@@ -101,6 +101,26 @@ def test_a_beat_renews_liveness_so_a_live_lease_is_kept(db_url: str) -> None:
     store.dispose()
 
 
+def test_a_worker_stalled_past_its_ttl_never_takes_back_its_own_lease(db_url: str) -> None:
+    """A beat renews and sweeps on one clock. The clock below moves a whole ttl at every
+    read, as it does for a worker whose thread stalls between two statements: the sweep of
+    the beating worker must not find that worker dead, requeue its running job, and delete
+    its row (it did when the renewal and the sweep were two transactions: CI caught it)."""
+    ticks = iter(T + 2.0 * n for n in range(1_000))
+    store = Store(db_url, clock=lambda: next(ticks))
+    worker = Worker(store, name="stalled", liveness_ttl=1.0, liveness_interval=0.1)
+    store.enqueue("t", "job-1")
+    lease = store.claim_next("stalled", ttl=300)
+    assert lease is not None
+    for _ in range(3):
+        assert worker.beat().requeued == 0
+        assert store.get(lease.job_id).state == LEASED
+        assert "stalled" in _rows(store)
+    store.finish(lease)
+    assert store.get(lease.job_id).state == DONE
+    store.dispose()
+
+
 def test_an_idle_handler_keeps_its_lease_and_a_clean_stop_removes_the_row(db_url: str) -> None:
     """A running worker beats from its own thread: a handler that reports no progress for
     several liveness ttls (database clock) keeps its lease; a survivor's sweeps take nothing."""

@@ -127,6 +127,22 @@ class Recovery(StoreBase):
         with self.driver.begin() as conn:
             self.driver.worker_beat(conn, name, self._clock(conn, when), seconds)
 
+    def worker_beat(
+        self, name: str, ttl: float, *, now: Time | None = None, limit: int | None = None
+    ) -> RecoveryResult:
+        """:meth:`worker_alive` and :meth:`recover_dead` in one transaction on one clock: the
+        beating worker is alive past that clock, so it never finds itself dead. (As two calls,
+        a worker stalled longer than ``ttl`` between them took back its own running jobs.)"""
+        _name("name", name)
+        seconds = _ttl(ttl)
+        bound = self.config.recover_limit if limit is None else limit
+        check_number("limit", bound, JobError, integer=True)
+        when = _time("now", now)
+        with self.driver.begin() as conn:
+            clock = self._clock(conn, when)
+            self.driver.worker_beat(conn, name, clock, seconds)
+            return self._take_back_dead(conn, clock, bound)
+
     def worker_gone(self, name: str) -> None:
         """Remove ``name``'s liveness row (a clean stop: its leases were released)."""
         _name("name", name)

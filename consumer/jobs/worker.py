@@ -532,8 +532,7 @@ class Worker(WorkerDuties):
         """One liveness tick: this worker is alive for ``liveness_ttl`` more seconds, and the
         leases of workers whose liveness expired go back to READY at once (fenced)."""
         store = self._store()
-        store.worker_alive(self.config.name, self.config.liveness_ttl, now=now)
-        result = store.recover_dead(now=now)
+        result = store.worker_beat(self.config.name, self.config.liveness_ttl, now=now)
         if result.requeued or result.needs_attention:
             log.info("recovered the jobs of dead workers", extra=fields(**result.__dict__))
             self._notified()  # this worker's idle loops claim them at once
