@@ -1,7 +1,7 @@
 """End to end: quote approved -> effect at the provider, the whole loop as real processes.
 
 ``python -m bench e2e [--rates 100,500,1000] [--seconds S] [--warmup S]
-[--provider-latency SECONDS] [--provider-jitter FRACTION]``
+[--provider-latency SECONDS] [--provider-jitter FRACTION] [--rollback FRACTION]``
 
 One loop (``bench.loop``: writers, 2 relays, 2 consumers with a batch handler, 2 workers
 dispatching through ``HttpProvider`` to ``outbox-simulator serve``, a private PostgreSQL and
@@ -18,6 +18,11 @@ the books are checked. Per rate it prints:
 ``--provider-latency`` is what the simulator adds to every send (``--provider-jitter``, 0.5
 by default: ±50 %), as a real provider answering in 50-300 ms; the workers run with their
 defaults (slots, issue 21).
+
+Offered is approvals attempted: the loop's writers roll back ``--rollback`` of them (10 % by
+default, as every ``bench.loop`` run, so that rolled-back quotes are checked to have no
+effect), so committed q/s is about 0.9 x offered. ``--rollback 0`` makes every approval a
+commit.
 
 Writers: one process per 250 quotes/s offered (one writer process commits ~1,000/s at best
 on this machine). The figures depend on what else the machine runs: say so when quoting.
@@ -171,7 +176,15 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--provider-jitter", type=float, default=0.5, help="the latency varies by this fraction"
     )
+    parser.add_argument(
+        "--rollback",
+        type=float,
+        default=LoopSettings.rollback,
+        help="fraction of approvals the writers roll back (default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.rollback < 1:
+        parser.error(f"--rollback must be in [0, 1), got {args.rollback}")
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
@@ -184,7 +197,7 @@ def main(argv: Sequence[str]) -> int:
     pg = private_postgres()
     rows = []
     try:
-        loop = Loop(pg, "e2e", LoopSettings(rate=rates[0]))
+        loop = Loop(pg, "e2e", LoopSettings(rate=rates[0], rollback=args.rollback))
         try:
             loop.start(load=False)
             if args.provider_latency:
