@@ -252,15 +252,24 @@ def run_round(way: Way, threads: int, seconds: float, per_round: int) -> tuple[f
 
 
 def measure(
-    ways: dict[str, Way], threads: int, rounds: int, seconds: float, per_round: int
+    ways: dict[str, Way],
+    threads: int,
+    rounds: int,
+    seconds: float,
+    per_round: int,
+    samples: dict[str, list[float]] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median tx/s and median client CPU microseconds per transaction, per way."""
+    """Median tx/s and median client CPU microseconds per transaction, per way. The ways
+    run in turn, in reverse order every other round (so that no way always follows the
+    same one); ``samples`` receives each way's tx/s per round."""
     for way in ways.values():  # warm up pools, prepared statements, plan caches
         run_round(way, 1, 0, 30)
-    rates: dict[str, list[float]] = {name: [] for name in ways}
+    rates: dict[str, list[float]] = samples if samples is not None else {}
+    rates.update({name: [] for name in ways})
     cpus: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, way in ways.items():
+    for n in range(rounds):
+        order = list(ways.items())
+        for name, way in reversed(order) if n % 2 else order:
             rate, cpu = run_round(way, threads, seconds, per_round)
             rates[name].append(rate)
             cpus[name].append(cpu * 1e6)
@@ -270,13 +279,26 @@ def measure(
     )
 
 
-def print_minimal_table(title: str, rates: dict[str, float], cpus: dict[str, float]) -> None:
-    """``--minimal``: our writer against the minimal hand-written outbox (target <= 1.10)."""
+def print_minimal_table(
+    title: str,
+    rates: dict[str, float],
+    cpus: dict[str, float],
+    samples: dict[str, list[float]],
+) -> None:
+    """``--minimal``: our writer against the minimal hand-written outbox (target <= 1.10).
+    Two figures per pair: the ratio of the two medians, and the median of the rounds' own
+    ratios (a way and its baseline run side by side in each round, so the machine's drift
+    between rounds cancels out), with the rounds' range."""
     print(title)
     for name, rate in rates.items():
         print(f"  {name:34s} {rate:8.0f} tx/s   client CPU {cpus[name]:6.0f} us/tx")
     for way, base in MINIMAL_COMPARISONS:
-        print(f"  ratio {way:24s} / {base:30s} {rates[base] / rates[way]:5.3f}  (target <= 1.10)")
+        paired = [b / w for b, w in zip(samples[base], samples[way], strict=True)]
+        print(
+            f"  ratio {way:24s} / {base:30s} {rates[base] / rates[way]:5.3f}  "
+            f"paired {statistics.median(paired):5.3f} ({min(paired):.2f}-{max(paired):.2f})"
+            f"  (target <= 1.10)"
+        )
 
 
 def print_table(title: str, rates: dict[str, float], cpus: dict[str, float]) -> None:
@@ -314,12 +336,18 @@ def sync_bench(args: argparse.Namespace) -> None:
                 ways = sync_ways(box)
                 if args.minimal:
                     ways = {name: ways[name] for name in MINIMAL_WAYS}
-                rates, cpus = measure(ways, threads, args.rounds, args.seconds, args.per_round)
+                samples: dict[str, list[float]] = {}
+                rates, cpus = measure(
+                    ways, threads, args.rounds, args.seconds, args.per_round, samples
+                )
                 label = {True: "with NOTIFY trigger", False: "notify=False"}.get(
                     notify, "default schema"
                 )
-                show = print_minimal_table if args.minimal else print_table
-                show(f"{threads} thread(s), {label}:", rates, cpus)
+                title = f"{threads} thread(s), {label}:"
+                if args.minimal:
+                    print_minimal_table(title, rates, cpus, samples)
+                else:
+                    print_table(title, rates, cpus)
                 sys.stdout.flush()
         finally:
             box.engine.dispose()

@@ -176,18 +176,12 @@ def build_schema(
         postgresql_where=table.c.state == PENDING,
         sqlite_where=table.c.state == PENDING,
     )
-    # Metrics and `status` group pending rows by topic and want the oldest of each. Not on a
-    # partitioned table: without statistics the planner took this index (same predicate as
-    # the one above) for the claim's lookups by seq in a small partition, a full scan of its
-    # pending rows per row claimed (measured: 700 ms per batch of 500 at 1,790 pending).
-    if not length:
-        Index(
-            f"ix_{name}_pending_topic",
-            table.c.topic,
-            table.c.created_at,
-            postgresql_where=table.c.state == PENDING,
-            sqlite_where=table.c.state == PENDING,
-        )
+    # No index on the pending rows' topic: `status` and the metrics group the backlog by
+    # topic through the pending index above (heap fetches, proportional to the backlog, as
+    # their attempts histogram already was). Every index is paid by every writer: a
+    # (topic, created_at) index kept the default writer at x1.10-1.25 of a minimal
+    # hand-written outbox at 8 threads, x1.01-1.06 without it (issue 25, docs/benchmarks.md).
+    # Tables made before keep theirs (`DROP INDEX CONCURRENTLY ix_<table>_pending_topic`).
     # Quarantined rows are few and must be listed fast, for `status`, `requeue` and alerts.
     Index(
         f"ix_{name}_quarantined",

@@ -25,9 +25,10 @@ from outbox.schema import PENDING, QUARANTINED
 def backlog_by_topic(table: str) -> TextualSelect:
     """Backlog and oldest pending row per topic.
 
-    Served by the partial index ``ix_<table>_pending_topic (topic, created_at) WHERE state =
-    'pending'``: PostgreSQL reads it alone (index-only scan, no heap) and its size follows the
-    backlog, not the published history.
+    Walks the pending rows through the partial index ``ix_<table>_pending`` (heap fetches for
+    ``topic`` and ``created_at``): proportional to the backlog, not to the published history.
+    (A ``(topic, created_at)`` index would make it index-only, at a price every writer pays:
+    see ``outbox.schema``.)
     """
     return text(
         f"SELECT topic, count(*) AS backlog, min(created_at) AS oldest "
