@@ -7,11 +7,13 @@ surfaced; lookup finds or does not find; a replay returns the same reference.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -55,23 +57,77 @@ def op() -> str:
     return f"{next(_ids)}:email-{time.monotonic_ns()}"
 
 
-def provider(sim: SimulatorProcess, **options: object) -> HttpProvider:
+@pytest.fixture(params=["sync", "async"])
+def form(request: pytest.FixtureRequest) -> str:
+    """Which of the provider's forms a contract test calls: ``send``/``lookup`` (a ``def``
+    handler's), or ``asend``/``alookup`` on an event loop (an ``async def`` handler's)."""
+    return str(request.param)
+
+
+class Calls:
+    """An ``HttpProvider`` behind its sync methods, whichever form is under test: the async
+    form runs on one event loop of its own (as a worker's), closed with the provider."""
+
+    def __init__(self, provider: HttpProvider, form: str) -> None:
+        self.provider = provider
+        self.loop = asyncio.new_event_loop() if form == "async" else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.provider, name)
+
+    def send(
+        self, request: dict[str, Any], *, operation_id: str, idempotency_key: str | None
+    ) -> str:
+        if self.loop is None:
+            return self.provider.send(
+                request, operation_id=operation_id, idempotency_key=idempotency_key
+            )
+        return self.loop.run_until_complete(
+            self.provider.asend(request, operation_id=operation_id, idempotency_key=idempotency_key)
+        )
+
+    def lookup(self, operation_id: str) -> str | None:
+        if self.loop is None:
+            return self.provider.lookup(operation_id)
+        return self.loop.run_until_complete(self.provider.alookup(operation_id))
+
+    def __enter__(self) -> Calls:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.loop is not None:
+            self.loop.run_until_complete(self.provider.aclose())
+            self.loop.close()
+        self.provider.close()
+
+
+def calls(form: str, provider: HttpProvider) -> Calls:
+    return Calls(provider, form)
+
+
+def provider(sim: SimulatorProcess, form: str = "sync", **options: object) -> Calls:
     options.setdefault("lookup_url", sim.lookup_url)
     options.setdefault("timeout", 5.0)
-    return HttpProvider("mail", sim.send_url, **options)  # type: ignore[arg-type]
+    return Calls(HttpProvider("mail", sim.send_url, **options), form)  # type: ignore[arg-type]
 
 
 # -- accepted ------------------------------------------------------------------------------------
 
 
-def test_accepted_carries_headers_operation_id_and_idempotency_key(sim: SimulatorProcess) -> None:
+def test_accepted_carries_headers_operation_id_and_idempotency_key(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
-    with provider(sim, headers={"Authorization": "Bearer s3cret", "X-Tenant": "studio"}) as p:
-        ref = p.send({"to": "a@example.com"}, operation_id=operation_id, idempotency_key="key-1")
+    with provider(sim, form, headers={"Authorization": "Bearer s3cret", "X-Tenant": "studio"}) as p:
+        ref = p.send(
+            {"to": "a@example.com"},
+            operation_id=operation_id,
+            idempotency_key=f"key-{operation_id}",
+        )
     [effect] = sim.effects(operation_id)
     assert effect["id"] == ref
     assert effect["body"] == {"to": "a@example.com"}
-    assert effect["idempotency_key"] == "key-1"
+    assert effect["idempotency_key"] == f"key-{operation_id}"
     assert effect["headers"]["authorization"] == "Bearer s3cret"
     assert effect["headers"]["x-tenant"] == "studio"
     assert effect["headers"]["operation-id"] == operation_id
@@ -80,9 +136,10 @@ def test_accepted_carries_headers_operation_id_and_idempotency_key(sim: Simulato
 
 def test_without_idempotency_no_key_is_sent_and_the_operation_id_still_is(
     sim: SimulatorProcess,
+    form: str,
 ) -> None:
     operation_id = op()
-    with provider(sim, idempotency_header=None, headers={"X-Tenant": "studio"}) as p:
+    with provider(sim, form, idempotency_header=None, headers={"X-Tenant": "studio"}) as p:
         assert not p.supports_idempotency
         first = p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
         second = p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
@@ -93,7 +150,7 @@ def test_without_idempotency_no_key_is_sent_and_the_operation_id_still_is(
     assert all(e["headers"]["x-tenant"] == "studio" for e in effects)
 
 
-def test_custom_header_names_and_ref_field(sim: SimulatorProcess) -> None:
+def test_custom_header_names_and_ref_field(sim: SimulatorProcess, form: str) -> None:
     operation_id = op()
     with provider(
         sim, idempotency_header="X-Request-Key", operation_id_header="X-Op", ref_field="id"
@@ -106,18 +163,21 @@ def test_custom_header_names_and_ref_field(sim: SimulatorProcess) -> None:
 
 def test_idempotent_replay_returns_the_same_ref_and_makes_one_effect(
     sim: SimulatorProcess,
+    form: str,
 ) -> None:
     operation_id = op()
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         first = p.send({"to": "b"}, operation_id=operation_id, idempotency_key=operation_id)
         again = p.send({"to": "b"}, operation_id=operation_id, idempotency_key=operation_id)
     assert first == again
     assert len(sim.effects(operation_id)) == 1
 
 
-def test_reused_key_with_another_body_is_a_permanent_conflict(sim: SimulatorProcess) -> None:
+def test_reused_key_with_another_body_is_a_permanent_conflict(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         p.send({"to": "c"}, operation_id=operation_id, idempotency_key=operation_id)
         with pytest.raises(PermanentFailure, match="conflict") as caught:
             p.send({"to": "d"}, operation_id=operation_id, idempotency_key=operation_id)
@@ -126,8 +186,13 @@ def test_reused_key_with_another_body_is_a_permanent_conflict(sim: SimulatorProc
     assert len(sim.effects(operation_id)) == 1
 
 
-def test_a_ref_field_missing_from_a_2xx_leaves_the_outcome_unknown(sim: SimulatorProcess) -> None:
-    with provider(sim, ref_field="data.id") as p, pytest.raises(ProviderOutcomeUnknown) as caught:
+def test_a_ref_field_missing_from_a_2xx_leaves_the_outcome_unknown(
+    sim: SimulatorProcess, form: str
+) -> None:
+    with (
+        provider(sim, form, ref_field="data.id") as p,
+        pytest.raises(ProviderOutcomeUnknown) as caught,
+    ):
         p.send({"n": 1}, operation_id=op(), idempotency_key=None)
     assert caught.value.status == 201
     assert isinstance(caught.value, ProviderTimeout)  # so the receipt is UNKNOWN
@@ -157,10 +222,11 @@ def test_each_status_class_lands_in_its_error(
     status: int,
     not_sent: bool,
     acted: bool,
+    form: str,
 ) -> None:
     operation_id = op()
     sim.faults({**fault, "count": 1})
-    with provider(sim) as p, pytest.raises(error) as caught:
+    with provider(sim, form) as p, pytest.raises(error) as caught:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=operation_id)
     exc = caught.value
     assert exc.status == status  # type: ignore[attr-defined]
@@ -173,18 +239,18 @@ def test_each_status_class_lands_in_its_error(
         assert not isinstance(exc, AuthFailure | TransientFailure)
 
 
-def test_retry_after_in_seconds_is_surfaced(sim: SimulatorProcess) -> None:
+def test_retry_after_in_seconds_is_surfaced(sim: SimulatorProcess, form: str) -> None:
     sim.faults({"kind": "rate_limit", "retry_after": 7, "count": 1})
-    with provider(sim) as p, pytest.raises(ProviderUnavailable) as caught:
+    with provider(sim, form) as p, pytest.raises(ProviderUnavailable) as caught:
         p.send({"n": 1}, operation_id=op(), idempotency_key=None)
     assert caught.value.retry_after == 7.0
     assert "retry after 7 s" in str(caught.value)
 
 
-def test_retry_after_as_an_http_date_is_surfaced(sim: SimulatorProcess) -> None:
+def test_retry_after_as_an_http_date_is_surfaced(sim: SimulatorProcess, form: str) -> None:
     when = email.utils.formatdate(time.time() + 120, usegmt=True)
     sim.faults({"kind": "unavailable", "retry_after": when, "count": 1})
-    with provider(sim) as p, pytest.raises(ProviderUnavailable) as caught:
+    with provider(sim, form) as p, pytest.raises(ProviderUnavailable) as caught:
         p.send({"n": 1}, operation_id=op(), idempotency_key=None)
     assert caught.value.retry_after is not None
     assert 100 <= caught.value.retry_after <= 121
@@ -201,11 +267,16 @@ def test_retry_after_parsing() -> None:
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
 
 
-def test_a_request_header_fault_applies_to_that_request_only(sim: SimulatorProcess) -> None:
+def test_a_request_header_fault_applies_to_that_request_only(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
-    with provider(sim, headers={"X-Sim-Fault": "unauthorized"}) as p, pytest.raises(AuthFailure):
+    with (
+        provider(sim, form, headers={"X-Sim-Fault": "unauthorized"}) as p,
+        pytest.raises(AuthFailure),
+    ):
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
     assert len(sim.effects(operation_id)) == 1
 
@@ -215,7 +286,7 @@ def test_one_provider_shared_by_threads(sim: SimulatorProcess) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     tag = op()
-    with provider(sim) as p, ThreadPoolExecutor(8) as pool:
+    with provider(sim, "sync") as p, ThreadPoolExecutor(8) as pool:
         refs = list(
             pool.map(
                 lambda i: p.send({"i": i}, operation_id=f"{tag}-{i}", idempotency_key=f"{tag}-{i}"),
@@ -230,9 +301,9 @@ def test_one_provider_shared_by_threads(sim: SimulatorProcess) -> None:
 # -- transport faults ----------------------------------------------------------------------------
 
 
-def test_connect_error_means_nothing_was_sent() -> None:
+def test_connect_error_means_nothing_was_sent(form: str) -> None:
     port = free_port()  # nothing listens there
-    p = HttpProvider("mail", f"http://127.0.0.1:{port}/send", timeout=2.0)
+    p = calls(form, HttpProvider("mail", f"http://127.0.0.1:{port}/send", timeout=2.0))
     with p, pytest.raises(ProviderUnavailable) as caught:
         p.send({"n": 1}, operation_id="1:x", idempotency_key="1:x")
     assert caught.value.not_sent is True
@@ -240,18 +311,22 @@ def test_connect_error_means_nothing_was_sent() -> None:
     assert not isinstance(caught.value, ProviderTimeout)
 
 
-def test_a_call_whose_time_is_spent_before_sending_is_not_sent(sim: SimulatorProcess) -> None:
+def test_a_call_whose_time_is_spent_before_sending_is_not_sent(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
-    with provider(sim, timeout=1e-9) as p, pytest.raises(ProviderUnavailable) as caught:
+    with provider(sim, form, timeout=1e-9) as p, pytest.raises(ProviderUnavailable) as caught:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
     assert caught.value.not_sent
     assert sim.effects(operation_id) == []
 
 
-def test_accept_then_hang_is_a_timeout_with_the_effect_made(sim: SimulatorProcess) -> None:
+def test_accept_then_hang_is_a_timeout_with_the_effect_made(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
     sim.faults({"kind": "hang", "count": 1})
-    with provider(sim, timeout=0.5) as p, pytest.raises(ProviderTimeout) as caught:
+    with provider(sim, form, timeout=0.5) as p, pytest.raises(ProviderTimeout) as caught:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=operation_id)
     assert not caught.value.not_sent
     assert not isinstance(caught.value, ProviderOutcomeUnknown)
@@ -261,46 +336,48 @@ def test_accept_then_hang_is_a_timeout_with_the_effect_made(sim: SimulatorProces
 
 def test_accept_then_answer_late_is_a_timeout_and_a_short_delay_is_not(
     sim: SimulatorProcess,
+    form: str,
 ) -> None:
     late = op()
     sim.faults({"kind": "late", "delay": 3, "count": 1})
-    with provider(sim, timeout=0.5) as p, pytest.raises(ProviderTimeout):
+    with provider(sim, form, timeout=0.5) as p, pytest.raises(ProviderTimeout):
         p.send({"n": 1}, operation_id=late, idempotency_key=late)
     assert len(sim.effects(late)) == 1
     # the idempotent resend after the timeout replays the first effect
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         ref = p.send({"n": 1}, operation_id=late, idempotency_key=late)
     assert [e["id"] for e in sim.effects(late)] == [ref]
 
     quick = op()
     sim.faults({"kind": "late", "delay": 0.2, "count": 1})
-    with provider(sim, timeout=5.0) as p:
+    with provider(sim, form, timeout=5.0) as p:
         assert p.send({"n": 1}, operation_id=quick, idempotency_key=None)
 
 
-def test_slow_answer_within_the_timeout_is_accepted(sim: SimulatorProcess) -> None:
+def test_slow_answer_within_the_timeout_is_accepted(sim: SimulatorProcess, form: str) -> None:
     operation_id = op()
     sim.faults({"kind": "slow", "delay": 0.2, "count": 1})
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         ref = p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
     assert [e["id"] for e in sim.effects(operation_id)] == [ref]
 
 
 def test_slow_answer_past_the_timeout_is_unknown_and_made_nothing_yet(
     sim: SimulatorProcess,
+    form: str,
 ) -> None:
     operation_id = op()
     sim.faults({"kind": "slow", "delay": 3, "count": 1})
-    with provider(sim, timeout=0.3) as p, pytest.raises(ProviderTimeout):
+    with provider(sim, form, timeout=0.3) as p, pytest.raises(ProviderTimeout):
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
     # the client cannot tell "slow" from "hang": UNKNOWN. The simulator saw it leave.
     assert sim.effects(operation_id) == []
 
 
-def test_connection_reset_after_sending_is_a_timeout(sim: SimulatorProcess) -> None:
+def test_connection_reset_after_sending_is_a_timeout(sim: SimulatorProcess, form: str) -> None:
     operation_id = op()
     sim.faults({"kind": "reset", "count": 1})
-    with provider(sim) as p, pytest.raises(ProviderTimeout) as caught:
+    with provider(sim, form) as p, pytest.raises(ProviderTimeout) as caught:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=operation_id)
     assert not caught.value.not_sent
     assert len(sim.effects(operation_id)) == 1
@@ -309,45 +386,50 @@ def test_connection_reset_after_sending_is_a_timeout(sim: SimulatorProcess) -> N
 # -- lookup --------------------------------------------------------------------------------------
 
 
-def test_lookup_found_and_not_found(sim: SimulatorProcess) -> None:
+def test_lookup_found_and_not_found(sim: SimulatorProcess, form: str) -> None:
     operation_id = op()
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         assert p.supports_lookup
         assert p.lookup(operation_id) is None
         ref = p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
         assert p.lookup(operation_id) == ref
 
 
-def test_lookup_of_an_operation_id_needing_quoting(sim: SimulatorProcess) -> None:
+def test_lookup_of_an_operation_id_needing_quoting(sim: SimulatorProcess, form: str) -> None:
     operation_id = f"{next(_ids)}:a/b c?d"
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         ref = p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
         assert p.lookup(operation_id) == ref
 
 
-def test_lookup_switched_off_at_the_provider_finds_nothing(sim: SimulatorProcess) -> None:
+def test_lookup_switched_off_at_the_provider_finds_nothing(
+    sim: SimulatorProcess, form: str
+) -> None:
     operation_id = op()
-    with provider(sim) as p:
+    with provider(sim, form) as p:
         p.send({"n": 1}, operation_id=operation_id, idempotency_key=None)
         sim.configure(lookup=False)
         assert p.lookup(operation_id) is None
 
 
-def test_lookup_failures_are_transient_never_unknown(sim: SimulatorProcess) -> None:
-    with provider(sim, headers={"X-Sim-Fault": "x"}) as p:  # lookups ignore X-Sim-Fault
+def test_lookup_failures_are_transient_never_unknown(sim: SimulatorProcess, form: str) -> None:
+    with provider(sim, form, headers={"X-Sim-Fault": "x"}) as p:  # lookups ignore X-Sim-Fault
         assert p.lookup(op()) is None
     port = free_port()
-    dead = HttpProvider(
-        "mail",
-        f"http://127.0.0.1:{port}/send",
-        lookup_url=f"http://127.0.0.1:{port}/l/{{operation_id}}",
+    dead = calls(
+        form,
+        HttpProvider(
+            "mail",
+            f"http://127.0.0.1:{port}/send",
+            lookup_url=f"http://127.0.0.1:{port}/l/{{operation_id}}",
+        ),
     )
     with dead, pytest.raises(ProviderUnavailable):
         dead.lookup("1:x")
 
 
-def test_a_provider_without_lookup_url(sim: SimulatorProcess) -> None:
-    with provider(sim, lookup_url=None) as p:
+def test_a_provider_without_lookup_url(sim: SimulatorProcess, form: str) -> None:
+    with provider(sim, form, lookup_url=None) as p:
         assert not p.supports_lookup
         assert p.supports_idempotency
         with pytest.raises(OperationError):

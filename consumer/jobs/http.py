@@ -1,5 +1,5 @@
-"""``HttpProvider``: the Provider protocol over HTTP (httpx: ``send``/``lookup`` on a
-synchronous ``httpx.Client``, ``asend``/``alookup`` on an ``httpx.AsyncClient``).
+"""``HttpProvider``: the Provider protocol over HTTP (``send``/``lookup`` on a synchronous
+``httpx.Client``; ``asend``/``alookup`` on the lean asyncio client of ``consumer.jobs.wire``).
 
 A real provider (email, payments, CRM) is an HTTP API. ``HttpProvider`` POSTs the request as
 JSON to ``send_url`` and reads the provider's reference from a JSON field of the answer
@@ -43,15 +43,20 @@ no reconciler looks the operation up while the call may still be in flight. (A t
 of your own that is not httpcore's keeps httpx's per-phase timeouts only.)
 
 ``asend``/``alookup`` are the same calls for ``async def`` handlers (``await
-job.adispatch(...)``), on an ``httpx.AsyncClient`` the provider makes on first use in the
-worker's event loop, bounded by one ``asyncio.timeout``. A ``client`` passed in is the sync
-client only. ``rate_limit`` (calls per second for the whole fleet, None: none) is read by
-``Operations`` (``consumer.jobs.limits``), which spaces the calls of every worker; a call
-that could write its first byte only past the start reserved for it is not sent
-(``StartMissed``: Operations reserves a new start). A 429/503 with ``Retry-After`` pauses the
-provider for every worker. ``max_connections`` (256) bounds the
-connections kept alive: as many as a worker's slots may call at once, spread over clients of
-``SHARD`` (16) connections each (httpcore scans a pool's connections on every request).
+job.adispatch(...)``), on the lean HTTP/1.1 client of ``consumer.jobs.wire`` (h11 over
+asyncio streams, about a fifth of ``httpx.AsyncClient``'s CPU per call), made on first use
+in the worker's event loop and bounded by one ``asyncio.timeout``; a URL that a proxy
+variable (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, not exempted by ``NO_PROXY``)
+applies to goes through an ``httpx.AsyncClient`` instead, which speaks to proxies. A
+``client`` passed in is the sync client only.
+
+``rate_limit`` (calls per second for the whole fleet, None: none) is read by ``Operations``
+(``consumer.jobs.limits``), which spaces the calls of every worker; a call that could write
+its first byte only past the start reserved for it is not sent (``StartMissed``: Operations
+reserves a new start). A 429/503 with ``Retry-After`` pauses the provider for every worker.
+``max_connections`` (256) bounds the connections kept alive: as many as a worker's slots may
+call at once (the sync client's are spread over clients of ``SHARD`` (16) connections each:
+httpcore scans a pool's connections on every request).
 """
 
 from __future__ import annotations
@@ -63,11 +68,15 @@ import json
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
+from urllib.request import (  # type: ignore[attr-defined]  # untyped in typeshed
+    getproxies_environment,
+    proxy_bypass_environment,
+)
 
 import httpx
 
@@ -80,6 +89,7 @@ from consumer.errors import (
     ProviderUnavailable,
 )
 from consumer.jobs.limits import StartMissed, send_by
+from consumer.jobs.wire import LostAfterSend, NotSent, WirePool
 from outbox import tracing
 from outbox.errors import ConfigError
 from outbox.validate import check_number
@@ -87,6 +97,8 @@ from outbox.validate import check_number
 #: Connections per pooled client: a provider's ``max_connections`` are spread over
 #: ``max_connections / SHARD`` clients (see ``HttpProvider.__init__``).
 SHARD = 16
+
+USER_AGENT = "outbox-toolkit HttpProvider"
 
 #: Statuses after which the provider certainly did not act on the request.
 NOT_SENT_STATUSES = frozenset({401, 403, 408, 429, 503})
@@ -202,12 +214,16 @@ class HttpProvider:
         self._aclients: list[httpx.AsyncClient] = []
         self._abusy: list[int] = []
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
+        self._max_connections = int(max_connections)
+        self._wire_pool: WirePool | None = None
+        self._wire_loop: asyncio.AbstractEventLoop | None = None
+        self._via_proxy: dict[str, bool] = {}  # origin -> a proxy variable applies to it
 
     def _new_client(self) -> httpx.Client:
         return httpx.Client(
             timeout=httpx.Timeout(self.timeout),
             limits=self._limits,
-            headers={"User-Agent": "outbox-toolkit HttpProvider"},
+            headers={"User-Agent": USER_AGENT},
         )
 
     @contextlib.contextmanager
@@ -335,28 +351,34 @@ class HttpProvider:
             for client in self._clients:
                 client.close()
         aclients, self._aclients, self._aclient = self._aclients, [], None
-        if aclients and self._aclient_loop is not None:
-            loop = self._aclient_loop
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing to release
-                if loop.is_running():
-                    asyncio.run_coroutine_threadsafe(_aclose_all(aclients), loop)
-                else:
-                    loop.run_until_complete(_aclose_all(aclients))
+        wire, self._wire_pool = self._wire_pool, None
+        for closing, loop in (
+            (_aclose_all(aclients) if aclients else None, self._aclient_loop),
+            (wire.aclose() if wire is not None else None, self._wire_loop),
+        ):
+            if closing is not None:
+                _close_on(loop, closing)
 
     async def aprepare(self) -> None:
-        """Make the async client and load httpx's async transport before the first call
-        (the worker does it when its loop starts): a cold client took ~1 s on a busy machine
-        for its first calls, which then reached the provider together, out of the spacing of
-        a rate limit."""
-        import anyio  # noqa: F401 - loaded here rather than inside the first call
-        import httpcore._backends.anyio  # noqa: F401
+        """Make the async client (and, for a proxied URL, load httpx's async transport)
+        before the first call (the worker does it when its loop starts): a cold httpx client
+        took ~1 s on a busy machine for its first calls, which then reached the provider
+        together, out of the spacing of a rate limit."""
+        if self._proxied(self.send_url):
+            import anyio  # noqa: F401 - loaded here rather than inside the first call
+            import httpcore._backends.anyio  # noqa: F401
 
-        self._async_client()
+            self._async_client()
+        else:
+            self._wire()
 
     async def aclose(self) -> None:
         """Close the async clients (the worker does it when its event loop stops)."""
         aclients, self._aclients, self._aclient = self._aclients, [], None
         await _aclose_all(aclients)
+        wire, self._wire_pool = self._wire_pool, None
+        if wire is not None:
+            await wire.aclose()
 
     def __enter__(self) -> HttpProvider:
         return self
@@ -479,7 +501,7 @@ class HttpProvider:
                 httpx.AsyncClient(
                     timeout=httpx.Timeout(self.timeout),
                     limits=self._limits,
-                    headers={"User-Agent": "outbox-toolkit HttpProvider"},
+                    headers={"User-Agent": USER_AGENT},
                 )
                 for _ in range(self._shards)
             ]
@@ -499,13 +521,80 @@ class HttpProvider:
             if index < len(self._abusy):
                 self._abusy[index] -= 1
 
+    def _proxied(self, url: str) -> bool:
+        """:func:`proxied`, read once per origin (the environment is read at the first call
+        to it, not at every call: that read was 6 % of a loaded async worker's time)."""
+        origin = "/".join(url.split("/", 3)[:3])  # scheme://host:port
+        known = self._via_proxy.get(origin)
+        if known is None:
+            known = self._via_proxy[origin] = proxied(url)
+        return known
+
+    def _wire(self) -> WirePool:
+        """This event loop's pool of the lean client (``consumer.jobs.wire``), made once."""
+        loop = asyncio.get_running_loop()
+        if self._wire_pool is None or self._wire_loop is not loop:
+            self._wire_pool = WirePool(
+                self._max_connections,
+                headers={"User-Agent": USER_AGENT},
+                ssl_context=httpx.create_ssl_context,
+            )
+            self._wire_loop = loop
+        return self._wire_pool
+
     async def _aexchange(
         self, method: str, url: str, headers: dict[str, str], body: bytes | None
     ) -> tuple[int, Any, float | None]:
-        """:meth:`_exchange` on the event loop. The whole call is bounded by one
-        ``asyncio.timeout(timeout)``; the trace hook only notes when the first byte is about to
-        be written, which sorts a timeout into "not sent" (NOT_SENT) or "may have landed"
-        (UNKNOWN) exactly as the sync form does."""
+        """:meth:`_exchange` on the event loop, on the lean client (``consumer.jobs.wire``;
+        httpx where a proxy variable applies to the URL). The whole call is bounded by one
+        ``asyncio.timeout(timeout)``; whether its first byte was written sorts a failure
+        into "not sent" (NOT_SENT) or "may have landed" (UNKNOWN) exactly as the sync form
+        does."""
+        if self._proxied(url):
+            return await self._aexchange_httpx(method, url, headers, body)
+        sent = False
+        by = send_by()
+
+        def before_send() -> None:
+            nonlocal sent
+            if by is not None and time.monotonic() > by:  # past its reserved start
+                raise StartMissed
+            sent = True
+
+        what = f"{self.name}: {method} {url}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                answer = await self._wire().request(
+                    method, url, headers, body, max_body=MAX_BODY_BYTES, before_send=before_send
+                )
+        except TimeoutError:
+            if not sent:
+                raise ProviderUnavailable(
+                    f"{what}: not sent (connecting took the whole {self.timeout:g} s)",
+                    provider=self.name,
+                ) from None
+            raise ProviderTimeout(
+                f"{what}: no answer within {self.timeout:g} s", provider=self.name
+            ) from None
+        except NotSent as exc:
+            raise ProviderUnavailable(f"{what}: not sent ({exc})", provider=self.name) from None
+        except LostAfterSend as exc:
+            raise ProviderTimeout(
+                f"{what}: connection lost after sending ({exc})", provider=self.name
+            ) from None
+        try:
+            payload = json.loads(answer.body) if answer.body else None
+        except ValueError:
+            payload = None
+        return answer.status, payload, parse_retry_after(answer.headers.get("retry-after"))
+
+    async def _aexchange_httpx(
+        self, method: str, url: str, headers: dict[str, str], body: bytes | None
+    ) -> tuple[int, Any, float | None]:
+        """:meth:`_aexchange` on ``httpx.AsyncClient``, for a URL reached through a proxy
+        (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``; ``NO_PROXY`` exempts a host): httpx
+        speaks to proxies, the lean client does not. The trace hook notes when the first
+        byte is about to be written."""
         sent = False
 
         by = send_by()
@@ -580,6 +669,33 @@ class HttpProvider:
         # 400, 422 and the other 4xx (404 wrong URL, 405, 413, ...) and a redirect we do not
         # follow: the provider rejected this request, sending it again cannot help.
         return PermanentFailure(message, provider=self.name, status=status)
+
+
+def proxied(url: str) -> bool:
+    """Whether a proxy variable of the environment applies to ``url`` (as httpx reads them:
+    ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, exempted by ``NO_PROXY``)."""
+    proxies = getproxies_environment()
+    if not proxies:
+        return False
+    parts = urlsplit(url)
+    if parts.scheme not in proxies and "all" not in proxies:
+        return False
+    return not proxy_bypass_environment(parts.hostname or "", proxies)
+
+
+def _close_on(loop: asyncio.AbstractEventLoop | None, closing: Coroutine[Any, Any, None]) -> None:
+    """Run ``closing`` on the loop its connections belong to; where that loop is gone there
+    is nothing left to release."""
+    try:
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(closing, loop)
+            return
+        if loop is not None and not loop.is_closed():
+            loop.run_until_complete(closing)
+            return
+    except RuntimeError:  # closed meanwhile, or run from inside it: nothing to wait for
+        pass
+    closing.close()
 
 
 async def _aclose_all(clients: list[httpx.AsyncClient]) -> None:

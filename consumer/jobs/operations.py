@@ -259,7 +259,7 @@ class Operations:
     ) -> Receipt:
         """:meth:`dispatch` for an ``async def`` handler: the same steps and guarantees, with
         the provider called through its async form (``asend``/``alookup``, e.g.
-        ``HttpProvider`` on ``httpx.AsyncClient``; a provider without them runs in a thread)
+        ``HttpProvider`` on its asyncio client; a provider without them runs in a thread)
         and the database statements in ``executor`` (the worker's; the loop's default
         otherwise), so the event loop keeps many calls in flight."""
         receipt: Receipt = await arun_plan(self._plan(job, name, provider, request), executor)
