@@ -1,7 +1,7 @@
 """One worker process with its defaults against a slow provider: effects/s, CPU per effect.
 
 ``python -m bench effects [--latency 0.3] [--rates 50,100,200,400] [--seconds S]
-[--backlog N] [--handlers sync,async] [--capacity N]``
+[--backlog N] [--handlers sync,async] [--capacity N] [--jitter FRACTION]``
 
 One ``outbox-simulator serve`` adding ``--latency`` seconds to every send, one ``outbox-worker
 run tests.effects_app:build`` process with no flags (its default slots), PostgreSQL (the
@@ -200,12 +200,16 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--backlog", type=int, default=3000, help="jobs for the ceiling")
     parser.add_argument("--handlers", default="async,sync")
     parser.add_argument("--capacity", type=int, default=None, help="sends served at once")
+    parser.add_argument(
+        "--jitter", type=float, default=0.0, help="each send's latency varies by ± this fraction"
+    )
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
     served = f", {args.capacity} sends at once" if args.capacity else ""
-    print(f"provider: {args.latency * 1000:.0f} ms per send{served}; one worker, defaults")
+    jitter = f" ± {args.jitter:.0%}" if args.jitter else ""
+    print(f"provider: {args.latency * 1000:.0f} ms{jitter} per send{served}; one worker, defaults")
     for handler in [h.strip() for h in args.handlers.split(",") if h.strip()]:
         schema, url = _schema_url()
         directory = Path(tempfile.mkdtemp(prefix="bench-effects-"))
@@ -213,7 +217,7 @@ def main(argv: Sequence[str]) -> int:
         store.create_schema()
         try:
             with SimulatorProcess(directory / "sim.db") as sim:
-                sim.configure(latency=args.latency, capacity=args.capacity)
+                sim.configure(latency=args.latency, jitter=args.jitter, capacity=args.capacity)
                 worker = _worker(url, sim, handler, directory / "worker.log")
                 try:
                     time.sleep(2.0)  # the worker is up
