@@ -56,7 +56,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox import lifecycle, tracing
 from outbox.db import default_database_url, describe_url, missing_sqlite_file
@@ -190,7 +190,7 @@ class Flag:
             raise ConfigError(name or self.name, f"{raw!r} is not one of {', '.join(self.choices)}")
         return value
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
+    def add_to(self, parser: argparse._ActionsContainer) -> None:
         kwargs: dict[str, Any] = {
             "dest": self.attribute,
             "default": _Pending(self),
@@ -207,6 +207,9 @@ class Flag:
         parser.add_argument(self.name, **kwargs)
 
 
+_Container = TypeVar("_Container", bound=argparse._ActionsContainer)
+
+
 @dataclass(frozen=True)
 class _Pending:
     """The argparse default of a declared flag: resolved from the environment after parsing
@@ -219,8 +222,9 @@ class _Pending:
         return repr(self.flag.default)
 
 
-def add_flags(parser: argparse.ArgumentParser, *flags: Flag) -> argparse.ArgumentParser:
-    """Add each declared flag to ``parser`` (a subcommand's parser)."""
+def add_flags(parser: _Container, *flags: Flag) -> _Container:
+    """Add each declared flag to ``parser`` (a subcommand's parser, or a group of one: a
+    mutually exclusive ``--since`` / ``--from-seq`` is two declarations too)."""
     for flag in flags:
         flag.add_to(parser)
     return parser

@@ -179,14 +179,17 @@ def build_parser() -> Parser:
         "the count on stdout.",
     )
     add_flags(rp, *COMMON, *REDIS)
-    window = rp.add_mutually_exclusive_group(required=True)
-    window.add_argument(
-        "--since",
-        metavar="TIME",
-        help="events created at or after TIME: ISO-8601 with Z or an offset "
-        "(2026-11-30T12:00:00Z) or unix seconds",
+    add_flags(
+        rp.add_mutually_exclusive_group(required=True),
+        Flag(
+            "--since",
+            help="events created at or after TIME: ISO-8601 with Z or an offset "
+            "(2026-11-30T12:00:00Z) or unix seconds",
+            env=None,
+            metavar="TIME",
+        ),
+        Flag("--from-seq", int, "events with seq >= N", env=None, metavar="N"),
     )
-    window.add_argument("--from-seq", type=int, metavar="N", help="events with seq >= N")
     add_flags(
         rp,
         Flag("--topic", help="only this topic", env=None),
@@ -235,23 +238,23 @@ def build_parser() -> Parser:
         "init-db", help="create the outbox table and indexes (the NOTIFY trigger with --notify)"
     )
     add_flags(init, *COMMON, PARTITIONED)
-    wake = init.add_mutually_exclusive_group()
-    wake.add_argument(
-        "--no-notify",
-        dest="notify",
-        action="store_false",
-        default=None,
-        help="no NOTIFY trigger (PostgreSQL; drops an existing one): relays wake by polling, "
-        "and concurrent writers' commits do not queue on NOTIFY's global lock. A new table "
-        "has none by default; an existing one keeps its choice",
-    )
-    wake.add_argument(
-        "--notify",
-        dest="notify",
-        action="store_true",
-        default=None,
-        help="add the NOTIFY trigger (PostgreSQL): relays wake at each commit, but every "
-        "writer's commit takes NOTIFY's global lock (heavy concurrent writers slow down)",
+    add_flags(
+        init.add_mutually_exclusive_group(),
+        Flag(
+            "--no-notify",
+            bool,
+            "no NOTIFY trigger (PostgreSQL; drops an existing one): relays wake by polling, "
+            "and concurrent writers' commits do not queue on NOTIFY's global lock. A new table "
+            "has none by default; an existing one keeps its choice",
+            env=None,
+        ),
+        Flag(
+            "--notify",
+            bool,
+            "add the NOTIFY trigger (PostgreSQL): relays wake at each commit, but every "
+            "writer's commit takes NOTIFY's global lock (heavy concurrent writers slow down)",
+            env=None,
+        ),
     )
     init.set_defaults(func=cmd_init_db)
 
@@ -481,7 +484,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
 def cmd_init_db(args: argparse.Namespace) -> int:
     engine, schema = _engine_and_schema(args)
     try:
-        create_schema(engine, schema, notify=args.notify, partitioned=args.partitioned)
+        notify = True if args.notify else False if args.no_notify else None  # None: as it is
+        create_schema(engine, schema, notify=notify, partitioned=args.partitioned)
     except ConfigError:
         raise
     except Exception as exc:

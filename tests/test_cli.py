@@ -393,6 +393,28 @@ def test_every_command_is_built_with_the_helper() -> None:
         assert isinstance(parser, Parser), prog
 
 
+def test_every_option_of_every_command_is_one_flag_declaration() -> None:
+    """Every ``--option`` of every command and subcommand comes from a :class:`Flag` (its
+    argparse default is the declaration, resolved from the environment after parsing):
+    none is added by hand beside the helper, where it would read no variable and say
+    nothing of one in the generated reference."""
+    by_hand: list[str] = []
+    for prog, parser in installed_programs():
+        stack = [(prog, parser)]
+        while stack:
+            name, current = stack.pop()
+            for action in current._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    stack.extend((f"{name} {sub}", p) for sub, p in action.choices.items())
+                elif (
+                    action.option_strings
+                    and not isinstance(action, argparse._HelpAction | argparse._VersionAction)
+                    and type(action.default).__name__ != "_Pending"
+                ):
+                    by_hand.append(f"{name} {action.option_strings[0]}")
+    assert by_hand == []
+
+
 def test_every_subcommand_help_says_what_it_does() -> None:
     """``outbox-relay run --help`` opens with the line the command list shows (the
     subcommands' own help had only their options)."""

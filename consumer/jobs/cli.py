@@ -187,9 +187,11 @@ def build_parser() -> Parser:
     )
     settle = sub.add_parser("settle", help="record an operator's decision on an operation")
     settle.add_argument("operation_id", help="the operation id (see receipts)")
-    decision = settle.add_mutually_exclusive_group(required=True)
-    decision.add_argument("--accepted", metavar="REF", help="it happened: the provider's ref")
-    decision.add_argument("--not-sent", action="store_true", help="it did not happen: send once")
+    add_flags(
+        settle.add_mutually_exclusive_group(required=True),
+        Flag("--accepted", help="it happened: the provider's ref", env=None, metavar="REF"),
+        Flag("--not-sent", bool, "it did not happen: send once", env=None),
+    )
     add_flags(
         settle,
         Flag("--reason", help="why (kept with the receipt)", env=None),
@@ -380,7 +382,7 @@ def _operations_command(args: argparse.Namespace, url: str) -> int:
             receipt = ops.settle(
                 args.operation_id,
                 accepted=args.accepted,
-                not_sent=args.not_sent,
+                not_sent=bool(args.not_sent),
                 reason=args.reason,
                 by=args.by,
             )
