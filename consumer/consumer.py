@@ -69,7 +69,7 @@ from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum
-from outbox.outage import is_outage
+from outbox.outage import report_failure
 from outbox.redis_client import in_slot_of, is_cluster_url, redis_client
 from outbox.validate import check_name
 
@@ -370,12 +370,12 @@ class Consumer:
             try:
                 self._acknowledge(self._unacked)
             except Exception as exc:
-                log.warning("final acknowledge failed", extra=fields(error=str(exc)))
+                report_failure(log, "final acknowledge failed; the entries come again", exc)
         # Gone: a peer may take whatever this consumer still has pending at once.
         try:
             self.redis.delete(self.heartbeat_key(self.name))
         except redislib.RedisError as exc:
-            log.warning("heartbeat key not removed", extra=fields(error=str(exc)))
+            report_failure(log, "heartbeat key not removed; it expires by itself", exc)
         log.info("consumer stopped", extra=fields(group=self.group, consumer=self.name))
 
     def _run_batches(self, stopping: Callable[[], bool]) -> None:
@@ -387,16 +387,15 @@ class Consumer:
             except Exception as exc:
                 delay = self.config.backoff.delay(attempt)
                 attempt += 1
-                log.warning(
+                report_failure(
+                    log,
                     "consumer batch failed, retrying",
-                    # An outage is one line (the error names it); anything else is a bug.
-                    exc_info=not (is_outage(exc) or isinstance(exc, redislib.RedisError)),
-                    extra=fields(
-                        group=self.group,
-                        error=f"{type(exc).__name__}: {exc}",
-                        attempt=attempt,
-                        retry_in_seconds=round(delay, 3),
-                    ),
+                    exc,
+                    # A refusal of Redis (NOGROUP after a flush, ...) is no bug either.
+                    expected=(redislib.RedisError,),
+                    group=self.group,
+                    attempt=attempt,
+                    retry_in_seconds=round(delay, 3),
                 )
                 deadline = time.monotonic() + delay
                 while not stopping() and time.monotonic() < deadline:

@@ -31,6 +31,7 @@ from redis.cluster import RedisCluster
 from consumer.config import ConsumerConfig
 from outbox.duty import Duty, Interval
 from outbox.logs import fields
+from outbox.outage import report_failure
 from outbox.redis_client import slot_of
 
 log = logging.getLogger("outbox.consumer")
@@ -147,7 +148,7 @@ class StreamReader:
                 failing = False
             except Exception as exc:
                 if not failing:  # once per outage, not once per beat
-                    log.warning("heartbeat failed", extra=fields(group=self.group, error=str(exc)))
+                    report_failure(log, "heartbeat failed, retrying", exc, group=self.group)
                 failing = True
             if done.wait(self.config.heartbeat_interval_ms / 1000):
                 return

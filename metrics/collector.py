@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -41,6 +40,7 @@ from metrics.tables import Source as Source
 from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
 from outbox.errors import ConfigError
+from outbox.outage import report_failure
 from outbox.schema import OutboxSchema, build_schema, check_identifier
 from outbox.status import age_seconds as age_seconds
 
@@ -166,7 +166,7 @@ class DatabaseCollector(Collector):
         try:
             present = self._present_tables()
         except Exception as exc:
-            log.warning("metrics: cannot inspect the database", extra=_fields(exc))
+            report_failure(log, "metrics: cannot inspect the database", exc)
             present = None
         for source in self.sources:
             if present is None:
@@ -178,7 +178,7 @@ class DatabaseCollector(Collector):
                 metrics.extend(self._run_source(source))
                 up.add_metric([source.name], 1.0)
             except Exception as exc:
-                log.warning("metrics: source query failed", extra=_fields(exc, source=source.name))
+                report_failure(log, "metrics: source query failed", exc, source=source.name)
                 up.add_metric([source.name], 0.0)
         metrics.append(up)
         duration = GaugeMetricFamily(
@@ -428,7 +428,3 @@ def unknown_receipts_source(
         ]
 
     return Source(name="receipts", tables=((table, schema),), run=run)
-
-
-def _fields(exc: BaseException, **extra: Any) -> dict[str, Any]:
-    return {"fields": {"error": f"{type(exc).__name__}: {exc}", **extra}}

@@ -33,6 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from outbox.dialect import quoted_table as quoted_table  # re-exported for callers
 from outbox.logs import fields
+from outbox.outage import report_failure
 
 log = logging.getLogger("outbox.maintenance")
 
@@ -190,9 +191,8 @@ class PeriodicVacuum:
         try:
             done = vacuum_unless_autovacuum(self.connect, self.tables)
         except Exception as exc:
-            log.warning(
-                f"vacuum of the {self.what} failed",
-                extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+            report_failure(
+                log, f"vacuum of the {self.what} failed; again at the next interval", exc
             )
             return None
         self.last_result = done

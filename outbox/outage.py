@@ -13,12 +13,17 @@ bug or a bad input and is reported with its traceback.
   refusal. A duty on the side of a loop (the relay's check of Redis, a worker's heartbeat)
   waits these out instead of failing its loop; :func:`is_outage` then decides whether the
   log line carries a traceback.
+- :func:`report_failure`: the one way every loop and duty logs a failure it will wait out
+  and retry: an outage is one warning line naming the service, anything else keeps its
+  traceback.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
+from typing import Any
 
 import redis
 from redis.exceptions import RedisClusterException
@@ -29,6 +34,8 @@ from sqlalchemy.exc import (
     OperationalError,
     SQLAlchemyError,
 )
+
+from outbox.logs import fields
 
 TRANSIENT_REPLIES = (
     "OOM",
@@ -123,11 +130,35 @@ def outage_service(exc: BaseException) -> str | None:
     return None
 
 
+def report_failure(
+    logger: logging.Logger,
+    message: str,
+    exc: BaseException,
+    *,
+    expected: tuple[type[BaseException], ...] = (),
+    **facts: Any,
+) -> bool:
+    """Log a failure that the caller waits out and retries (or leaves to the next round):
+    one warning line when :func:`is_outage` says it is an outage (or it is one of
+    ``expected``, errors the caller knows are no bug), with the service it concerns;
+    anything else with its traceback, since it is a bug or a bad input. ``facts`` go into
+    the structured line (``attempt``, ``retry_in_seconds``, ...). Whether it was an outage."""
+    outage = is_outage(exc)
+    extra: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"[:500], **facts}
+    service = outage_service(exc)
+    if service is not None:
+        extra["service"] = service
+    quiet = outage or isinstance(exc, expected)
+    logger.warning(message, exc_info=None if quiet else exc, extra=fields(**extra))
+    return outage
+
+
 __all__ = [
     "TRANSIENT_REPLIES",
     "is_outage",
     "outage_errors",
     "outage_service",
     "reply_code",
+    "report_failure",
     "service_errors",
 ]

@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection
 
 from outbox.errors import ConfigError
 from outbox.logs import fields
+from outbox.outage import report_failure
 
 log = logging.getLogger("outbox.partitions")
 
@@ -240,9 +241,12 @@ def ensure_partitions(
                 for sql in statements:
                     conn.execute(text(sql))
         except Exception as exc:
-            log.warning(
-                "cannot create an outbox partition; its rows go to the DEFAULT partition",
-                extra=fields(partition=name, error=f"{type(exc).__name__}: {exc}"[:300]),
+            report_failure(
+                log,
+                "cannot create an outbox partition now; again next round (its rows go to the "
+                "DEFAULT partition until then)",
+                exc,
+                partition=name,
             )
             continue
         created.append(name)

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from outbox.errors import ConfigError
 from outbox.logs import fields
+from outbox.outage import report_failure
 from outbox.validate import check_number
 
 log = logging.getLogger("outbox.retention")
@@ -208,9 +209,8 @@ class RetentionDuty:
             except Exception as exc:
                 self.failures += 1
                 self._next = self._clock() + self.interval
-                log.warning(
-                    f"{self.name}: retention round failed; retrying next interval",
-                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+                report_failure(
+                    log, f"{self.name}: retention round failed; retrying next interval", exc
                 )
                 return None
             limit = self.batch * self.max_batches

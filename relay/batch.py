@@ -29,7 +29,7 @@ from typing import Any
 
 from outbox import tracing
 from outbox.logs import fields
-from outbox.outage import is_outage
+from outbox.outage import report_failure
 from relay.config import RelayConfig
 from relay.errors import PermanentPublishError, RoutingError
 from relay.pipeline import Outcome, Recorder, record_outcome
@@ -276,10 +276,8 @@ class BatchPublisher:
         try:
             retried = self.store.outbox_retry_now(seqs)
         except self._infra as exc:
-            log.warning(
-                "cannot end the backoff of refused records now; they retry on their own",
-                exc_info=not is_outage(exc),
-                extra=fields(error=f"{type(exc).__name__}: {exc}"[:300]),
+            report_failure(
+                log, "cannot end the backoff of refused records now; they retry on their own", exc
             )
             return
         if retried:

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Engine
 from outbox import partitions
 from outbox.dialect import is_postgresql, quoted_table
 from outbox.logs import fields
+from outbox.outage import report_failure
 from outbox.partitions import Partition
 from outbox.schema import PG_STORAGE_PARAMETERS, OutboxSchema, table_schema_of
 
@@ -117,9 +118,8 @@ class PartitionUpkeep:
                 with self.engine.begin() as conn:
                     went = partitions.drop_partition(conn, schema_name, name, part)
             except Exception as exc:
-                log.warning(
-                    "outbox partition not dropped this round",
-                    extra=fields(partition=part.name, error=f"{type(exc).__name__}: {exc}"[:300]),
+                report_failure(
+                    log, "outbox partition not dropped this round", exc, partition=part.name
                 )
                 continue
             (done.dropped if went else done.kept).append(part)

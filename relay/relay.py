@@ -46,7 +46,7 @@ from outbox.duty import Duty, Interval, weakly
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
-from outbox.outage import is_outage, service_errors
+from outbox.outage import is_outage, report_failure, service_errors
 from outbox.schema import OutboxSchema, build_schema
 from relay.batch import BatchPublisher
 from relay.config import RelayConfig
@@ -275,14 +275,12 @@ class Relay:
             )
             self._redis_check_failures += 1
             self.redis_check.interval.done(started, again_in=retry_in)
-            log.warning(
+            report_failure(
+                log,
                 "cannot check Redis now",
-                exc_info=not is_outage(exc),
-                extra=fields(
-                    error=f"{type(exc).__name__}: {exc}"[:300],
-                    attempt=self._redis_check_failures,
-                    retry_in_seconds=round(retry_in, 3),
-                ),
+                exc,
+                attempt=self._redis_check_failures,
+                retry_in_seconds=round(retry_in, 3),
             )
 
     def _claim(self, sweep: bool, started: float) -> tuple[list[Record], int, float, float] | None:
@@ -488,15 +486,14 @@ class Relay:
         self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         delay = self.config.outage_backoff.delay(loop.outage_attempt)
-        outage = is_outage(exc)
-        log.warning(
-            "database or Redis unavailable; retrying" if outage else "unexpected error; retrying",
-            exc_info=not outage,
-            extra=fields(
-                error=self.stats.last_error[:500],
-                attempt=loop.outage_attempt,
-                retry_in_seconds=round(delay, 3),
-            ),
+        report_failure(
+            log,
+            "database or Redis unavailable; retrying"
+            if is_outage(exc)
+            else "unexpected error; retrying",
+            exc,
+            attempt=loop.outage_attempt,
+            retry_in_seconds=round(delay, 3),
         )
         self._hook("relay_publish_error", type(exc).__name__, None)
         if self._sender is not None:
@@ -561,9 +558,7 @@ class Relay:
             try:
                 took = store.outbox_vacuum_if_no_autovacuum()
             except Exception as exc:
-                log.warning(
-                    "vacuum failed", extra=fields(error=f"{type(exc).__name__}: {exc}"[:300])
-                )
+                report_failure(log, "vacuum failed; again at the next interval", exc)
                 return
             if took is not None:
                 log.info(

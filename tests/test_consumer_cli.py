@@ -471,3 +471,41 @@ def test_kill_test_exactly_one_job_per_identity(
         assert dead == 0
     finally:
         engine.dispose()
+
+
+@pytest.mark.slow  # a private PostgreSQL stopped and started under a consumer process (~10 s)
+def test_a_consumer_waits_out_its_database_in_one_line_a_warning_and_recovers(
+    redis_target: RedisTarget,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    app_factory: Callable[..., App],
+) -> None:
+    """Its database stopped under it, a consumer logs each failure as one line naming the
+    database (no traceback: an outage is not a bug), keeps its entries pending, and handles
+    everything once the database is back (issue 26: tracebacks reached the user for every
+    consumer warning while the database was down)."""
+    from services import PrivatePostgres
+
+    stream = jobs_stream(redis_target, stream_prefix)
+    with PrivatePostgres() as pg:
+        app = app_factory(pg.url, stream)
+        engine = sa.create_engine(pg.url)
+        try:
+            proc = app.start()
+            wait_for(lambda: app.started(proc), "consumer started", timeout=60)
+            publish_many(redis_client, stream, [(f"id-{n}", f"evt-{n}") for n in range(20)])
+            wait_for(lambda: count_jobs(engine) == (20, 20), "the first 20", timeout=60)
+            engine.dispose()
+            pg.stop()
+            publish_many(redis_client, stream, [(f"id-{n}", f"evt-{n}") for n in range(20, 40)])
+            wait_for(lambda: "consumer batch failed" in app.logs_text(), "a failed batch", 60)
+            pg.start()
+            wait_for(lambda: count_jobs(engine) == (40, 40), "all 40 after the outage", 90)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, app.logs_text()
+        finally:
+            engine.dispose()
+    text = app.logs_text()
+    failures = [json.loads(line) for line in text.splitlines() if "batch failed" in line]
+    assert failures and all(f.get("service") == "database" for f in failures), text
+    assert "Traceback" not in text, text

@@ -1,15 +1,19 @@
 """One function decides what an outage is (issue 26): ``outbox.outage.is_outage``, which the
 relay's, the consumer's and the worker's loops use; ``service_errors`` for the side duties
-that wait out any error of a service."""
+that wait out any error of a service; ``report_failure``, the one way they all log it."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import psycopg
+import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
-from outbox.outage import is_outage, outage_service, service_errors
+from outbox.outage import is_outage, outage_service, report_failure, service_errors
 from relay.relay import infrastructure_errors
 from relay.replies import TransientError, classify_reply
 
@@ -77,3 +81,48 @@ def test_a_scripts_refusal_on_redis_6_is_read_by_its_code() -> None:
         assert isinstance(classify_reply(redis.ResponseError(text)), TransientError)
     refused = classify_reply(redis.ResponseError("@user_script: 42: -WRONGTYPE Operation"))
     assert not isinstance(refused, TransientError)
+
+
+def test_a_loop_reports_an_outage_in_one_line_and_a_bug_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``report_failure``: what every loop and duty logs for a failure it waits out."""
+    logger = logging.getLogger("test.outage")
+    gone = OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused"))
+    with caplog.at_level(logging.WARNING, logger="test.outage"):
+        assert report_failure(logger, "round failed", gone, attempt=3) is True
+        assert report_failure(logger, "round failed", KeyError("oops")) is False
+        assert report_failure(logger, "batch failed", redis.ResponseError("NOGROUP x")) is False
+        assert (
+            report_failure(
+                logger,
+                "batch failed",
+                redis.ResponseError("NOGROUP x"),
+                expected=(redis.RedisError,),
+            )
+            is False
+        )
+    outage, bug, refusal, expected = caplog.records
+    assert outage.exc_info is None
+    facts = outage.fields  # type: ignore[attr-defined]
+    assert facts["service"] == "database" and facts["attempt"] == 3
+    assert (
+        facts["error"].startswith("OperationalError: ") and "connection refused" in facts["error"]
+    )
+    assert bug.exc_info is not None and bug.exc_info[0] is KeyError
+    assert refusal.exc_info is not None  # a refusal nobody said to expect: maybe a bug
+    assert expected.exc_info is None
+
+
+def test_every_loop_and_duty_reports_through_the_one_function() -> None:
+    """The loops' and duties' ``except`` branches that log a failure they wait out call
+    ``report_failure`` (``outbox.outage``): no loop decides on its own what an outage is.
+    A hand-written ``log.warning`` beside ``is_outage`` (the old way) is refused."""
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for package in ("outbox", "relay", "consumer", "metrics"):
+        for path in (root / package).rglob("*.py"):
+            text = path.read_text()
+            if "exc_info=not is_outage" in text or "exc_info=not (is_outage" in text:
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []

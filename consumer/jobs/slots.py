@@ -57,6 +57,7 @@ from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
+from outbox.outage import report_failure
 
 if TYPE_CHECKING:  # the worker imports operations lazily too (only with providers)
     from consumer.errors import ProviderThrottled
@@ -240,13 +241,10 @@ class SlotRunner:
                 failures = 0
             except SQLAlchemyError as exc:
                 failures += 1
-                log.warning(
-                    "worker maintenance failed, retrying",
-                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
-                )
+                report_failure(log, "worker maintenance failed, retrying", exc, attempt=failures)
                 await asyncio.sleep(backoff.delay(failures))
             except Exception as exc:  # a provider's lookup in the sweep: logged, retried
-                log.warning("receipt sweep failed", extra=fields(error=repr(exc)[:500]))
+                report_failure(log, "receipt sweep failed, retrying", exc)
             await asyncio.sleep(MAINTENANCE_TICK)
 
     async def _claim_loop(self) -> None:
@@ -404,7 +402,9 @@ class SlotRunner:
         except SQLAlchemyError as exc:
             # The database went away mid-job: hand the lease back so the job runs again now
             # (a dispatch already made finds its receipt and sends nothing).
-            log.warning("job interrupted by a database error", extra=fields(error=repr(exc)))
+            report_failure(
+                log, "job interrupted by a database error; its lease is handed back", exc
+            )
             with contextlib.suppress(Exception):  # unreachable still: the lease expires by its ttl
                 await self._db(worker._hand_back_after_error, [ctx])
         except Exception as exc:  # the worker's own fault, not the handler's: say so

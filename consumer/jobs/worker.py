@@ -110,7 +110,7 @@ from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
-from outbox.outage import is_outage
+from outbox.outage import report_failure
 from outbox.validate import check_number
 
 if TYPE_CHECKING:
@@ -509,7 +509,7 @@ class Worker(WorkerDuties):
                     pinned = True
                 result = store.renew_batch([c.lease for c in due], ttl=self.config.ttl)
             except SQLAlchemyError as exc:
-                log.warning("lease renewal failed", extra=fields(error=repr(exc)))
+                report_failure(log, "lease renewal failed; again at the next beat", exc)
                 pin.close()  # a new connection at the next beat
                 pinned = False
                 result = None
@@ -553,11 +553,7 @@ class Worker(WorkerDuties):
                 failures = 0
             except SQLAlchemyError as exc:
                 failures += 1
-                log.warning(
-                    "liveness beat failed",
-                    exc_info=not is_outage(exc),  # an outage is one line; anything else a bug
-                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
-                )
+                report_failure(log, "liveness beat failed", exc, attempt=failures)
             if self._liveness_stop.wait(self.config.liveness_interval):
                 return
 
@@ -605,7 +601,7 @@ class Worker(WorkerDuties):
         try:
             self._store().worker_gone(self.config.name)
         except SQLAlchemyError as exc:  # its row expires by itself
-            log.warning("liveness row not removed", extra=fields(error=repr(exc)))
+            report_failure(log, "liveness row not removed; it expires by itself", exc)
         log.info("worker stopped", extra=fields(worker=self.config.name))
 
     def stop(self) -> None:
@@ -637,11 +633,7 @@ class Worker(WorkerDuties):
             except Exception as exc:
                 self._listening = False
                 failures += 1
-                log.warning(
-                    "LISTEN failed; polling meanwhile",
-                    exc_info=not is_outage(exc),
-                    extra=fields(error=f"{type(exc).__name__}: {exc}"[:500], attempt=failures),
-                )
+                report_failure(log, "LISTEN failed; polling meanwhile", exc, attempt=failures)
                 if listener is not None:
                     with contextlib.suppress(Exception):
                         listener.close()

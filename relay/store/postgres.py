@@ -21,6 +21,7 @@ from outbox.dialect import NOW_SQL, POSTGRESQL
 from outbox.duty import Interval, weakly
 from outbox.logs import fields
 from outbox.maintenance import vacuum_unless_autovacuum
+from outbox.outage import report_failure
 from outbox.schema import OutboxSchema, table_schema_of
 from relay.records import Orphan, Record, RequeueResult, TopicStatus
 from relay.store.base import (
@@ -482,10 +483,7 @@ class PostgresStore:
                     got = max(got, 2 if n.payload == "sweep" else 1)
             return got
         except Exception as exc:
-            log.warning(
-                "LISTEN connection failed; polling",
-                extra=fields(error=f"{type(exc).__name__}: {exc}"),
-            )
+            report_failure(log, "LISTEN connection failed; polling", exc)
             if self._listen_conn is not None:
                 with contextlib.suppress(Exception):
                     self._listen_conn.close()
