@@ -40,6 +40,8 @@ world belong in jobs, not in handlers.
 
 The parts: :mod:`consumer.config` (the settings), :mod:`consumer.reading` (steps 2 to 4, and
 the heartbeat), :mod:`consumer.handling` (steps 5 and 6); here, the loop, step 1 and step 7.
+Why it is built so, and how to use it: docs/how-to/consume.md (batches, the deduplication
+window, crash recovery, dead letters).
 """
 
 from __future__ import annotations

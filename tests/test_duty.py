@@ -135,6 +135,32 @@ def test_the_relay_names_its_duties_with_their_intervals(tmp_path: Path) -> None
         relay.store.close()
 
 
+def test_the_worker_names_its_duties_with_their_intervals(tmp_path: Path) -> None:
+    from consumer import Store, Worker
+
+    store = Store(f"sqlite:///{tmp_path}/jobs.db")
+    store.create_schema()
+    worker = Worker(
+        store, recover_interval=2.0, reconcile_interval=5.0, liveness_interval=0.5, liveness_ttl=3
+    )
+    duties = [worker.recovery, worker.reconciliation, worker.liveness, worker.retention]
+    assert [d.name for d in duties if d is not None] == [
+        "recovery",
+        "receipt sweep",
+        "liveness",
+        "job retention",
+    ]
+    assert [worker.recovery.interval.seconds, worker.reconciliation.interval.seconds] == [2.0, 5.0]
+    assert worker.liveness.interval.seconds == 0.5
+    # Recovery is due at once; the receipt sweep one interval after start.
+    assert worker.recovery.due() and not worker.reconciliation.due()
+    assert worker.recovery.run_once() is False  # one round now: nothing to recover
+    beat = worker.liveness.run_once()  # one beat: this worker's row, nobody to recover
+    assert (beat.requeued, beat.needs_attention) == (0, 0)
+    assert worker.reconciliation.run_once() is None  # no providers: nothing to sweep
+    store.dispose()
+
+
 def test_weakly_does_not_keep_its_object_alive() -> None:
     class Owner:
         def answer(self) -> int:

@@ -19,67 +19,36 @@ worker.run_once()                        # one cycle; returns how many jobs it h
 worker.run()                             # until SIGTERM: finishes the jobs in hand, exits
 ```
 
-Slots: ``run`` gives the worker ``concurrency`` slots (``DEFAULT_CONCURRENCY``, 256): it
-claims at most its free slots in one statement and starts every claimed job at once; ``def``
-handlers on a thread pool, ``async def`` handlers on the worker's event loop
-(``consumer.jobs.slots``). A queue may have slots of its own, reserved out of them
-(``Worker(store, queues={"mail": 8, "billing": 4})``, ``consumer.jobs.config``): its jobs
-never take more, no other queue takes them, and each group of slots is claimed with its own
-statement. ``run_once`` is the steppable form: it claims up to ``batch_size`` jobs and runs
-them one after another in the calling thread.
+What a worker does, and where each part is explained (the design text lives there once):
 
-Outcomes: a handler that returns finishes the job (DONE; successes of one cycle are
-finished together in one fenced batch). It may instead move the job itself through its
-:class:`JobContext` (``wait_external``, ``wait_review``, ``schedule``, ``cancel``). Raising
-``TransientFailure``/``PermanentFailure``/``AuthFailure`` (``consumer.errors``) records that
-failure; any other exception counts as transient. A worker claims only jobs its handlers
-route (and of its ``queues``): a job no handler matches stays READY for a worker that can run it.
+- **Slots** (``run``): ``concurrency`` jobs in flight (``DEFAULT_CONCURRENCY``, 256), claimed
+  in one statement and started at once; ``def`` handlers on threads, ``async def`` ones on
+  the event loop; queues with slots of their own. ``consumer.jobs.slots``,
+  ``consumer.jobs.config``; docs/how-to/effects.md, docs/how-to/queues.md. ``run_once`` is
+  the steppable form: up to ``batch_size`` jobs, one after another, in the calling thread.
+- **Outcomes**: a handler that returns finishes its job (finishes are batched and fenced);
+  it may move the job itself through its :class:`JobContext` (wait, schedule, cancel,
+  ``recheck`` a timer); ``TransientFailure``/``PermanentFailure``/``AuthFailure`` are
+  recorded as such, any other exception as transient. A job no handler routes stays READY.
+  docs/how-to/jobs-and-effects.md (States, Recovery and retries, Timers).
+- **Leases**: the heartbeat renews a running job's lease only while its handler reports
+  progress (a provider call in flight keeps it); :attr:`Worker.liveness` keeps this worker's
+  row in ``outbox_workers`` and takes back the leases of workers whose row expired.
+  docs/explanation/fencing.md, docs/how-to/jobs-and-effects.md (Worker liveness).
+- **Effects**: ``providers=`` gives handlers ``job.dispatch``/``job.adispatch``
+  (``consumer.jobs.operations``); :attr:`Worker.reconciliation` sweeps receipts whose call
+  deadline passed. docs/explanation/reconciliation.md.
+- **Duties**, each named with ``run_once()`` and its interval (``outbox.duty``):
+  :attr:`Worker.recovery` (expired leases and due timers, every ``recover_interval`` and as
+  soon as the earliest timer comes due), :attr:`Worker.reconciliation`,
+  :attr:`Worker.liveness`, and in the background :attr:`Worker.vacuum` and
+  :attr:`Worker.retention` (``consumer.jobs.duties``; docs/explanation/retention.md).
+- **Wake-up**: an adaptive poll, or LISTEN with ``StoreConfig(notify=True)``.
+  docs/how-to/jobs-and-effects.md (Wake on work).
 
-Timers: ``job.timer`` is the business timer that made the job eligible (or None).
-``job.recheck(current_version, cancelled=..., replan_at=...)`` compares the subject's
-current facts with those the timer was planned against: it cancels the job when the
-cancellation condition holds, re-plans it (a new timer) when the version changed and
-``replan_at`` is given (cancels otherwise), and returns True only when acting is still right.
-
-Heartbeat: one thread renews the leases of running jobs every ``ttl / 3`` seconds, but only
-for handlers that reported progress (``job.progress()``) since the last renewal; starting
-counts as progress, and a claimed job is renewed at every beat until its handler starts
-(it waits on the worker, not on a handler), as is a finished one until its finish is
-recorded. The renewals run on a connection of their own. A stuck handler therefore loses
-its lease after about one ttl and another worker takes the job over; its late moves get
-``Conflict`` (fenced). While a provider call is in flight (``job.dispatch``), the lease
-already lasts until the call's deadline (the intent's transaction extended it), and the
-heartbeat keeps renewing it for up to twice the call's timeout (a call that overran its
-deadline on a busy process keeps its lease); the call's end counts as progress.
-
-Liveness: ``run`` keeps a row in ``outbox_workers`` (its name, alive until the database clock
-+ ``liveness_ttl``, default 3 s) from a thread of its own every ``liveness_interval`` (1 s),
-deletes it on a clean stop, and on each beat takes back at once the leases of workers whose
-row expired (``Store.recover_dead``, fenced like a lease expiry: their late moves get
-``Conflict``). A worker killed mid-job is thus recovered within about ``liveness_ttl`` + 1 s
-instead of the lease ttl. A lease whose owner has no row (``run_once`` alone, an older worker)
-waits for its expiry; a call in flight stays protected by its intent's deadline.
-
-External effects: ``Worker(store, providers={"mail": provider})`` gives handlers
-``job.dispatch(name, provider, request)`` (``consumer.jobs.operations``), and ``run`` sweeps
-receipts whose call deadline passed every ``reconcile_interval`` seconds
-(``Operations.reconcile``).
-
-Wake-up: an idle loop polls adaptively (every 10 ms for a second after a claim that found
-work, then doubling toward ``poll_interval``; ``consumer.jobs.slots``). With
-``StoreConfig(notify=True)`` (off by default: NOTIFY takes a global lock at every enqueuing
-commit) ``run`` LISTENs for jobs that became READY on PostgreSQL and claims at once, polling
-every ``poll_interval`` as the fallback.
-
-Vacuum: finished jobs leave dead tuples and dead READY-index entries behind, which every
-claim would walk. When the server runs without autovacuum, ``run_once`` vacuums the job
-tables itself every ``vacuum_interval`` seconds (default 30, 0 never) in a background thread
-(``Worker.vacuum``, ``outbox.maintenance``); with autovacuum on, the tables' own settings do.
-Retention (``WorkerConfig.retention``, ``Worker.retention``; ``consumer.jobs.retention``)
-purges finished jobs with their history the same way, every minute by default.
-
-Infrastructure errors (database down) in ``run`` are logged and retried with backoff;
-the loop never exits on them. Hooks (``outbox.hooks.Hooks``) observe every outcome.
+An outage in ``run`` (the database gone) is logged in one line (``outbox.outage``) and waited
+out with backoff; the loop never exits on it. Hooks (``outbox.hooks.Hooks``) observe every
+outcome.
 """
 
 from __future__ import annotations
@@ -105,7 +74,7 @@ from consumer.jobs.slots import SlotRunner
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox import tracing
 from outbox.backoff import Backoff
-from outbox.duty import Interval, weakly
+from outbox.duty import Duty, weakly
 from outbox.errors import ConfigError
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop
@@ -164,17 +133,30 @@ class Worker(WorkerDuties):
         # moves: no lease outlives a real-time interval there, and no thread may write).
         self.heartbeat = True
         self._liveness_stop = threading.Event()
-        # The intervals read the config at each check (the CLI replaces it after construction),
-        # through weak references: a lambda on self would keep a dropped worker alive.
-        self._recovery = Interval(weakly(self._recover_seconds))  # outbox.duty
+        # Its periodic duties besides vacuum and retention (consumer.jobs.duties), named,
+        # each with run_once() and its interval (outbox.duty). The intervals read the config
+        # at each check (the CLI replaces it after construction), through weak references: a
+        # lambda on self would keep a dropped worker alive.
+        self.recovery: Duty[bool] = Duty(
+            "recovery", weakly(self._recover_seconds), weakly(self._recover_round)
+        )
         self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
         self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
         self._recover_lock = threading.Lock()
         self.default_timeout = check_number("default_timeout", default_timeout, ConfigError)
         self.providers: dict[str, Provider] = dict(providers or {})
         self._operations: Operations | None = None
-        # The receipt sweep: its first round one interval after start (outbox.duty).
-        self._reconciliation = Interval(weakly(self._reconcile_seconds), first="later")
+        # The receipt sweep: its first round one interval after start.
+        self.reconciliation: Duty[None] = Duty(
+            "receipt sweep",
+            weakly(self._reconcile_seconds),
+            weakly(self._reconcile_round),
+            first="later",
+        )
+        # The liveness beat, from a thread of its own while ``run`` runs.
+        self.liveness: Duty[RecoveryResult] = Duty(
+            "liveness", weakly(self._liveness_seconds), weakly(self.beat)
+        )
         # Wake-ups of idle loops: the LISTEN thread (PostgreSQL) counts notifications, an idle
         # loop sleeps only if none came since its last empty claim (no lost wake-up).
         self._kick: Callable[[], None] | None = None  # while ``run`` runs: wake its slots
@@ -425,12 +407,17 @@ class Worker(WorkerDuties):
         # interval late. A timer the clocks disagree on is dropped: the interval remains.
         with self._recover_lock:
             timer = self._next_timer
-            due = self._recovery.due() or (timer is not None and time.time() >= timer)
+            due = self.recovery.due() or (timer is not None and time.time() >= timer)
             if due:
-                self._recovery.done()
+                self.recovery.interval.done()
                 self._next_timer = None
-        if not due:
-            return False
+        return self._recover(store, now) if due else False
+
+    def _recover_round(self) -> bool:
+        """``recovery.run_once()``: one round now. True if jobs became READY."""
+        return self._recover(self._store(), None)
+
+    def _recover(self, store: Store, now: Time | None) -> bool:
         result = store.recover(now=now)
         moved = bool(result.requeued or result.needs_attention or result.woken)
         if moved:
@@ -468,10 +455,17 @@ class Worker(WorkerDuties):
         if operations is None:
             return
         with self._recover_lock:
-            due = self._reconciliation.due()
+            due = self.reconciliation.due()
             if due:
-                self._reconciliation.done()
+                self.reconciliation.interval.done()
         if due:
+            self.reconciliation.run_once()
+
+    def _reconcile_round(self) -> None:
+        """``reconciliation.run_once()``: settle the receipts whose call deadline passed
+        (``Operations.reconcile``); nothing without providers."""
+        operations = self.operations
+        if operations is not None:
             operations.reconcile()
 
     # -- heartbeat ------------------------------------------------------------------------
@@ -544,17 +538,20 @@ class Worker(WorkerDuties):
     def _reconcile_seconds(self) -> float:
         return self.config.reconcile_interval
 
+    def _liveness_seconds(self) -> float:
+        return self.config.liveness_interval
+
     def _liveness(self) -> None:
         # Its own thread: a long handler never makes this worker look dead.
         failures = 0
         while True:
             try:
-                self.beat()
+                self.liveness.run_once()
                 failures = 0
             except SQLAlchemyError as exc:
                 failures += 1
                 report_failure(log, "liveness beat failed", exc, attempt=failures)
-            if self._liveness_stop.wait(self.config.liveness_interval):
+            if self._liveness_stop.wait(self.liveness.interval.seconds):
                 return
 
     # -- the loop -------------------------------------------------------------------------
