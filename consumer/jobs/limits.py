@@ -47,9 +47,11 @@ deadline):
   many, not buried under calls that time out and come back as lookups and resends (the
   metastable overload of retrying clients).
 
-A job that would wait longer than the limit allows (the pause, a rate reservation more than
-``max_wait`` ahead, more than ``max_waiting`` jobs of this process already waiting for a
-permit) is handed back READY with a ``run_after`` (:class:`~consumer.errors.ProviderThrottled`,
+A job whose provider's starts are booked more than ``max_wait`` ahead waits in this
+process's line for one (the head alone asks the database, when a start may be had; at most
+RATE_PATIENCE seconds). A job that would wait longer than the limit allows (the pause, a full
+line or permit queue: together at most ``max_waiting`` jobs, half the slots; its patience
+spent) is handed back READY with a ``run_after`` (:class:`~consumer.errors.ProviderThrottled`,
 no failure counted): a throttled or paused provider never holds every slot of a worker, and
 never stops the jobs of other providers. A job waiting within the limit keeps its slot and
 its lease (it reports progress, the heartbeat renews it); no intent exists yet, so a SIGKILL
@@ -106,6 +108,7 @@ MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
 LATE = 0.05  # seconds past its reserved start after which a call reserves a new one
 REBOOK = 2 * MAX_WAIT  # seconds a call's deadline allows for new starts after a missed one
 RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
+RATE_PATIENCE = 10.0  # seconds a job waits in line for a rate-limited start, then handed back
 PARK_BASE = 0.25  # seconds a slot whose job was handed back waits before it claims again
 PARK_MAX = 4.0  # ... doubled for each hand-back in a row, at most this (module docstring)
 
@@ -231,10 +234,10 @@ class FleetLimits:
             self._paused.pop(provider, None)
 
     def reserve(self, provider: str, spacing: float, max_wait: float) -> tuple[float, float | None]:
-        """Reserve the provider's next call start: ``(seconds to wait, None)``, or ``(0,
-        until)`` when the provider is paused or its reservations reach past ``max_wait``
-        (nothing reserved; try again at ``until``, database clock). One UPDATE when it
-        succeeds."""
+        """Reserve the provider's next call start: ``(seconds to wait, None)``, or ``(seconds
+        until then, until)`` when the provider is paused or its reservations reach past
+        ``max_wait`` (nothing reserved; try again at ``until``, database clock). One UPDATE
+        when it succeeds."""
         self._ensure(provider)
         with self.store.driver.begin() as conn:
             fixed = self.store.driver.clock  # a store's own clock (tests) wins
@@ -264,7 +267,8 @@ class FleetLimits:
         paused, booked, clock = float(held[0]), float(held[1]), float(held[2])
         if paused > clock:
             self._remember_pause(provider, paused, clock)
-        return 0.0, max(paused, booked - max_wait, clock + spacing)
+        until = max(paused, booked - max_wait, clock + spacing)
+        return until - clock, until
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Every provider's row: ``{"paused_for": seconds, "booked_ahead": seconds, "pauses"}``."""
@@ -411,6 +415,13 @@ class AdaptiveLimit:
             with self._lock, contextlib.suppress(ValueError):
                 self._parked.remove(waiter)
 
+    def wake_parked(self) -> None:
+        """Wake one slot parked for this provider (room came that is not a permit: a place
+        in the line for a rate-limited start)."""
+        with self._lock:
+            if self._parked:
+                self._parked.popleft().wake()
+
     def _settle(self, waiter: _Waiter) -> bool:
         with self._lock:
             if waiter.granted:
@@ -501,6 +512,8 @@ class ProviderGate:
         self.hooks = hooks if hooks is not None else NO_HOOKS
         self.patience = 5.0  # seconds a job waits for a permit before it is handed back
         self.handed_back = 0  # jobs handed back since a call found a permit free (aparked)
+        self._line: deque[_Waiter] = deque()  # jobs waiting here for a start (rate_limit)
+        self._line_lock = threading.Lock()
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
@@ -549,12 +562,122 @@ class ProviderGate:
         """The reserved start (monotonic), read in the thread that made the reservation: a
         coroutine resumed later by a busy loop must not push its call later (and out of
         step with the calls reserved after it)."""
+        start, _retry_in, until = self._try_reserve()
+        if start is None:
+            assert until is not None
+            raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
+        return start
+
+    def _try_reserve(self) -> tuple[float | None, float, float | None]:
+        """``(start, 0, None)`` (monotonic start), or ``(None, seconds to try again in,
+        until)`` when the provider is paused or its starts are booked too far ahead."""
         if self.fleet is None or not self.spacing:
-            return time.monotonic()
+            return time.monotonic(), 0.0, None
         wait, until = self.fleet.reserve(self.name, self.spacing, MAX_WAIT)
         if until is not None:
-            raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
-        return time.monotonic() + wait
+            return None, wait, until
+        return time.monotonic() + wait, 0.0, None
+
+    # -- the line for a rate-limited provider's next start --------------------------------
+    #
+    # Behind a backlog, a rate-limited provider's starts are booked MAX_WAIT ahead, and a job
+    # that could not reserve one was handed back at once: its slot parked, woke, claimed the
+    # next job of that provider and handed it back too. With 512 slots over two workers and
+    # a 16-calls/s provider that was 2,500-5,500 hand-backs (a claim, a move and an attempt
+    # row each) for 300 effects (``python -m bench limits``). Instead the job waits in this
+    # process's line (at most ``max_waiting`` jobs, less the permit waiters, RATE_PATIENCE
+    # seconds each, its lease kept by progress), and only the head of the line asks the
+    # database, when a start may be had: one reservation a start per process. A job that
+    # leaves the line wakes a slot parked for this provider (there is room again).
+
+    def _line_join(self, loop: asyncio.AbstractEventLoop | None = None) -> _Waiter | None:
+        """Join the line (the head at once when it is empty); None when it is full."""
+        with self._line_lock:
+            if len(self._line) + self.permits.waiting >= self.max_waiting:
+                return None
+            waiter = _Waiter(loop)
+            self._line.append(waiter)
+            if len(self._line) == 1:
+                waiter.wake()  # the head
+            return waiter
+
+    def _line_leave(self, waiter: _Waiter) -> None:
+        with self._line_lock:
+            head = bool(self._line) and self._line[0] is waiter
+            with contextlib.suppress(ValueError):
+                self._line.remove(waiter)
+            if head and self._line:
+                self._line[0].wake()
+        self.permits.wake_parked()
+
+    def _line_refused(self, until: float | None) -> ProviderThrottled:
+        assert until is not None
+        return self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
+
+    def _reserve_waiting(self, progress: Callable[[], None] | None) -> float:
+        """:meth:`_reserve`, waiting in line (this thread) when the starts are booked too
+        far ahead, rather than handing the job back; a pause hands it back at once."""
+        start, retry_in, until = self._try_reserve()
+        if start is not None:
+            return start
+        waiter = None if self._paused_now() else self._line_join()
+        if waiter is None:
+            raise self._line_refused(until)
+        assert waiter.event is not None
+        deadline = time.monotonic() + RATE_PATIENCE
+        self._waiting(+1, progress)
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if progress is not None:
+                    progress()  # the lease stays renewed while the job waits in line
+                if not waiter.granted:
+                    waiter.event.wait(min(1.0, left))
+                    continue
+                start, retry_in, until = self._try_reserve()
+                if start is not None:
+                    return start
+                if self._paused_now():
+                    break
+                time.sleep(min(retry_in, 1.0, left))
+            raise self._line_refused(until)
+        finally:
+            self._waiting(-1, progress)
+            self._line_leave(waiter)
+
+    async def _areserve_waiting(
+        self, run: Callable[..., Any], progress: Callable[[], None] | None
+    ) -> float:
+        """:meth:`_reserve_waiting` on the event loop (the reservations through ``run``)."""
+        start, retry_in, until = await run(self._try_reserve)
+        if start is not None:
+            return float(start)
+        waiter = None if self._paused_now() else self._line_join(asyncio.get_running_loop())
+        if waiter is None:
+            raise self._line_refused(until)
+        assert waiter.future is not None
+        deadline = time.monotonic() + RATE_PATIENCE
+        self._waiting(+1, progress)
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if progress is not None:
+                    progress()
+                if not waiter.granted:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(waiter.future), min(1.0, left))
+                    continue
+                start, retry_in, until = await run(self._try_reserve)
+                if start is not None:
+                    return float(start)
+                if self._paused_now():
+                    break
+                await asyncio.sleep(min(retry_in, 1.0, left))
+            raise self._line_refused(until)
+        finally:
+            self._waiting(-1, progress)
+            self._line_leave(waiter)
+
+    def _paused_now(self) -> bool:
+        return self.fleet is not None and self.fleet.paused_locally(self.name) is not None
 
     def enter(
         self, progress: Callable[[], None] | None = None, *, read_pause: bool = True
@@ -574,7 +697,7 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            start = self._reserve()
+            start = self._reserve_waiting(progress)
         except BaseException:
             self.permits.release(None)
             raise
@@ -610,7 +733,7 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            start = await run(self._reserve) if self.spacing else self._reserve()
+            start = await self._areserve_waiting(run, progress) if self.spacing else self._reserve()
         except BaseException:
             self.permits.release(None)
             raise
