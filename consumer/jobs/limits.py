@@ -34,7 +34,8 @@ deadline):
   200 ms of the margin are for what follows the first byte (the network, the provider
   getting to the request). The price is throughput: the fleet makes at most
   ``rate_limit / 1.25`` calls per second. A provider of your own gets the first check only.
-- **Calls in flight, learnt per process (AIMD).** :class:`AdaptiveLimit` starts at the
+- **Calls in flight, learnt per process (AIMD).** :class:`AdaptiveLimit`
+  (``consumer.jobs.permits``) starts at the
   worker's slots and halves on a timeout, takes 10 % off when the median latency of the
   last :data:`RECENT` calls exceeds ``tolerance`` times the provider's unloaded latency (a
   low percentile of the last 100 calls: a queue building up at the provider slows every
@@ -85,6 +86,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from consumer.errors import ProviderThrottled
+from consumer.jobs.permits import AdaptiveLimit, Waiter
 from consumer.jobs.plan import Runner, Step
 from consumer.jobs.schema import provider_limits
 from consumer.jobs.store import Store
@@ -292,189 +294,6 @@ class FleetLimits:
         }
 
 
-class _Waiter:
-    __slots__ = ("event", "future", "granted", "loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.granted = False
-        self.loop = loop
-        self.event: threading.Event | None = None if loop else threading.Event()
-        self.future: asyncio.Future[None] | None = loop.create_future() if loop else None
-
-    def wake(self) -> None:
-        self.granted = True
-        if self.event is not None:
-            self.event.set()
-        elif self.loop is not None and self.future is not None:
-            self.loop.call_soon_threadsafe(_resolve, self.future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-RECENT = 10
-"""Calls whose median latency :class:`AdaptiveLimit` compares with the provider's unloaded
-latency. Judged call by call, a provider answering in 100 ms ± 50 % on a loaded 2-core
-machine had enough calls over the threshold to hold a worker at 1-2 calls in flight: the
-chaos matrix with that provider drained a backlog at ~31 effects/s instead of 90, and one
-worker draining 3,000 jobs made 182 effects/s with the jitter against 274 without it."""
-
-LATENCY_FLOOR = 0.02
-"""Seconds: the least "best recent latency" :class:`AdaptiveLimit` compares a call with. A
-provider that answers in 50 µs would otherwise count any call slower than 200 µs (a thread
-scheduled late on a loaded machine) as a queue at the provider: measured at load 30, its
-limit fell to 1 and the worker handed back nearly every job. Real providers answer in
-50-300 ms, so the floor changes nothing for them."""
-
-
-class AdaptiveLimit:
-    """Calls in flight to one provider, adapted to what it serves (AIMD; module docstring).
-    Thread-safe, shared by a worker's thread pool and its event loop."""
-
-    def __init__(
-        self,
-        maximum: int,
-        *,
-        minimum: int = 1,
-        tolerance: float = 4.0,
-        backoff: float = 0.9,
-        timeout_backoff: float = 0.5,
-        latency_floor: float = LATENCY_FLOOR,
-    ) -> None:
-        self.maximum = max(1, maximum)
-        self.minimum = max(1, min(minimum, self.maximum))
-        self.tolerance = tolerance
-        self.latency_floor = latency_floor
-        self.backoff = backoff
-        self.timeout_backoff = timeout_backoff
-        self.limit = float(self.maximum)
-        self.in_flight = 0
-        self._waiters: deque[_Waiter] = deque()
-        self._parked: deque[_Waiter] = deque()  # worker slots waiting to claim (aparked)
-        self._samples: deque[float] = deque(maxlen=100)
-        self._recent: deque[float] = deque(maxlen=RECENT)
-        self._best = 0.0
-        self._last_decrease = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    def try_acquire(self) -> bool:
-        with self._lock:
-            if not self._waiters and self.in_flight < int(self.limit):
-                self.in_flight += 1
-                return True
-            return False
-
-    def acquire(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a permit (a thread)."""
-        if self.try_acquire():
-            return True
-        waiter = _Waiter()
-        with self._lock:
-            self._waiters.append(waiter)
-        assert waiter.event is not None
-        waiter.event.wait(timeout)
-        return self._settle(waiter)
-
-    async def aacquire(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a permit (a coroutine on the worker's loop)."""
-        if self.try_acquire():
-            return True
-        waiter = _Waiter(asyncio.get_running_loop())
-        with self._lock:
-            self._waiters.append(waiter)
-        assert waiter.future is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except TimeoutError:
-            pass
-        except asyncio.CancelledError:
-            if self._settle(waiter):
-                self.release(None)
-            raise
-        return self._settle(waiter)
-
-    async def aparked(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds (a worker slot whose job was handed back, on the
-        worker's loop: ``consumer.jobs.slots``); a permit released that no waiting job
-        takes wakes one parked slot, so that the slots claim only when a job could run."""
-        waiter = _Waiter(asyncio.get_running_loop())
-        with self._lock:
-            self._parked.append(waiter)
-        assert waiter.future is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            with self._lock, contextlib.suppress(ValueError):
-                self._parked.remove(waiter)
-
-    def wake_parked(self) -> None:
-        """Wake one slot parked for this provider (room came that is not a permit: a place
-        in the line for a rate-limited start)."""
-        with self._lock:
-            if self._parked:
-                self._parked.popleft().wake()
-
-    def _settle(self, waiter: _Waiter) -> bool:
-        with self._lock:
-            if waiter.granted:
-                return True
-            try:
-                self._waiters.remove(waiter)
-            except ValueError:  # pragma: no cover - granted between the checks
-                return True
-            return False
-
-    def release(self, latency: float | None, *, timed_out: bool = False) -> None:
-        """A call ended after ``latency`` seconds (None: not made); ``timed_out``: no answer
-        in time, the strongest sign of overload."""
-        with self._lock:
-            self.in_flight -= 1
-            if latency is not None:
-                self._learn(latency, timed_out)
-            self._grant()
-            if self._parked and self.in_flight < int(self.limit):  # room no waiter took
-                self._parked.popleft().wake()
-
-    def _learn(self, latency: float, timed_out: bool) -> None:
-        now = time.monotonic()
-        self._samples.append(latency)
-        self._recent.append(latency)
-        if len(self._samples) % 10 == 1 or len(self._samples) < 10:
-            # The provider's unloaded latency: a low percentile of the recent samples, not
-            # their minimum (one lucky fast answer must not make every ordinary one look
-            # like a queue).
-            ordered = sorted(self._samples)
-            self._best = ordered[len(ordered) // 10]
-        cooled = now - self._last_decrease >= max(self._best, 0.05)
-        if timed_out and cooled:
-            self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
-            self._last_decrease = now
-        elif len(self._recent) == RECENT and (
-            sorted(self._recent)[RECENT // 2] > self.tolerance * max(self._best, self.latency_floor)
-        ):
-            # The median of the last RECENT calls, not one call: a queue at the provider
-            # slows every call, a busy machine or a provider's jitter only some of them.
-            if cooled:
-                self.limit = max(float(self.minimum), self.limit * self.backoff)
-                self._last_decrease = now
-        else:
-            self.limit = min(float(self.maximum), self.limit + 1.0 / max(self.limit, 1.0))
-
-    def _grant(self) -> None:
-        while self._waiters and self.in_flight < int(self.limit):
-            waiter = self._waiters.popleft()
-            self.in_flight += 1
-            waiter.wake()
-
-
 @dataclass
 class Ticket:
     """A permit to call a provider now; give it back with :meth:`ProviderGate.leave`."""
@@ -512,7 +331,7 @@ class ProviderGate:
         self.hooks = hooks if hooks is not None else NO_HOOKS
         self.patience = 5.0  # seconds a job waits for a permit before it is handed back
         self.handed_back = 0  # jobs handed back since a call found a permit free (aparked)
-        self._line: deque[_Waiter] = deque()  # jobs waiting here for a start (rate_limit)
+        self._line: deque[Waiter] = deque()  # jobs waiting here for a start (rate_limit)
         self._line_lock = threading.Lock()
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
@@ -590,18 +409,18 @@ class ProviderGate:
     # database, when a start may be had: one reservation a start per process. A job that
     # leaves the line wakes a slot parked for this provider (there is room again).
 
-    def _line_join(self, loop: asyncio.AbstractEventLoop | None = None) -> _Waiter | None:
+    def _line_join(self, loop: asyncio.AbstractEventLoop | None = None) -> Waiter | None:
         """Join the line (the head at once when it is empty); None when it is full."""
         with self._line_lock:
             if len(self._line) + self.permits.waiting >= self.max_waiting:
                 return None
-            waiter = _Waiter(loop)
+            waiter = Waiter(loop)
             self._line.append(waiter)
             if len(self._line) == 1:
                 waiter.wake()  # the head
             return waiter
 
-    def _line_leave(self, waiter: _Waiter) -> None:
+    def _line_leave(self, waiter: Waiter) -> None:
         with self._line_lock:
             head = bool(self._line) and self._line[0] is waiter
             with contextlib.suppress(ValueError):
