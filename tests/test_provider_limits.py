@@ -25,6 +25,7 @@ from consumer.jobs import limits
 from consumer.jobs.limits import LATE, FleetLimits, ProviderGate, StartMissed
 from consumer.jobs.plan import Step
 from consumer.jobs.schema import provider_limits
+from tests.services import wait_for
 from tests.simulator_support import SimulatorProcess
 
 
@@ -306,7 +307,7 @@ def test_a_pause_sends_the_line_back(store: Store) -> None:
     threads = [threading.Thread(target=one) for _ in range(8)]
     for thread in threads:
         thread.start()
-    time.sleep(0.3)  # the first starts booked, the others in line
+    wait_for(lambda: len(made._line) >= 2, "jobs waiting in line")  # the first starts booked
     fleet.pause("mail", 30)
     for thread in threads:
         thread.join(30)
