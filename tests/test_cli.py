@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -393,40 +393,41 @@ def test_every_command_is_built_with_the_helper() -> None:
         assert isinstance(parser, Parser), prog
 
 
+def every_parser() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every command and subcommand of the installed programs, with its name
+    (``outbox-relay run``)."""
+    stack = list(installed_programs())
+    while stack:
+        name, parser = stack.pop()
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend((f"{name} {sub}", p) for sub, p in action.choices.items())
+
+
 def test_every_option_of_every_command_is_one_flag_declaration() -> None:
     """Every ``--option`` of every command and subcommand comes from a :class:`Flag` (its
     argparse default is the declaration, resolved from the environment after parsing):
     none is added by hand beside the helper, where it would read no variable and say
     nothing of one in the generated reference."""
-    by_hand: list[str] = []
-    for prog, parser in installed_programs():
-        stack = [(prog, parser)]
-        while stack:
-            name, current = stack.pop()
-            for action in current._actions:
-                if isinstance(action, argparse._SubParsersAction):
-                    stack.extend((f"{name} {sub}", p) for sub, p in action.choices.items())
-                elif (
-                    action.option_strings
-                    and not isinstance(action, argparse._HelpAction | argparse._VersionAction)
-                    and type(action.default).__name__ != "_Pending"
-                ):
-                    by_hand.append(f"{name} {action.option_strings[0]}")
+    by_hand = [
+        f"{name} {action.option_strings[0]}"
+        for name, parser in every_parser()
+        for action in parser._actions
+        if action.option_strings
+        and not isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        and type(action.default).__name__ != "_Pending"
+    ]
     assert by_hand == []
 
 
 def test_every_subcommand_help_says_what_it_does() -> None:
     """``outbox-relay run --help`` opens with the line the command list shows (the
     subcommands' own help had only their options)."""
-    for prog, parser in installed_programs():
-        stack = [(prog, parser)]
-        while stack:
-            name, current = stack.pop()
-            for action in current._actions:
-                if isinstance(action, argparse._SubParsersAction):
-                    for sub_name, sub in action.choices.items():
-                        assert sub.description, f"{name} {sub_name} --help has no description"
-                        stack.append((f"{name} {sub_name}", sub))
+    programs = {prog for prog, _ in installed_programs()}
+    for name, parser in every_parser():
+        if name not in programs:
+            assert parser.description, f"{name} --help has no description"
 
 
 @pytest.mark.parametrize(
