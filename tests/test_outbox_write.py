@@ -990,3 +990,57 @@ def test_pending_orm_changes_are_written_before_the_event(db_url: str, way: str)
             tx.session.add(Note(id=1, text="approved"))
     assert order == ["notes", "outbox"]
     box.engine.dispose()
+
+
+# -- the INSERT straight on the driver (issue 25) ---------------------------------------------
+
+
+def test_the_driver_path_is_what_sqlalchemy_would_have_sent(pg_url: str) -> None:
+    """On psycopg, a single event's INSERT goes straight to the driver inside the caller's
+    transaction when nothing would tell the difference; what it raises, and what a listener
+    or a connection with no transaction yet sees, is SQLAlchemy's."""
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    with outbox.engine.begin() as conn:  # the fast path: a transaction, nobody listening
+        outbox.emit(conn, "t", key="k", payload=1, event_id="fixed-id")
+    # A duplicate event id is SQLAlchemy's IntegrityError, whichever path raised it, and the
+    # transaction is rolled back.
+    with pytest.raises(sa.exc.IntegrityError, match="fixed-id"), outbox.engine.begin() as conn:
+        outbox.emit(conn, "t", key="k", payload=2, event_id="fixed-id")
+    # The first statement on a fresh Connection: SQLAlchemy begins, and its commit covers it.
+    with outbox.engine.connect() as conn:
+        outbox.emit(conn, "t", key="k", payload=3)
+        conn.commit()
+    # A listener sees our INSERT, as it sees every statement.
+    seen: list[str] = []
+
+    def listen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(outbox.engine, "before_cursor_execute", listen)
+    try:
+        with outbox.engine.begin() as conn:
+            outbox.emit(conn, "t", key="k", payload=4)
+    finally:
+        sa.event.remove(outbox.engine, "before_cursor_execute", listen)
+    assert any("INSERT INTO" in s and "outbox_events" in s for s in seen)
+    with outbox.engine.connect() as conn:
+        payloads = conn.execute(sa.text("SELECT payload FROM outbox_events ORDER BY seq"))
+        assert [row[0] for row in payloads] == [1, 3, 4]
+
+
+def test_a_connection_lost_under_the_driver_path_is_invalidated(pg_url: str) -> None:
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    admin = sa.create_engine(pg_url)
+    try:
+        with pytest.raises(sa.exc.DBAPIError) as caught, outbox.engine.begin() as conn:
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            with admin.begin() as other:
+                other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            outbox.emit(conn, "t", key="k", payload=1)
+        assert caught.value.connection_invalidated
+        with outbox.engine.begin() as conn:  # the pool hands out a working connection
+            outbox.emit(conn, "t", key="k", payload=2)
+    finally:
+        admin.dispose()
