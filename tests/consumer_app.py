@@ -15,7 +15,7 @@ effect would show as a second row).
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
@@ -50,7 +50,7 @@ def build() -> Consumer:
         if fail is not None and event.identity == fail:
             raise RuntimeError(f"cannot handle {event.identity}")
         if hang is not None and event.identity == hang:
-            time.sleep(3600)
+            threading.Event().wait()  # nothing sets it: hung until the test kills us
         tx.session.execute(
             insert(jobs).values(identity=event.identity, event_id=event.id, worker=str(os.getpid()))
         )

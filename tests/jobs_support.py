@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from consumer.jobs.worker import JobContext, Worker
+from tests.services import wait_for
 
 
 def build() -> Worker:
@@ -58,9 +59,10 @@ def build_http() -> Worker:
 
 def build_slow() -> Worker:
     """A worker whose ``slow`` handler appends ``PID ACTION ATTEMPT`` to $JOBS_EFFECTS_FILE,
-    then holds its first attempt for $JOBS_HOLD seconds (a job the test kills a worker in);
-    a later attempt finishes at once. Default settings otherwise (lease ttl 30 s)."""
-    import time
+    then holds its first attempt until the process is killed (the job the test kills a
+    worker in); a later attempt finishes at once. Default settings otherwise (lease ttl
+    30 s)."""
+    import threading
 
     worker = Worker(batch_size=1, poll_interval=0.05)
 
@@ -69,7 +71,7 @@ def build_slow() -> Worker:
         with open(os.environ["JOBS_EFFECTS_FILE"], "a") as fh:
             fh.write(f"{os.getpid()} {job.action} {job.attempt}\n")
         if job.attempt == 1:
-            time.sleep(float(os.environ.get("JOBS_HOLD", "120")))
+            threading.Event().wait()  # nothing sets it: held until the test kills us
 
     return worker
 
@@ -106,9 +108,14 @@ def build_routed() -> Worker:
                 fh.write(f"{os.getpid()} {name} {job.lease.queue} {job.action} {leased}\n")
             if pause:
                 time.sleep(pause)
-            while hold is not None and job.lease.queue == hold and not release.exists():
-                job.progress()
-                time.sleep(0.02)
+            if hold is not None and job.lease.queue == hold:
+                # Until the test releases it, reporting progress (the lease stays renewed).
+                wait_for(
+                    lambda: job.progress() or release.exists(),
+                    "the test to create $JOBS_RELEASE_FILE",
+                    timeout=120,
+                    interval=0.02,
+                )
 
     for name in os.environ["JOBS_HANDLERS"].split(","):
         make(name)

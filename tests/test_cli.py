@@ -225,11 +225,11 @@ def _run(name: str, *args: str, cwd: Path, **kw: Any) -> subprocess.Popen[str]:
 
 APP = textwrap.dedent(
     """
-    import pathlib, time
+    import pathlib, signal
 
     def build():
         pathlib.Path("built").write_text("yes")
-        time.sleep(60)
+        signal.pause()  # until the test's Ctrl-C
     """
 )
 

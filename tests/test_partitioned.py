@@ -442,17 +442,28 @@ def test_a_sigkilled_relay_on_a_partitioned_table_loses_and_duplicates_nothing(
     writer.start()
     log = (tmp_path / "relay.log").open("w")
     kills = 0
+    stream = f"{stream_prefix}.t"
     try:
+        # Each relay is killed as soon as it has published since it started: mid-work, in
+        # the window between XADD and the receipt. For 12 s (rows over several partitions)
+        # and at least 10 kills.
         deadline = time.monotonic() + 12
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or kills < 10:
+            before = redis_client.xlen(stream)
             relay = subprocess.Popen(command, env=env, stderr=log)
-            time.sleep(0.8 + 0.4 * (kills % 3))
+            wait_for(
+                lambda relay=relay, before=before: (
+                    redis_client.xlen(stream) > before or relay.poll() is not None
+                ),
+                f"relay {kills + 1} to publish",
+                timeout=60,
+            )
+            assert relay.poll() is None, f"the relay exited by itself ({relay.returncode})"
             relay.send_signal(signal.SIGKILL)
             relay.wait()
             kills += 1
         stop.set()
         writer.join()
-        stream = f"{stream_prefix}.t"
         relay = subprocess.Popen(command, env=env, stderr=log)
         try:
             wait_for(

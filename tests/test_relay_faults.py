@@ -196,7 +196,12 @@ class Writers:
                         self.stats.failed += 1
                     self._give_back(n)
                     engine.dispose()
-                    time.sleep(0.05)
+                    wait_for(
+                        lambda: self.stop.is_set() or _takes_connections(engine),
+                        "the database to take connections again",
+                        timeout=120,
+                        ignore=(DBAPIError,),
+                    )
                     continue
                 with self.stats.lock:
                     self.stats.confirmed.update(ids)
@@ -226,6 +231,11 @@ class Writers:
             raise AssertionError(f"writers did not finish within {timeout} s")
         if self.errors:
             raise self.errors[0]
+
+
+def _takes_connections(engine: sa.Engine) -> bool:
+    with engine.connect():
+        return True
 
 
 # -- relay subprocesses --------------------------------------------------------------------

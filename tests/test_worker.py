@@ -477,8 +477,10 @@ def test_a_timer_already_due_when_learnt_still_fires(db_url: str) -> None:
     def remind(job: JobContext) -> None:
         calls.append(job.attempt)
         if len(calls) == 1:
-            job.wait_external("until the customer answers", until=time.time() + 0.05)
-            time.sleep(0.4)  # the cycle ends after the timer came due
+            due = time.time() + 0.05
+            job.wait_external("until the customer answers", until=due)
+            # The cycle ends after the timer came due.
+            wait_for(lambda: time.time() > due, "the timer to come due", interval=0.01)
 
     worker.register("remind", remind)
     job_id = store.enqueue("t", "remind-1").job_id
