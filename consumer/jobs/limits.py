@@ -377,19 +377,12 @@ class ProviderGate:
             "has as many calls waiting as it may", (clock or time.time)() + delay
         )
 
-    def _reserve(self) -> float:
-        """The reserved start (monotonic), read in the thread that made the reservation: a
-        coroutine resumed later by a busy loop must not push its call later (and out of
-        step with the calls reserved after it)."""
-        start, _retry_in, until = self._try_reserve()
-        if start is None:
-            assert until is not None
-            raise self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
-        return start
-
     def _try_reserve(self) -> tuple[float | None, float, float | None]:
-        """``(start, 0, None)`` (monotonic start), or ``(None, seconds to try again in,
-        until)`` when the provider is paused or its starts are booked too far ahead."""
+        """``(start, 0, None)``, or ``(None, seconds to try again in, until)`` when the
+        provider is paused or its starts are booked too far ahead. The start (monotonic) is
+        read in the thread that made the reservation: a coroutine resumed later by a busy
+        loop must not push its call later (and out of step with the calls reserved after
+        it)."""
         if self.fleet is None or not self.spacing:
             return time.monotonic(), 0.0, None
         wait, until = self.fleet.reserve(self.name, self.spacing, MAX_WAIT)
@@ -434,15 +427,15 @@ class ProviderGate:
         return self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
 
     def _reserve_waiting(self, progress: Callable[[], None] | None) -> float:
-        """:meth:`_reserve`, waiting in line (this thread) when the starts are booked too
-        far ahead, rather than handing the job back; a pause hands it back at once."""
+        """Reserve the call's start (:meth:`_try_reserve`), waiting in line (this thread) when
+        the starts are booked too far ahead, rather than handing the job back; a pause hands
+        it back at once."""
         start, retry_in, until = self._try_reserve()
         if start is not None:
             return start
         waiter = None if self._paused_now() else self._line_join()
         if waiter is None:
             raise self._line_refused(until)
-        assert waiter.event is not None
         deadline = time.monotonic() + RATE_PATIENCE
         self._waiting(+1, progress)
         try:
@@ -450,7 +443,7 @@ class ProviderGate:
                 if progress is not None:
                     progress()  # the lease stays renewed while the job waits in line
                 if not waiter.granted:
-                    waiter.event.wait(min(1.0, left))
+                    waiter.wait(min(1.0, left))
                     continue
                 start, retry_in, until = self._try_reserve()
                 if start is not None:
@@ -473,7 +466,6 @@ class ProviderGate:
         waiter = None if self._paused_now() else self._line_join(asyncio.get_running_loop())
         if waiter is None:
             raise self._line_refused(until)
-        assert waiter.future is not None
         deadline = time.monotonic() + RATE_PATIENCE
         self._waiting(+1, progress)
         try:
@@ -481,8 +473,7 @@ class ProviderGate:
                 if progress is not None:
                     progress()
                 if not waiter.granted:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(waiter.future), min(1.0, left))
+                    await waiter.await_wake(min(1.0, left))
                     continue
                 start, retry_in, until = await run(self._try_reserve)
                 if start is not None:
@@ -552,7 +543,10 @@ class ProviderGate:
             if not granted:
                 raise self._full()
         try:
-            start = await self._areserve_waiting(run, progress) if self.spacing else self._reserve()
+            if self.spacing:
+                start = await self._areserve_waiting(run, progress)
+            else:  # no rate limit: nothing to reserve, no hop to a thread for it either
+                start = time.monotonic()
         except BaseException:
             self.permits.release(None)
             raise

@@ -40,6 +40,20 @@ class Waiter:
         elif self.loop is not None and self.future is not None:
             self.loop.call_soon_threadsafe(_resolve, self.future)
 
+    def wait(self, timeout: float) -> bool:
+        """Block this thread until woken, ``timeout`` seconds at most; whether it was."""
+        assert self.event is not None
+        self.event.wait(timeout)
+        return self.granted
+
+    async def await_wake(self, timeout: float) -> bool:
+        """:meth:`wait` for a coroutine on the waiter's loop (a cancelled wait leaves the
+        future as it is: a wake that comes later is still seen)."""
+        assert self.future is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.future), timeout)
+        return self.granted
+
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
@@ -109,8 +123,7 @@ class AdaptiveLimit:
         waiter = Waiter()
         with self._lock:
             self._waiters.append(waiter)
-        assert waiter.event is not None
-        waiter.event.wait(timeout)
+        waiter.wait(timeout)
         return self._settle(waiter)
 
     async def aacquire(self, timeout: float) -> bool:
@@ -120,11 +133,8 @@ class AdaptiveLimit:
         waiter = Waiter(asyncio.get_running_loop())
         with self._lock:
             self._waiters.append(waiter)
-        assert waiter.future is not None
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except TimeoutError:
-            pass
+            await waiter.await_wake(timeout)
         except asyncio.CancelledError:
             if self._settle(waiter):
                 self.release(None)
@@ -138,11 +148,8 @@ class AdaptiveLimit:
         waiter = Waiter(asyncio.get_running_loop())
         with self._lock:
             self._parked.append(waiter)
-        assert waiter.future is not None
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except TimeoutError:
-            pass
+            await waiter.await_wake(timeout)
         finally:
             with self._lock, contextlib.suppress(ValueError):
                 self._parked.remove(waiter)
