@@ -77,7 +77,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -426,6 +426,26 @@ class ProviderGate:
         assert until is not None
         return self._throttled(f"is paused or at its rate limit until {until:.3f}", until)
 
+    @contextlib.contextmanager
+    def _in_line(
+        self,
+        until: float | None,
+        progress: Callable[[], None] | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Iterator[Waiter]:
+        """A place in the line, counted as a job waiting for its provider while it is held;
+        a paused provider or a full line hands the job back instead (``until``: when to try
+        again)."""
+        waiter = None if self._paused_now() else self._line_join(loop)
+        if waiter is None:
+            raise self._line_refused(until)
+        self._waiting(+1, progress)
+        try:
+            yield waiter
+        finally:
+            self._waiting(-1, progress)
+            self._line_leave(waiter)
+
     def _reserve_waiting(self, progress: Callable[[], None] | None) -> float:
         """Reserve the call's start (:meth:`_try_reserve`), waiting in line (this thread) when
         the starts are booked too far ahead, rather than handing the job back; a pause hands
@@ -433,12 +453,8 @@ class ProviderGate:
         start, retry_in, until = self._try_reserve()
         if start is not None:
             return start
-        waiter = None if self._paused_now() else self._line_join()
-        if waiter is None:
-            raise self._line_refused(until)
         deadline = time.monotonic() + RATE_PATIENCE
-        self._waiting(+1, progress)
-        try:
+        with self._in_line(until, progress) as waiter:
             while (left := deadline - time.monotonic()) > 0:
                 if progress is not None:
                     progress()  # the lease stays renewed while the job waits in line
@@ -452,9 +468,6 @@ class ProviderGate:
                     break
                 time.sleep(min(retry_in, 1.0, left))
             raise self._line_refused(until)
-        finally:
-            self._waiting(-1, progress)
-            self._line_leave(waiter)
 
     async def _areserve_waiting(
         self, run: Callable[..., Any], progress: Callable[[], None] | None
@@ -463,12 +476,8 @@ class ProviderGate:
         start, retry_in, until = await run(self._try_reserve)
         if start is not None:
             return float(start)
-        waiter = None if self._paused_now() else self._line_join(asyncio.get_running_loop())
-        if waiter is None:
-            raise self._line_refused(until)
         deadline = time.monotonic() + RATE_PATIENCE
-        self._waiting(+1, progress)
-        try:
+        with self._in_line(until, progress, asyncio.get_running_loop()) as waiter:
             while (left := deadline - time.monotonic()) > 0:
                 if progress is not None:
                     progress()
@@ -482,9 +491,6 @@ class ProviderGate:
                     break
                 await asyncio.sleep(min(retry_in, 1.0, left))
             raise self._line_refused(until)
-        finally:
-            self._waiting(-1, progress)
-            self._line_leave(waiter)
 
     def _paused_now(self) -> bool:
         return self.fleet is not None and self.fleet.paused_locally(self.name) is not None
