@@ -260,3 +260,15 @@ def build_http_worker() -> Any:
         job.dispatch("send", "mail", {"to": job.subject, "template": "quote-approved"})
 
     return worker
+
+
+def max_per_window(times: list[float], window: float = 1.0) -> int:
+    """The most arrivals in any half-open window [t, t + window) starting at an arrival."""
+    times = sorted(times)
+    best = 0
+    end = 0
+    for start, t in enumerate(times):
+        while end < len(times) and times[end] < t + window:
+            end += 1
+        best = max(best, end - start)
+    return best

@@ -25,7 +25,7 @@ from sqlalchemy import text
 from consumer import Store
 from consumer.jobs.states import DONE, READY
 from tests.services import wait_for
-from tests.simulator_support import ROOT, SimulatorProcess
+from tests.simulator_support import ROOT, SimulatorProcess, max_per_window
 
 pytestmark = pytest.mark.slow
 
@@ -121,18 +121,6 @@ def all_done(store: Store, job_ids: list[int]) -> bool:
 def one_effect_each(sim: SimulatorProcess, job_ids: list[int]) -> None:
     made = Counter(e["operation_id"] for e in sim.effects())
     assert made == Counter({f"{job_id}:send": 1 for job_id in job_ids})
-
-
-def max_per_window(times: list[float], window: float = 1.0) -> int:
-    """The most arrivals in any half-open window [t, t + window) starting at an arrival."""
-    times = sorted(times)
-    best = 0
-    end = 0
-    for start, t in enumerate(times):
-        while end < len(times) and times[end] < t + window:
-            end += 1
-        best = max(best, end - start)
-    return best
 
 
 @pytest.mark.parametrize("handler", HANDLERS)
