@@ -38,19 +38,8 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from bench.procstat import cpu_seconds
 from bench.relay import DEFAULT_PG, TOPICS, Place, place, preload, relay_processes
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (and its reaped children), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(v) for v in fields[11:15]) / CLOCK_TICKS
 
 
 def _free_port() -> int:
@@ -178,18 +167,18 @@ def run_variant(
                 time.sleep(0.002)
             start = time.perf_counter()
             first = stream_total(client, where, tagged)
-            relay_cpu0 = sum(cpu_seconds(p.pid) for p in procs)
-            redis_cpu0 = sum(cpu_seconds(pid) for pid in redis_pids)
-            master_cpu0 = sum(cpu_seconds(pid) for pid in master_pids)
+            relay_cpu0 = sum(cpu_seconds(p.pid, children=True) for p in procs)
+            redis_cpu0 = sum(cpu_seconds(pid, children=True) for pid in redis_pids)
+            master_cpu0 = sum(cpu_seconds(pid, children=True) for pid in master_pids)
             deadline = time.monotonic() + 600
             while (seen := stream_total(client, where, tagged)) < n:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{name}: only {seen} of {n} published after 600 s")
                 time.sleep(0.01)
             elapsed = time.perf_counter() - start
-            relay_cpu = sum(cpu_seconds(p.pid) for p in procs) - relay_cpu0
-            redis_cpu = sum(cpu_seconds(pid) for pid in redis_pids) - redis_cpu0
-            master_cpu = sum(cpu_seconds(pid) for pid in master_pids) - master_cpu0
+            relay_cpu = sum(cpu_seconds(p.pid, children=True) for p in procs) - relay_cpu0
+            redis_cpu = sum(cpu_seconds(pid, children=True) for pid in redis_pids) - redis_cpu0
+            master_cpu = sum(cpu_seconds(pid, children=True) for pid in master_pids) - master_cpu0
     result = Result(name, seen - first, elapsed, relay_cpu, redis_cpu, master_cpu)
     extra_entries = f" ({seen - n} more entries than events!)" if seen > n else ""
     print(

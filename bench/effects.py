@@ -43,23 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.procstat import cpu_seconds  # noqa: E402
 from consumer import Store  # noqa: E402
 from tests.simulator_support import SimulatorProcess  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 HEAD = (
     "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect "
     "| handed back | requests/effect |"
 )
 BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(stat[11]) + int(stat[12])) / TICKS
 
 
 def _schema_url() -> tuple[str, str]:
@@ -138,7 +130,7 @@ def offered(
 ) -> dict[str, Any]:
     """Enqueue at ``rate`` for ``seconds`` (ticks of 50 ms), then let it settle."""
     before, back, calls = len(sim.effects()), _handed_back(store), len(sim.arrivals())
-    cpu0, t0 = _cpu_seconds(pid), time.time()
+    cpu0, t0 = cpu_seconds(pid), time.time()
     sent = 0
     while (elapsed := time.time() - t0) < seconds:
         due = int(rate * elapsed) - sent
@@ -149,7 +141,7 @@ def offered(
     window = time.time() - t0
     effects = sim.effects()
     made = len(effects) - before
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     deadline = time.time() + 60
     while len(sim.effects()) - before < sent and time.time() < deadline:
         time.sleep(0.2)
@@ -172,11 +164,11 @@ def ceiling(
 ) -> dict[str, Any]:
     before, back, calls = len(sim.effects()), _handed_back(store), len(sim.arrivals())
     _enqueue(store, tag, 0, backlog)
-    cpu0 = _cpu_seconds(pid)
+    cpu0 = cpu_seconds(pid)
     deadline = time.time() + 300
     while len(sim.effects()) - before < backlog and time.time() < deadline:
         time.sleep(0.2)
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     times = sorted(e["time"] for e in sim.effects()[before:])
     span = (times[-1] - times[0]) if len(times) > 1 else 0.0
     return {

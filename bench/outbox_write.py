@@ -36,12 +36,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from bench.procstat import local_postmaster, postgres_cpu
 from outbox import AsyncOutbox, Outbox, make_engine
 from outbox.aio import make_async_engine
 from outbox.event import key_hash
@@ -219,16 +221,25 @@ COMPARISONS = [
 ]
 
 
-def run_round(way: Way, threads: int, seconds: float, per_round: int) -> tuple[float, float]:
-    """Transactions per second of ``way`` and this process's CPU seconds per transaction:
-    one thread runs ``per_round`` transactions; several run for ``seconds``."""
+def run_round(
+    way: Way, threads: int, seconds: float, per_round: int, postmaster: int | None = None
+) -> tuple[float, float, float]:
+    """Transactions per second of ``way``, and this process's and (when it runs here,
+    ``postmaster``) PostgreSQL's CPU seconds per transaction: one thread runs ``per_round``
+    transactions; several run for ``seconds``."""
     cpu = time.process_time()
+    server = postgres_cpu(postmaster) if postmaster else 0.0
+
+    def per_tx(count: int) -> tuple[float, float]:
+        used = (postgres_cpu(postmaster) - server) if postmaster else 0.0
+        return (time.process_time() - cpu) / count, used / count
+
     if threads == 1:
         start = time.perf_counter()
         for i in range(per_round):
             way(0, i)
         elapsed = time.perf_counter() - start
-        return per_round / elapsed, (time.process_time() - cpu) / per_round
+        return (per_round / elapsed, *per_tx(per_round))
     stop = threading.Event()
     counts = [0] * threads
 
@@ -248,7 +259,19 @@ def run_round(way: Way, threads: int, seconds: float, per_round: int) -> tuple[f
     for thread in pool:
         thread.join()
     total = max(1, sum(counts))
-    return total / (time.perf_counter() - start), (time.process_time() - cpu) / total
+    return (total / (time.perf_counter() - start), *per_tx(total))
+
+
+@dataclass
+class Figures:
+    """Per way: the median tx/s, and the median client and server (PostgreSQL, when it runs
+    on this machine; else 0) CPU microseconds per transaction; ``samples`` holds each
+    round's tx/s."""
+
+    rates: dict[str, float]
+    cpus: dict[str, float]
+    servers: dict[str, float]
+    samples: dict[str, list[float]]
 
 
 def measure(
@@ -257,47 +280,48 @@ def measure(
     rounds: int,
     seconds: float,
     per_round: int,
-    samples: dict[str, list[float]] | None = None,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median tx/s and median client CPU microseconds per transaction, per way. The ways
-    run in turn, in reverse order every other round (so that no way always follows the
-    same one); ``samples`` receives each way's tx/s per round."""
+    postmaster: int | None = None,
+) -> Figures:
+    """The ways run in turn, in reverse order every other round (so that no way always
+    follows the same one)."""
     for way in ways.values():  # warm up pools, prepared statements, plan caches
         run_round(way, 1, 0, 30)
-    rates: dict[str, list[float]] = samples if samples is not None else {}
-    rates.update({name: [] for name in ways})
+    rates: dict[str, list[float]] = {name: [] for name in ways}
     cpus: dict[str, list[float]] = {name: [] for name in ways}
+    servers: dict[str, list[float]] = {name: [] for name in ways}
     for n in range(rounds):
         order = list(ways.items())
         for name, way in reversed(order) if n % 2 else order:
-            rate, cpu = run_round(way, threads, seconds, per_round)
+            rate, cpu, server = run_round(way, threads, seconds, per_round, postmaster)
             rates[name].append(rate)
             cpus[name].append(cpu * 1e6)
-    return (
-        {name: statistics.median(values) for name, values in rates.items()},
-        {name: statistics.median(values) for name, values in cpus.items()},
-    )
+            servers[name].append(server * 1e6)
+
+    def medians(values: dict[str, list[float]]) -> dict[str, float]:
+        return {name: statistics.median(v) for name, v in values.items()}
+
+    return Figures(medians(rates), medians(cpus), medians(servers), rates)
 
 
-def print_minimal_table(
-    title: str,
-    rates: dict[str, float],
-    cpus: dict[str, float],
-    samples: dict[str, list[float]],
-) -> None:
+def print_minimal_table(title: str, figures: Figures) -> None:
     """``--minimal``: our writer against the minimal hand-written outbox (target <= 1.10).
-    Two figures per pair: the ratio of the two medians, and the median of the rounds' own
+    Three figures per pair: the ratio of the two medians; the median of the rounds' own
     ratios (a way and its baseline run side by side in each round, so the machine's drift
-    between rounds cancels out), with the rounds' range."""
+    between rounds cancels out), with the rounds' range; and the ratio of the CPU each
+    transaction costs, client and PostgreSQL together, which the machine's scheduling moves
+    least (with 8 threads on 2 cores the time per transaction is that CPU, shared out)."""
     print(title)
+    rates, cpus, servers, samples = figures.rates, figures.cpus, figures.servers, figures.samples
     for name, rate in rates.items():
-        print(f"  {name:34s} {rate:8.0f} tx/s   client CPU {cpus[name]:6.0f} us/tx")
+        server = f"   server CPU {servers[name]:6.0f} us/tx" if servers[name] else ""
+        print(f"  {name:34s} {rate:8.0f} tx/s   client CPU {cpus[name]:6.0f} us/tx{server}")
     for way, base in MINIMAL_COMPARISONS:
         paired = [b / w for b, w in zip(samples[base], samples[way], strict=True)]
+        both = (cpus[way] + servers[way]) / (cpus[base] + servers[base])
         print(
             f"  ratio {way:24s} / {base:30s} {rates[base] / rates[way]:5.3f}  "
             f"paired {statistics.median(paired):5.3f} ({min(paired):.2f}-{max(paired):.2f})"
-            f"  (target <= 1.10)"
+            f"  CPU {both:5.3f}  (target <= 1.10)"
         )
 
 
@@ -331,23 +355,23 @@ def sync_bench(args: argparse.Namespace) -> None:
     for notify in modes:
         url, schema, admin = _setup(args.database_url, notify)
         box = Outbox(make_engine(url, pool_size=max(threads_list) + 2))
+        postmaster = local_postmaster(admin)
         try:
             for threads in threads_list:
                 ways = sync_ways(box)
                 if args.minimal:
                     ways = {name: ways[name] for name in MINIMAL_WAYS}
-                samples: dict[str, list[float]] = {}
-                rates, cpus = measure(
-                    ways, threads, args.rounds, args.seconds, args.per_round, samples
+                figures = measure(
+                    ways, threads, args.rounds, args.seconds, args.per_round, postmaster
                 )
                 label = {True: "with NOTIFY trigger", False: "notify=False"}.get(
                     notify, "default schema"
                 )
                 title = f"{threads} thread(s), {label}:"
                 if args.minimal:
-                    print_minimal_table(title, rates, cpus, samples)
+                    print_minimal_table(title, figures)
                 else:
-                    print_table(title, rates, cpus)
+                    print_table(title, figures.rates, figures.cpus)
                 sys.stdout.flush()
         finally:
             box.engine.dispose()

@@ -52,6 +52,7 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
+from bench.procstat import cpu_seconds
 from outbox import Outbox
 from outbox.codec import EntryEncoder
 from outbox.db import make_engine
@@ -760,14 +761,6 @@ def backlog(args: argparse.Namespace, r: redis.Redis) -> None:
 # -- (h) what an idle relay costs: polling without NOTIFY ------------------------------------
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (and of its finished children), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields_ = handle.read().rsplit(")", 1)[1].split()
-    ticks = sum(int(v) for v in fields_[11:15])  # utime stime cutime cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _local_ports(pid: int) -> set[int]:
     """Local TCP ports of the sockets a process holds (its connections to PostgreSQL)."""
     inodes = set()
@@ -836,11 +829,11 @@ def idle(args: argparse.Namespace, r: redis.Redis) -> None:
                 index = f"ix_{TABLE}_pending"
                 scans0 = conn.execute(scans, (where.schema, index)).fetchone()
                 pids = [procs[0].pid, *backends]
-                before = {pid: _cpu_seconds(pid) for pid in pids}
+                before = {pid: cpu_seconds(pid, children=True) for pid in pids}
                 started = time.monotonic()
                 time.sleep(seconds)
                 elapsed = time.monotonic() - started
-                after = {pid: _cpu_seconds(pid) for pid in pids}
+                after = {pid: cpu_seconds(pid, children=True) for pid in pids}
                 scans1 = conn.execute(scans, (where.schema, index)).fetchone()
         relay_cpu = (after[pids[0]] - before[pids[0]]) / elapsed * 100
         pg_cpu = sum(after[p] - before[p] for p in backends) / elapsed * 100

@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # tests.services lives in the checkout, beside bench/
     sys.path.insert(0, str(ROOT))
 
+from bench.procstat import cpu_seconds, postgres_cpu  # noqa: E402
 from tests.services import PrivatePostgres, PrivateRedis, free_port  # noqa: E402
 
 TABLES = {
@@ -70,7 +71,6 @@ TABLES = {
 PG_STOCK = ("fsync=on", "full_page_writes=on")
 STREAM = "outbox.quote.approved"
 BIN = Path(sys.executable).parent
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def windows(window: float) -> dict[str, str]:
@@ -86,35 +86,6 @@ def windows(window: float) -> dict[str, str]:
         "OUTBOX_DEAD_LETTER_RETENTION": f"{window:g}",
         "OUTBOX_AUDIT_RETENTION": f"{window:g}",
     }
-
-
-def _cpu(pid: int, children: bool = False) -> float:
-    """CPU seconds of a process (with its waited-for children's when ``children``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / TICK
-
-
-def _postgres_cpu(postmaster: int) -> float:
-    """The cluster's CPU seconds: the postmaster with its exited children, and live ones."""
-    total = _cpu(postmaster, children=True)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == postmaster:
-            total += _cpu(int(entry))
-    return total
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -365,12 +336,12 @@ class Soak:
             "published": relay.get("outbox_relay_published_total", 0.0),
             "batch_seconds": relay.get("outbox_relay_batch_duration_seconds_sum", 0.0),
             "finished": worker.get("outbox_worker_jobs_finished_total:done", 0.0),
-            "cpu_relay": _cpu(self.procs["relay"].pid),
-            "cpu_consumer": _cpu(self.procs["consumer"].pid),
-            "cpu_worker": _cpu(self.procs["worker"].pid),
-            "cpu_writers": sum(_cpu(p.pid) for p in writers),
-            "cpu_postgres": _postgres_cpu(postmaster),
-            "cpu_redis": _cpu(self.redis.process.pid) if self.redis.process else 0.0,
+            "cpu_relay": cpu_seconds(self.procs["relay"].pid),
+            "cpu_consumer": cpu_seconds(self.procs["consumer"].pid),
+            "cpu_worker": cpu_seconds(self.procs["worker"].pid),
+            "cpu_writers": sum(cpu_seconds(p.pid) for p in writers),
+            "cpu_postgres": postgres_cpu(postmaster),
+            "cpu_redis": cpu_seconds(self.redis.process.pid) if self.redis.process else 0.0,
         }
 
     # -- the run ------------------------------------------------------------------------------
