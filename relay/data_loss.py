@@ -43,6 +43,11 @@ class RedisCheck:
         self.stats = stats
         self.hook = hook
         self.persistence: Persistence | None = None
+        # Per stream (one per slot on a cluster): the receipt whose loss was reported and
+        # above which the marker was re-armed. While the marker still holds it, Redis lost
+        # nothing since: the same loss is not reported again at every check of an idle
+        # relay (its latest receipt stays the lost entry until it publishes again).
+        self._reported: dict[str, str] = {}
 
     def check(self) -> bool:
         """Report the persistence, then look for lost entries; True if any were lost."""
@@ -87,6 +92,8 @@ class RedisCheck:
         marker = raw.decode() if isinstance(raw, bytes) else raw
         intact = stream_last_id(client, stream)
         marker_ok = marker is not None and entry_id_key(marker) >= entry_id_key(known)
+        if marker_ok and self._reported.get(stream) == known:
+            return False  # reported already; the re-armed marker says nothing was lost since
         stream_ok = intact is not None and entry_id_key(intact) >= entry_id_key(known)
         # A marker or a stream at or past our receipt is not enough: after an empty restart
         # a relay that knew nothing of this slot may have written first and re-armed both,
@@ -127,6 +134,7 @@ class RedisCheck:
         self.hook("relay_redis_data_loss", time.time())
         # Re-arm the marker so new events flow again (the lost ones wait for republish).
         self.publisher.raise_marker(known, stream)
+        self._reported[stream] = known
         if self.config.auto_republish and since is not None:
             result = republish(
                 self.store, self.publisher, since=since, batch_size=self.config.batch_size
