@@ -38,30 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.loop import Loop, LoopSettings, private_postgres, problems
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_ticks(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-
-
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            found.append(int(entry))
-    return found
+from bench.procstat import children_of, cpu_seconds
 
 
 def components(loop: Loop) -> dict[str, list[int]]:
@@ -73,25 +50,25 @@ def components(loop: Loop) -> dict[str, list[int]]:
         "consumers": [p.pid for p in loop.procs["consumer"] if p.pid],
         "workers": [p.pid for p in loop.procs["worker"] if p.pid],
         "simulator": [loop.simulator.proc.pid] if loop.simulator.proc else [],
-        "postgres": [postmaster, *_children(postmaster)],
+        "postgres": [postmaster, *children_of(postmaster)],
         "redis": [loop.redis.process.pid] if loop.redis.process else [],
     }
     return {k: [p for p in v if p] for k, v in groups.items()}
 
 
-def cpu_snapshot(loop: Loop) -> dict[str, dict[int, int]]:
-    return {name: {p: _cpu_ticks(p) for p in pids} for name, pids in components(loop).items()}
+def cpu_snapshot(loop: Loop) -> dict[str, dict[int, float]]:
+    return {name: {p: cpu_seconds(p) for p in pids} for name, pids in components(loop).items()}
 
 
 def cpu_percent(
-    before: dict[str, dict[int, int]], after: dict[str, dict[int, int]], seconds: float
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], seconds: float
 ) -> dict[str, float]:
     """% of one core per component; processes that appeared count from zero."""
     result = {}
     for name, now in after.items():
         then = before.get(name, {})
-        ticks = sum(t - then.get(pid, 0) for pid, t in now.items())
-        result[name] = 100.0 * ticks / TICKS / seconds
+        used = sum(t - then.get(pid, 0.0) for pid, t in now.items())
+        result[name] = 100.0 * used / seconds
     return result
 
 

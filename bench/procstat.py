@@ -29,9 +29,9 @@ def cpu_seconds(pid: int, children: bool = False) -> float:
     return ticks / TICK
 
 
-def postgres_cpu(postmaster: int) -> float:
-    """The cluster's CPU seconds: the postmaster with its exited children, and live ones."""
-    total = cpu_seconds(postmaster, children=True)
+def children_of(parent: int) -> list[int]:
+    """The pids of ``parent``'s live children."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -40,9 +40,15 @@ def postgres_cpu(postmaster: int) -> float:
                 ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == postmaster:
-            total += cpu_seconds(int(entry))
-    return total
+        if ppid == parent:
+            found.append(int(entry))
+    return found
+
+
+def postgres_cpu(postmaster: int) -> float:
+    """The cluster's CPU seconds: the postmaster with its exited children, and live ones."""
+    live = sum(cpu_seconds(pid) for pid in children_of(postmaster))
+    return cpu_seconds(postmaster, children=True) + live
 
 
 def local_postmaster(engine: sa.Engine) -> int | None:
