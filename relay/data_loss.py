@@ -90,10 +90,10 @@ class RedisCheck:
         client = self.publisher.client
         raw = client.get(self.publisher.marker_for(stream))
         marker = raw.decode() if isinstance(raw, bytes) else raw
-        intact = stream_last_id(client, stream)
         marker_ok = marker is not None and entry_id_key(marker) >= entry_id_key(known)
         if marker_ok and self._reported.get(stream) == known:
             return False  # reported already; the re-armed marker says nothing was lost since
+        intact = stream_last_id(client, stream)
         stream_ok = intact is not None and entry_id_key(intact) >= entry_id_key(known)
         # A marker or a stream at or past our receipt is not enough: after an empty restart
         # a relay that knew nothing of this slot may have written first and re-armed both,
