@@ -119,6 +119,13 @@ def run_until(relay: Relay, condition: Callable[[], bool], timeout: float = 10.0
     wait_for(cycle, "the condition", timeout=timeout, interval=0.02)
 
 
+def run_checks(relay: Relay, hooks: Recorded, checks: int) -> None:
+    """Run the relay's cycles until ``checks`` more periodic checks of Redis have run (each
+    reports the persistence)."""
+    done = len(hooks.modes)
+    run_until(relay, lambda: len(hooks.modes) >= done + checks)
+
+
 def checking_relay(outbox: Outbox, client: redis.Redis, hooks: Hooks) -> Relay:
     """A relay that checks Redis for lost entries every 0.1 s (the tests' clock)."""
     return Relay(
@@ -299,14 +306,12 @@ def test_an_idle_relay_sees_redis_come_back_empty_on_its_next_check(outbox: Outb
         assert len(hooks.losses) == 1
         # Reported once, then re-armed: the checks after it, the relay still idle (its latest
         # receipt still the lost entry), do not report it again (they did, every 0.1 s).
-        checks = len(hooks.modes)
-        run_until(relay, lambda: len(hooks.modes) >= checks + 3)
+        run_checks(relay, hooks, 3)
         assert len(hooks.losses) == 1
         # A second empty restart, still idle, is a new loss: reported again.
         server.restart(kill=True)
         run_until(relay, lambda: len(hooks.losses) >= 2)
-        checks = len(hooks.modes)
-        run_until(relay, lambda: len(hooks.modes) >= checks + 3)
+        run_checks(relay, hooks, 3)
         assert len(hooks.losses) == 2
         relay.store.close()
 
@@ -329,8 +334,7 @@ def test_a_redis_restored_from_an_older_snapshot_is_seen(
         assert stream_ids(client, "outbox.t") == kept  # older than the receipts
         with caplog.at_level(logging.ERROR, logger="outbox.relay"):
             run_until(relay, lambda: bool(hooks.losses))
-            checks = len(hooks.modes)
-            run_until(relay, lambda: len(hooks.modes) >= checks + 3)
+            run_checks(relay, hooks, 3)
         assert len(hooks.losses) == 1
         [error] = [r for r in caplog.records if "lost stream entries" in r.getMessage()]
         since = parse_since(error.__dict__["fields"]["republish"].split("--since ", 1)[1])
