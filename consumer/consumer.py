@@ -338,7 +338,12 @@ class Consumer:
         """Run batches until ``stop()``, the given stop event, or SIGTERM/SIGINT (when no
         stop event is given and this is the main thread). Infrastructure errors (Redis or the
         database down) are logged and retried with backoff; this never returns because of
-        them. On stop, the batch in hand is finished, committed and acknowledged."""
+        them. On stop, the batch in hand is finished, committed and acknowledged.
+
+        ConfigError at once, before anything starts, when no handler is registered: a
+        mistake in the application that no retry mends (each batch failed with it, logged and
+        retried for ever)."""
+        self._check_handlers()
         graceful = GracefulStop().install() if stop is None else None
         event = stop.event if isinstance(stop, GracefulStop) else stop
 
@@ -467,9 +472,12 @@ class Consumer:
         if not self._schema_ready and self.config.create_schema:
             self.create_schema()
         if not self.reader.ready:
-            if not self._handlers:
-                raise ConfigError("handlers", "register at least one handler before running")
+            self._check_handlers()
             self.reader.create_groups()
+
+    def _check_handlers(self) -> None:
+        if not self._handlers:
+            raise ConfigError("handlers", "register at least one handler before running")
 
     def heartbeat_key(self, consumer: str) -> str:
         """The Redis key that says ``consumer`` of this group is alive (it expires after

@@ -267,6 +267,11 @@ RUN_APPS = textwrap.dedent(
     from consumer import Consumer, Store, Worker
 
     def consumer():
+        app = Consumer(group="app", streams=[os.environ["APP_STREAM"]])
+        app.add_handler("quote.approved", lambda event, tx: None)
+        return app
+
+    def consumer_without_handlers():
         return Consumer(group="app", streams=[os.environ["APP_STREAM"]])
 
     def worker():
@@ -339,6 +344,39 @@ def test_ctrl_c_on_a_running_loop_drains_then_exits_130(
     text = "".join(lines) + out
     assert proc.returncode == 130, text
     assert "stopped" in text and "Traceback" not in text, text
+
+
+def test_a_consumer_without_handlers_is_refused_before_it_starts(
+    tmp_path: Path, redis_url: str, stream_prefix: str
+) -> None:
+    """No handler registered is a mistake in the application: exit 2 with the typed error,
+    before "consumer started" (each batch failed with it and was retried for ever)."""
+    (tmp_path / "apps.py").write_text(RUN_APPS)
+    db = f"sqlite:///{tmp_path}/x.db"
+    proc = subprocess.Popen(
+        [
+            *_command("outbox-consumer"),
+            "run",
+            "apps:consumer_without_handlers",
+            "--database-url",
+            db,
+            "--redis-url",
+            redis_url,
+        ],
+        cwd=tmp_path,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+            "OUTBOX_LOG_LEVEL": "info",
+            "APP_STREAM": f"{stream_prefix}.quote",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "register at least one handler" in out, out
+    assert "consumer started" not in out and "Traceback" not in out, out
 
 
 @pytest.mark.parametrize("name", ["outbox-consumer", "outbox-worker"])
