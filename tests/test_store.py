@@ -593,6 +593,47 @@ def test_a_receipt_is_recorded_in_one_statement_with_its_filters(db_url: str) ->
     store.dispose()
 
 
+def test_a_receipt_recorded_without_its_flush_leaves_the_connection_durable(
+    db_url: str,
+) -> None:
+    """``durable=False`` (a receipt right after a call) records the same as a durable record;
+    on PostgreSQL its ``synchronous_commit off`` holds for that statement only: the pooled
+    connection it ran on commits the next intent durably again."""
+    from consumer.jobs.schema import operations
+
+    store = Store(db_url)
+    store.create_schema()
+    driver = store.driver
+    with driver.begin() as conn:
+        conn.execute(
+            operations.insert(),
+            {
+                "operation_id": "op-0",
+                "job_id": 1,
+                "provider": "mail",
+                "request_digest": "d",
+                "state": "PENDING",
+                "attempts": 1,
+                "created_at": 0.0,
+                "updated_at": 0.0,
+            },
+        )
+    accepted = {"state": "ACCEPTED", "provider_ref": "ref-0", "last_error": None}
+    unknown = {"state": "UNKNOWN", "provider_ref": None, "last_error": "timeout"}
+    assert not driver.operation_record("op-0", unknown, if_attempts=2, durable=False)
+    assert driver.operation_record("op-0", accepted, stamp=("updated_at",), durable=False)
+    assert not driver.operation_record("op-0", unknown, unless_states=("ACCEPTED",), durable=False)
+    with driver.begin() as conn:
+        row = driver.operation_get(conn, "op-0")
+        assert (row.state, row.provider_ref) == ("ACCEPTED", "ref-0")
+        assert row.updated_at > 1.6e9
+        if conn.dialect.name == "postgresql":
+            # One connection served every call above (nothing ran beside them).
+            assert store.driver.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+    store.dispose()
+
+
 def test_an_operations_table_from_before_call_deadlines_gains_the_new_columns(db_url: str) -> None:
     engine = make_engine(db_url)
     with engine.begin() as conn:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from psycopg import sql as psycopg_sql
@@ -152,10 +152,10 @@ class PostgresJobDriver(JobDriver):
         unless_states: Sequence[str] = (),
         if_states: Sequence[str] = (),
         if_attempts: int | None = None,
+        durable: bool = True,
     ) -> bool:
-        sql, params = self._records(
-            operation_id, values, stamp, unless_states, if_states, if_attempts
-        )
+        records = self._records if durable else self._records_unflushed
+        sql, params = records(operation_id, values, stamp, unless_states, if_states, if_attempts)
         with self.autocommit() as conn:
             raw: Any = conn.connection.dbapi_connection
             return raw.execute(sql, params).fetchone() is not None
@@ -164,6 +164,10 @@ class PostgresJobDriver(JobDriver):
     def _records(self) -> RecordStatements:  # (consumer.jobs.record_text)
         return RecordStatements(self._record_statement, states=list)
 
+    @cached_property
+    def _records_unflushed(self) -> RecordStatements:
+        return RecordStatements(partial(self._record_statement, durable=False), states=list)
+
     def _record_statement(
         self,
         columns: tuple[str, ...],
@@ -171,6 +175,8 @@ class PostgresJobDriver(JobDriver):
         unless: bool,
         if_states: bool,
         if_attempts: bool,
+        *,
+        durable: bool = True,
     ) -> str:
         prep = self.engine.dialect.identifier_preparer
         _check_operation_columns([*columns, *stamp])
@@ -183,6 +189,12 @@ class PostgresJobDriver(JobDriver):
             where.append("state = ANY(%(_if)s)")
         if if_attempts:
             where.append("attempts = %(_attempts)s")
+        if not durable:
+            # synchronous_commit off for this statement's own (implicit) transaction, as the
+            # relay does for its receipts: the commit does not wait on the WAL flush. A later
+            # durable commit of this worker (the next intent, the job's finish) flushes the
+            # WAL past it, so nothing the worker does after it rests on an unflushed receipt.
+            where.append("(SELECT set_config('synchronous_commit', 'off', true)) = 'off'")
         return (
             f"UPDATE {prep.format_table(operations)} SET {', '.join(sets)}"
             f" WHERE {' AND '.join(where)} RETURNING operation_id"

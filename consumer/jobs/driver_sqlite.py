@@ -180,6 +180,7 @@ class SqliteJobDriver(JobDriver):
         unless_states: Sequence[str] = (),
         if_states: Sequence[str] = (),
         if_attempts: int | None = None,
+        durable: bool = True,  # SQLite: every commit is as durable as the file's settings
     ) -> bool:
         sql, params = self._records(
             operation_id, values, stamp, unless_states, if_states, if_attempts

@@ -661,7 +661,11 @@ class Operations:
     ) -> bool:
         # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
         # about the provider, and losing it would cost a reconciliation later. An ACCEPTED
-        # receipt never changes again.
+        # receipt never changes again. Its commit does not wait for the WAL flush
+        # (durable=False): only a database crash in the next moments could lose it, which
+        # leaves the receipt as a worker killed after the call leaves it (PENDING past its
+        # deadline: reconciled), and it saves a flush per call. An operator's settlement
+        # (``settled``) waits for its flush, as every action of theirs does.
         tracing.receipt_state(state)  # on the dispatch's or the reconciliation's span
         values: dict[str, Any] = {"state": state, "provider_ref": ref, "last_error": error}
         stamp: tuple[str, ...] = ("updated_at",)
@@ -675,6 +679,7 @@ class Operations:
             unless_states=(ACCEPTED,),
             if_states=if_states,
             if_attempts=if_attempts,
+            durable=settled is not None,
         )
 
     def _hand_back(self, job: Any, lease: Lease, exc: ProviderThrottled) -> None:
