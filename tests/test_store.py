@@ -538,15 +538,13 @@ def test_the_store_reaches_the_database_only_through_its_driver(db_url: str) -> 
     store.dispose()
 
 
-def test_a_receipt_is_recorded_in_one_statement_with_its_filters(db_url: str) -> None:
-    """``operation_record`` (PostgreSQL: prepared text, one per shape; SQLite: the generic
-    UPDATE): values, clock stamps, and the state and attempts filters, alike on both."""
+def _store_with_pending_receipts(db_url: str, count: int) -> Store:
+    """A store whose operations table holds ``count`` PENDING receipts, ``op-0`` onwards."""
     from consumer.jobs.schema import operations
 
     store = Store(db_url)
     store.create_schema()
-    driver = store.driver
-    with driver.begin() as conn:
+    with store.driver.begin() as conn:
         conn.execute(
             operations.insert(),
             [
@@ -560,9 +558,17 @@ def test_a_receipt_is_recorded_in_one_statement_with_its_filters(db_url: str) ->
                     "created_at": 0.0,
                     "updated_at": 0.0,
                 }
-                for i in range(3)
+                for i in range(count)
             ],
         )
+    return store
+
+
+def test_a_receipt_is_recorded_in_one_statement_with_its_filters(db_url: str) -> None:
+    """``operation_record`` (PostgreSQL: prepared text, one per shape; SQLite: the generic
+    UPDATE): values, clock stamps, and the state and attempts filters, alike on both."""
+    store = _store_with_pending_receipts(db_url, 3)
+    driver = store.driver
 
     def row(operation_id: str) -> Any:
         with driver.begin() as conn:
@@ -599,25 +605,8 @@ def test_a_receipt_recorded_without_its_flush_leaves_the_connection_durable(
     """``durable=False`` (a receipt right after a call) records the same as a durable record;
     on PostgreSQL its ``synchronous_commit off`` holds for that statement only: the pooled
     connection it ran on commits the next intent durably again."""
-    from consumer.jobs.schema import operations
-
-    store = Store(db_url)
-    store.create_schema()
+    store = _store_with_pending_receipts(db_url, 1)
     driver = store.driver
-    with driver.begin() as conn:
-        conn.execute(
-            operations.insert(),
-            {
-                "operation_id": "op-0",
-                "job_id": 1,
-                "provider": "mail",
-                "request_digest": "d",
-                "state": "PENDING",
-                "attempts": 1,
-                "created_at": 0.0,
-                "updated_at": 0.0,
-            },
-        )
     accepted = {"state": "ACCEPTED", "provider_ref": "ref-0", "last_error": None}
     unknown = {"state": "UNKNOWN", "provider_ref": None, "last_error": "timeout"}
     assert not driver.operation_record("op-0", unknown, if_attempts=2, durable=False)
