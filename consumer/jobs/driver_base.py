@@ -746,11 +746,7 @@ class JobDriver:
         """Record a call's outcome on its receipt in one statement, committed on its own:
         ``values`` are plain column values, ``stamp`` names the columns set to the database
         clock; the filters are :meth:`operation_update`'s. True if the receipt matched.
-
-        ``durable=False``: the commit need not wait for its WAL flush (PostgreSQL's
-        ``synchronous_commit`` off for this one statement; elsewhere the same as True). For
-        a receipt written right after a call: a database crash may lose it, which is what a
-        worker killed before writing it leaves, and what reconciliation is for."""
+        ``durable=False``: no wait for the WAL flush (PostgreSQL; ``Operations._update``)."""
         _check_operation_columns([*values, *stamp])
         stamped = dict(values)
         for column in stamp:
