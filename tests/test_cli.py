@@ -223,6 +223,23 @@ def _run(name: str, *args: str, cwd: Path, **kw: Any) -> subprocess.Popen[str]:
     )
 
 
+def _run_app(name: str, args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
+    """``name`` run on the apps of ``RUN_APPS`` in ``cwd``: info logs, stdout and stderr as
+    one text, ``env`` added to an environment without ``OUTBOX_*`` variables."""
+    return subprocess.Popen(
+        [*_command(name), *args],
+        cwd=cwd,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+            "OUTBOX_LOG_LEVEL": "info",
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 APP = textwrap.dedent(
     """
     import pathlib, signal
@@ -309,19 +326,7 @@ def test_ctrl_c_on_a_running_loop_drains_then_exits_130(
         args += ["--stream", f"{stream_prefix}.{{topic}}"]
     else:
         args.insert(1, target)
-    proc = subprocess.Popen(
-        [*_command(name), *args],
-        cwd=tmp_path,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
-            "OUTBOX_LOG_LEVEL": "info",
-            "APP_STREAM": f"{stream_prefix}.quote",
-            "APP_DB": db,
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _run_app(name, args, tmp_path, APP_STREAM=f"{stream_prefix}.quote", APP_DB=db)
     lines: list[str] = []
 
     def has_started() -> bool:
@@ -353,26 +358,8 @@ def test_a_consumer_without_handlers_is_refused_before_it_starts(
     before "consumer started" (each batch failed with it and was retried for ever)."""
     (tmp_path / "apps.py").write_text(RUN_APPS)
     db = f"sqlite:///{tmp_path}/x.db"
-    proc = subprocess.Popen(
-        [
-            *_command("outbox-consumer"),
-            "run",
-            "apps:consumer_without_handlers",
-            "--database-url",
-            db,
-            "--redis-url",
-            redis_url,
-        ],
-        cwd=tmp_path,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
-            "OUTBOX_LOG_LEVEL": "info",
-            "APP_STREAM": f"{stream_prefix}.quote",
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = ["run", "apps:consumer_without_handlers", "--database-url", db, "--redis-url", redis_url]
+    proc = _run_app("outbox-consumer", args, tmp_path, APP_STREAM=f"{stream_prefix}.quote")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, out
     assert "register at least one handler" in out, out

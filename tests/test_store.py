@@ -618,7 +618,7 @@ def test_a_receipt_recorded_without_its_flush_leaves_the_connection_durable(
         assert row.updated_at > 1.6e9
         if conn.dialect.name == "postgresql":
             # One connection served every call above (nothing ran beside them).
-            assert store.driver.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
+            assert driver.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
     store.dispose()
 
