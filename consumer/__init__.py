@@ -12,6 +12,7 @@ from consumer.errors import (
     AuthFailure,
     Conflict,
     ConsumerError,
+    JobCancelled,
     OperationUnresolved,
     PermanentFailure,
     ProviderOutcomeUnknown,
@@ -23,7 +24,7 @@ from consumer.event import ConsumedEvent
 from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import Operations, Provider, Receipt
 from consumer.jobs.retry import RetryPolicy
-from consumer.jobs.store import EnqueueResult, Lease, Store, StoreConfig, Timer
+from consumer.jobs.store import EnqueueResult, Lease, Reply, ReplyResult, Store, StoreConfig, Timer
 from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ConsumerTx",
     "EnqueueResult",
     "HttpProvider",
+    "JobCancelled",
     "JobContext",
     "Lease",
     "OperationUnresolved",
@@ -46,6 +48,8 @@ __all__ = [
     "ProviderTimeout",
     "ProviderUnavailable",
     "Receipt",
+    "Reply",
+    "ReplyResult",
     "RetryPolicy",
     "Store",
     "StoreConfig",

@@ -68,6 +68,12 @@ class IllegalTransition(ConsumerError):
         self.target = target
 
 
+class JobCancelled(ConsumerError):
+    """The job was cancelled while it ran (``Store.cancel`` on a LEASED job): ``dispatch``
+    refuses to start a new effect. Not a failure: the run ends and the job is CANCELLED. An
+    effect whose intent was written before the cancel keeps its receipt."""
+
+
 class JobFailure(ConsumerError):
     """Raised by a job handler to say how its attempt failed (the Worker records it).
     Any other exception from a handler counts as a :class:`TransientFailure`."""

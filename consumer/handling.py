@@ -21,7 +21,13 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from consumer import inbox as q
-from consumer.bulk import bulk_insert, defer_writes, discard_deferred, flush_deferred
+from consumer.bulk import (
+    bulk_insert,
+    defer_writes,
+    deferred_writes,
+    discard_deferred,
+    flush_deferred,
+)
 from consumer.config import ConsumerConfig
 from consumer.errors import UndecodableEntry
 from consumer.event import ConsumedEvent, decode_entry, text_fields
@@ -64,6 +70,27 @@ class ConsumerTx:
         job per event. ``conflict`` columns skip colliding rows; ``returning`` names a
         column to return for the inserted rows."""
         return bulk_insert(self.connection, table, rows, conflict=conflict, returning=returning)
+
+    def reply(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        payload: Any,
+        reply_id: str,
+        source: str | None = None,
+        now: Any = None,
+    ) -> Any:
+        """``Store.reply`` in this transaction: a customer's reply that arrives as an event is
+        recorded once, with its inbox row (the job tables are in this database). Returns its
+        ``ReplyResult``; rolled back with the entry if the handler raises."""
+        from consumer.jobs.replies import reply_in
+
+        if deferred_writes(self.session):  # a job enqueued earlier in this batch exists first
+            flush_deferred(self.session)
+        return reply_in(
+            self.connection, job, action, payload=payload, reply_id=reply_id, source=source, now=now
+        )
 
 
 @dataclass

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from consumer.errors import Conflict, JobCancelled
+from consumer.jobs.cancels import is_requested
+from consumer.jobs.replies import Reply, unconsumed
 from consumer.jobs.store import Lease, Store, Time, Timer, _time
 from outbox.errors import ConfigError
 
@@ -52,6 +55,11 @@ class JobContext:
         self._ended = False  # the handler returned (see ended())
         self._call_ends = 0.0  # monotonic: renewals during a provider call stop here
         self._lock = threading.Lock()
+        self._replies: list[Reply] | None = None  # read at the first ``replies``
+        self._cancelled = False  # a cancel request was seen (``cancelled``)
+        # Set by the worker that runs an ``async def`` handler: cancels its task (thread-safe).
+        self.cancel_task: Callable[[], None] | None = None
+        self._cancel_after_dispatch = False
 
     # -- facts ----------------------------------------------------------------------------
     @property
@@ -85,6 +93,43 @@ class JobContext:
     @property
     def attempt(self) -> int:
         return self.lease.attempts
+
+    @property
+    def replies(self) -> list[Reply]:
+        """The replies to this job that no earlier run that ended well consumed, oldest first
+        (each with ``reply_id``, ``payload``, ``source``, ``received_at``): those the job had
+        when this run was claimed. This run consumes them if it ends DONE, waits or defers;
+        if it fails or loses its lease the next run sees them again
+        (``consumer.jobs.replies``). Read once, and only when the job has new replies."""
+        if self._replies is None:
+            if self.lease.replies_received <= self.lease.replies_consumed:
+                self._replies = []
+            else:
+                with self.store.driver.connect() as conn:
+                    self._replies = unconsumed(conn, self.lease)
+        return list(self._replies)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once a cancel was requested for this job while it runs (``Store.cancel``):
+        stop at the next sensible point; the job ends CANCELLED whatever the run returns.
+        Until the worker has told it, each read asks the database (one short read)."""
+        if not self._cancelled:
+            with self.store.driver.connect() as conn:
+                self._cancelled = is_requested(conn, self.job_id, self.lease.epoch)
+        return self._cancelled
+
+    def request_cancel(self) -> None:
+        """The worker saw a cancel request for this job: ``cancelled`` is True from now, and
+        an ``async def`` handler's task is cancelled, at once or, when a dispatch is under
+        way, as soon as it has recorded its receipt (a cancel never cuts a provider call)."""
+        with self._lock:
+            self._cancelled = True
+            if self._dispatch_depth:
+                self._cancel_after_dispatch = True
+                return
+        if self.cancel_task is not None:
+            self.cancel_task()
 
     # -- heartbeat ------------------------------------------------------------------------
     def progress(self) -> None:
@@ -142,6 +187,11 @@ class JobContext:
             with self._lock:
                 self._dispatch_depth -= 1
                 self._progress += 1
+                cancel = self._cancel_after_dispatch and not self._dispatch_depth
+                if cancel:
+                    self._cancel_after_dispatch = False
+            if cancel and self.cancel_task is not None:
+                self.cancel_task()
 
     def _due_for_renewal(self) -> bool:
         with self._lock:
@@ -176,16 +226,36 @@ class JobContext:
 
     def dispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
         """``Operations.dispatch`` for this job, through the worker's providers (a ``def``
-        handler: it blocks its thread until the receipt is recorded)."""
-        return self._operations().dispatch(self, name, provider, request)
+        handler: it blocks its thread until the receipt is recorded). ``JobCancelled`` when a
+        cancel was requested: no new effect starts."""
+        operations = self._operations()
+        self._refuse_if_cancelled(name)
+        try:
+            return operations.dispatch(self, name, provider, request)
+        except Conflict:
+            self._refuse_if_cancelled(name, ask=True)  # the intent was refused for it
+            raise
 
     async def adispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
         """``await job.adispatch(...)`` in an ``async def`` handler: ``Operations.adispatch``
         (the same intent, limits and receipt; the provider's async form on the worker's event
-        loop, the database statements in the worker's executor)."""
-        return await self._operations().adispatch(
-            self, name, provider, request, executor=self.executor
-        )
+        loop, the database statements in the worker's executor). ``JobCancelled`` when a
+        cancel was requested: no new effect starts."""
+        operations = self._operations()
+        self._refuse_if_cancelled(name)
+        try:
+            return await operations.adispatch(self, name, provider, request, executor=self.executor)
+        except Conflict:
+            self._refuse_if_cancelled(name, ask=True)  # the intent was refused for it
+            raise
+
+    def _refuse_if_cancelled(self, name: str, *, ask: bool = False) -> None:
+        # The intent's own statement refuses a job with a cancel request (no round trip of
+        # its own here); the flag the worker set spares even that one.
+        if self._cancelled or (ask and self.cancelled):
+            raise JobCancelled(
+                f"job #{self.job_id} was cancelled: effect {name!r} not started"
+            ) from None
 
     def _operations(self) -> Operations:
         if self.operations is None:

@@ -119,7 +119,8 @@ class PostgresJobDriver(JobDriver):
         # UPDATE, COMMIT: it ran on every dispatch and was the largest part of a worker's
         # cost per effect. The fenced lease extension comes first and the intent is inserted
         # only FROM its row, so a fenced dispatch writes nothing; an existing intent is left
-        # alone (the caller reads it under lock, as before). The job row is locked before the
+        # alone (the caller reads it under lock, as before). A job with a cancel request gets
+        # no new intent: "fenced" (the caller tells JobCancelled). The job row is locked before the
         # operation row, the order of the slow path (job_lock_held, then operation_get).
         params: dict[str, Any] = {
             "timeout": float(timeout),
@@ -224,7 +225,8 @@ class PostgresJobDriver(JobDriver):
             f" WHEN lease_expires_at < {now} + %(timeout)s THEN {now} + %(timeout)s"
             f" ELSE lease_expires_at END"
             f" WHERE id = %(job_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(worker)s"
-            f" AND state = %(leased)s AND NOT EXISTS (SELECT 1 FROM pause) RETURNING id),"
+            f" AND state = %(leased)s AND cancel_requested_at IS NULL"
+            f" AND NOT EXISTS (SELECT 1 FROM pause) RETURNING id),"
             f" intent AS ("
             f" INSERT INTO {prep.format_table(operations)} (operation_id, job_id, provider,"
             f" request_digest, state, attempts, call_deadline, created_at, updated_at)"

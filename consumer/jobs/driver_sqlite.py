@@ -226,12 +226,13 @@ _INTENT_SQL = (
     " ON CONFLICT (operation_id) DO NOTHING RETURNING call_deadline"
 )
 
-# The fenced lease extension to the call's deadline, never shorter than it is.
+# The fenced lease extension to the call's deadline, never shorter than it is. A job with a
+# cancel request is refused like a lost lease: no new intent (the caller tells JobCancelled).
 _EXTEND_SQL = (
     f"UPDATE {JOBS_TABLE} SET lease_expires_at = CASE WHEN lease_expires_at < :until"
     " THEN :until ELSE lease_expires_at END"
     " WHERE id = :job_id AND lease_epoch = :epoch AND lease_owner = :worker"
-    f" AND state = '{LEASED}' RETURNING id"
+    f" AND state = '{LEASED}' AND cancel_requested_at IS NULL RETURNING id"
 )
 
 # The provider's pause, if it is on (the intent's check, before every call).

@@ -11,10 +11,12 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import ColumnElement, case
+from sqlalchemy import ColumnElement, case, func
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.jobs import cancels
+from consumer.jobs import replies as talk
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import (
     _NO_TIMER,
@@ -29,7 +31,7 @@ from consumer.jobs.checks import (
     _version,
 )
 from consumer.jobs.rows import BatchResult, Lease
-from consumer.jobs.schema import jobs
+from consumer.jobs.schema import db_epoch, jobs
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
@@ -121,7 +123,19 @@ class LeaseMoves(StoreBase):
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
-            self._move(conn, where, label, who, epoch_, DONE, {}, "done", None, when)
+            self._move(
+                conn,
+                where,
+                label,
+                who,
+                epoch_,
+                DONE,
+                {},
+                "done",
+                None,
+                when,
+                consume=talk.watermark(job),
+            )
 
     def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
         """Finish many leases in one transaction, each fenced on its own epoch. Leases that
@@ -131,9 +145,24 @@ class LeaseMoves(StoreBase):
         if not items:
             return BatchResult()
         done: list[int] = []
+        stamp: Any = when
+        if stamp is None:
+            stamp = self.driver.clock() if self.driver.clock is not None else db_epoch()
         with self.driver.begin() as conn:
             for worker, pairs in by_worker.items():
-                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
+                # A cancel requested during the run: the run ends CANCELLED, not DONE.
+                cancelled = set(cancels.end_requested(conn, worker, pairs, stamp))
+                done.extend(cancelled)
+                rest = [pair for pair in pairs if pair[0] not in cancelled]
+                if rest:
+                    done.extend(self.driver.job_finish_batch(conn, worker, rest, when))
+            ended = set(done)
+            seen = [(x.job_id, talk.watermark(x)) for x in items if x.job_id in ended]
+            if any(upto is not None for _, upto in seen):
+                clock = self._clock(conn, when)
+                for job_id, upto in seen:
+                    if upto is not None:
+                        talk.consume(conn, job_id, upto, clock)
         finished = set(done)
         return BatchResult(
             done=sorted(finished),
@@ -151,7 +180,7 @@ class LeaseMoves(StoreBase):
     ) -> None:
         """LEASED -> READY without counting a failure: a draining worker hands back a job it
         claimed but did not start (the claim is not counted as an attempt)."""
-        self._hand_back(job, action, worker, epoch, None, "released", None, now)
+        self._hand_back(job, action, worker, epoch, None, "released", None, now, seen=False)
 
     def defer(
         self,
@@ -183,6 +212,8 @@ class LeaseMoves(StoreBase):
         outcome: str,
         note: str | None,
         now: Time | None,
+        *,
+        seen: bool = True,
     ) -> None:
         when = _time("now", now)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
@@ -202,6 +233,7 @@ class LeaseMoves(StoreBase):
                 note,
                 when,
                 clear_timer=False,
+                consume=talk.watermark(job) if seen else None,
             )
 
     def fail(
@@ -312,7 +344,7 @@ class LeaseMoves(StoreBase):
         wake = _time("until", until)
         where, label, who, epoch_ = _holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
-            self._move(
+            reached = self._move(
                 conn,
                 where,
                 label,
@@ -323,7 +355,23 @@ class LeaseMoves(StoreBase):
                 state.lower(),
                 reason,
                 when,
+                consume=talk.watermark(job),
             )
+            row = self.driver.job_get(conn, where) if reached == WAITING_EXTERNAL else None
+            if row is not None and row.replies_received > row.replies_consumed:
+                # A reply came while the run was under way (it did not see it): the wait for
+                # a reply is over before it began.
+                clock = self._clock(conn, when)
+                job_id = self.driver.job_update_from(
+                    conn,
+                    where,
+                    (WAITING_EXTERNAL,),
+                    {"state": READY, "run_after": None, "wait_reason": None, "updated_at": clock},
+                )
+                if job_id is not None:
+                    note = "a reply came during the run"
+                    self._record(conn, job_id, None, None, "resumed", note, clock)
+                    self.driver.job_ready_notify(conn)
 
     def schedule(
         self,
@@ -372,6 +420,7 @@ class LeaseMoves(StoreBase):
                     reason,
                     when,
                     clear_timer=False,
+                    consume=talk.watermark(job),
                 )
             return
         where, label = _key(job, None)
@@ -397,10 +446,21 @@ class LeaseMoves(StoreBase):
         *,
         reason: str | None = None,
         now: Time | None = None,
-    ) -> None:
+    ) -> str:
         """-> CANCELLED. Given a lease (or worker and epoch) it is the holder's fenced move;
-        otherwise an operator's, allowed from READY, waiting states and NEEDS_ATTENTION (a
-        leased job raises ``Conflict``: only its holder may cancel it)."""
+        otherwise an operator's, allowed from READY, waiting states and NEEDS_ATTENTION.
+
+        A LEASED job (an operator's cancel) is not moved under its holder: a cancel request
+        is recorded (``cancel_requested_at``, ``cancel_reason``, a ``cancel_requested`` row in
+        its history). Its holder sees it (``JobContext.cancelled``; a worker cancels an
+        ``async def`` handler's task, and ``dispatch`` starts no new effect), and the run's
+        end, whatever it is, moves the job to CANCELLED. An effect whose intent was written
+        before keeps its receipt: a cancel cannot recall an email.
+
+        Returns the job's state after the call: CANCELLED, or LEASED when a request was
+        recorded."""
+        if reason is not None and not isinstance(reason, str):
+            raise JobError("reason", "must be a string")
         when = _time("now", now)
         if isinstance(job, Lease) or worker is not None or epoch is not None:
             where, label, who, epoch_ = _holder(job, action, worker, epoch)
@@ -417,11 +477,26 @@ class LeaseMoves(StoreBase):
                     reason,
                     when,
                 )
-            return
+            return CANCELLED
         where, label = _key(job, action)
+        with self.driver.begin() as conn:
+            clock = self._clock(conn, when)
+            requested = self.driver.job_update_from(
+                conn,
+                where,
+                (LEASED,),
+                {
+                    "cancel_requested_at": func.coalesce(jobs.c.cancel_requested_at, clock),
+                    "cancel_reason": func.coalesce(jobs.c.cancel_reason, reason),
+                },
+            )
+            if requested is not None:
+                self._record(conn, requested, None, None, "cancel_requested", reason, clock)
+                return LEASED
         self._operator_move(
             where, label, CANCELLED, {"wait_reason": reason}, "cancelled", reason, when
         )
+        return CANCELLED
 
     def resume(
         self,
@@ -530,16 +605,33 @@ class LeaseMoves(StoreBase):
         when: float | None,
         *,
         clear_timer: bool = True,
-    ) -> int:
-        """The holder's move LEASED -> ``target``, ended lease, history row. Returns the id."""
+        consume: int | None = None,
+    ) -> str:
+        """The holder's move LEASED -> ``target``, ended lease, history row; the replies the
+        run saw consumed up to ``consume`` (``consumer.jobs.replies``). A cancel requested
+        during the run makes it CANCELLED instead. Returns the state reached."""
         check_transition(label, LEASED, target)
         clock = self._clock(conn, when)
+        if target != CANCELLED:
+            ended = self.driver.job_update_fenced(
+                conn,
+                where & jobs.c.cancel_requested_at.is_not(None),
+                worker,
+                epoch,
+                {**_CANCELLED_END, **_NO_TIMER, "updated_at": clock},
+            )
+            if ended is not None:
+                note = f"cancel requested; the run ended {outcome}"
+                self._record(conn, ended, epoch, worker, "cancelled", note, clock)
+                return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
             moved.update(_NO_TIMER)
         job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
         self._record(conn, job_id, epoch, worker, outcome, note, clock)
-        return job_id
+        if consume is not None:  # the callers pass it for the ends that consume
+            talk.consume(conn, job_id, consume, clock)
+        return target
 
     def _cas(
         self,
@@ -577,6 +669,14 @@ class LeaseMoves(StoreBase):
         if state is None:
             raise JobNotFound(f"no job {label}")
         return str(state)
+
+
+_CANCELLED_END: dict[str, Any] = {
+    "state": CANCELLED,
+    "lease_owner": None,
+    "lease_expires_at": None,
+    "wait_reason": jobs.c.cancel_reason,
+}
 
 
 def _by_worker(leases: Iterable[Lease]) -> tuple[list[Lease], dict[str, list[tuple[int, int]]]]:

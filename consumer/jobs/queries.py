@@ -40,6 +40,8 @@ LEASE_COLUMNS = (
     "trace_context",
     "queue",
     "created_at",
+    "replies_received",
+    "replies_consumed",
 )
 
 _JSON_LIST = {

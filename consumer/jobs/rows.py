@@ -91,6 +91,10 @@ class Lease:
     """The trace the job belongs to (``outbox.tracing``): its run span continues it."""
     queue: str = "default"
     enqueued_at: float | None = None  # the job's created_at: unix seconds, database clock
+    replies_received: int = 0
+    """Replies the job had at the claim (``consumer.jobs.replies``): its run sees those after
+    ``replies_consumed``, and consumes them if it ends well."""
+    replies_consumed: int = 0
 
     def facts(self) -> dict[str, Any]:
         """Which job this is, as the worker hooks' keywords (``outbox.hooks.Hooks``)."""
@@ -129,6 +133,11 @@ class Job:
     updated_at: float
     trace_context: str | None = None
     queue: str = "default"
+    replies_received: int = 0
+    replies_consumed: int = 0
+    cancel_requested_at: float | None = None
+    """When a cancel was requested while the job was LEASED (``Store.cancel``), or None."""
+    cancel_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +220,8 @@ def lease_from_row(row: Any) -> Lease:
         trace_context=row.trace_context,
         queue=row.queue,
         enqueued_at=float(row.created_at),
+        replies_received=int(row.replies_received or 0),
+        replies_consumed=int(row.replies_consumed or 0),
     )
 
 
@@ -239,4 +250,10 @@ def job_from_row(row: Any) -> Job:
         updated_at=float(row.updated_at),
         trace_context=row.trace_context,
         queue=row.queue,
+        replies_received=int(row.replies_received or 0),
+        replies_consumed=int(row.replies_consumed or 0),
+        cancel_requested_at=(
+            None if row.cancel_requested_at is None else float(row.cancel_requested_at)
+        ),
+        cancel_reason=row.cancel_reason,
     )

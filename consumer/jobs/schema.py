@@ -97,6 +97,7 @@ __all__ = [
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
+__all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -146,6 +147,15 @@ jobs = Table(
     Column("updated_at", Double, nullable=False),
     # The W3C trace context of the span that enqueued the job (outbox.tracing), as JSON.
     Column("trace_context", Text, nullable=True),
+    # Replies (consumer.jobs.replies): how many were received, and up to which of them a run
+    # that ended well consumed (each reply's ``seq``). A claim returns both, so a run whose
+    # job has no new reply reads nothing more.
+    Column("replies_received", Integer, nullable=False, server_default=text("0")),
+    Column("replies_consumed", Integer, nullable=False, server_default=text("0")),
+    # A cancel requested while the job was LEASED (``Store.cancel``): its holder sees it and
+    # the run ends CANCELLED.
+    Column("cancel_requested_at", Double, nullable=True),
+    Column("cancel_reason", Text, nullable=True),
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 
@@ -238,6 +248,10 @@ operations = Table(
     Column("settled_at", Double, nullable=True),
     Column("created_at", Double, nullable=False),
     Column("updated_at", Double, nullable=False),
+    # What the provider said later about an ACCEPTED effect (``Operations.record_delivery``):
+    # delivered, opened, complained or bounced (the furthest along wins), and when.
+    Column("delivery_status", String(16), nullable=True),
+    Column("delivery_at", Double, nullable=True),
 )
 # The reconciliation sweep reads open receipts (PENDING, UNKNOWN) oldest change first; an
 # ACCEPTED one leaves this index, so it holds only what is in flight or unsettled.
@@ -295,6 +309,59 @@ paused_queues = Table(
     Column("paused_at", Double, nullable=False),
 )
 
+REPLIES_TABLE = "outbox_job_replies"
+
+# Replies to jobs (``Store.reply``; consumer/jobs/replies.py): one row per (job, reply_id),
+# ``seq`` numbering a job's replies from 1 in the order received. ``consumed_at`` is set
+# when a run that saw it ended well (DONE, a wait, a defer); kept afterwards, for the trace.
+replies = Table(
+    REPLIES_TABLE,
+    metadata,
+    Column("id", _id_type(), primary_key=True, autoincrement=True),
+    Column("job_id", BigInteger, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("reply_id", String(NAME_LENGTH * 2), nullable=False),
+    Column("payload", _json(), nullable=True),
+    Column("source", String(NAME_LENGTH), nullable=True),
+    Column("received_at", Double, nullable=False),
+    Column("consumed_at", Double, nullable=True),
+    UniqueConstraint("job_id", "reply_id", name="uq_outbox_job_replies_job_reply"),
+)
+# A run reads its job's unconsumed replies by (job_id, seq).
+Index("ix_outbox_job_replies_job_seq", replies.c.job_id, replies.c.seq)
+
+DELIVERIES_TABLE = "outbox_deliveries"
+
+# Delivery callbacks (``Operations.record_delivery``; consumer/jobs/deliveries.py): one row
+# per provider event (``event_id``, the dedup key). ``applied_at`` is set once its receipt was
+# ACCEPTED and the outcome applied to it; a callback that came first waits here until then.
+deliveries = Table(
+    DELIVERIES_TABLE,
+    metadata,
+    Column("event_id", String(NAME_LENGTH * 2), primary_key=True),
+    Column("operation_id", String(NAME_LENGTH * 2), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("provider_ref", String(NAME_LENGTH), nullable=True),
+    Column("detail", Text, nullable=True),
+    Column("received_at", Double, nullable=False),
+    Column("applied_at", Double, nullable=True),
+)
+Index("ix_outbox_deliveries_operation", deliveries.c.operation_id)
+# Callbacks not applied yet (their receipt was not ACCEPTED when they came): the sweep's read.
+UNAPPLIED_DELIVERIES_INDEX = Index(
+    "ix_outbox_deliveries_unapplied",
+    deliveries.c.received_at,
+    postgresql_where=deliveries.c.applied_at.is_(None),
+    sqlite_where=deliveries.c.applied_at.is_(None),
+)
+# LEASED jobs with a cancel request: the worker's watch reads them often, so it stays tiny.
+CANCEL_REQUESTED_INDEX = Index(
+    "ix_outbox_jobs_cancel_requested",
+    jobs.c.lease_owner,
+    postgresql_where=(jobs.c.state == LEASED) & jobs.c.cancel_requested_at.is_not(None),
+    sqlite_where=(jobs.c.state == LEASED) & jobs.c.cancel_requested_at.is_not(None),
+)
+
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
 """The job tables written all day (every claim and finish updates a job, every outcome adds
 a history row): they get the hot-table autovacuum settings, and the worker vacuums them
@@ -341,11 +408,18 @@ leased in the queue now, ``p_cap`` the limit. Created by :func:`create_schema` a
 limit applies."""
 
 
-ADDED_OPERATION_COLUMNS = ("call_deadline", "settled_by", "settled_reason", "settled_at")
-"""Nullable columns ``outbox_operations`` gained after its first release (issue 11)."""
-ADDED_JOB_COLUMNS = ("trace_context",)
+ADDED_OPERATION_COLUMNS = (
+    *("call_deadline", "settled_by", "settled_reason", "settled_at"),
+    *("delivery_status", "delivery_at"),
+)
+"""Nullable columns ``outbox_operations`` gained after its first release (issue 11; the
+delivery outcome, issue 38)."""
+ADDED_JOB_COLUMNS = ("trace_context", "cancel_requested_at", "cancel_reason")
 """Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
-23). The queue (issue 27) is NOT NULL with a default: added on its own below."""
+23), the cancel request (issue 38). The queue (issue 27) and the reply counters (issue 38)
+are NOT NULL with a default: added on their own below."""
+COUNTED_JOB_COLUMNS = ("replies_received", "replies_consumed")
+"""``outbox_jobs``'s NOT NULL integer columns with default 0 added after its first release."""
 
 
 def upgrade_schema(conn: Connection) -> None:
@@ -374,8 +448,19 @@ def upgrade_schema(conn: Connection) -> None:
         ready = None
     if ready is None:
         READY_INDEX.create(conn)
+    for name in COUNTED_JOB_COLUMNS:
+        if name not in job_columns:
+            conn.execute(
+                text(
+                    f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN "
+                    f"{prep.quote(name)} INTEGER NOT NULL DEFAULT 0"
+                )
+            )
     LEASED_TENANT_INDEX.create(conn, checkfirst=True)
+    CANCEL_REQUESTED_INDEX.create(conn, checkfirst=True)
     paused_queues.create(conn, checkfirst=True)
+    replies.create(conn, checkfirst=True)
+    deliveries.create(conn, checkfirst=True)
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
 

@@ -54,6 +54,14 @@ from consumer.jobs.checks import _SPEC_FIELDS, Time, _job_values, _key, _name, _
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.moves import LeaseMoves
 from consumer.jobs.recovery import Recovery
+from consumer.jobs.replies import (
+    Reply,
+    ReplyResult,
+    check_reply,
+    listed,
+    record_reply,
+    reply_from_row,
+)
 from consumer.jobs.rows import (
     Attempt,
     BatchResult,
@@ -89,6 +97,8 @@ __all__ = [
     "Lease",
     "QueueDepth",
     "RecoveryResult",
+    "Reply",
+    "ReplyResult",
     "Store",
     "StoreConfig",
     "Time",
@@ -350,6 +360,47 @@ class Store(LeaseMoves, Recovery):
         if row is None:
             raise JobNotFound(f"no job {label}")
         return job_from_row(row)
+
+    def reply(
+        self,
+        job: Any,
+        action: str | None = None,
+        *,
+        payload: Any,
+        reply_id: str,
+        source: str | None = None,
+        now: Time | None = None,
+        session: Session | Connection | None = None,
+    ) -> ReplyResult:
+        """Record a reply to ``job`` (a job id, or tenant with ``action``), deduplicated by
+        ``reply_id`` per job, in one transaction with its move: a job in WAITING_EXTERNAL
+        becomes READY; any other job keeps it for its next run (``JobContext.replies``), or,
+        finished, just keeps it (``consumer.jobs.replies`` has the contract). ``session``
+        joins the caller's transaction (``ConsumerTx.reply`` does). ``JobNotFound`` for an
+        unknown job."""
+        check_reply(payload, reply_id, source)
+        when = _time("now", now)
+        where, label = _key(job, action)
+
+        def work(conn: Connection) -> ReplyResult:
+            return record_reply(
+                self.driver,
+                conn,
+                where,
+                label,
+                payload=payload,
+                reply_id=reply_id,
+                source=source,
+                when=when,
+            )
+
+        return self._in_session(session, work)
+
+    def replies(self, job: Any, action: str | None = None) -> list[Reply]:
+        """Every reply the job received, consumed or not, oldest first."""
+        job_id = self.get(job, action).id
+        with self.driver.connect() as conn:
+            return [reply_from_row(row) for row in listed(conn, [job_id], limit=10_000)]
 
     def history(self, job: Any, action: str | None = None) -> list[Attempt]:
         """The job's attempt history, oldest first."""

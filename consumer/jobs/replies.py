@@ -1,0 +1,241 @@
+"""Replies to jobs: what the customer (or a provider, or another service) answered, kept with
+the job until a run has seen it (issue 38; DESIGN, "Obligations that span days").
+
+``Store.reply(job, action=None, *, payload, reply_id, source=None, now=None)`` and
+``ConsumerTx.reply(...)`` (the same, in a consumer handler's transaction) call
+:func:`record_reply`. In one transaction with the job's row locked:
+
+- the reply is inserted into ``outbox_job_replies`` unless the job has one with that
+  ``reply_id`` already (then nothing changes, and the result says ``duplicate=True``);
+- it is numbered: ``seq`` = the job's ``replies_received`` + 1, and the job counts it;
+- a job in WAITING_EXTERNAL becomes READY at once (its failure counters restart, as with
+  ``resume``); a job READY, LEASED or scheduled keeps its state and its next run sees the
+  reply; a job waiting for review, needing attention, DONE or CANCELLED keeps it too (it is
+  visible in the trace) and moves nothing;
+- a history row (outcome ``reply``) puts it in the job's story.
+
+A run sees the replies its job had when it was claimed and no earlier run consumed: those
+with ``replies_consumed < seq <= replies_received`` of its lease (``JobContext.replies``;
+nothing is read when the two are equal, the usual case). A run that ends well (DONE, a wait,
+a defer or a re-plan) consumes exactly those, in the same fenced transaction as its move
+(:func:`consume`); a run that fails or loses its lease consumes nothing, so the next run
+sees them again. A reply that arrives while a run is under way is not seen by it: when that
+run then waits for a reply, the job becomes READY at once instead (``Store.wait_external``),
+so the reply is never left behind a wait.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from consumer.errors import JobError, JobNotFound
+from consumer.jobs.checks import _NO_TIMER, _check_json, _key, _time
+from consumer.jobs.driver import JobDriver, driver_for
+from consumer.jobs.rows import Lease
+from consumer.jobs.schema import jobs, replies
+from consumer.jobs.states import READY, WAITING_EXTERNAL
+from outbox.dialect import insert_or_ignore
+from outbox.validate import MAX_NAME_LENGTH, check_name
+
+__all__ = ["MAX_REPLY_BYTES", "Reply", "ReplyResult", "consume", "record_reply", "unconsumed"]
+
+MAX_REPLY_BYTES = 256 * 1024
+"""The largest reply payload, as JSON (a reply is a message, not a document store)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply to a job, as a handler sees it (``ctx.replies``), oldest first."""
+
+    reply_id: str
+    payload: Any
+    source: str | None
+    received_at: float
+    seq: int = 0
+    consumed_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ReplyResult:
+    """What ``Store.reply`` did: ``duplicate`` (this ``reply_id`` was recorded for the job
+    before: nothing changed), ``resumed`` (the job was WAITING_EXTERNAL and is READY now),
+    and the job's ``state`` after the call."""
+
+    job_id: int
+    reply_id: str
+    duplicate: bool
+    resumed: bool
+    state: str
+
+
+def check_reply(payload: Any, reply_id: object, source: object) -> None:
+    """``JobError`` naming the field for a reply that cannot be recorded."""
+    check_name("reply_id", reply_id, JobError, limit=MAX_NAME_LENGTH * 2)
+    if source is not None:
+        check_name("source", source, JobError)
+    _check_json("payload", payload)
+    if len(json.dumps(payload, separators=(",", ":"))) > MAX_REPLY_BYTES:
+        raise JobError("payload", f"is larger than {MAX_REPLY_BYTES} bytes as JSON")
+
+
+def record_reply(
+    driver: JobDriver,
+    conn: Connection,
+    where: ColumnElement[bool],
+    label: str,
+    *,
+    payload: Any,
+    reply_id: str,
+    source: str | None,
+    when: float | None,
+) -> ReplyResult:
+    """Record a reply in ``conn``'s transaction (module docstring); validated already."""
+    row = conn.execute(
+        select(jobs.c.id, jobs.c.state, jobs.c.replies_received).where(where).with_for_update()
+    ).first()
+    if row is None:
+        raise JobNotFound(f"no job {label}")
+    job_id, state = int(row.id), str(row.state)
+    clock = driver.clock_read(conn, when)
+    seq = int(row.replies_received) + 1  # the row is locked: no other reply takes this number
+    inserted = conn.execute(
+        insert_or_ignore(replies, ("job_id", "reply_id"), conn.dialect.name)
+        .values(
+            job_id=job_id,
+            seq=seq,
+            reply_id=reply_id,
+            payload=payload,
+            source=source,
+            received_at=clock,
+        )
+        .returning(replies.c.id)
+    ).first()
+    if inserted is None:
+        return ReplyResult(job_id, reply_id, duplicate=True, resumed=False, state=state)
+    values: dict[str, Any] = {"replies_received": seq}
+    resumed = state == WAITING_EXTERNAL
+    if resumed:  # as ``resume``: eligible at once, a full retry budget for the next step
+        values.update(
+            state=READY,
+            run_after=None,
+            wait_reason=None,
+            auth_failures=0,
+            first_failed_at=None,
+            attempts=0,
+            updated_at=clock,
+            **_NO_TIMER,
+        )
+    # Filtered on the state read: under the row lock it cannot have changed.
+    conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.state == state).values(**values))
+    note = f"reply {reply_id}" + (f" from {source}" if source else "")
+    if resumed:
+        note += f": {WAITING_EXTERNAL} -> {READY}"
+    driver.attempt_insert(conn, job_id, None, None, "reply", note, clock)
+    if resumed:
+        driver.job_ready_notify(conn)
+    return ReplyResult(job_id, reply_id, duplicate=False, resumed=resumed, state=state_after(state))
+
+
+def reply_in(
+    conn: Connection,
+    job: Any,
+    action: str | None,
+    *,
+    payload: Any,
+    reply_id: str,
+    source: str | None,
+    now: Any,
+) -> ReplyResult:
+    """:func:`record_reply` on a connection of the caller's (``ConsumerTx.reply``), with the
+    job store's driver for its engine (made once per engine)."""
+    check_reply(payload, reply_id, source)
+    where, label = _key(job, action)
+    driver = _drivers.get(conn.engine)
+    if driver is None:
+        driver = _drivers.setdefault(conn.engine, driver_for(conn.engine))
+    return record_reply(
+        driver,
+        conn,
+        where,
+        label,
+        payload=payload,
+        reply_id=reply_id,
+        source=source,
+        when=_time("now", now),
+    )
+
+
+_drivers: weakref.WeakKeyDictionary[Engine, JobDriver] = weakref.WeakKeyDictionary()
+
+
+def state_after(state: str) -> str:
+    return READY if state == WAITING_EXTERNAL else state
+
+
+def unconsumed(conn: Connection, lease: Lease) -> list[Reply]:
+    """The replies a run of ``lease`` sees (module docstring), oldest first."""
+    if lease.replies_received <= lease.replies_consumed:
+        return []
+    rows = conn.execute(
+        select(replies)
+        .where(
+            replies.c.job_id == lease.job_id,
+            replies.c.seq > lease.replies_consumed,
+            replies.c.seq <= lease.replies_received,
+        )
+        .order_by(replies.c.seq)
+    )
+    return [reply_from_row(r) for r in rows]
+
+
+def listed(conn: Connection, job_ids: Sequence[int], limit: int = 100) -> list[Any]:
+    """The replies of some jobs, oldest first (the console's trace)."""
+    if not job_ids:
+        return []
+    query = (
+        select(replies)
+        .where(replies.c.job_id.in_(list(job_ids)))
+        .order_by(replies.c.job_id, replies.c.seq)
+        .limit(limit)
+    )
+    return list(conn.execute(query))
+
+
+def watermark(job: object) -> int | None:
+    """The reply ``seq`` a run of this lease saw up to, when it saw any new one."""
+    if isinstance(job, Lease) and job.replies_received > job.replies_consumed:
+        return job.replies_received
+    return None
+
+
+def consume(conn: Connection, job_id: int, upto: int, clock: Any) -> None:
+    """Mark the job's replies up to ``seq`` ``upto`` consumed (a run that saw them ended
+    well), in the caller's transaction, after its fenced move."""
+    conn.execute(
+        update(jobs)
+        .where(jobs.c.id == job_id, jobs.c.replies_consumed < upto)
+        .values(replies_consumed=upto)
+    )
+    conn.execute(
+        update(replies)
+        .where(replies.c.job_id == job_id, replies.c.seq <= upto, replies.c.consumed_at.is_(None))
+        .values(consumed_at=clock)
+    )
+
+
+def reply_from_row(row: Any) -> Reply:
+    return Reply(
+        reply_id=row.reply_id,
+        payload=row.payload,
+        source=row.source,
+        received_at=float(row.received_at),
+        seq=int(row.seq),
+        consumed_at=None if row.consumed_at is None else float(row.consumed_at),
+    )
