@@ -70,6 +70,8 @@ from consumer.errors import (
     ProviderThrottled,
     ProviderTimeout,
 )
+from consumer.jobs import deliveries
+from consumer.jobs.checks import _time
 from consumer.jobs.limits import FleetLimits, ProviderGate, Ticket
 from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
@@ -134,6 +136,8 @@ class Receipt:
     settled_at: float | None = None
     created_at: float | None = None
     updated_at: float | None = None
+    delivery_status: str | None = None  # what the provider said later (record_delivery)
+    delivery_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -422,6 +426,31 @@ class Operations:
         self._update(operation_id, ACCEPTED, ref, None)
         return Receipt(operation_id, ACCEPTED, ref, reconciled=resend and key is not None)
 
+    # -- what the provider says later (consumer.jobs.deliveries) ----------------------------
+
+    def record_delivery(
+        self,
+        operation_id: str,
+        status: str,
+        *,
+        ref: str | None = None,
+        detail: str | None = None,
+        event_id: str,
+        now: float | None = None,
+    ) -> deliveries.DeliveryResult:
+        """A provider's callback about an effect (delivered, bounced, complained, opened),
+        deduplicated by ``event_id``: ``consumer.jobs.deliveries`` has the contract."""
+        deliveries.check_delivery(operation_id, status, ref, detail, event_id)
+        return deliveries.record_delivery(
+            self.store.driver,
+            operation_id,
+            status,
+            ref=ref,
+            detail=detail,
+            event_id=event_id,
+            when=_time("now", now),
+        )
+
     # -- the sweep and the operator's path --------------------------------------------------
 
     def reconcile(self, *, limit: int = 100, now: float | None = None) -> ReconcileResult:
@@ -498,6 +527,7 @@ class Operations:
                 if self._park(job_id, f"operation {row.operation_id} outcome unknown; settle it"):
                     counts["review"] += 1
         result = ReconcileResult(**counts)
+        deliveries.apply_pending(self.store.driver, now=now)  # callbacks before their receipt
         if any(counts.values()):
             log.info("receipts reconciled", extra=fields(**counts))
         return result
@@ -758,4 +788,6 @@ def _receipt(row: Any) -> Receipt:
         settled_at=number(row.settled_at),
         created_at=number(row.created_at),
         updated_at=number(row.updated_at),
+        delivery_status=row.delivery_status,
+        delivery_at=number(row.delivery_at),
     )

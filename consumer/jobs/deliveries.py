@@ -1,0 +1,200 @@
+"""Delivery callbacks: what a provider says later about an effect it accepted (issue 38).
+
+An email "accepted" by SES or Postmark may bounce an hour later. ``Operations.record_delivery
+(operation_id, status, *, ref=None, detail=None, event_id, now=None)`` calls
+:func:`record_delivery`:
+
+- the callback is kept in ``outbox_deliveries``, deduplicated by the provider's
+  ``event_id`` (the same callback twice changes nothing and says so: ``duplicate=True``);
+- when the operation's receipt is ACCEPTED it is **applied** at once: the receipt's
+  ``delivery_status`` becomes the furthest outcome seen (``delivered`` < ``opened`` <
+  ``complained`` < ``bounced``: callbacks out of order, an "opened" before its "delivered",
+  leave the furthest one), with ``delivery_at``;
+- a callback that comes before the receipt is ACCEPTED (the provider's webhook raced the
+  worker's own record of the call) waits, unapplied, and is applied when it is: by the next
+  callback of that operation, and by the receipt sweep (``Operations.reconcile``, which every
+  worker runs periodically: :func:`apply_pending`);
+- a **bounce wakes the job**: it is recorded as a reply to the operation's job (``reply_id``
+  ``delivery:<event_id>``, ``source`` ``"delivery"``, payload ``{"operation_id", "status",
+  "provider_ref", "detail"}``; ``consumer.jobs.replies``). A job waiting for its customer
+  becomes READY and its handler sees the bounce in ``ctx.replies`` (and may send the job to
+  review); a finished job keeps it, visible in the trace.
+
+The console's trace reads the outcome: ``sent, delivered`` or ``sent, bounced``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Connection
+
+from consumer.errors import JobError, JobNotFound
+from consumer.jobs.driver import JobDriver
+from consumer.jobs.replies import record_reply
+from consumer.jobs.schema import deliveries, jobs, operations
+from outbox.dialect import insert_or_ignore
+from outbox.validate import MAX_NAME_LENGTH, check_name
+
+__all__ = ["DELIVERY_STATUSES", "DeliveryResult", "apply_pending", "record_delivery"]
+
+DELIVERY_STATUSES = ("delivered", "opened", "complained", "bounced")
+"""A callback's status, from the least to the furthest along: a receipt keeps the furthest."""
+_RANK = {status: rank for rank, status in enumerate(DELIVERY_STATUSES, start=1)}
+BOUNCED = "bounced"
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """What ``record_delivery`` did: ``duplicate`` (this ``event_id`` was recorded before:
+    nothing changed), ``applied`` (the receipt is ACCEPTED and carries it), the receipt's
+    ``delivery_status`` after the call (None when not applied), and ``woke`` (a bounce that
+    was recorded as a reply to the job)."""
+
+    event_id: str
+    operation_id: str
+    status: str
+    duplicate: bool
+    applied: bool
+    delivery_status: str | None = None
+    woke: bool = False
+
+
+def check_delivery(
+    operation_id: object, status: object, ref: object, detail: object, event_id: object
+) -> None:
+    """``JobError`` naming the field for a callback that cannot be recorded."""
+    check_name("operation_id", operation_id, JobError, limit=MAX_NAME_LENGTH * 2)
+    if status not in DELIVERY_STATUSES:
+        raise JobError("status", f"must be one of {', '.join(DELIVERY_STATUSES)}, got {status!r}")
+    check_name("event_id", event_id, JobError, limit=MAX_NAME_LENGTH * 2)
+    if ref is not None:
+        check_name("ref", ref, JobError)
+    if detail is not None and (not isinstance(detail, str) or len(detail) > 2000):
+        raise JobError("detail", "must be a string of at most 2000 characters")
+
+
+def record_delivery(
+    driver: JobDriver,
+    operation_id: str,
+    status: str,
+    *,
+    ref: str | None,
+    detail: str | None,
+    event_id: str,
+    when: float | None,
+) -> DeliveryResult:
+    """Keep a callback and apply it if its receipt is ACCEPTED (module docstring); checked
+    already (:func:`check_delivery`). One transaction."""
+    with driver.begin() as conn:
+        clock = driver.clock_read(conn, when)
+        created = conn.execute(
+            insert_or_ignore(deliveries, ("event_id",), conn.dialect.name)
+            .values(
+                event_id=event_id,
+                operation_id=operation_id,
+                status=status,
+                provider_ref=ref,
+                detail=detail,
+                received_at=clock,
+            )
+            .returning(deliveries.c.event_id)
+        ).first()
+        receipt = driver.operation_get(conn, operation_id, lock=True)
+        if created is None:
+            kept = conn.execute(
+                select(deliveries.c.applied_at).where(deliveries.c.event_id == event_id)
+            ).scalar()
+            current = None if receipt is None else receipt.delivery_status
+            return DeliveryResult(
+                event_id, operation_id, status, True, kept is not None, current, False
+            )
+        woke = False
+        applied = receipt is not None and receipt.state == "ACCEPTED"
+        after = None
+        if applied:
+            # This one and any that came before the receipt was ACCEPTED, oldest first.
+            for row in _unapplied(conn, operation_id):
+                after, bounced = _apply(driver, conn, receipt, row, clock, after)
+                woke = woke or (bounced and row.event_id == event_id)
+    return DeliveryResult(event_id, operation_id, status, False, applied, after, woke)
+
+
+def apply_pending(driver: JobDriver, *, limit: int = 500, now: float | None = None) -> int:
+    """Apply the kept callbacks whose receipt is ACCEPTED now (the receipt sweep's step);
+    returns how many. Reads ``ix_outbox_deliveries_unapplied``: only what waits."""
+    applied = 0
+    with driver.begin() as conn:
+        clock = driver.clock_read(conn, now)
+        waiting = conn.execute(
+            select(deliveries.c.operation_id)
+            .where(deliveries.c.applied_at.is_(None))
+            .order_by(deliveries.c.received_at)
+            .limit(limit)
+        ).all()
+        for operation_id in dict.fromkeys(str(r[0]) for r in waiting):
+            receipt = driver.operation_get(conn, operation_id, lock=True)
+            if receipt is None or receipt.state != "ACCEPTED":
+                continue
+            after = None
+            for row in _unapplied(conn, operation_id):
+                after, _ = _apply(driver, conn, receipt, row, clock, after)
+                applied += 1
+    return applied
+
+
+def _unapplied(conn: Connection, operation_id: str) -> list[Any]:
+    return list(
+        conn.execute(
+            select(deliveries)
+            .where(deliveries.c.operation_id == operation_id, deliveries.c.applied_at.is_(None))
+            .order_by(deliveries.c.received_at, deliveries.c.event_id)
+        )
+    )
+
+
+def _apply(
+    driver: JobDriver,
+    conn: Connection,
+    receipt: Any,
+    row: Any,
+    clock: float,
+    current: str | None,
+) -> tuple[str, bool]:
+    """Apply one callback to its ACCEPTED receipt: the furthest status wins; a bounce is a
+    reply to the job. Returns the receipt's status after it, and whether it was a bounce."""
+    before = current if current is not None else receipt.delivery_status
+    status = str(row.status)
+    after = status if before is None or _RANK[status] > _RANK.get(before, 0) else str(before)
+    if after != before:
+        conn.execute(
+            update(operations)
+            .where(operations.c.operation_id == receipt.operation_id)
+            .values(delivery_status=after, delivery_at=clock)
+        )
+    conn.execute(
+        update(deliveries).where(deliveries.c.event_id == row.event_id).values(applied_at=clock)
+    )
+    if status != BOUNCED:
+        return after, False
+    try:
+        record_reply(
+            driver,
+            conn,
+            jobs.c.id == int(receipt.job_id),
+            f"#{receipt.job_id}",
+            payload={
+                "operation_id": receipt.operation_id,
+                "status": status,
+                "provider_ref": row.provider_ref or receipt.provider_ref,
+                "detail": row.detail,
+            },
+            reply_id=f"delivery:{row.event_id}",
+            source="delivery",
+            when=clock,
+        )
+    except JobNotFound:  # its job went with retention: the receipt keeps the outcome
+        return after, False
+    return after, True

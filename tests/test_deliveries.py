@@ -1,0 +1,157 @@
+"""Delivery callbacks (issue 38): what a provider says later about an ACCEPTED effect, on
+PostgreSQL and SQLite. Callbacks twice, out of order, before their receipt is ACCEPTED, and a
+bounce that wakes the job waiting for its customer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from consumer.errors import JobError
+from consumer.jobs.context import JobContext
+from consumer.jobs.operations import ACCEPTED, Operations
+from consumer.jobs.states import READY, WAITING_EXTERNAL
+from consumer.jobs.store import Store
+from outbox.testing import FakeProvider
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def mail() -> Iterator[FakeProvider]:
+    provider = FakeProvider("mail")
+    yield provider
+    provider.close()
+
+
+def sent(store: Store, ops: Operations, action: str = "send-quote-17") -> tuple[JobContext, str]:
+    """A job that sent its email (ACCEPTED), still held by its run."""
+    store.enqueue("studio", action)
+    lease = store.claim_next("w")
+    assert lease is not None
+    ctx = JobContext(store, lease, ops)
+    receipt = ctx.dispatch("email", "mail", {"to": "ann@example.com"})
+    assert receipt.state == ACCEPTED
+    return ctx, receipt.operation_id
+
+
+def delivery(ops: Operations, operation_id: str) -> str | None:
+    receipt = ops.receipt(operation_id)
+    assert receipt is not None
+    return receipt.delivery_status
+
+
+def test_a_callback_gives_the_accepted_receipt_its_outcome_once(
+    store: Store, mail: FakeProvider
+) -> None:
+    ops = Operations(store, {"mail": mail})
+    _, op = sent(store, ops)
+    first = ops.record_delivery(op, "delivered", ref="m-1", event_id="evt-1")
+    again = ops.record_delivery(op, "delivered", ref="m-1", event_id="evt-1")
+    assert (first.duplicate, first.applied, first.delivery_status) == (False, True, "delivered")
+    assert (again.duplicate, again.applied) == (True, True)
+    assert delivery(ops, op) == "delivered"
+    receipt = ops.receipt(op)
+    assert receipt is not None and receipt.delivery_at is not None
+
+
+def test_callbacks_out_of_order_keep_the_furthest_outcome(store: Store, mail: FakeProvider) -> None:
+    ops = Operations(store, {"mail": mail})
+    _, op = sent(store, ops)
+    ops.record_delivery(op, "opened", event_id="evt-2")
+    ops.record_delivery(op, "delivered", event_id="evt-1")  # came late
+    assert delivery(ops, op) == "opened"
+    _, other = sent(store, ops, "send-quote-18")
+    ops.record_delivery(other, "bounced", event_id="evt-3", detail="mailbox full")
+    ops.record_delivery(other, "delivered", event_id="evt-4")
+    assert delivery(ops, other) == "bounced"
+
+
+class CallbackFirst:
+    """A provider whose webhook beats the worker: the callback is recorded while the call is
+    still in flight, before the worker records the receipt ACCEPTED."""
+
+    def __init__(self, inner: FakeProvider) -> None:
+        self.inner = inner
+        self.ops: Operations | None = None
+        self.name = inner.name
+        self.supports_lookup = inner.supports_lookup
+        self.supports_idempotency = inner.supports_idempotency
+        self.timeout = inner.timeout
+        self.results: list[Any] = []
+
+    def send(
+        self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
+    ) -> str:
+        ref = self.inner.send(request, operation_id=operation_id, idempotency_key=idempotency_key)
+        assert self.ops is not None
+        self.results.append(self.ops.record_delivery(operation_id, "delivered", event_id="e-1"))
+        return ref
+
+    def lookup(self, operation_id: str) -> str | None:
+        return self.inner.lookup(operation_id)
+
+
+def test_a_callback_before_its_receipt_is_kept_and_applied_when_it_is_accepted(
+    store: Store, mail: FakeProvider
+) -> None:
+    racing = CallbackFirst(mail)
+    ops = Operations(store, {"mail": racing})
+    racing.ops = ops
+    _, op = sent(store, ops)
+    [early] = racing.results
+    assert (early.duplicate, early.applied) == (False, False)  # PENDING then: kept
+    assert delivery(ops, op) is None
+    ops.reconcile()  # the workers' receipt sweep applies what waited
+    assert delivery(ops, op) == "delivered"
+    assert ops.record_delivery(op, "delivered", event_id="e-1").duplicate
+
+    racing2 = CallbackFirst(mail)
+    ops2 = Operations(store, {"mail": racing2})
+    racing2.ops = ops2
+    _, op2 = sent(store, ops2, "send-quote-18")
+    # The next callback of the operation applies the one that waited, then itself.
+    ops2.record_delivery(op2, "opened", event_id="e-2")
+    assert delivery(ops2, op2) == "opened"
+
+
+def test_a_bounce_wakes_the_job_waiting_for_its_customer(store: Store, mail: FakeProvider) -> None:
+    ops = Operations(store, {"mail": mail})
+    ctx, op = sent(store, ops)
+    ctx.wait_external("the customer's answer", until=10**10)
+    result = ops.record_delivery(op, "bounced", ref="m-1", detail="550 no such user", event_id="b1")
+    assert result.woke and result.delivery_status == "bounced"
+    job = store.get(ctx.job_id)
+    assert job.state == READY
+    lease = store.claim_next("w")
+    assert lease is not None
+    [reply] = JobContext(store, lease, ops).replies
+    assert reply.source == "delivery" and reply.reply_id == "delivery:b1"
+    assert reply.payload["status"] == "bounced" and reply.payload["operation_id"] == op
+    assert reply.payload["detail"] == "550 no such user"
+    # A delivered callback is an outcome, not news for the job: it wakes nothing.
+    _, other = sent(store, ops, "send-quote-18")
+    assert store.get(int(other.split(":")[0])).state != WAITING_EXTERNAL
+    assert not ops.record_delivery(other, "delivered", event_id="d2").woke
+
+
+def test_record_delivery_checks_its_arguments(store: Store, mail: FakeProvider) -> None:
+    ops = Operations(store, {"mail": mail})
+    for kwargs, field in (
+        ({"operation_id": "1:email", "status": "lost", "event_id": "e"}, "status"),
+        ({"operation_id": "1:email", "status": "delivered", "event_id": ""}, "event_id"),
+        ({"operation_id": "", "status": "delivered", "event_id": "e"}, "operation_id"),
+    ):
+        with pytest.raises(JobError) as bad:
+            ops.record_delivery(**kwargs)
+        assert bad.value.field == field
+    # An operation nobody knows (yet): kept, applied to nothing.
+    kept = ops.record_delivery("999:email", "delivered", event_id="e-x")
+    assert (kept.duplicate, kept.applied) == (False, False)
