@@ -14,7 +14,14 @@ outbox-worker receipts [--state STATE] [--limit N] [--json]
 outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
+outbox-worker inbound serve [--host 127.0.0.1] [--port 8790] [--secret-file FILE]
+                            [--max-body BYTES] [--window SECONDS]
 ```
+
+``inbound serve`` runs the signed inbound endpoint alone (``consumer.jobs.inbound``: replies
+and delivery callbacks over HTTP, HMAC-SHA256 of ``timestamp.body``). Its secret is
+``OUTBOX_INBOUND_SECRET``, else the first line of ``--secret-file`` (16 characters or more;
+none is a usage error, exit 2).
 
 ``--queues mail=8,billing`` claims from queues mail and billing, with 8 of the slots for mail
 alone and the rest of ``--concurrency`` for billing (``consumer.jobs.config``).
@@ -212,8 +219,44 @@ def build_parser() -> Parser:
         p.set_defaults(func=_operations_command)
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
+    inbound = sub.add_parser(
+        "inbound",
+        help="serve the signed inbound endpoint (replies, delivery callbacks)",
+        description="Serve consumer.jobs.inbound alone: POST /replies, /deliveries and "
+        "/webhooks/NAME, signed with HMAC-SHA256 of 'timestamp.body' (X-Outbox-Timestamp, "
+        "X-Outbox-Signature: v1=HEX). SIGTERM drains and exits 0.",
+    )
+    inbound.add_argument("action", choices=("serve",), help="what to do")
+    add_flags(
+        inbound,
+        Flag("--host", help="bind address", default="127.0.0.1", env="OUTBOX_INBOUND_HOST"),
+        Flag("--port", int, "port", default=8790, env="OUTBOX_INBOUND_PORT", metavar="PORT"),
+        Flag(
+            "--secret-file",
+            help="file whose first line is the shared secret; OUTBOX_INBOUND_SECRET wins over it",
+            env="OUTBOX_INBOUND_SECRET_FILE",
+            metavar="FILE",
+        ),
+        Flag(
+            "--max-body",
+            int,
+            "largest request body in bytes",
+            default=65536,
+            env="OUTBOX_INBOUND_MAX_BODY",
+            metavar="BYTES",
+        ),
+        Flag(
+            "--window",
+            float,
+            "seconds a signature's timestamp stays valid (replays)",
+            default=300.0,
+            env="OUTBOX_INBOUND_WINDOW",
+            metavar="S",
+        ),
+    )
+    inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge):
+    for command in (run, init, queues, receipts, settle, sweep, purge, inbound):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 
@@ -403,6 +446,50 @@ def _operations_command(args: argparse.Namespace, url: str) -> int:
             close = getattr(provider, "close", None)
             if callable(close):
                 close()
+        store.dispose()
+
+
+def _inbound(args: argparse.Namespace, url: str) -> int:
+    import os
+    import signal
+
+    import uvicorn
+
+    from consumer.jobs.inbound import InboundApp
+    from consumer.jobs.store import Store
+
+    secret = os.environ.get("OUTBOX_INBOUND_SECRET", "")
+    if not secret and args.secret_file:
+        try:
+            with open(args.secret_file, encoding="utf-8") as handle:
+                secret = handle.readline().strip()
+        except OSError as exc:
+            problem = f"--secret-file: cannot read {args.secret_file!r}: {exc.strerror}"
+            raise UsageError(problem) from None
+    if not secret:
+        raise UsageError("inbound serve needs a secret: OUTBOX_INBOUND_SECRET or --secret-file")
+    if len(secret) < 16:
+        raise UsageError("the inbound secret needs 16 characters or more")
+    store = Store(url)
+    try:
+        app = InboundApp(store, secret, max_body=args.max_body, window=args.window)
+        if args.host != "127.0.0.1":
+            log.warning(
+                "the inbound endpoint listens beyond this machine: put TLS in front of it",
+                extra=fields(host=args.host),
+            )
+        print(f"outbox-worker: inbound serving http://{args.host}:{args.port}/", flush=True)
+        log.info(
+            "inbound serving",
+            extra=fields(host=args.host, port=args.port, database=describe_url(url)),
+        )
+        # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handler
+        # it found at start: no-op handlers make that second delivery harmless (exit 0).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        return 0
+    finally:
         store.dispose()
 
 
