@@ -265,7 +265,9 @@ class Actions:
         why = reason if isinstance(reason, str) else None
 
         def operation() -> Any:
-            self.store.cancel(ident, reason=f"console: {why} (by {actor.name})")
+            # A LEASED job gets a cancel request: its run ends it (``Store.cancel``).
+            state = self.store.cancel(ident, reason=f"console: {why} (by {actor.name})")
+            return {"state": state, "requested": state != "CANCELLED"}
 
         return self._run(actor, "cancel", "job", str(ident), reason, operation, bulk)
 

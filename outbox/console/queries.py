@@ -43,7 +43,15 @@ from consumer.inbox import NEEDS_ATTENTION as DL_NEEDS_ATTENTION
 from consumer.inbox import REPLAYED as DL_REPLAYED
 from consumer.inbox import InboxSchema, build_inbox_schema
 from consumer.jobs.rows import QueueDepth
-from consumer.jobs.schema import attempts, jobs, operations, paused_queues, workers
+from consumer.jobs.schema import (
+    attempts,
+    deliveries,
+    jobs,
+    operations,
+    paused_queues,
+    replies,
+    workers,
+)
 from consumer.jobs.states import (
     LEASED,
     NEEDS_ATTENTION,
@@ -261,6 +269,7 @@ JOB_LIST_COLUMNS = (
     "lease_owner",
     "run_after",
     "timer_scheduled_for",
+    "cancel_requested_at",
     "created_at",
     "updated_at",
 )
@@ -397,6 +406,8 @@ def present_tables(engine: Engine, tables: Tables) -> set[str]:
         operations.name,
         workers.name,
         paused_queues.name,
+        replies.name,
+        deliveries.name,
         audit.name,
     ]
     return {name for name in names if inspector.has_table(name, schema=None)}

@@ -13,7 +13,9 @@ finds every record it names, then follows the links between the parts:
   DESIGN: a handler enqueues with ``subject=event.subject`` (the event key) in the event's
   tenant, or names the action after the identity (``identity = "tenant:action"`` or
   ``action = identity``);
-- each job's history (``outbox_job_attempts``), timer, and operation intents and receipts;
+- each job's history (``outbox_job_attempts``), timer, replies (``outbox_job_replies``), a
+  cancel request, and operation intents and receipts with their delivery callbacks
+  (``outbox_deliveries``);
 - the audit rows of every record found.
 
 The **verdict** answers "was it sent?" in words, receipts first (the receipt decides before
@@ -21,7 +23,10 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
 
 1. ``not found``: no record at all;
 2. ``unknown``: a receipt UNKNOWN, or PENDING past its call deadline;
-3. ``sent``: an ACCEPTED receipt;
+3. ``sent``: an ACCEPTED receipt; ``sent, bounced`` when a delivery callback said it bounced,
+   ``sent, delivered`` when one said it was delivered (or opened, or complained of). A
+   CANCELLED job with an ACCEPTED receipt reads ``sent`` too, and says so: a cancel cannot
+   recall an effect whose intent was written before it;
 4. ``not sent``: a receipt NOT_SENT or FAILED;
 5. ``in progress``: a receipt PENDING within its deadline (the call may be in flight);
 6. then the jobs: WAITING_REVIEW or NEEDS_ATTENTION ``needs review``; WAITING_EXTERNAL, or
@@ -42,7 +47,7 @@ from typing import Any
 from sqlalchemy import or_, select, text, tuple_
 from sqlalchemy.engine import Connection
 
-from consumer.jobs.schema import attempts, jobs, operations
+from consumer.jobs.schema import attempts, deliveries, jobs, operations, replies
 from outbox.codec import text_fields
 from outbox.console.queries import TRACE_LIMIT, Tables, jsonable
 from outbox.console.schema import audit
@@ -52,6 +57,8 @@ from outbox.logs import fields
 log = logging.getLogger("outbox.console")
 
 SENT = "sent"
+SENT_DELIVERED = "sent, delivered"
+SENT_BOUNCED = "sent, bounced"
 UNKNOWN = "unknown"
 IN_PROGRESS = "in progress"
 WAITING = "waiting"
@@ -59,7 +66,11 @@ NEEDS_REVIEW = "needs review"
 NOT_SENT = "not sent"
 NOT_PUBLISHED = "not published yet"
 NOT_FOUND = "not found"
-VERDICTS = (SENT, UNKNOWN, IN_PROGRESS, WAITING, NEEDS_REVIEW, NOT_SENT, NOT_PUBLISHED, NOT_FOUND)
+VERDICTS = (
+    *(SENT, SENT_DELIVERED, SENT_BOUNCED, UNKNOWN, IN_PROGRESS, WAITING, NEEDS_REVIEW),
+    *(NOT_SENT, NOT_PUBLISHED, NOT_FOUND),
+)
+_DELIVERY_RANK = {"delivered": 1, "opened": 2, "complained": 3, "bounced": 4}
 
 
 @dataclass
@@ -75,6 +86,7 @@ class Trace:
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     receipts: list[dict[str, Any]] = field(default_factory=list)
+    deliveries: list[dict[str, Any]] = field(default_factory=list)
     audit: list[dict[str, Any]] = field(default_factory=list)
     clock: float = 0.0
 
@@ -93,6 +105,7 @@ class Trace:
             "dead_letters": self.dead_letters,
             "jobs": self.jobs,
             "receipts": self.receipts,
+            "deliveries": self.deliveries,
             "audit": self.audit,
         }
 
@@ -229,6 +242,19 @@ def _history_and_receipts(conn: Connection, has: Callable[[str], bool], trace: T
             history.setdefault(int(row["job_id"]), []).append(row)
     for job in trace.jobs:
         job["history"] = history.get(int(job["id"]), [])[-TRACE_LIMIT:]
+        job["replies"] = []
+    if has(replies.name):
+        by_job = {int(j["id"]): j for j in trace.jobs}
+        query = (
+            select(replies)
+            .where(replies.c.job_id.in_(ids))
+            .order_by(replies.c.job_id, replies.c.seq)
+            .limit(TRACE_LIMIT * 4)
+        )
+        for row in _rows(conn.execute(query)):
+            kept = by_job[int(row["job_id"])]["replies"]
+            if len(kept) < TRACE_LIMIT:
+                kept.append(row)
     if has(operations.name):
         receipts = (
             select(operations)
@@ -237,6 +263,14 @@ def _history_and_receipts(conn: Connection, has: Callable[[str], bool], trace: T
             .limit(TRACE_LIMIT)
         )
         _add(trace.receipts, _rows(conn.execute(receipts)), "operation_id")
+    if has(deliveries.name) and trace.receipts:
+        callbacks = (
+            select(deliveries)
+            .where(deliveries.c.operation_id.in_([r["operation_id"] for r in trace.receipts]))
+            .order_by(deliveries.c.operation_id, deliveries.c.received_at)
+            .limit(TRACE_LIMIT)
+        )
+        trace.deliveries = _rows(conn.execute(callbacks))
 
 
 def _lookup(
@@ -342,8 +376,7 @@ def verdict(trace: Trace) -> tuple[str, str]:
             + ": the provider may or may not have acted; settle it"
         )
     if by_state.get("ACCEPTED"):
-        r = by_state["ACCEPTED"][0]
-        return SENT, f"receipt {r['operation_id']} is ACCEPTED (ref {r['provider_ref']})"
+        return _sent(trace, by_state["ACCEPTED"])
     for state in ("NOT_SENT", "FAILED"):
         if by_state.get(state):
             r = by_state[state][0]
@@ -365,6 +398,32 @@ def verdict(trace: Trace) -> tuple[str, str]:
     return IN_PROGRESS, "published to its stream; no consumer has made a job for it yet"
 
 
+def _sent(trace: Trace, accepted: list[dict[str, Any]]) -> tuple[str, str]:
+    """``sent``, or with what the provider said later: the furthest delivery callback of an
+    ACCEPTED receipt (applied to it, or kept because it came first: the same facts)."""
+    r = accepted[0]
+    because = f"receipt {r['operation_id']} is ACCEPTED (ref {r['provider_ref']})"
+    ids = {x["operation_id"] for x in accepted}
+    said = [x.get("delivery_status") for x in accepted]
+    said += [d["status"] for d in trace.deliveries if d["operation_id"] in ids]
+    furthest = max((s for s in said if s), key=lambda s: _DELIVERY_RANK.get(s, 0), default=None)
+    cancelled = [
+        j
+        for j in trace.jobs
+        if j["state"] == "CANCELLED" and int(j["id"]) in {int(x["job_id"]) for x in accepted}
+    ]
+    if cancelled:
+        because += (
+            f"; job {cancelled[0]['id']} was cancelled after its intent was written: "
+            "a cancel cannot recall the effect"
+        )
+    if furthest == "bounced":
+        return SENT_BOUNCED, because + "; the provider says it bounced"
+    if furthest is not None:
+        return SENT_DELIVERED, because + f"; the provider says {furthest}"
+    return SENT, because
+
+
 def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
     def label(job: dict[str, Any]) -> str:
         return f"job {job['id']} ({job['tenant']}/{job['action']}) is {job['state']}"
@@ -380,6 +439,8 @@ def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
             return WAITING, label(job) + " with a timer"
     for job in found:
         if job["state"] in ("READY", "LEASED"):
+            if job.get("cancel_requested_at") is not None:
+                return IN_PROGRESS, label(job) + ", a cancel was requested: its run ends it"
             return IN_PROGRESS, label(job)
     if all(job["state"] == "CANCELLED" for job in found):
         return NOT_SENT, label(found[0])
