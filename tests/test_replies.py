@@ -279,3 +279,31 @@ def test_a_cancel_of_a_job_that_is_not_running_moves_it_at_once(store: Store) ->
     job = store.enqueue("studio", "quote-17").job_id
     assert store.cancel(job, reason="withdrawn") == CANCELLED
     assert store.get(job).state == CANCELLED
+
+
+def test_retention_takes_a_finished_jobs_replies_and_callbacks_with_it(
+    store: Store, mail: FakeProvider
+) -> None:
+    import sqlalchemy as sa
+
+    from consumer.jobs.retention import JobRetention, JobRetentionConfig
+    from consumer.jobs.schema import deliveries, jobs, replies
+
+    ops = Operations(store, {"mail": mail})
+    old = store.enqueue("studio", "send-quote-1").job_id
+    ctx = JobContext(store, claim(store), ops)
+    op = ctx.dispatch("email", "mail", {"to": "ann"}).operation_id
+    store.finish_batch([ctx.lease])
+    store.reply(old, payload="late", reply_id="r1")
+    ops.record_delivery(op, "delivered", event_id="e1")
+    kept = store.enqueue("studio", "quote-2").job_id
+    store.reply(kept, payload="keep me", reply_id="r1")
+    with store.driver.begin() as conn:  # a month ago
+        conn.execute(sa.update(jobs).where(jobs.c.id == old).values(updated_at=1.0))
+
+    assert JobRetention(store, JobRetentionConfig()).purge_finished(100) == 1
+
+    with store.driver.connect() as conn:
+        left = [int(r[0]) for r in conn.execute(sa.select(replies.c.job_id))]
+        callbacks = conn.execute(sa.select(sa.func.count()).select_from(deliveries)).scalar()
+    assert left == [kept] and callbacks == 0

@@ -447,8 +447,19 @@ def test_the_job_purge_reads_its_batch_not_the_table(pg_url: str, stats: str) ->
                    state, created_at, updated_at)
             SELECT 'op-' || id, id, 'mail', 'd', 'ACCEPTED', 0, 0 FROM outbox_jobs"""
         )
+        conn.execute(  # a reply per job and a delivery callback per receipt (issue 38)
+            """INSERT INTO outbox_job_replies (job_id, seq, reply_id, received_at)
+            SELECT id, 1, 'r', 0 FROM outbox_jobs"""
+        )
+        conn.execute(
+            """INSERT INTO outbox_deliveries (event_id, operation_id, status, received_at)
+            SELECT 'e-' || id, 'op-' || id, 'delivered', 0 FROM outbox_jobs"""
+        )
         if stats == "fresh":
-            conn.execute("ANALYZE outbox_jobs, outbox_job_attempts, outbox_operations")
+            conn.execute(
+                "ANALYZE outbox_jobs, outbox_job_attempts, outbox_operations,"
+                " outbox_job_replies, outbox_deliveries"
+            )
         sql = PG_JOB_PURGE.replace(":cutoff", "%(cutoff)s").replace(":limit", "%(limit)s")
         with conn.transaction(force_rollback=True):
             row = conn.execute(

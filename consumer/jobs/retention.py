@@ -41,10 +41,12 @@ from sqlalchemy.engine import Connection
 
 from consumer.jobs.schema import (
     ATTEMPTS_TABLE,
+    DELIVERIES_TABLE,
     FINISHED_JOBS_INDEX,
     JOB_OPERATIONS_INDEX,
     JOBS_TABLE,
     OPERATIONS_TABLE,
+    REPLIES_TABLE,
     WORKERS_TABLE,
 )
 from consumer.jobs.states import CANCELLED, DONE, LEASED
@@ -210,7 +212,13 @@ doomed AS MATERIALIZED (
 gone_attempts AS (
     DELETE FROM {ATTEMPTS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1),
 gone_operations AS (
-    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1),
+    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))
+    RETURNING operation_id),
+gone_replies AS (
+    DELETE FROM {REPLIES_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))),
+gone_deliveries AS (
+    DELETE FROM {DELIVERIES_TABLE}
+    WHERE operation_id = ANY(ARRAY(SELECT operation_id FROM gone_operations))),
 gone_jobs AS (
     DELETE FROM {JOBS_TABLE} WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1)
 SELECT (SELECT count(*) FROM gone_jobs), (SELECT count(*) FROM gone_attempts),
@@ -363,6 +371,15 @@ class JobRetention:
                 return 0
             params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
             marks = ", ".join(f":i{n}" for n in range(len(ids)))
+            # Their replies and delivery callbacks go with them (not counted: the job's own).
+            conn.execute(text(f"DELETE FROM {REPLIES_TABLE} WHERE job_id IN ({marks})"), params)
+            conn.execute(
+                text(
+                    f"DELETE FROM {DELIVERIES_TABLE} WHERE operation_id IN (SELECT operation_id"
+                    f" FROM {OPERATIONS_TABLE} WHERE job_id IN ({marks}))"
+                ),
+                params,
+            )
             gone = [
                 int(
                     conn.execute(
