@@ -19,6 +19,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from consumer.jobs.context import JobContext
+from consumer.jobs.http import HttpProvider
 from consumer.jobs.inbound import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
@@ -31,6 +32,7 @@ from consumer.jobs.states import READY, WAITING_EXTERNAL
 from consumer.jobs.store import Store
 from outbox.testing import FakeProvider
 from tests.services import free_port, wait_for
+from tests.simulator_support import SimulatorProcess
 
 SECRET = "s3cret-shared-with-the-sender"
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +203,74 @@ def test_a_provider_webhook_with_its_own_scheme(store: Store) -> None:
         assert client.post("/webhooks/other", content=body).status_code == 404
 
 
+def start_inbound(db_url: str, secret_file: Path, port: int) -> subprocess.Popen[str]:
+    """``outbox-worker inbound serve`` as a child process, answering /healthz."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    command = ["inbound", "serve", "--port", str(port), "--secret-file", str(secret_file)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "consumer.jobs.cli", *command, "--database-url", db_url],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, "the inbound endpoint", timeout=60)
+    return proc
+
+
+def test_the_simulator_sends_signed_delivery_callbacks(db_url: str, tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    port = free_port()
+    store = Store(db_url)
+    inbound = start_inbound(db_url, secret_file, port)
+    simulator = SimulatorProcess(
+        tmp_path / "sim.db",
+        env={
+            "OUTBOX_SIMULATOR_CALLBACK_URL": f"http://127.0.0.1:{port}",
+            "OUTBOX_SIMULATOR_CALLBACK_DELAY": "0.05",
+            "OUTBOX_INBOUND_SECRET": SECRET,
+        },
+    )
+    try:
+        simulator.start(timeout=60)
+        mail = HttpProvider("mail", simulator.send_url, lookup_url=simulator.lookup_url)
+        ops = Operations(store, {"mail": mail})
+        sent = {}
+        for n, to in enumerate(("ann@example.com", "nobody@example.invalid")):
+            store.enqueue("studio", f"send-quote-{n}")
+            lease = store.claim_next("w")
+            assert lease is not None
+            ctx = JobContext(store, lease, ops)
+            sent[to] = ctx.dispatch("email", "mail", {"to": to}).operation_id
+            ctx.wait_external("the customer")
+
+        def outcome(to: str) -> str | None:
+            receipt = ops.receipt(sent[to])
+            return None if receipt is None else receipt.delivery_status
+
+        wait_for(lambda: outcome("nobody@example.invalid") == "bounced", "the bounce", timeout=60)
+        wait_for(lambda: outcome("ann@example.com") == "delivered", "the delivery", timeout=60)
+        bounced = store.get(int(sent["nobody@example.invalid"].split(":")[0]))
+        assert bounced.state == READY  # the bounce woke the job waiting for its customer
+        assert store.get(int(sent["ann@example.com"].split(":")[0])).state == WAITING_EXTERNAL
+        mail.close()
+    finally:
+        simulator.stop()
+        inbound.send_signal(signal.SIGTERM)
+        inbound.communicate(timeout=60)
+        store.dispose()
+
+
 def test_inbound_serve_runs_alone_and_drains_on_sigterm(db_url: str, tmp_path: Path) -> None:
     store = Store(db_url)
     try:
@@ -208,37 +278,9 @@ def test_inbound_serve_runs_alone_and_drains_on_sigterm(db_url: str, tmp_path: P
         secret_file = tmp_path / "secret"
         secret_file.write_text(SECRET + "\n")
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "consumer.jobs.cli",
-                "inbound",
-                "serve",
-                "--port",
-                str(port),
-                "--secret-file",
-                str(secret_file),
-                "--database-url",
-                db_url,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = start_inbound(db_url, secret_file, port)
         try:
             base = f"http://127.0.0.1:{port}"
-
-            def up() -> bool:
-                try:
-                    return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            wait_for(up, "the inbound endpoint", timeout=60)
             body = json.dumps({"job": job, "reply_id": "r1", "payload": "accepted"}).encode()
             answer = httpx.post(f"{base}/replies", content=body, headers=sign(SECRET, body))
             assert answer.status_code == 200 and answer.json()["resumed"] is True

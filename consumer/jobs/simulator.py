@@ -86,6 +86,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import random
 import select
 import signal
@@ -98,7 +99,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # The semantics (effects, the fault plan, what a send does) live in consumer.jobs.simulation,
@@ -119,6 +120,9 @@ from consumer.jobs.simulation import (
 from outbox.cli import LOGGING, Flag, Parser, add_flags, run_main
 from outbox.errors import ConfigError
 from outbox.logs import fields, setup_logging
+
+if TYPE_CHECKING:
+    from consumer.jobs.callbacks import CallbackSender
 
 __all__ = ["FAULT_KINDS", "MAX_HANG_SECONDS", "REFUSALS", "STAT_NAMES", "Effects", "Fault"]
 __all__ += ["Handler", "Refusal", "Simulator", "SimulatorConfig", "SimulatorServer", "main"]
@@ -280,6 +284,10 @@ class Handler(BaseHTTPRequestHandler):
             if self._wait(self.server.latency()):
                 return
             answer = self.sim.act(fault, operation_id, key, body, headers, idempotent=idempotent)
+        callbacks = self.server.callbacks
+        made = answer.body.get("id") if isinstance(answer.body, dict) else None
+        if callbacks is not None and made and not answer.body.get("replayed"):
+            callbacks.effect(operation_id, str(made), request)  # its webhook, later
         if answer.reset:
             self._reset()
         elif answer.hang:
@@ -340,6 +348,7 @@ class SimulatorServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], simulator: Simulator) -> None:
         self.simulator = simulator
+        self.callbacks: CallbackSender | None = None  # --callback-url: signed webhooks
         self._arrivals: deque[tuple[float, str | None, str | None, str]] = deque(maxlen=200_000)
         self._capacity: threading.Semaphore | None = None
         self._random = random.Random()
@@ -466,6 +475,27 @@ def build_parser() -> Parser:
             env="OUTBOX_SIMULATOR_CAPACITY",
             metavar="N",
         ),
+        Flag(
+            "--callback-url",
+            help="send each effect's signed delivery callback to URL/deliveries "
+            "(consumer.jobs.inbound; consumer.jobs.callbacks)",
+            env="OUTBOX_SIMULATOR_CALLBACK_URL",
+            metavar="URL",
+        ),
+        Flag(
+            "--callback-secret-file",
+            help="file whose first line is the callbacks' secret; OUTBOX_INBOUND_SECRET wins",
+            env="OUTBOX_SIMULATOR_CALLBACK_SECRET_FILE",
+            metavar="FILE",
+        ),
+        Flag(
+            "--callback-delay",
+            float,
+            "seconds between an effect and its callback",
+            default=0.5,
+            env="OUTBOX_SIMULATOR_CALLBACK_DELAY",
+            metavar="SECONDS",
+        ),
         *LOGGING,
     )
     run.set_defaults(func=_serve)
@@ -497,6 +527,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"{PROG}: cannot open the effects file {data!r}: {exc}", file=sys.stderr)
         return 1
     bound_host, bound_port = server.server_address[:2]
+    if args.callback_url:
+        server.callbacks = _callbacks(args)
 
     def _stop(signum: int, _frame: Any) -> None:
         server.simulator.stopping.set()
@@ -520,7 +552,25 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
         server.simulator.effects.close()
+        if server.callbacks is not None:
+            server.callbacks.close()
     return 0
+
+
+def _callbacks(args: argparse.Namespace) -> CallbackSender:
+    from consumer.jobs.callbacks import CallbackSender  # only with --callback-url
+
+    secret = os.environ.get("OUTBOX_INBOUND_SECRET", "")
+    if not secret and args.callback_secret_file:
+        with open(args.callback_secret_file, encoding="utf-8") as handle:
+            secret = handle.readline().strip()
+    if len(secret) < 16:
+        raise ConfigError(
+            "OUTBOX_INBOUND_SECRET", "--callback-url needs the endpoint's secret (16+ characters)"
+        )
+    return CallbackSender(
+        args.callback_url, secret, delay=_seconds("callback_delay", args.callback_delay)
+    )
 
 
 def _start_problem(exc: OSError, host: str, port: int) -> str:
