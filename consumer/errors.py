@@ -56,6 +56,17 @@ class JobNotFound(ConsumerError, LookupError):
     """No job has the given id or (tenant, action)."""
 
 
+class InvalidSchedule(JobError):
+    """A schedule definition was refused before anything was stored: an invalid cron
+    expression, an unknown time zone, an empty name, an unknown ``missed`` policy...;
+    ``field`` names the argument (``cron``, ``tz``, ``name``, ...)."""
+
+
+class ScheduleNotFound(ConsumerError, LookupError):
+    """No schedule has the given name (``pause_schedule``, ``resume_schedule``,
+    ``remove_schedule``)."""
+
+
 class IllegalTransition(ConsumerError):
     """The job's current state does not allow the requested move (``resume`` of a DONE job,
     ``cancel`` of a finished one, ...). ``current`` and ``target`` name the two states; the

@@ -98,6 +98,7 @@ __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "work
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
+__all__ += ["SCHEDULES_TABLE", "schedules"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -362,6 +363,46 @@ CANCEL_REQUESTED_INDEX = Index(
     sqlite_where=(jobs.c.state == LEASED) & jobs.c.cancel_requested_at.is_not(None),
 )
 
+SCHEDULES_TABLE = "outbox_schedules"
+
+# Schedules (``Store.schedule_every``; consumer/jobs/schedules.py): one row per schedule, its
+# definition and where it stands. ``next_slot`` is the earliest slot not yet decided (unix
+# seconds, UTC): the firing duty takes the rows whose ``next_slot`` passed, enqueues their
+# slots' jobs and moves it on, in one transaction. ``last_slot`` / ``last_job_id``: the latest
+# slot fired and its job. ``fired`` / ``missed``: slots fired and slots given up (an outage
+# longer than the grace, beyond ``catch_up_limit``), for the metrics. ``paused_at``: an
+# operator paused it. ``source``: ``code`` (a Worker's ``schedules=``) or ``api``.
+schedules = Table(
+    SCHEDULES_TABLE,
+    metadata,
+    Column("name", String(NAME_LENGTH), primary_key=True),
+    Column("cron", String(NAME_LENGTH), nullable=False),
+    Column("tz", String(64), nullable=False),
+    Column("tenant", String(NAME_LENGTH), nullable=False),
+    Column("action", String(NAME_LENGTH), nullable=False),
+    Column("payload", _json(), nullable=True),
+    Column("queue", String(NAME_LENGTH), nullable=False),
+    Column("missed_policy", String(16), nullable=False),
+    Column("catch_up_limit", Integer, nullable=False),
+    Column("grace", Double, nullable=False),
+    Column("source", String(16), nullable=False),
+    Column("next_slot", Double, nullable=False),
+    Column("last_slot", Double, nullable=True),
+    Column("last_job_id", BigInteger, nullable=True),
+    Column("fired", BigInteger, nullable=False, server_default=text("0")),
+    Column("missed", BigInteger, nullable=False, server_default=text("0")),
+    Column("paused_at", Double, nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+# The firing duty's read: running schedules by next slot (its earliest, and those due).
+DUE_SCHEDULES_INDEX = Index(
+    "ix_outbox_schedules_due",
+    schedules.c.next_slot,
+    postgresql_where=schedules.c.paused_at.is_(None),
+    sqlite_where=schedules.c.paused_at.is_(None),
+)
+
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
 """The job tables written all day (every claim and finish updates a job, every outcome adds
 a history row): they get the hot-table autovacuum settings, and the worker vacuums them
@@ -461,6 +502,8 @@ def upgrade_schema(conn: Connection) -> None:
     paused_queues.create(conn, checkfirst=True)
     replies.create(conn, checkfirst=True)
     deliveries.create(conn, checkfirst=True)
+    schedules.create(conn, checkfirst=True)
+    DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
 

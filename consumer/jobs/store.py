@@ -75,6 +75,7 @@ from consumer.jobs.rows import (
     job_from_row,
     lease_from_row,
 )
+from consumer.jobs.schedules import ScheduleMethods
 from consumer.jobs.schema import DEFAULT_QUEUE
 from consumer.jobs.states import (
     CANCELLED,
@@ -162,7 +163,7 @@ def _same_stamp(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 # -- the store -------------------------------------------------------------------------------
 
 
-class Store(LeaseMoves, Recovery):
+class Store(LeaseMoves, Recovery, ScheduleMethods):
     """The job store on one database (see the module docstring for the contract).
 
     ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long

@@ -1,0 +1,230 @@
+"""The firing duty: the due slots of every schedule become jobs, once, fleet-wide.
+
+:func:`fire_schedules` is one round, in one transaction (``consumer.jobs.schedules`` has the
+contract):
+
+1. the database clock (or ``now``) says which running schedules are due: ``next_slot <=
+   clock``, read by ``ix_outbox_schedules_due``, at most ``limit`` rows, locked (PostgreSQL
+   ``FOR UPDATE SKIP LOCKED``: two workers never wait for each other nor decide the same
+   row; SQLite: the transaction holds the write lock);
+2. for each, the slots from ``next_slot`` up to the clock are listed: the latest one is on
+   time if the clock is within ``grace`` of it; the others are missed, and the ``missed``
+   policy says which of them still fire (``skip``: none; ``catch_up``: the latest
+   ``catch_up_limit``);
+3. each slot that fires enqueues its job ``(tenant, f"{action}@{slot}")`` with ``kind=action``
+   through the job table's unique ``(tenant, action)``, and the row moves on: ``next_slot``
+   to the first slot after the clock, ``last_slot``/``last_job_id``, ``fired``/``missed``
+   counted, compare-and-set on the ``next_slot`` read.
+
+A worker that dies mid-round rolls back everything: the next worker decides the same
+slots. :class:`ScheduleDuty` runs rounds in a worker: at each schedule's next slot (read from
+the database after each round, so an idle fleet with 100 per-minute schedules costs each
+worker one round per minute plus one every ``max_wait`` seconds), and at once when a round
+found more due rows than its ``limit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
+
+from consumer.jobs.checks import Time, _job_values, _time
+from consumer.jobs.cron import Slot, check_zone, next_slot, slot_text
+from consumer.jobs.driver import JobDriver
+from consumer.jobs.schema import schedules
+from outbox.logs import fields
+
+if TYPE_CHECKING:
+    from consumer.jobs.store import Store
+
+__all__ = ["FiredSlot", "FiringResult", "ScheduleDuty", "fire_schedules"]
+
+log = logging.getLogger("outbox.worker.schedules")
+
+MAX_LISTED_SLOTS = 10_000
+"""Slots listed per schedule in one round; past that (a per-minute schedule down for a
+week) the rest are counted missed in one step, without listing them."""
+
+
+@dataclass(frozen=True)
+class FiredSlot:
+    """One slot a round fired: its schedule, the slot, its job, and whether that job
+    existed already (``duplicate``: someone enqueued that identity before)."""
+
+    schedule: str
+    slot: Slot
+    job_id: int
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class FiringResult:
+    """What a round did: the slots it fired, the slots missed per schedule, the clock it
+    used, and when the next slot of a running schedule falls (unix seconds; None: none;
+    ``more``: due rows were left for the next round)."""
+
+    fired: tuple[FiredSlot, ...]
+    missed: dict[str, int] = field(default_factory=dict)
+    clock: float = 0.0
+    next_due: float | None = None
+    more: bool = False
+
+
+def fire_schedules(driver: JobDriver, *, now: Time | None = None, limit: int = 100) -> FiringResult:
+    """One round of the firing duty (module docstring), in one transaction
+    (``Store.fire_schedules``)."""
+    when = _time("now", now)
+    fired: list[FiredSlot] = []
+    missed: dict[str, int] = {}
+    with driver.begin() as conn:
+        clock = driver.clock_read(conn, when)
+        rows = conn.execute(
+            select(schedules)
+            .where(schedules.c.paused_at.is_(None), schedules.c.next_slot <= clock)
+            .order_by(schedules.c.next_slot)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for row in rows:
+            _, given_up = _fire_row(driver, conn, row, clock, fired)
+            if given_up:
+                missed[row.name] = given_up
+        if any(not slot.duplicate for slot in fired):
+            driver.job_ready_notify(conn)
+        next_due = conn.execute(
+            select(func.min(schedules.c.next_slot)).where(schedules.c.paused_at.is_(None))
+        ).scalar()
+    for slot in fired:
+        log.info(
+            "schedule fired",
+            extra=fields(schedule=slot.schedule, slot=str(slot.slot), job_id=slot.job_id),
+        )
+    for name, count in missed.items():
+        log.warning("schedule missed slots", extra=fields(schedule=name, missed=count))
+    return FiringResult(
+        tuple(fired),
+        missed,
+        clock,
+        None if next_due is None else float(next_due),
+        more=len(rows) >= limit,
+    )
+
+
+def _fire_row(
+    driver: JobDriver, conn: Connection, row: Any, clock: float, fired: list[FiredSlot]
+) -> tuple[list[float], int]:
+    """Decide one due schedule's slots and enqueue those that fire; (fired slots, missed)."""
+    name, cron, grace = row.name, row.cron, float(row.grace)
+    zone = check_zone(row.tz)
+    limit = int(row.catch_up_limit)
+    first = float(row.next_slot)
+    recent: deque[float] = deque(maxlen=limit + 1)  # the latest due slots
+    due, slot = 0, first
+    while slot <= clock and due < MAX_LISTED_SLOTS:
+        recent.append(slot)
+        due += 1
+        slot = next_slot(cron, zone, slot)
+    if slot <= clock:  # too many to list: the rest are missed, the rhythm resumes after now
+        slot = next_slot(cron, zone, clock)
+        recent.clear()
+    on_time = recent[-1] if recent and clock - recent[-1] <= grace else None
+    late = [s for s in recent if s != on_time]
+    chosen = late[-limit:] if row.missed_policy == "catch_up" else []
+    chosen = chosen + ([on_time] if on_time is not None else [])
+    given_up = due - len(chosen)
+    last_job_id = row.last_job_id
+    for moment in chosen:
+        values = _job_values(
+            row.tenant,
+            f"{row.action}@{slot_text(moment)}",
+            kind=row.action,
+            payload=row.payload,
+            queue=row.queue,
+            now=clock,
+        )
+        job_id, created = driver.job_insert(conn, values)
+        fired.append(FiredSlot(name, Slot.at(moment), job_id, not created))
+        last_job_id = job_id
+    moved = conn.execute(
+        update(schedules)
+        .where(schedules.c.name == name, schedules.c.next_slot == first)
+        .values(
+            next_slot=slot,
+            last_slot=chosen[-1] if chosen else row.last_slot,
+            last_job_id=last_job_id,
+            fired=schedules.c.fired + len(chosen),
+            missed=schedules.c.missed + given_up,
+            updated_at=clock,
+        )
+        .returning(schedules.c.name)
+    ).first()
+    if moved is None:  # pragma: no cover - the row is locked: nobody moved it meanwhile
+        raise RuntimeError(f"schedule {name!r} moved during its round")
+    return chosen, given_up
+
+
+class ScheduleDuty:
+    """The worker's firing duty: :func:`fire_schedules` when a slot falls.
+
+    ``run_once(now=None)`` runs a round now and books the next one; ``maybe_run()`` runs one
+    when due; ``remaining()`` says how long until then (a worker's idle wait is no longer).
+    The next round is due at the earliest next slot of a running schedule (the database's
+    answer, as a delay from its clock, so local clocks never matter), at most ``max_wait``
+    seconds away (a schedule defined or resumed meanwhile is seen by then), at once when a
+    round left due rows, and ``busy_wait`` seconds later when another worker holds the due
+    rows (it is firing them).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_wait: float = 30.0,
+        busy_wait: float = 0.25,
+        limit: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.max_wait = max_wait
+        self.busy_wait = busy_wait
+        self.limit = limit
+        self._clock = clock
+        self.next_at = -1.0  # monotonic; the first round is due at once
+        self.rounds = 0
+
+    def remaining(self) -> float:
+        return max(0.0, self.next_at - self._clock())
+
+    def due(self) -> bool:
+        return self._clock() >= self.next_at
+
+    def run_once(self, now: Time | None = None) -> FiringResult:
+        started = self._clock()
+        self.next_at = started + self.max_wait  # a round that raises waits this long
+        result = self.store.fire_schedules(now=now, limit=self.limit)
+        self.rounds += 1
+        self.next_at = started + self.delay(result)
+        return result
+
+    def delay(self, result: FiringResult) -> float:
+        """Seconds from the round's start to the next round (class docstring)."""
+        if result.more:
+            return 0.0
+        if result.next_due is None:
+            return self.max_wait
+        ahead = result.next_due - result.clock
+        if ahead <= 0:  # due, yet not ours: another worker holds the row and fires it
+            return self.busy_wait
+        return min(ahead, self.max_wait)
+
+    def maybe_run(self) -> FiringResult | None:
+        if not self.due():
+            return None
+        return self.run_once()
