@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
@@ -40,9 +40,6 @@ from consumer.jobs.cron import Slot, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import schedules
 from outbox.logs import fields
-
-if TYPE_CHECKING:
-    from consumer.jobs.store import Store
 
 __all__ = ["FiredSlot", "FiringResult", "ScheduleDuty", "fire_schedules"]
 
@@ -170,6 +167,12 @@ def _fire_row(
     return chosen, given_up
 
 
+class Fires(Protocol):
+    """What the duty steps: ``Store.fire_schedules``."""
+
+    def fire_schedules(self, *, now: Time | None = None, limit: int = 100) -> FiringResult: ...
+
+
 class ScheduleDuty:
     """The worker's firing duty: :func:`fire_schedules` when a slot falls.
 
@@ -184,7 +187,7 @@ class ScheduleDuty:
 
     def __init__(
         self,
-        store: Store,
+        store: Fires,
         *,
         max_wait: float = 30.0,
         busy_wait: float = 0.25,
