@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
+from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
-
 from consumer.errors import InvalidSchedule
+
+if TYPE_CHECKING:
+    from croniter import croniter
 
 __all__ = ["Slot", "check_cron", "check_zone", "next_slot", "slot_from_text", "slot_text"]
 
@@ -83,6 +85,15 @@ def _zone(tz: str) -> ZoneInfo:
     return ZoneInfo(tz)
 
 
+def _croniter() -> type[croniter]:
+    # Imported when a schedule is first used, not with the job store: a process that has no
+    # schedules never loads it (and an environment installed before it was a dependency
+    # still imports ``consumer``).
+    from croniter import croniter
+
+    return croniter
+
+
 def check_cron(cron: object) -> str:
     """A 5-field cron expression (or one of croniter's ``@daily``-style macros), normalised
     to single spaces; ``InvalidSchedule`` on the field ``cron`` otherwise. A seconds field
@@ -94,6 +105,7 @@ def check_cron(cron: object) -> str:
         return text.lower()
     if len(text.split(" ")) != 5:
         raise InvalidSchedule("cron", f"{cron!r} must have 5 fields (minute hour day month dow)")
+    croniter = _croniter()
     if not croniter.is_valid(text):
         raise InvalidSchedule("cron", f"{cron!r} is not a valid cron expression")
     try:  # valid syntax that never matches (30 February) would loop: refuse it here
@@ -131,7 +143,7 @@ def next_slot(cron: str, zone: ZoneInfo, after: float) -> float:
         moment.astimezone(zone).utcoffset() or timedelta(0),
     ]
     start = (moment + min(offsets)).replace(tzinfo=None)
-    steps = croniter(cron, start)
+    steps = _croniter()(cron, start)
     best: float | None = None
     first_gap: datetime | None = None
     while True:
