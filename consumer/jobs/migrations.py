@@ -10,6 +10,10 @@ missing (idempotent):
 - queues (issue 27): ``outbox_jobs.queue`` (NOT NULL, default ``'default'``: every job of
   an older table is in the default queue), the READY claim index re-created to lead with the
   queue, the index the tenant limit counts with, and ``outbox_paused_queues``;
+- replies, delivery callbacks and cancel requests (issue 38): ``outbox_jobs``'s reply
+  counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
+  outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
+  index of LEASED jobs with a cancel request;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 

@@ -32,6 +32,10 @@ SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs.
   ``timer_cancellation_condition`` (JSON): a business timer (``Store.schedule``).
 - ``created_at`` / ``updated_at``.
 
+``replies_received`` / ``replies_consumed``: the job's replies (``outbox_job_replies``) so
+far, and up to which a run that ended well consumed them. ``cancel_requested_at`` /
+``cancel_reason``: a cancel requested while it was LEASED (``consumer.jobs.cancels``).
+
 Useful metric queries: jobs per state ``SELECT state, count(*) ... GROUP BY state``; oldest
 eligible READY age ``db_epoch - min(coalesce(run_after, created_at)) WHERE state = 'READY'
 AND coalesce(run_after, created_at) <= db_epoch``; expired leases ``count(*) WHERE state =
@@ -48,7 +52,8 @@ see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``prov
 ``attempts`` (provider calls, counted before each is made), ``last_error``, ``call_deadline``
 (until when the latest call may be in flight: nobody looks it up before), ``settled_by`` /
 ``settled_reason`` / ``settled_at`` (an operator's or the sweep's decision), ``created_at``,
-``updated_at``. Open receipts: ``ix_outbox_operations_open``. Unknown receipts:
+``updated_at``, ``delivery_status`` / ``delivery_at`` (what the provider said later:
+``consumer.jobs.deliveries``). Open receipts: ``ix_outbox_operations_open``. Unknown receipts:
 ``count(*), db_epoch - min(updated_at) WHERE state = 'UNKNOWN'`` (``ix_outbox_operations_unknown``).
 """
 
