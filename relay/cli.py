@@ -34,6 +34,7 @@ from outbox.cli import (
 )
 from outbox.db import default_database_url, describe_url, make_engine
 from outbox.errors import ConfigError
+from outbox.extras import require
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
@@ -676,6 +677,7 @@ def _live_line() -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    require("http", "outbox-relay demo")  # its live view and chaos mode speak HTTP
     from relay.demo import run_demo
 
     return run_demo(args)

@@ -85,6 +85,7 @@ from outbox.cli import (
     run_main,
 )
 from outbox.db import default_database_url, describe_url, same_database
+from outbox.extras import require
 from outbox.logs import fields, setup_logging
 
 log = logging.getLogger("outbox.worker")
@@ -453,6 +454,7 @@ def _inbound(args: argparse.Namespace, url: str) -> int:
     import os
     import signal
 
+    require("inbound", "outbox-worker inbound serve")
     import uvicorn
 
     from consumer.jobs.inbound import InboundApp

@@ -71,14 +71,12 @@ import time
 from collections.abc import Coroutine, Iterator, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 from urllib.request import (  # type: ignore[attr-defined]  # untyped in typeshed
     getproxies_environment,
     proxy_bypass_environment,
 )
-
-import httpx
 
 from consumer.errors import (
     AuthFailure,
@@ -92,7 +90,13 @@ from consumer.jobs.limits import StartMissed, send_by
 from consumer.jobs.wire import LostAfterSend, NotSent, WirePool
 from outbox import tracing
 from outbox.errors import ConfigError
+from outbox.extras import optional_module, require
 from outbox.validate import check_number
+
+if TYPE_CHECKING:
+    import httpx
+else:  # the [http] extra: this module imports without it, HttpProvider(...) names it
+    httpx = optional_module("httpx", "http", "HttpProvider")
 
 #: Connections per pooled client: a provider's ``max_connections`` are spread over
 #: ``max_connections / SHARD`` clients (see ``HttpProvider.__init__``).
@@ -153,6 +157,7 @@ class HttpProvider:
         rate_limit: float | None = None,
         max_connections: int = 256,
     ) -> None:
+        require("http", "HttpProvider")
         if not isinstance(name, str) or not name.strip():
             raise ConfigError("name", "must be a non-empty string")
         _check_url("send_url", send_url)

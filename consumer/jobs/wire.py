@@ -32,9 +32,15 @@ import contextlib
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import h11
+from outbox.extras import optional_module
+
+if TYPE_CHECKING:
+    import h11
+else:  # the [http] extra (HttpProvider requires it before this client is ever made)
+    h11 = optional_module("h11", "http", "HttpProvider")
 
 __all__ = ["Answer", "LostAfterSend", "NotSent", "WirePool"]
 

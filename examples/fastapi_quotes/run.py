@@ -3,7 +3,7 @@
     python examples/fastapi_quotes/run.py [--port 8000] [--database-url URL] [--redis-url URL]
 
 It needs FastAPI, which the toolkit does not install (``pip install fastapi``; without it
-the script says so and exits 1; uvicorn comes with the toolkit, for the console). With no
+the script says so and exits 1; uvicorn comes with the toolkit's `[console]` extra). With no
 URLs everything runs on the embedded defaults, kept in ``--data-dir`` (``.outbox/``, which
 git ignores, as the demo's): the SQLite file outbox.db and an embedded Redis server (the
 three processes run in that folder). Three processes are started:
@@ -38,7 +38,7 @@ RELAY = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
 
 NEEDS = ("fastapi", "uvicorn")
 """What this example imports beyond the toolkit's own code: fastapi (``pip install
-fastapi``) and uvicorn (a dependency of the toolkit, checked all the same)."""
+fastapi``) and uvicorn (the toolkit's `[console]` extra, checked all the same)."""
 
 
 def missing_requirements() -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any
 from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, run_main
 from outbox.db import default_database_url, describe_url, make_engine
 from outbox.errors import ConfigError
+from outbox.extras import require
 from outbox.logs import fields, setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 
@@ -159,6 +160,7 @@ def _token(args: argparse.Namespace) -> tuple[str, bool]:
 
 
 def _serve(args: argparse.Namespace, url: str) -> int:
+    require("console", "outbox-console serve")
     import uvicorn
 
     from outbox.console.app import Console

@@ -37,14 +37,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
-
-import httpx
 
 from consumer.jobs.http import HttpProvider, parse_retry_after
 from consumer.jobs.simulation import Fault, Simulator, SimulatorConfig, wait_before_acting
 from outbox.errors import ConfigError
+from outbox.extras import optional_module
+
+if TYPE_CHECKING:
+    import httpx
+else:  # the [http] extra: FakeProvider(...) names it (outbox.testing imports without it)
+    httpx = optional_module("httpx", "http", "FakeProvider")
 
 _BASE = "http://fake-provider.invalid"
 
