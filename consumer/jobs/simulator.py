@@ -558,6 +558,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _callbacks(args: argparse.Namespace) -> CallbackSender:
+    from outbox.extras import require
+
+    for extra in ("http", "inbound"):  # it sends with httpx, signs as consumer.jobs.inbound
+        require(extra, "outbox-simulator --callback-url")
     from consumer.jobs.callbacks import CallbackSender  # only with --callback-url
 
     secret = os.environ.get("OUTBOX_INBOUND_SECRET", "")
