@@ -22,8 +22,8 @@ import uuid
 
 import redis
 
-from relay.publisher import RedisStreamPublisher
 from relay.records import Record
+from relay.redis.publisher import RedisStreamPublisher
 
 PAYLOAD = '{"quote": "q-0000", "total": 120, "lines": [' + ",".join(["1"] * 120) + "]}"
 

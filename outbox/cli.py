@@ -118,7 +118,9 @@ class Flag:
     no variable. ``shown_default`` is the default as the help tells it, when ``default`` is
     None because the command decides later (``outbox.db in the working directory``).
     ``env_negates``: the variable of a switch says the opposite (``--no-lookup`` and
-    ``OUTBOX_SIMULATOR_LOOKUP=0``).
+    ``OUTBOX_SIMULATOR_LOOKUP=0``). ``aliases``: older names of the flag that still work
+    (``--redis-url`` for ``--broker-url``); ``env_fallback``: the variable read when
+    ``env`` is not set (the alias's, ``OUTBOX_REDIS_URL``).
     """
 
     name: str
@@ -131,6 +133,8 @@ class Flag:
     dest: str | None = None
     choices: Sequence[str] | None = None
     env_negates: bool = False
+    aliases: tuple[str, ...] = ()
+    env_fallback: str | None = None
 
     @property
     def switch(self) -> bool:
@@ -184,6 +188,9 @@ class Flag:
         environ = os.environ if environ is None else environ
         name = self.env_var
         raw = environ.get(name) if name else None
+        if (raw is None or raw == "") and self.env_fallback:
+            name = self.env_fallback
+            raw = environ.get(name)
         if raw is None or raw == "":
             return self.default
         value = self.parse(raw, name or self.name)
@@ -205,7 +212,7 @@ class Flag:
                 kwargs["metavar"] = self.metavar
             if self.choices is not None:
                 kwargs["choices"] = self.choices
-        parser.add_argument(self.name, **kwargs)
+        parser.add_argument(self.name, *self.aliases, **kwargs)
 
 
 _Container = TypeVar("_Container", bound=argparse._ActionsContainer)
@@ -243,7 +250,8 @@ def resolve_environment(namespace: argparse.Namespace, environ: Any = None) -> a
         if isinstance(value, _Pending):
             flag = value.flag
             setattr(namespace, key, flag.resolve(environ))
-            sources[key] = flag.env_var if flag.env_var and environ.get(flag.env_var) else ""
+            names = (flag.env_var, flag.env_fallback)
+            sources[key] = next((n for n in names if n and environ.get(n)), "")
     setattr(namespace, _SOURCES, sources)
     return namespace
 
@@ -269,15 +277,21 @@ DATABASE_URL = Flag(
     metavar="URL",
 )
 REDIS_URL = Flag(
-    "--redis-url",
-    help="redis://host:port/db",
+    "--broker-url",
+    help="the broker: redis://host:port/db or rediss://...; --redis-url and "
+    "OUTBOX_REDIS_URL are its older names",
     shown_default="an embedded Redis server",
     metavar="URL",
+    dest="redis_url",
+    aliases=("--redis-url",),
+    env="OUTBOX_BROKER_URL",
+    env_fallback="OUTBOX_REDIS_URL",
 )
+BROKER_URL = REDIS_URL
 REDIS_CLUSTER = Flag(
     "--redis-cluster",
     bool,
-    "--redis-url names any node of a Redis Cluster (a redis+cluster:// URL says the same)",
+    "--broker-url names any node of a Redis Cluster (a redis+cluster:// URL says the same)",
 )
 METRICS_PORT = Flag(
     "--metrics-port",

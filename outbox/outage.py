@@ -53,7 +53,7 @@ TRANSIENT_REPLIES = (
 """Redis's error replies that mean "not now": the server is there but cannot take the
 command yet (loading, at maxmemory, a replica after a failover, a cluster whose slots move,
 a failed snapshot that blocks writes). A command refused so is tried again later; the relay
-also reads them in per-entry replies (``relay.replies.classify_reply``)."""
+also reads them in per-entry replies (``relay.redis.replies.classify_reply``)."""
 
 
 @functools.cache

@@ -199,7 +199,7 @@ def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
         )
     # Slot maps change under resharding and failover; the client refreshes them on MOVED and
     # on connection errors. The relay's scripts go through raw node connections and refresh
-    # the map themselves (relay.cluster).
+    # the map themselves (relay.redis.cluster).
     kwargs.pop("db", None)
     try:
         return RedisCluster.from_url(url, **kwargs)

@@ -33,16 +33,16 @@ from outbox.outage import report_failure
 from relay.config import RelayConfig
 from relay.errors import PermanentPublishError, RoutingError
 from relay.pipeline import Outcome, Recorder, record_outcome
-from relay.publisher import (
+from relay.reconcile import fence_key
+from relay.records import Record, RelayStats
+from relay.seam import (
+    Broker,
     FencedOut,
     HeldBack,
     MarkerBehind,
     Prepared,
-    RedisStreamPublisher,
     TransientError,
 )
-from relay.reconcile import fence_key
-from relay.records import Record, RelayStats
 from relay.store import Store
 
 log = logging.getLogger("outbox.relay")
@@ -80,7 +80,7 @@ class BatchPublisher:
         self,
         name: str,
         store: Store,
-        publisher: RedisStreamPublisher,
+        publisher: Broker,
         config: RelayConfig,
         *,
         stats: RelayStats,
@@ -257,13 +257,9 @@ class BatchPublisher:
         self.stats.retried += len(outcome.failed)
 
     def _server_of(self, stream: str) -> int | None:
-        """Where a refusal of ``stream``'s entries came from: its slot on a cluster (one
-        master may be at maxmemory while the others accept), the one server otherwise."""
-        if not self.publisher.cluster:
-            return None
-        from outbox.redis_client import slot_of
-
-        return slot_of(stream)
+        """Where a refusal of ``stream``'s entries came from (a Redis Cluster's slot: one
+        master may be at maxmemory while the others accept; None: one server)."""
+        return self.publisher.server_of(stream)
 
     def _retry_refused(self, accepting: set[int | None]) -> None:
         """The Redis behind ``accepting`` takes entries again: end the backoff of the rows

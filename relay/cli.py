@@ -41,6 +41,7 @@ from outbox.logs import setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 from outbox.schema import DEFAULT_TABLE, build_schema, create_schema
 from relay.admin import requeue, status
+from relay.broker import Broker, broker_for, broker_kind
 from relay.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_PARTITIONS,
@@ -48,7 +49,7 @@ from relay.config import (
     DEFAULT_RETENTION_SECONDS,
     RelayConfig,
 )
-from relay.publisher import DEFAULT_STREAM_RETENTION, RedisStreamPublisher, StreamTemplate
+from relay.redis.publisher import DEFAULT_STREAM_RETENTION, StreamTemplate
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
@@ -327,6 +328,21 @@ def connect_redis(args: argparse.Namespace, stop: GracefulStop | None = None) ->
     )
 
 
+def connect_broker(
+    args: argparse.Namespace, stop: GracefulStop | None = None, **options: Any
+) -> Broker | None:
+    """The broker of ``--broker-url`` (:func:`relay.broker.broker_for`); a Redis Cluster's
+    client is connected first (see :func:`connect_redis`). None once stopped while waiting."""
+    if broker_kind(args.redis_url) == "redis":
+        client = connect_redis(args, stop)
+        if client is None:
+            return None
+        return broker_for(args.redis_url, client=client, **options)
+    if uses_cluster(args):
+        raise UsageError("--redis-cluster applies only to a Redis --broker-url")
+    return broker_for(args.redis_url, **options)
+
+
 def relay_config(args: argparse.Namespace) -> RelayConfig:
     """Flags and environment into the frozen config (ConfigError names a bad value)."""
     if not args.wait_replicas and args.wait_timeout != WAIT_TIMEOUT.default:
@@ -509,19 +525,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
     stop = GracefulStop().install()
-    client = connect_redis(args, stop)
-    if client is None:
-        return 0  # stopped while waiting for the cluster
-    maxlen = args.maxlen or None
-    publisher = RedisStreamPublisher(
-        client,
-        args.stream,
-        maxlen,
+    publisher = connect_broker(
+        args,
+        stop,
+        stream_template=args.stream,
+        maxlen=args.maxlen or None,
         source=args.source,
         stream_retention=args.stream_retention,
     )
+    if publisher is None:
+        return 0  # stopped while waiting for the broker
     if args.require_aof:
-        refusal = _aof_refusal(client, stop, args)
+        if broker_kind(args.redis_url) != "redis":
+            raise UsageError("--require-aof applies to a Redis broker")
+        refusal = _aof_refusal(getattr(publisher, "client", None), stop, args)
         if refusal is not None:
             return _fail(refusal)
     hooks: Hooks | None = None
@@ -569,7 +586,7 @@ def _aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> s
     down, as the relay would."""
     from redis import RedisError
 
-    from relay.redis_health import Persistence, check_persistence
+    from relay.redis.health import Persistence, check_persistence
 
     found: list[Persistence] = []
 
@@ -608,13 +625,13 @@ def cmd_republish(args: argparse.Namespace) -> int:
     StreamTemplate.parse(template)
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args, existing=True)
-    client = connect_redis(args)
-    publisher = RedisStreamPublisher(
-        client,
-        template,
+    publisher = connect_broker(
+        args,
+        stream_template=template,
         source=args.source,
         stream_retention=STREAM_RETENTION.resolve(),
     )
+    assert publisher is not None  # without ``stop`` it raises instead of giving up
 
     def show(result: Any) -> None:
         verb = "would republish" if result.dry_run else "republished"

@@ -58,7 +58,7 @@ class RelayConfig:
     - ``rebalance_interval``: seconds between partition ownership checks.
     - ``redis_check_interval``: seconds between the checks of Redis's persistence and of
       the marker that reveals lost entries (also run at start, and at once when a batch is
-      refused because the marker is behind; see :mod:`relay.redis_health`).
+      refused because the marker is behind; see :mod:`relay.redis.health`).
     - ``auto_republish``: when Redis lost entries, republish the lost window by itself
       (``outbox-relay republish``'s work) before publishing anything new; otherwise log the
       command to run and raise ``OutboxRedisDataLoss``.

@@ -60,7 +60,7 @@ from outbox.redis_client import is_cluster_url, redis_client
 from relay.admin import status
 from relay.config import RelayConfig
 from relay.demo_app import PARENT_PID_VARIABLE, SIMULATOR_URL_VARIABLE
-from relay.publisher import RedisStreamPublisher
+from relay.redis.publisher import RedisStreamPublisher
 from relay.relay import Relay
 
 TENANTS = ("studio", "bakery", "garage")

@@ -11,12 +11,10 @@ the others, which are published again. Why this is exactly-once in the stream:
 
 from __future__ import annotations
 
-import redis
-
 from relay.config import RelayConfig
 from relay.errors import RoutingError
-from relay.publisher import RedisStreamPublisher
 from relay.records import Orphan, Record
+from relay.seam import Broker
 from relay.store import Store
 
 Found = tuple[Orphan, str, str]
@@ -24,12 +22,12 @@ Found = tuple[Orphan, str, str]
 
 
 def fence_key(owner: str, epoch: int) -> str:
-    """The Redis key that fences the intent ``(owner, epoch)`` (see ``set_fences``)."""
+    """The name of the fence of the intent ``(owner, epoch)`` (see ``Broker.set_fences``)."""
     return f"outbox:fence:{owner}:{epoch}"
 
 
 def reconcile_orphans(
-    store: Store, publisher: RedisStreamPublisher, config: RelayConfig
+    store: Store, publisher: Broker, config: RelayConfig
 ) -> tuple[list[Found], list[Orphan]] | None:
     """Resolve up to ``batch_size`` intents without receipts whose window has passed: the
     events found in their streams (receipts recorded) and those missing (intents cleared,
@@ -68,7 +66,7 @@ def reconcile_orphans(
 
 
 def _by_stream(
-    publisher: RedisStreamPublisher, orphans: list[Orphan]
+    publisher: Broker, orphans: list[Orphan]
 ) -> tuple[dict[str, list[Orphan]], list[Orphan]]:
     """The orphans by the stream they were routed to, and those never routable (so never
     published)."""
@@ -98,21 +96,12 @@ def _by_stream(
     return groups, missing
 
 
-def _find(
-    publisher: RedisStreamPublisher, stream: str, members: list[Orphan], margin: float
-) -> dict[str, str]:
+def _find(publisher: Broker, stream: str, members: list[Orphan], margin: float) -> dict[str, str]:
     """Entry ids of ``members``' events found in ``stream``, by event id."""
     # An entry of an intent was added after its claim committed: search from the earliest
     # claim (less the clock margin) to the end of the stream.
     start = min(o.claimed_epoch_s for o in members) - margin
-    try:
-        return publisher.find_published(
-            stream, [o.event_id for o in members], int(start * 1000), None
-        )
-    except redis.ResponseError as exc:
-        if "WRONGTYPE" not in str(exc):
-            raise
-        return {}  # not a stream: nothing of ours can be in it
+    return publisher.find_published(stream, [o.event_id for o in members], int(start * 1000), None)
 
 
 __all__ = ["fence_key", "reconcile_orphans"]

@@ -23,8 +23,9 @@ a service is down. SIGTERM or SIGINT, :meth:`Relay.stop` (or the ``stop`` argume
 ``run`` after the batches in hand have been published and their receipts recorded.
 
 The parts: :mod:`relay.batch` (publishing one claimed batch, steps 3 and 4),
-:mod:`relay.reconcile` (step 2's intents), :mod:`relay.data_loss` (the check of Redis);
-here, the cycle, the loop and the duties it runs.
+:mod:`relay.reconcile` (step 2's intents), the broker's health check (on Redis
+:mod:`relay.redis.data_loss`); here, the cycle, the loop and the duties it runs. The broker
+is a :class:`relay.broker.Broker`: nothing here knows which one.
 """
 
 from __future__ import annotations
@@ -50,17 +51,12 @@ from outbox.outage import is_outage, report_failure, service_errors
 from outbox.schema import OutboxSchema, build_schema
 from relay.batch import BatchPublisher
 from relay.config import RelayConfig
-from relay.data_loss import RedisCheck
 from relay.errors import ConfigError
 from relay.partitions import PartitionUpkeep
 from relay.pipeline import Recorder, Sender
-from relay.publisher import (
-    INFRASTRUCTURE_ERRORS,
-    RedisStreamPublisher,
-)
 from relay.reconcile import fence_key, reconcile_orphans
 from relay.records import Record, RelayStats
-from relay.redis_health import Persistence
+from relay.seam import Broker, BrokerCheck
 from relay.store import Store, store_for
 
 log = logging.getLogger("outbox.relay")
@@ -71,7 +67,7 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
     relay's side duties and its command's start wait out and retry, never exit on. Which of
     them are outages (one log line) and which are refusals or bugs (a traceback) is
     ``outbox.outage.is_outage``'s to say."""
-    return (*INFRASTRUCTURE_ERRORS, *service_errors())
+    return (OSError, *service_errors())
 
 
 RECONCILE_INTERVAL = 0.5
@@ -91,15 +87,15 @@ class Relay:
 
     ``outbox_or_engine``: an :class:`outbox.Outbox` (its engine and table), an Engine or a
     database URL (then the default table, or ``schema``). ``publisher``: a
-    :class:`RedisStreamPublisher`. ``hooks`` observe it (metrics). ``rng`` (a
-    ``random.Random``) draws the jitter of the per-record retry backoff (default: the
-    ``random`` module; ``outbox.testing`` passes a seeded one).
+    :class:`relay.broker.Broker` (``relay.broker.broker_for(url)``). ``hooks`` observe it
+    (metrics). ``rng`` (a ``random.Random``) draws the jitter of the per-record retry
+    backoff (default: the ``random`` module; ``outbox.testing`` passes a seeded one).
     """
 
     def __init__(
         self,
         outbox_or_engine: Outbox | Engine | str | URL,
-        publisher: RedisStreamPublisher,
+        publisher: Broker,
         config: RelayConfig | None = None,
         *,
         hooks: Hooks | None = None,
@@ -121,8 +117,8 @@ class Relay:
                 "outbox_or_engine",
                 f"expected an Outbox, an Engine or a URL, got {type(outbox_or_engine).__name__}",
             )
-        if not isinstance(publisher, RedisStreamPublisher):
-            raise ConfigError("publisher", "must be a RedisStreamPublisher")
+        if not isinstance(publisher, Broker):
+            raise ConfigError("publisher", "must be a relay.broker.Broker (see broker_for)")
         self.config = config or RelayConfig()
         if not isinstance(self.config, RelayConfig):
             raise ConfigError("config", "must be a RelayConfig")
@@ -178,8 +174,8 @@ class Relay:
             infra=self._infra,
             rng=rng,
         )
-        self._redis_check = RedisCheck(
-            self.store, self.publisher, self.config, self.stats, weakly(self._hook)
+        self._redis_check: BrokerCheck | None = self.publisher.health_check(
+            self.store, self.config, self.stats, weakly(self._hook)
         )
 
     def _want_sweep(self) -> None:
@@ -336,12 +332,14 @@ class Relay:
         ``redis_check_interval`` and after a batch was refused for a marker behind
         (:mod:`relay.data_loss`)."""
         self._batches.marker_behind = False
-        return self._redis_check.check()
+        return self._redis_check is not None and self._redis_check.check()
+
+    check_broker = check_redis
 
     @property
-    def persistence(self) -> Persistence | None:
-        """Redis's persistence as the last check found it (None before the first)."""
-        return self._redis_check.persistence
+    def persistence(self) -> Any:
+        """The broker's persistence as the last check found it (None before the first)."""
+        return None if self._redis_check is None else self._redis_check.persistence
 
     def delete_expired(self) -> int:
         """Delete published rows older than the retention, in bounded batches (none from a
@@ -440,8 +438,8 @@ class Relay:
                 partitions=self.store.partitions,
                 listen=cfg.listen and self.store.supports_notify,
                 retention_seconds=cfg.retention_seconds,
-                redis_cluster=self.publisher.cluster,
                 wait_replicas=cfg.wait_replicas,
+                **self.publisher.describe(),
             ),
         )
 

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from outbox.errors import ConfigError
 from outbox.validate import check_number
 from relay.errors import PermanentPublishError, RoutingError
-from relay.publisher import HeldBack, MarkerBehind, Prepared, RedisStreamPublisher
+from relay.seam import Broker, HeldBack, MarkerBehind, Prepared
 from relay.store import Store
 
 
@@ -75,7 +75,7 @@ class RepublishResult:
 
 def republish(
     store: Store,
-    publisher: RedisStreamPublisher,
+    publisher: Broker,
     *,
     since: datetime | None = None,
     from_seq: int | None = None,

@@ -661,7 +661,7 @@ def test_an_idle_relay_with_redis_down_backs_off_its_check(
     import relay.relay
     from outbox import Outbox
     from relay.config import RelayConfig
-    from relay.publisher import RedisStreamPublisher
+    from relay.redis.publisher import RedisStreamPublisher
 
     clock = _Clock()
     monkeypatch.setattr(relay.relay, "time", clock)

@@ -32,17 +32,17 @@ from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from outbox.redis_client import hash_tag, is_cluster_url, redis_client
 from relay.admin import status
-from relay.cluster import slot_fence, template_has_hash_tag
 from relay.config import RelayConfig
-from relay.publisher import (
+from relay.errors import PermanentPublishError
+from relay.records import Record
+from relay.redis.cluster import slot_fence, template_has_hash_tag
+from relay.redis.publisher import (
     FencedOut,
     HeldBack,
-    PermanentPublishError,
     Prepared,
     RedisStreamPublisher,
     ReplicasNotConfirmed,
 )
-from relay.records import Record
 from relay.relay import Relay, fence_key
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
@@ -864,7 +864,7 @@ def test_the_persistence_check_asks_every_master_and_reports_the_weakest(
 ) -> None:
     """A cluster is as safe as its least safe master: with AOF on all but one, the check
     says ``none`` and names that master; with AOF on every master it says ``aof``."""
-    from relay.redis_health import check_persistence
+    from relay.redis.health import check_persistence
 
     masters = redis_cluster.masters()
     client = redis_cluster.client()

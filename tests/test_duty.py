@@ -106,7 +106,7 @@ def test_the_relay_names_its_duties_with_their_intervals(tmp_path: Path) -> None
 
     from outbox import Outbox
     from relay.config import RelayConfig
-    from relay.publisher import RedisStreamPublisher
+    from relay.redis.publisher import RedisStreamPublisher
     from relay.relay import RECONCILE_INTERVAL, Relay
 
     box = Outbox(f"sqlite:///{tmp_path}/duties.db")

@@ -123,8 +123,8 @@ def test_no_import_cycles_counting_function_level_imports() -> None:
         if not any(known <= set(cycle) for known in KNOWN_FUNCTION_LEVEL_CYCLES)
     ]
     assert unknown == []
-    # relay.cluster <-> relay.publisher is gone (the shared wire pieces are relay.replies).
-    assert not any({"relay.cluster", "relay.publisher"} <= set(c) for c in found)
+    # relay.redis.cluster <-> relay.redis.publisher is gone (shared pieces: relay.redis.replies).
+    assert not any({"relay.redis.cluster", "relay.redis.publisher"} <= set(c) for c in found)
     # consumer.jobs.worker <-> consumer.jobs.slots is gone (the runner's SlotHost protocol).
     assert not any({"consumer.jobs.worker", "consumer.jobs.slots"} <= set(c) for c in found)
     # consumer.jobs.schema -> driver -> queries -> schema is gone: the schema creates its

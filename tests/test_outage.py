@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from outbox.outage import is_outage, outage_service, report_failure, service_errors
+from relay.redis.replies import TransientError, classify_reply
 from relay.relay import infrastructure_errors
-from relay.replies import TransientError, classify_reply
 
 
 def _dbapi(cls: type[sa.exc.DBAPIError], invalidated: bool = False) -> sa.exc.DBAPIError:

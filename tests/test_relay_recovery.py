@@ -31,8 +31,8 @@ from outbox.backoff import Backoff
 from outbox.errors import ConfigError
 from outbox.hooks import Hooks
 from relay import RedisStreamPublisher, Relay, RelayConfig
-from relay.publisher import marker_key
-from relay.redis_health import check_persistence
+from relay.redis.health import check_persistence
+from relay.redis.publisher import marker_key
 from relay.republish import parse_since, republish
 from relay.store import open_store
 from tests.services import wait_for

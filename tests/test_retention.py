@@ -45,7 +45,7 @@ TOPIC = "quote.approved"
 def test_the_declared_windows_are_the_other_processes_defaults() -> None:
     from consumer.consumer import DEFAULT_RETENTION_SECONDS as inbox_default
     from relay.config import DEFAULT_RETENTION_SECONDS as outbox_default
-    from relay.publisher import DEFAULT_STREAM_RETENTION as stream_default
+    from relay.redis.publisher import DEFAULT_STREAM_RETENTION as stream_default
 
     assert inbox_default == DEFAULT_INBOX_WINDOW
     assert outbox_default == DEFAULT_OUTBOX_RETENTION

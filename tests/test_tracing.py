@@ -33,7 +33,7 @@ from outbox.codec import decode, encode_entry
 from outbox.db import make_engine
 from outbox.logs import JsonFormatter
 from relay import Relay, RelayConfig
-from relay.publisher import RedisStreamPublisher
+from relay.redis.publisher import RedisStreamPublisher
 from tests.services import wait_for
 from tests.simulator_support import SimulatorProcess
 from tests.tracing_support import Spans, attributes, ids, parent_id, spans, traceparent_ids

@@ -52,7 +52,7 @@ from outbox.testing.asserts import Assertions
 from outbox.testing.clock import Clock
 from outbox.testing.fake import FakeProvider
 from relay.config import RelayConfig
-from relay.publisher import RedisStreamPublisher
+from relay.redis.publisher import RedisStreamPublisher
 from relay.relay import Relay
 
 KILL_POINTS = ("after_claim", "after_intent", "after_accepted")

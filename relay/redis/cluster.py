@@ -1,7 +1,7 @@
 """Publishing to a Redis Cluster with the single-node guarantees, slot by slot.
 
 A Redis Cluster runs a script only on keys of one hash slot. The single-node design (one
-atomic ``EVAL`` of :data:`relay.publisher.PUBLISH_LUA` per batch: the fence check, the XADDs
+atomic ``EVAL`` of :data:`relay.redis.publisher.PUBLISH_LUA` per batch: the fence check, the XADDs
 in ``seq`` order, the in-batch hold-back of a failing key) therefore runs once per slot:
 
 - the batch is grouped by the slot of each entry's stream, order kept within each group;
@@ -22,7 +22,7 @@ Redirections are transient and safe to retry, because a refused script added not
 slot map and resends that slot's call at once, up to :data:`MOVED_RETRIES` times; ``ASK`` and
 ``TRYAGAIN`` (the slot is being migrated: the fence key never exists, so the script cannot
 run on either side until the migration of that slot ends), ``CLUSTERDOWN`` and
-``MASTERDOWN`` make that slot's entries :class:`~relay.publisher.TransientError` (retried
+``MASTERDOWN`` make that slot's entries :class:`~relay.broker.TransientError` (retried
 with the per-record backoff). A connection error or timeout on any master raises, as on one
 node: any prefix of any slot's share may be in its stream, and the relay's intent/receipt
 protocol reconciles before publishing again; the slot map is refreshed before the next
@@ -43,7 +43,7 @@ from redis.exceptions import (
 )
 
 from outbox.redis_client import hash_tag, in_slot_of, slot_of
-from relay.replies import (
+from relay.redis.replies import (
     Prepared,
     ReplicasNotConfirmed,
     TransientError,

@@ -1,27 +1,20 @@
-"""Publishing to Redis Streams: entry format, stream routing, pipelined XADD, lookups.
+"""The Redis broker (:class:`relay.broker.Broker`): entry format, pipelined XADD, lookups.
 
 The entry format is :mod:`outbox.codec`'s (one flat hash per event, CloudEvents attribute
-names); this module routes entries to streams and sends them.
-
-Stream names come from a template with ``{topic}``, ``{tenant}`` and ``{partition}``
-(``key_hash % partitions``); ``{{`` and ``}}`` are literal braces, which is how a Redis
-Cluster hash tag is written: ``outbox.{{{topic}}}`` makes ``outbox.{quote.approved}``.
+names); routing is :mod:`relay.routing`'s; this module sends entries to their streams.
 
 The hot path packs one ``EVAL`` of :data:`PUBLISH_LUA` per batch into one buffer and sends
 it on one connection (one round trip per batch). On a Redis Cluster the same script runs
 once per hash slot of the batch's streams, with its fence and marker keys in that slot
-(:mod:`relay.cluster`).
+(:mod:`relay.redis.cluster`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import string
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -32,43 +25,38 @@ from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
 from outbox.logs import fields as log_fields
 from outbox.validate import check_number
-from relay.cluster import publish_by_slot, set_fences_by_slot, template_has_hash_tag
-from relay.errors import PermanentPublishError, RoutingError
 from relay.records import Record, entry_id_key
-from relay.replies import TRANSIENT_REPLIES as TRANSIENT_REPLIES
-from relay.replies import Prepared as Prepared
-from relay.replies import ReplicasNotConfirmed as ReplicasNotConfirmed
-from relay.replies import TransientError as TransientError
-from relay.replies import _bulk
-from relay.replies import classify_reply as classify_reply
-from relay.replies import send_fences as send_fences
-from relay.replies import wait_command as wait_command
+from relay.redis.cluster import publish_by_slot, set_fences_by_slot, template_has_hash_tag
+from relay.redis.replies import TRANSIENT_REPLIES as TRANSIENT_REPLIES
+from relay.redis.replies import ReplicasNotConfirmed as ReplicasNotConfirmed
+from relay.redis.replies import _bulk
+from relay.redis.replies import classify_reply as classify_reply
+from relay.redis.replies import send_fences as send_fences
+from relay.redis.replies import wait_command as wait_command
+from relay.routing import StreamTemplate as StreamTemplate
+from relay.routing import headers_of
+from relay.seam import FencedOut as FencedOut
+from relay.seam import HeldBack as HeldBack
+from relay.seam import MarkerBehind as MarkerBehind
+from relay.seam import Prepared as Prepared
+from relay.seam import TransientError as TransientError
+
+if TYPE_CHECKING:
+    from relay.config import RelayConfig
+    from relay.records import RelayStats
+    from relay.seam import BrokerCheck
+    from relay.store import Store
 
 log = logging.getLogger("outbox.relay")
 
-TEMPLATE_FIELDS = frozenset({"topic", "tenant", "partition"})
 DEFAULT_STREAM_RETENTION = 24 * 3600.0
 """Seconds of entries a stream keeps (``MINID ~``), like the outbox's own retention."""
-MAX_STREAM_NAME = 512
 
 INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
 )
-
-
-class FencedOut(Exception):
-    """The batch's intent was taken over by a reconciling relay: nothing was added."""
-
-
-class HeldBack(Exception):
-    """An entry not attempted because an earlier entry of its key failed in the batch."""
-
-
-class MarkerBehind(Exception):
-    """The marker key is missing or older than the entries this relay knows Redis holds:
-    Redis lost acknowledged entries. Nothing was added; the relay checks and reports it."""
 
 
 class StreamTrim:
@@ -165,57 +153,6 @@ def marker_key(stream_template: str) -> str:
     """The key that holds the highest entry id the relays of ``stream_template`` added. It
     contains the template, so a Cluster hash tag in the template puts it in that slot."""
     return f"outbox:marker:{stream_template}"
-
-
-@dataclass(frozen=True)
-class StreamTemplate:
-    """A validated stream-name template."""
-
-    template: str
-    fields: frozenset[str]
-    partitions: int
-
-    @classmethod
-    def parse(cls, template: str, partitions: int = 16) -> StreamTemplate:
-        if not isinstance(template, str) or not template.strip():
-            raise ConfigError("stream", "the stream template must be a non-empty string")
-        check_number("stream_partitions", partitions, ConfigError, integer=True)
-        used: set[str] = set()
-        try:
-            parsed = list(string.Formatter().parse(template))
-        except ValueError as exc:
-            raise ConfigError("stream", f"{template!r} is not a valid template ({exc})") from None
-        for _literal, name, spec, conversion in parsed:
-            if name is None:
-                continue
-            if name not in TEMPLATE_FIELDS:
-                allowed = ", ".join("{" + f + "}" for f in sorted(TEMPLATE_FIELDS))
-                raise ConfigError(
-                    "stream",
-                    f"{template!r} uses unknown placeholder {{{name}}}; allowed: {allowed} "
-                    "(write {{ and }} for literal braces)",
-                )
-            if spec or conversion:
-                raise ConfigError("stream", f"{template!r}: placeholders take no format spec")
-            used.add(name)
-        if "topic" not in used and not used and "{" in template.replace("{{", "").replace("}}", ""):
-            raise ConfigError("stream", f"{template!r} is not a valid template")
-        return cls(template=template, fields=frozenset(used), partitions=partitions)
-
-    def render(self, topic: str, tenant: str | None, key_hash: int) -> str:
-        values: dict[str, Any] = {"topic": topic}
-        if "tenant" in self.fields:
-            if tenant is None:
-                raise RoutingError(
-                    f"stream template {self.template!r} needs {{tenant}} and the event has none"
-                )
-            values["tenant"] = tenant
-        if "partition" in self.fields:
-            values["partition"] = key_hash % self.partitions
-        name = self.template.format(**values)
-        if len(name) > MAX_STREAM_NAME:
-            raise RoutingError(f"stream name is {len(name)} characters, over {MAX_STREAM_NAME}")
-        return name
 
 
 # One batch, atomically, in order. KEYS[1]: the batch's fence key; KEYS[2]: the marker key;
@@ -398,7 +335,7 @@ class RedisStreamPublisher:
             time=record.time,
             tenant=record.tenant,
             identity=record.identity,
-            headers=_headers(record),
+            headers=headers_of(record),
         )
 
     def prepare(self, record: Record) -> Prepared:
@@ -412,7 +349,7 @@ class RedisStreamPublisher:
             data=record.payload,
             tenant=record.tenant,
             identity=record.identity,
-            headers=_headers(record),
+            headers=headers_of(record),
         )
         return Prepared(record, stream, packed, count)
 
@@ -440,7 +377,7 @@ class RedisStreamPublisher:
         order even when one key's events go to several streams and one of them fails). With
         ``fence`` (a key name) the batch is refused whole, every result :class:`FencedOut`,
         if that key exists: see :meth:`set_fences`. On a Redis Cluster the same holds per
-        hash slot (:func:`relay.cluster.publish_by_slot`; each slot has its own fence key,
+        hash slot (:func:`relay.redis.cluster.publish_by_slot`; each slot has its own fence key,
         :meth:`fence_for`, and marker key, :meth:`marker_for`).
 
         ``wait_replicas``: after the script, ``WAIT wait_replicas`` (``wait_timeout``
@@ -631,7 +568,12 @@ class RedisStreamPublisher:
         start = f"{max(0, start_ms)}-0"
         end = "+" if end_ms is None else f"{max(0, end_ms)}-18446744073709551615"
         while wanted:
-            page = self.client.xrange(stream, min=start, max=end, count=1000)
+            try:
+                page = self.client.xrange(stream, min=start, max=end, count=1000)
+            except ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                return found  # not a stream: nothing of ours can be in it
             if not page:
                 break
             for entry_id, fields in page:
@@ -686,6 +628,33 @@ class RedisStreamPublisher:
     def ping(self) -> None:
         self.client.ping()
 
+    def server_of(self, stream: str) -> int | None:
+        """Where a refusal of ``stream``'s entries came from: its slot on a cluster (one
+        master may be at maxmemory while the others accept), the one server otherwise."""
+        if not self._cluster:
+            return None
+        from outbox.redis_client import slot_of
+
+        return slot_of(stream)
+
+    def describe(self) -> dict[str, Any]:
+        return {"broker": "redis", "redis_cluster": self._cluster}
+
+    def health_check(
+        self,
+        store: Store,
+        config: RelayConfig,
+        stats: RelayStats,
+        hook: Callable[..., None],
+    ) -> BrokerCheck:
+        """Redis's persistence and the data-loss markers (:mod:`relay.redis.data_loss`)."""
+        from relay.redis.data_loss import RedisCheck
+
+        return RedisCheck(store, self, config, stats, hook)
+
+    def close(self) -> None:
+        self.client.close()
+
     def raise_marker(self, entry_id: str, stream: str | None = None) -> None:
         """Set the marker (of ``stream``'s slot on a cluster; default: the stream of the
         latest known entry) to ``entry_id`` unless it already holds a later id."""
@@ -695,19 +664,3 @@ class RedisStreamPublisher:
             from outbox.redis_client import slot_of
 
             self._known_by_slot[slot_of(stream or self.known_last_stream or "")] = entry_id
-
-
-def _headers(record: Record) -> dict[str, str]:
-    if not record.headers:
-        return {}
-    try:
-        value = json.loads(record.headers)
-    except ValueError as exc:
-        raise PermanentPublishError(f"stored headers are not valid JSON: {exc}") from None
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
-        raise PermanentPublishError("stored headers are not a mapping of strings to strings")
-    return value

@@ -1,12 +1,11 @@
-"""What the publisher and the cluster's per-slot path share on the wire: packed commands,
-the prepared entry, and how a Redis reply is classified (transient or permanent). Its own
-module so that :mod:`relay.cluster` does not import :mod:`relay.publisher` back (one
+"""What the publisher and the cluster's per-slot path share on the wire: packed commands
+and how a Redis reply is classified (transient or permanent). Its own module so that
+:mod:`relay.redis.cluster` does not import :mod:`relay.redis.publisher` back (one
 direction: publisher -> cluster -> replies)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -16,11 +15,8 @@ from redis.exceptions import ResponseError
 from outbox.outage import TRANSIENT_REPLIES as TRANSIENT_REPLIES  # "not now", not "never"
 from outbox.outage import reply_code
 from relay.errors import PermanentPublishError
-from relay.records import Record
-
-
-class TransientError(Exception):
-    """A per-entry reply that retrying may fix (OOM, BUSY, ...); the entry was not added."""
+from relay.seam import Prepared as Prepared
+from relay.seam import TransientError as TransientError
 
 
 class ReplicasNotConfirmed(RedisConnectionError):
@@ -32,16 +28,6 @@ class ReplicasNotConfirmed(RedisConnectionError):
 
 def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """One record ready to send: its stream and its packed field/value pairs."""
-
-    record: Record
-    stream: str
-    fields: bytes
-    nfields: int
 
 
 def wait_command(replicas: int, timeout_ms: int) -> bytes:

@@ -2,7 +2,7 @@
 published (run at start, every ``redis_check_interval`` and after a batch refused for a
 marker behind; :meth:`relay.relay.Relay.check_redis`).
 
-What is checked and why a marker key guards the streams is in :mod:`relay.redis_health`;
+What is checked and why a marker key guards the streams is in :mod:`relay.redis.health`;
 here is what the relay does with it: report the persistence (log, hook), compare each
 marker with the latest receipt, and on a loss log the republish command, re-arm the marker
 so new events flow again and, with ``auto_republish``, publish the lost window again.
@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from outbox.logs import fields
 from relay.config import RelayConfig
-from relay.publisher import RedisStreamPublisher
 from relay.records import RelayStats, entry_id_key
-from relay.redis_health import Persistence, check_persistence, holds_entry, stream_last_id
+from relay.redis.health import Persistence, check_persistence, holds_entry, stream_last_id
 from relay.republish import republish, since_argument
 from relay.store import Store
 
@@ -32,7 +32,7 @@ class RedisCheck:
     def __init__(
         self,
         store: Store,
-        publisher: RedisStreamPublisher,
+        publisher: Any,  # the RedisStreamPublisher that builds this check
         config: RelayConfig,
         stats: RelayStats,
         hook: Callable[..., None],

@@ -12,7 +12,7 @@ and nothing would publish them again. The relay therefore:
 - keeps a marker key holding the highest entry id a batch added (the publish script sets it
   atomically with the XADDs and refuses a batch when the marker is missing or older than the
   ids the relay knows Redis holds); when the marker is behind and the latest receipt's
-  stream does not hold that receipt either, Redis lost data: see :mod:`relay.data_loss`.
+  stream does not hold that receipt either, Redis lost data: see :mod:`relay.redis.data_loss`.
 """
 
 from __future__ import annotations

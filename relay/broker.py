@@ -1,0 +1,78 @@
+"""The relay's brokers: :func:`broker_for` picks one by the URL's scheme (the one place
+that reads it). The protocol and its results are :mod:`relay.seam`, re-exported here.
+
+    from relay.broker import broker_for
+
+    broker = broker_for("nats://127.0.0.1:4222", stream_template="outbox.{topic}")
+    relay = Relay(outbox, broker)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outbox.errors import ConfigError
+from relay.seam import (
+    Broker,
+    BrokerCheck,
+    BrokerUnavailable,
+    FencedOut,
+    HeldBack,
+    MarkerBehind,
+    Prepared,
+    TransientError,
+)
+
+
+def broker_kind(url: str | None) -> str:
+    """``redis`` by the URL's scheme (None: the embedded Redis); anything else
+    is a :class:`ConfigError` naming ``broker_url``."""
+    if url is None or url == "":
+        return "redis"
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        return "redis"
+    raise ConfigError(
+        "broker_url",
+        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis:// or rediss://",
+    )
+
+
+def broker_for(
+    url: str | None,
+    *,
+    client: Any = None,
+    cluster: bool = False,
+    stream_template: str = "outbox.{topic}",
+    **options: Any,
+) -> Broker:
+    """The broker of ``url``: ``redis://``/``rediss://`` (Redis Streams; a Redis Cluster
+    with ``cluster`` or a ``redis+cluster://`` URL). This is
+    the one place that reads the scheme. ``client``: a Redis client already connected (the
+    CLI's, which waits for a cluster to form); ``options`` go to the broker's constructor
+    (``maxlen``, ``source``, ``partitions``, ``stream_retention``, ...)."""
+    broker_kind(url)  # a scheme of no broker is refused, naming broker_url
+    from relay.redis.publisher import RedisStreamPublisher
+
+    if client is None:
+        from outbox.redis_client import is_cluster_url, redis_client
+
+        if cluster or is_cluster_url(url):
+            client = redis_client(url, cluster=True)
+        else:
+            client = redis_client(url)
+    return RedisStreamPublisher(client, stream_template, **options)
+
+
+__all__ = [
+    "Broker",
+    "BrokerCheck",
+    "BrokerUnavailable",
+    "FencedOut",
+    "HeldBack",
+    "MarkerBehind",
+    "Prepared",
+    "TransientError",
+    "broker_for",
+    "broker_kind",
+]
