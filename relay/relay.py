@@ -162,7 +162,7 @@ class Relay:
         self._stopping = threading.Event()
         self._redis_check_failures = 0
         # The publish of one claimed batch and the memory it keeps (relay.batch), and the
-        # check of Redis's persistence and lost entries (relay.data_loss).
+        # check of Redis's persistence and lost entries (on Redis: relay.redis.data_loss).
         self._batches = BatchPublisher(
             self.name,
             self.store,
@@ -330,7 +330,7 @@ class Relay:
         True if it did (then the loss was reported, the marker re-armed and, with
         ``auto_republish``, the lost window published again). Runs at start, every
         ``redis_check_interval`` and after a batch was refused for a marker behind
-        (:mod:`relay.data_loss`)."""
+        (on Redis :mod:`relay.redis.data_loss`)."""
         self._batches.marker_behind = False
         return self._redis_check is not None and self._redis_check.check()
 
