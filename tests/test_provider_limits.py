@@ -285,12 +285,115 @@ def test_jobs_behind_a_rate_limit_wait_in_line_instead_of_being_handed_back(
     assert CountingFleet.asked < 30 + 30  # the waiting jobs did not all poll the database
 
 
-def test_a_full_line_hands_jobs_back(store: Store) -> None:
-    made = ProviderGate("mail", FleetLimits(store), rate_limit=5.0, slots=4)  # a line of 2
+def test_no_line_is_too_long_every_job_waits_for_its_start(store: Store) -> None:
+    """Ten jobs behind a 5-per-second provider in a worker of 4 slots: each waits in line for
+    a start of its own (its lease kept by progress), none is handed back to be claimed again
+    (issue 37: a job claimed 34 times before its call on a starved machine)."""
+    made = ProviderGate("mail", FleetLimits(store), rate_limit=5.0, slots=4)
     starts, handed_back = enter_all(made, 10)
-    assert handed_back >= 1
-    assert len(starts) + handed_back == 10
-    assert len(starts) <= 5 + made.max_waiting + 1  # the second's bookings and the line
+    assert handed_back == 0 and len(starts) == 10
+    assert max_per_window(starts) <= 5, spread(starts)
+
+
+def test_jobs_wait_for_a_permit_in_turn_and_are_never_handed_back() -> None:
+    """More jobs than permits: each waits (reporting progress) for a permit, in the order
+    they came, however long the calls before it take."""
+    import threading
+
+    made = ProviderGate("mail", None, rate_limit=None, slots=2)
+    made.permits.limit = 1.0
+    order: list[int] = []
+    progress = [0]
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        def progressed() -> None:
+            with lock:
+                progress[0] += 1
+
+        ticket = made.enter(progressed)
+        order.append(i)
+        time.sleep(0.05)
+        made.leave(ticket)
+
+    first = threading.Thread(target=one, args=(0,))
+    first.start()
+    wait_for(lambda: made.permits.in_flight == 1, "the first call")
+    threads = []
+    for i in range(1, 6):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        wait_for(lambda i=i: made.permits.waiting == i or len(order) > 1, "in line")
+    for thread in [first, *threads]:
+        thread.join(30)
+    assert sorted(order) == list(range(6))
+    assert progress[0] >= 5  # each waiting job said so (the heartbeat renews its lease)
+
+
+def test_every_way_in_shares_one_gate(store: Store) -> None:
+    """A user's own ``Operations`` and a worker's on the same database: one gate per
+    provider, its permits at the most slots any of them has from the first call on."""
+    from consumer import Operations, Worker
+
+    class Mail:
+        name = "mail"
+        supports_lookup = False
+        supports_idempotency = True
+        rate_limit = None
+
+        def send(self, request: object, *, operation_id: str, idempotency_key: object) -> str:
+            return "ref"
+
+        def lookup(self, operation_id: str) -> None:
+            return None
+
+    mine = Operations(store, {"mail": Mail()})  # built apart from any worker, defaults
+    worker = Worker(store, providers={"mail": Mail()}, concurrency=300)
+    assert worker.operations is not None
+    gate = mine.gate(mine.providers["mail"])
+    assert worker.operations.gate(worker.providers["mail"]) is gate
+    assert Operations(Store(store.engine)).gate_named("mail") is gate  # another Store object
+    assert gate.permits.limit == 300  # it starts wide open, it does not crawl up
+    mine.limits.pause("mail", 30)
+    assert worker.operations.limits.paused_locally("mail") is not None
+    mine.limits.unpause("mail")
+
+
+class Late:
+    """A process running late by a fixed delay (``SchedulingDelay.recent``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def recent(self) -> float:
+        return self.seconds
+
+
+def test_a_late_machine_is_not_read_as_a_slow_provider() -> None:
+    """A 100 ms provider measured through a process running 300 ms late (a starved CPU):
+    the permits stay; the same latencies with the process on time do shrink them, and a
+    real queue at the provider (2 s answers) still shrinks them on the late machine."""
+    for delay, answers, shrinks in ((0.3, 0.5, False), (0.0, 0.5, True), (0.3, 2.0, True)):
+        permits = limits.AdaptiveLimit(16, delay=Late(delay))  # type: ignore[arg-type]
+        for _ in range(20):
+            assert permits.try_acquire()
+            permits.release(0.1)
+        for _ in range(20):
+            assert permits.try_acquire()
+            permits._last_decrease = 0.0
+            permits.release(answers)
+        assert (permits.limit < 16) is shrinks, (delay, answers, permits.limit)
+
+
+def test_the_scheduling_delay_is_measured() -> None:
+    """The probe's figure grows when the process's threads are held up (the GIL here)."""
+    probe = limits.SchedulingDelay(tick=0.005, window=20)
+    wait_for(lambda: probe.recent() >= 0.0 and len(probe._late) >= 10, "probe samples")
+    calm = probe.recent()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # hold the GIL in long stretches
+        sum(range(2_000_000))
+    assert probe.recent() > calm
 
 
 def test_a_pause_sends_the_line_back(store: Store) -> None:
@@ -341,3 +444,54 @@ def test_the_line_on_the_event_loop(store: Store) -> None:
     assert max_per_window(starts) <= 20, spread(starts)
     assert starts[-1] - starts[0] >= 29 * made.spacing * 0.9, spread(starts)
     assert CountingFleet.asked < 60
+
+
+class SlowDown(Exception):
+    """A user's SDK error: not ours, but it says when to call again."""
+
+    def __init__(self, retry_after: object) -> None:
+        super().__init__("slow down")
+        self.retry_after = retry_after
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["transient", "attribute", "unavailable", "no number"],
+)
+def test_any_failure_with_retry_after_pauses_the_provider(store: Store, failure: str) -> None:
+    """``TransientFailure(retry_after=S)``, any exception with a numeric ``retry_after``,
+    ``ProviderUnavailable``: each pauses the provider for every Operations on the database;
+    a ``retry_after`` that is not a number pauses nothing."""
+    from consumer import Operations, TransientFailure
+    from consumer.errors import ProviderUnavailable
+
+    raised: Exception = {
+        "transient": TransientFailure("429 from the API", retry_after=30),
+        "attribute": SlowDown(30.0),
+        "unavailable": ProviderUnavailable("503", status=503, retry_after=30),
+        "no number": SlowDown("soon"),
+    }[failure]
+
+    class Mail:
+        name = "mail"
+        supports_lookup = True
+        supports_idempotency = True
+
+        def send(self, request: object, *, operation_id: str, idempotency_key: object) -> str:
+            raise raised
+
+        def lookup(self, operation_id: str) -> None:
+            return None
+
+    store.enqueue("t", "email-1")
+    lease = store.claim_batch("w", 1, ttl=30)[0]
+    ops = Operations(store, {"mail": Mail()})
+    with pytest.raises(type(raised)):
+        ops.dispatch(lease, "email", "mail", {"to": "a"})
+    other = Operations(Store(store.engine))  # another way in, same database
+    paused = other.limits.paused_until("mail")
+    if failure == "no number":
+        assert paused is None
+    else:
+        assert paused is not None
+        other.limits.unpause("mail")

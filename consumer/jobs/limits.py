@@ -4,7 +4,9 @@ Three limits stand between a job and its provider (``Operations.dispatch`` passe
 before it writes the intent, so a job that must wait has sent nothing and holds no call
 deadline):
 
-- **A pause, for every worker.** A ``429`` or ``503`` with ``Retry-After`` pauses the
+- **A pause, for every worker.** Any failure of a call that carries ``retry_after``
+  (seconds: a ``TransientFailure(..., retry_after=S)``, ``HttpProvider``'s ``429``/``503``
+  with ``Retry-After``, any exception with a numeric ``retry_after`` attribute) pauses the
   provider until then: the worker that got the answer writes ``paused_until`` into
   ``outbox_provider_limits`` (database clock), and every worker reads it before each call
   (a process that has seen the pause skips the read until it ends). The read costs no
@@ -48,24 +50,33 @@ deadline):
   many, not buried under calls that time out and come back as lookups and resends (the
   metastable overload of retrying clients).
 
-A job whose provider's starts are booked more than ``max_wait`` ahead waits in this
-process's line for one (the head alone asks the database, when a start may be had; at most
-RATE_PATIENCE seconds). A job that would wait longer than the limit allows (the pause, a full
-line or permit queue: together at most ``max_waiting`` jobs, half the slots; its patience
-spent) is handed back READY with a ``run_after`` (:class:`~consumer.errors.ProviderThrottled`,
-no failure counted): a throttled or paused provider never holds every slot of a worker, and
-never stops the jobs of other providers. A job waiting within the limit keeps its slot and
-its lease (it reports progress, the heartbeat renews it); no intent exists yet, so a SIGKILL
-meanwhile loses nothing and sends nothing twice.
+**One gate for every way in.** A process holds one :class:`FleetLimits` per database
+(:func:`shared_limits`) and one :class:`ProviderGate` per provider name on it: an
+``Operations(store, providers)`` built by the user apart from any worker, the worker's own
+(``Worker(providers=...)``, ``ctx.dispatch``) and the receipt sweep's all pass the same
+permits, rate line and pause, whichever was built first. Measured before (issue 37): a
+user's own ``Operations`` had gates of its own, the worker's slots did not know them, and
+its jobs churned through claims while the worker's metrics saw no provider at all.
 
-The worker's slot that held a handed-back job then waits before it claims again
+**Waiting costs nothing.** A job whose provider has no permit free, or whose starts are
+booked more than ``max_wait`` ahead, keeps its slot and its lease and waits in this
+process: for a permit (woken by the call that releases one), or in the line for a start
+(the head alone asks the database, when a start may be had). It is never handed back to be
+claimed again: each hand-back was a claim, a move and an attempt row, and on a CPU-starved
+machine one job was claimed 34 times before its call (issue 37). No intent exists while it
+waits, so a SIGKILL meanwhile loses nothing and sends nothing twice. Only a **pause** hands
+jobs back (:class:`~consumer.errors.ProviderThrottled`, READY again when the pause ends, no
+failure counted): the provider said when it may be called again, and the slot is better
+used by other providers' jobs meanwhile. A provider whose jobs wait can hold every slot of a
+worker; give its queue slots of its own (``WorkerConfig(queues={"mail": 32})``) where other
+providers' jobs must never wait behind it.
+
+The worker's slot whose job a pause handed back then waits before it claims again
 (``consumer.jobs.slots``, :meth:`ProviderGate.aparked`), holding no lease: PARK_BASE seconds,
 doubled for each job of that provider handed back since a call last found a permit free at
 once, at most PARK_MAX; a permit released here that no waiting job takes wakes one such slot
 at once. Otherwise, behind a backlog of that provider's jobs, a freed slot claims the next
-one at once and hands it back too, as fast as the database answers: measured against a
-provider serving 8 sends at once (100 ms each, ~80/s) under 200 jobs/s, 3,103 hand-backs in
-8 s, 13.5 ms of CPU per effect and 45 effects/s.
+one at once and hands it back too, as fast as the database answers.
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ import contextvars
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -86,7 +98,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from consumer.errors import ProviderThrottled
-from consumer.jobs.permits import AdaptiveLimit, Waiter
+from consumer.jobs.permits import SCHEDULING, AdaptiveLimit, SchedulingDelay, Waiter
 from consumer.jobs.plan import Runner, Step
 from consumer.jobs.schema import provider_limits
 from consumer.jobs.store import Store
@@ -100,17 +112,18 @@ __all__ = [
     "AdaptiveLimit",
     "FleetLimits",
     "ProviderGate",
+    "SchedulingDelay",
     "StartMissed",
     "Ticket",
     "send_by",
+    "shared_limits",
 ]
 
 RATE_MARGIN = 1.25  # calls are spaced RATE_MARGIN / rate_limit apart (see the docstring)
 MAX_WAIT = 1.0  # seconds a job may wait in its slot for a rate reservation
 LATE = 0.05  # seconds past its reserved start after which a call reserves a new one
 REBOOK = 2 * MAX_WAIT  # seconds a call's deadline allows for new starts after a missed one
-RETRY_SOON = 0.2  # seconds a job handed back for a full permit queue waits, at least
-RATE_PATIENCE = 10.0  # seconds a job waits in line for a rate-limited start, then handed back
+WAIT_TICK = 1.0  # seconds between two progress reports of a job waiting for its provider
 PARK_BASE = 0.25  # seconds a slot whose job was handed back waits before it claims again
 PARK_MAX = 4.0  # ... doubled for each hand-back in a row, at most this (module docstring)
 
@@ -156,6 +169,26 @@ class FleetLimits:
         self._paused: dict[str, tuple[float, float]] = {}  # provider -> (until, local deadline)
         self._lock = threading.Lock()
         self._known: set[str] = set()
+        self._gates: dict[str, ProviderGate] = {}
+
+    def gate(
+        self, name: str, *, rate_limit: float | None, slots: int, hooks: Hooks | None = None
+    ) -> ProviderGate:
+        """The one gate of provider ``name`` on this database in this process, made at the
+        first ask; a later ask widens it (:meth:`ProviderGate.adopt`)."""
+        with self._lock:
+            gate = self._gates.get(name)
+            if gate is None:
+                gate = ProviderGate(name, self, rate_limit=rate_limit, slots=slots, hooks=hooks)
+                self._gates[name] = gate
+                return gate
+        gate.adopt(rate_limit=rate_limit, slots=slots, hooks=hooks)
+        return gate
+
+    def gate_named(self, name: str) -> ProviderGate | None:
+        """The gate of provider ``name``, if a call to it was made in this process."""
+        with self._lock:
+            return self._gates.get(name)
 
     def _ensure(self, provider: str) -> None:
         # The provider's row, committed before any statement that needs it: known to this
@@ -294,6 +327,33 @@ class FleetLimits:
         }
 
 
+_SHARED: weakref.WeakValueDictionary[tuple[Any, ...], FleetLimits] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _place(store: Store) -> tuple[Any, ...]:
+    """What names the store's database in this process: its URL (an in-memory SQLite, the
+    engine itself), and a clock of its own (``Store(clock=...)``) when it has one."""
+    url = store.engine.url
+    memory = url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+    where: Any = id(store.engine) if memory else url.render_as_string(hide_password=True)
+    clock = store.driver.clock
+    return (where, None if clock is None else id(clock))
+
+
+def shared_limits(store: Store) -> FleetLimits:
+    """This process's :class:`FleetLimits` for the store's database: every ``Operations`` on
+    it (a worker's, a user's own) shares its pauses and its gates (module docstring). Kept
+    while an ``Operations`` holds it."""
+    key = _place(store)
+    with _SHARED_LOCK:
+        fleet = _SHARED.get(key)
+        if fleet is None:
+            fleet = FleetLimits(store)
+            _SHARED[key] = fleet
+        return fleet
+
+
 @dataclass
 class Ticket:
     """A permit to call a provider now; give it back with :meth:`ProviderGate.leave`."""
@@ -326,13 +386,22 @@ class ProviderGate:
         self.name = name
         self.fleet = fleet
         self.spacing = RATE_MARGIN / rate_limit if rate_limit else 0.0
-        self.max_waiting = max(1, slots // 2)
-        self.permits = AdaptiveLimit(slots)
+        self.permits = AdaptiveLimit(slots, delay=SCHEDULING)
         self.hooks = hooks if hooks is not None else NO_HOOKS
-        self.patience = 5.0  # seconds a job waits for a permit before it is handed back
         self.handed_back = 0  # jobs handed back since a call found a permit free (aparked)
         self._line: deque[Waiter] = deque()  # jobs waiting here for a start (rate_limit)
         self._line_lock = threading.Lock()
+
+    def adopt(self, *, rate_limit: float | None, slots: int, hooks: Hooks | None = None) -> None:
+        """Another way in asks for this gate (a worker's ``Operations`` after a user's own, or
+        the other way round): the most slots any of them has (permits start there, they do
+        not crawl up to it), the strictest ``rate_limit``, and hooks where there were none
+        (a worker's metrics)."""
+        if rate_limit:
+            self.spacing = max(self.spacing, RATE_MARGIN / rate_limit)
+        self.permits.widen(slots)
+        if hooks is not None and hooks is not NO_HOOKS and self.hooks is NO_HOOKS:
+            self.hooks = hooks
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)
@@ -368,15 +437,6 @@ class ProviderGate:
         seconds = min(PARK_MAX, PARK_BASE * 2 ** min(self.handed_back - 1, 16))
         await self.permits.aparked(seconds)
 
-    def _full(self) -> ProviderThrottled:
-        # Hand back rather than queue: the jobs already waiting would take about this long.
-        estimate = (self.permits.waiting + 1) / max(self.permits.limit, 1.0)
-        delay = max(RETRY_SOON, estimate * max(self.permits._best, 0.05))
-        clock = self.fleet.store.driver.clock if self.fleet is not None else None
-        return self._throttled(
-            "has as many calls waiting as it may", (clock or time.time)() + delay
-        )
-
     def _try_reserve(self) -> tuple[float | None, float, float | None]:
         """``(start, 0, None)``, or ``(None, seconds to try again in, until)`` when the
         provider is paused or its starts are booked too far ahead. The start (monotonic) is
@@ -397,16 +457,13 @@ class ProviderGate:
     # next job of that provider and handed it back too. With 512 slots over two workers and
     # a 16-calls/s provider that was 2,500-5,500 hand-backs (a claim, a move and an attempt
     # row each) for 300 effects (``python -m bench limits``). Instead the job waits in this
-    # process's line (at most ``max_waiting`` jobs, less the permit waiters, RATE_PATIENCE
-    # seconds each, its lease kept by progress), and only the head of the line asks the
-    # database, when a start may be had: one reservation a start per process. A job that
-    # leaves the line wakes a slot parked for this provider (there is room again).
+    # process's line (its lease kept by progress) as long as it takes, and only the head of
+    # the line asks the database, when a start may be had: one reservation a start per
+    # process. A pause alone sends the line back.
 
-    def _line_join(self, loop: asyncio.AbstractEventLoop | None = None) -> Waiter | None:
-        """Join the line (the head at once when it is empty); None when it is full."""
+    def _line_join(self, loop: asyncio.AbstractEventLoop | None = None) -> Waiter:
+        """Join the line (the head at once when it is empty)."""
         with self._line_lock:
-            if len(self._line) + self.permits.waiting >= self.max_waiting:
-                return None
             waiter = Waiter(loop)
             self._line.append(waiter)
             if len(self._line) == 1:
@@ -420,7 +477,6 @@ class ProviderGate:
                 self._line.remove(waiter)
             if head and self._line:
                 self._line[0].wake()
-        self.permits.wake_parked()
 
     def _line_refused(self, until: float | None) -> ProviderThrottled:
         assert until is not None
@@ -434,11 +490,10 @@ class ProviderGate:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> Iterator[Waiter]:
         """A place in the line, counted as a job waiting for its provider while it is held;
-        a paused provider or a full line hands the job back instead (``until``: when to try
-        again)."""
-        waiter = None if self._paused_now() else self._line_join(loop)
-        if waiter is None:
+        a paused provider hands the job back instead (``until``: when to try again)."""
+        if self._paused_now():
             raise self._line_refused(until)
+        waiter = self._line_join(loop)
         self._waiting(+1, progress)
         try:
             yield waiter
@@ -448,26 +503,24 @@ class ProviderGate:
 
     def _reserve_waiting(self, progress: Callable[[], None] | None) -> float:
         """Reserve the call's start (:meth:`_try_reserve`), waiting in line (this thread) when
-        the starts are booked too far ahead, rather than handing the job back; a pause hands
-        it back at once."""
+        the starts are booked too far ahead, as long as it takes, rather than handing the job
+        back; a pause hands it back at once."""
         start, retry_in, until = self._try_reserve()
         if start is not None:
             return start
-        deadline = time.monotonic() + RATE_PATIENCE
         with self._in_line(until, progress) as waiter:
-            while (left := deadline - time.monotonic()) > 0:
+            while True:
                 if progress is not None:
                     progress()  # the lease stays renewed while the job waits in line
                 if not waiter.granted:
-                    waiter.wait(min(1.0, left))
+                    waiter.wait(WAIT_TICK)
                     continue
                 start, retry_in, until = self._try_reserve()
                 if start is not None:
                     return start
                 if self._paused_now():
-                    break
-                time.sleep(min(retry_in, 1.0, left))
-            raise self._line_refused(until)
+                    raise self._line_refused(until)
+                time.sleep(min(retry_in, WAIT_TICK))
 
     async def _areserve_waiting(
         self, run: Callable[..., Any], progress: Callable[[], None] | None
@@ -476,21 +529,19 @@ class ProviderGate:
         start, retry_in, until = await run(self._try_reserve)
         if start is not None:
             return float(start)
-        deadline = time.monotonic() + RATE_PATIENCE
         with self._in_line(until, progress, asyncio.get_running_loop()) as waiter:
-            while (left := deadline - time.monotonic()) > 0:
+            while True:
                 if progress is not None:
                     progress()
                 if not waiter.granted:
-                    await waiter.await_wake(min(1.0, left))
+                    await waiter.await_wake(WAIT_TICK)
                     continue
                 start, retry_in, until = await run(self._try_reserve)
                 if start is not None:
                     return float(start)
                 if self._paused_now():
-                    break
-                await asyncio.sleep(min(retry_in, 1.0, left))
-            raise self._line_refused(until)
+                    raise self._line_refused(until)
+                await asyncio.sleep(min(retry_in, WAIT_TICK))
 
     def _paused_now(self) -> bool:
         return self.fleet is not None and self.fleet.paused_locally(self.name) is not None
@@ -503,15 +554,11 @@ class ProviderGate:
         self._check_pause(read_pause)
         free = self.permits.try_acquire()
         if not free:
-            if self.permits.waiting >= self.max_waiting:
-                raise self._full()
             self._waiting(+1, progress)
-            try:
-                granted = self.permits.acquire(self.patience)
+            try:  # its lease kept: the job waits, in turn, never handed back
+                self.permits.wait(WAIT_TICK, progress)
             finally:
                 self._waiting(-1, progress)
-            if not granted:
-                raise self._full()
         try:
             start = self._reserve_waiting(progress)
         except BaseException:
@@ -539,15 +586,11 @@ class ProviderGate:
             self._check_pause(False)  # no round trip: no executor hop either
         free = self.permits.try_acquire()
         if not free:
-            if self.permits.waiting >= self.max_waiting:
-                raise self._full()
             self._waiting(+1, progress)
             try:
-                granted = await self.permits.aacquire(self.patience)
+                await self.permits.await_permit(WAIT_TICK, progress)
             finally:
                 self._waiting(-1, progress)
-            if not granted:
-                raise self._full()
         try:
             if self.spacing:
                 start = await self._areserve_waiting(run, progress)

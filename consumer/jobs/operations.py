@@ -51,7 +51,6 @@ import getpass
 import hashlib
 import json
 import logging
-import threading
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
@@ -72,7 +71,8 @@ from consumer.errors import (
 )
 from consumer.jobs import deliveries
 from consumer.jobs.checks import _time
-from consumer.jobs.limits import FleetLimits, ProviderGate, Ticket
+from consumer.jobs.config import DEFAULT_CONCURRENCY
+from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
 from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
@@ -84,7 +84,7 @@ from outbox.validate import check_name, check_number
 
 __all__ = ["ACCEPTED", "FAILED", "NOT_SENT", "PENDING", "RECEIPT_STATES", "UNKNOWN"]
 __all__ += ["OperationInFlight", "Operations", "Provider", "Receipt", "ReconcileResult"]
-__all__ += ["request_digest"]
+__all__ += ["request_digest", "retry_after_of"]
 
 log = logging.getLogger("outbox.worker")
 
@@ -178,7 +178,7 @@ class Operations:
         providers: Mapping[str, Provider] | None = None,
         *,
         default_timeout: float = 30.0,
-        slots: int = 64,
+        slots: int = DEFAULT_CONCURRENCY,
         hooks: Hooks | None = None,
     ) -> None:
         if not isinstance(store, Store):
@@ -189,9 +189,9 @@ class Operations:
         self.default_timeout = _positive("default_timeout", default_timeout)
         self.slots = slots
         self.hooks = hooks if hooks is not None else NO_HOOKS
-        self.limits = FleetLimits(store)
-        self._gates: dict[str, ProviderGate] = {}
-        self._gates_lock = threading.Lock()
+        # One gate for every way in: this process's limits for the database, shared with
+        # every other Operations on it (a worker's, a user's own; consumer.jobs.limits).
+        self.limits = shared_limits(store)
 
     def register(self, provider: Provider) -> None:
         self.providers[provider.name] = provider
@@ -205,23 +205,17 @@ class Operations:
 
     def gate(self, connector: Provider) -> ProviderGate:
         """The limits between this process and ``connector`` (``consumer.jobs.limits``): the
-        fleet's pause and ``rate_limit``, this process's adaptive calls in flight."""
-        with self._gates_lock:
-            gate = self._gates.get(connector.name)
-            if gate is None:
-                rate = getattr(connector, "rate_limit", None)
-                if rate is not None:
-                    rate = _positive(f"{connector.name}.rate_limit", rate)
-                gate = ProviderGate(
-                    connector.name, self.limits, rate_limit=rate, slots=self.slots, hooks=self.hooks
-                )
-                self._gates[connector.name] = gate
-            return gate
+        fleet's pause and ``rate_limit``, this process's adaptive calls in flight; the same
+        gate for every ``Operations`` of this process on this database."""
+        rate = getattr(connector, "rate_limit", None)
+        if rate is not None:
+            rate = _positive(f"{connector.name}.rate_limit", rate)
+        return self.limits.gate(connector.name, rate_limit=rate, slots=self.slots, hooks=self.hooks)
 
     def gate_named(self, name: str) -> ProviderGate | None:
-        """The limits of the provider called ``name``, if this process has called it."""
-        with self._gates_lock:
-            return self._gates.get(name)
+        """The limits of the provider called ``name``, if this process has called it (through
+        this ``Operations`` or any other on the same database)."""
+        return self.limits.gate_named(name)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -400,25 +394,13 @@ class Operations:
             self._update(operation_id, NOT_SENT, None, str(exc)[:2000])
             self._hand_back(job, lease, exc)
             raise
-        except ProviderTimeout as exc:
-            ticket.timed_out = True
-            self._update(operation_id, UNKNOWN, None, f"{type(exc).__name__}: {exc}")
-            raise
-        except PermanentFailure as exc:
-            self._update(operation_id, FAILED, None, f"{type(exc).__name__}: {exc}")
-            raise
-        except JobFailure as exc:
-            if isinstance(exc, AuthFailure) or getattr(exc, "not_sent", False):
-                # 401/403/429/503, a connection refused: the provider did not act.
-                self._update(operation_id, NOT_SENT, None, _failure_text(exc))
-                if getattr(exc, "status", None) in (429, 503):
-                    ticket.retry_after = getattr(exc, "retry_after", None)
-            else:
-                self._update(operation_id, UNKNOWN, None, _failure_text(exc))
-            raise
         except Exception as exc:
-            # Anything else is as ambiguous as a timeout: the request may have landed.
-            self._update(operation_id, UNKNOWN, None, repr(exc)[:2000])
+            # Any failure that says when to call again pauses the provider for the fleet:
+            # a TransientFailure(retry_after=S), HttpProvider's 429/503, any exception with
+            # a numeric ``retry_after`` (a user's own SDK error).
+            ticket.retry_after = retry_after_of(exc)
+            ticket.timed_out = isinstance(exc, ProviderTimeout)
+            self._update(operation_id, _failed_state(exc), None, _failure_text(exc))
             raise
         if not isinstance(ref, str) or not ref:
             self._update(operation_id, UNKNOWN, None, f"provider returned no reference: {ref!r}")
@@ -490,7 +472,8 @@ class Operations:
                     counts["skipped"] += 1
                     continue
                 except Exception as exc:
-                    gate.leave(ticket, timed_out=isinstance(exc, ProviderTimeout))
+                    timed_out = isinstance(exc, ProviderTimeout)
+                    gate.leave(ticket, timed_out=timed_out, retry_after=retry_after_of(exc))
                     log.warning(
                         "receipt lookup failed",
                         extra=fields(operation_id=row.operation_id, error=repr(exc)[:500]),
@@ -757,8 +740,36 @@ class Operations:
         return True
 
 
+def retry_after_of(exc: BaseException) -> float | None:
+    """The seconds a failure asks to wait before the provider is called again: its
+    ``retry_after`` attribute when that is a number >= 0 (any exception; a
+    :class:`~consumer.errors.JobFailure` takes it as ``retry_after=``), else None."""
+    value = getattr(exc, "retry_after", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(min(value, 86400.0))
+    return None
+
+
+def _failed_state(exc: BaseException) -> str:
+    """The receipt of a call that raised ``exc``: FAILED for a definitive rejection,
+    NOT_SENT when the provider certainly did not act (credentials refused, ``not_sent``, a
+    429/503 status: a retry sends), UNKNOWN otherwise (a timeout, anything else: the
+    request may have landed; reconciled before any resend)."""
+    if isinstance(exc, PermanentFailure):
+        return FAILED
+    if isinstance(exc, ProviderTimeout):
+        return UNKNOWN
+    if isinstance(exc, JobFailure) and (
+        isinstance(exc, AuthFailure) or exc.not_sent or exc.status in (429, 503)
+    ):
+        return NOT_SENT
+    return UNKNOWN
+
+
 def _failure_text(exc: BaseException) -> str:
     status = getattr(exc, "status", None)
+    if not isinstance(exc, JobFailure):
+        return repr(exc)[:2000]
     text = f"{type(exc).__name__}: {exc}"
     return (f"HTTP {status}: {text}" if status else text)[:2000]
 

@@ -17,8 +17,9 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
-__all__ = ["LATENCY_FLOOR", "RECENT", "AdaptiveLimit", "Waiter"]
+__all__ = ["LATENCY_FLOOR", "RECENT", "AdaptiveLimit", "SchedulingDelay", "Waiter"]
 
 
 class Waiter:
@@ -75,9 +76,55 @@ limit fell to 1 and the worker handed back nearly every job. Real providers answ
 50-300 ms, so the floor changes nothing for them."""
 
 
+class SchedulingDelay:
+    """How late this process runs its threads now: a daemon thread sleeps ``tick`` seconds
+    again and again and keeps by how much each sleep overran (a CPU busy with other
+    processes, the GIL held by this one's other threads, a late event loop's thread).
+
+    A provider call's latency is measured from the thread or the loop that made it, so on
+    a starved machine every call looks slow by about this much: that is the machine, not a
+    queue at the provider, and :class:`AdaptiveLimit` allows for it (issue 37: at load 25
+    two workers held about one call in flight each against a 100 ms provider). Started at
+    the first :meth:`recent`; one per process, :data:`SCHEDULING`."""
+
+    def __init__(self, tick: float = 0.02, window: int = 50) -> None:
+        self.tick = tick
+        self._late: deque[float] = deque(maxlen=window)
+        self._started = False
+        self._lock = threading.Lock()
+
+    def _probe(self) -> None:
+        while True:
+            began = time.monotonic()
+            time.sleep(self.tick)
+            self._late.append(max(0.0, time.monotonic() - began - self.tick))
+
+    def note(self, late: float) -> None:
+        """A delay measured elsewhere (an event loop's lag): counted like the probe's."""
+        self._late.append(max(0.0, late))
+
+    def recent(self) -> float:
+        """Seconds: the 90th percentile of the recent overruns (about the last second)."""
+        if not self._started:
+            with self._lock:
+                if not self._started:
+                    self._started = True
+                    threading.Thread(
+                        target=self._probe, name="outbox-scheduling-delay", daemon=True
+                    ).start()
+        samples = sorted(self._late)
+        return samples[int(len(samples) * 0.9)] if samples else 0.0
+
+
+SCHEDULING = SchedulingDelay()
+"""This process's :class:`SchedulingDelay` (the gates' permits read it)."""
+
+
 class AdaptiveLimit:
     """Calls in flight to one provider, adapted to what it serves (AIMD; module docstring).
-    Thread-safe, shared by a worker's thread pool and its event loop."""
+    Thread-safe, shared by a worker's thread pool and its event loop. ``delay``: the
+    process's :class:`SchedulingDelay` (None: judge latencies as measured), added twice to
+    the threshold a median latency must pass to count as a queue at the provider."""
 
     def __init__(
         self,
@@ -88,11 +135,13 @@ class AdaptiveLimit:
         backoff: float = 0.9,
         timeout_backoff: float = 0.5,
         latency_floor: float = LATENCY_FLOOR,
+        delay: SchedulingDelay | None = None,
     ) -> None:
         self.maximum = max(1, maximum)
         self.minimum = max(1, min(minimum, self.maximum))
         self.tolerance = tolerance
         self.latency_floor = latency_floor
+        self.delay = delay
         self.backoff = backoff
         self.timeout_backoff = timeout_backoff
         self.limit = float(self.maximum)
@@ -115,6 +164,50 @@ class AdaptiveLimit:
                 self.in_flight += 1
                 return True
             return False
+
+    def widen(self, maximum: int) -> None:
+        """Allow up to ``maximum`` calls in flight (another way in with more slots shares this
+        limit); before any call was learnt from, the limit starts there too."""
+        with self._lock:
+            if maximum <= self.maximum:
+                return
+            self.maximum = maximum
+            if not self._samples:
+                self.limit = float(maximum)
+            self._grant()
+
+    def wait(self, tick: float, progress: Callable[[], None] | None = None) -> None:
+        """Wait (a thread) for a permit as long as it takes, in turn, ``progress()`` every
+        ``tick`` seconds meanwhile (the job's lease stays renewed)."""
+        if self.try_acquire():
+            return
+        waiter = Waiter()
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            while not waiter.wait(tick):
+                if progress is not None:
+                    progress()
+        except BaseException:
+            if self._settle(waiter):
+                self.release(None)
+            raise
+
+    async def await_permit(self, tick: float, progress: Callable[[], None] | None = None) -> None:
+        """:meth:`wait` for a coroutine on the worker's loop."""
+        if self.try_acquire():
+            return
+        waiter = Waiter(asyncio.get_running_loop())
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            while not await waiter.await_wake(tick):
+                if progress is not None:
+                    progress()
+        except BaseException:
+            if self._settle(waiter):
+                self.release(None)
+            raise
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a permit (a thread)."""
@@ -197,7 +290,7 @@ class AdaptiveLimit:
             self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
             self._last_decrease = now
         elif len(self._recent) == RECENT and (
-            sorted(self._recent)[RECENT // 2] > self.tolerance * max(self._best, self.latency_floor)
+            sorted(self._recent)[RECENT // 2] > self._threshold()
         ):
             # The median of the last RECENT calls, not one call: a queue at the provider
             # slows every call, a busy machine or a provider's jitter only some of them.
@@ -206,6 +299,13 @@ class AdaptiveLimit:
                 self._last_decrease = now
         else:
             self.limit = min(float(self.maximum), self.limit + 1.0 / max(self.limit, 1.0))
+
+    def _threshold(self) -> float:
+        """The median latency above which the provider is queueing: ``tolerance`` times its
+        unloaded latency, plus twice how late this process runs now (the machine's share of
+        every latency measured here, :class:`SchedulingDelay`)."""
+        late = self.delay.recent() if self.delay is not None else 0.0
+        return self.tolerance * max(self._best, self.latency_floor) + 2 * late
 
     def _grant(self) -> None:
         while self._waiters and self.in_flight < int(self.limit):
