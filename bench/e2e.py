@@ -1,7 +1,8 @@
 """End to end: quote approved -> effect at the provider, the whole loop as real processes.
 
 ``python -m bench e2e [--rates 100,500,1000] [--seconds S] [--warmup S]
-[--provider-latency SECONDS] [--provider-jitter FRACTION] [--rollback FRACTION]``
+[--provider-latency SECONDS] [--provider-jitter FRACTION] [--provider-capacity N]
+[--provider http|blocking] [--rollback FRACTION]``
 
 One loop (``bench.loop``: writers, 2 relays, 2 consumers with a batch handler, 2 workers
 dispatching through ``HttpProvider`` to ``outbox-simulator serve``, a private PostgreSQL and
@@ -17,7 +18,12 @@ the books are checked. Per rate it prints:
 
 ``--provider-latency`` is what the simulator adds to every send (``--provider-jitter``, 0.5
 by default: ±50 %), as a real provider answering in 50-300 ms; the workers run with their
-defaults (slots, issue 21).
+defaults (slots, issue 21). ``--provider-capacity N``: the simulator serves N sends at once
+and queues the others. ``--provider blocking`` (issue 37): the workers send through a
+user's own provider as DESIGN.md shows it (``tests.blocking_app.PostMail``: ``urllib``, a
+new connection per call, an ``Operations`` built apart from the worker, a ``def``
+handler) instead of ``HttpProvider`` registered with ``Worker(providers=...)``. Each row
+also gives the provider requests per effect and the most claims of one job.
 
 Offered is approvals attempted: the loop's writers roll back ``--rollback`` of them (10 % by
 default, as every ``bench.loop`` run, so that rolled-back quotes are checked to have no
@@ -36,6 +42,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from sqlalchemy import text
 
 from bench.loop import Loop, LoopSettings, private_postgres, problems
 from bench.procstat import children_of, cpu_seconds
@@ -78,6 +86,8 @@ COMPONENTS = ("writers", "relays", "consumers", "workers", "simulator", "postgre
 def measure(loop: Loop, rate: float, warmup: float, seconds: float) -> dict[str, object]:
     loop.settings.rate = rate
     loop.settings.writers = max(1, round(rate / 250))
+    requests_before = len(loop.simulator.arrivals())
+    effects_before = len(loop.simulator.effects())
     loop.start_load()
     time.sleep(warmup)
     start_at = loop.now()
@@ -90,8 +100,16 @@ def measure(loop: Loop, rate: float, warmup: float, seconds: float) -> dict[str,
     last = loop.samples[-1]
     elapsed = last.at - first.at
     loop.stop_load()
+    stopped = time.monotonic()
     settled = loop.settle(180.0)
+    settle_seconds = time.monotonic() - stopped
     books = loop.books()
+    calls = len(loop.simulator.arrivals())
+    made = len(loop.simulator.effects())
+    assert loop.engine is not None
+    with loop.engine.connect() as conn:
+        claims = conn.execute(text("SELECT coalesce(max(lease_epoch), 0) FROM outbox_jobs"))
+        most_claims = int(claims.scalar_one())
     latencies = sorted(
         e["time"] - e["body"]["t"]
         for e in loop.simulator.effects()
@@ -111,6 +129,9 @@ def measure(loop: Loop, rate: float, warmup: float, seconds: float) -> dict[str,
         "measured": len(latencies),
         "cpu": cpu_percent(cpu_before, cpu_after, seconds),
         "books": "ok" if settled and not problems(books) else "; ".join(problems(books)),
+        "settled_s": settle_seconds,
+        "requests": (calls - requests_before) / max(made - effects_before, 1),
+        "most_claims": most_claims,
         "window": (start_at, loop.now()),
     }
 
@@ -123,9 +144,9 @@ def table(rows: Sequence[dict[str, object]]) -> str:
     head = (
         "| offered q/s | committed q/s | effects/s | p50 ms | p99 ms | max ms | "
         + " | ".join(f"CPU {c} %" for c in COMPONENTS)
-        + " | books |"
+        + " | settled s | requests/effect | most claims | books |"
     )
-    lines = [head, "|" + "---|" * (7 + len(COMPONENTS))]
+    lines = [head, "|" + "---|" * (10 + len(COMPONENTS))]
     for r in rows:
         cpu = r["cpu"]
         assert isinstance(cpu, dict)
@@ -133,7 +154,8 @@ def table(rows: Sequence[dict[str, object]]) -> str:
             f"| {r['offered']:.0f} | {r['committed_per_s']:.0f} | {r['effects_per_s']:.0f} | "
             f"{_ms(r['p50'])} | {_ms(r['p99'])} | {_ms(r['max'])} | "
             + " | ".join(f"{cpu.get(c, 0.0):.0f}" for c in COMPONENTS)
-            + f" | {r['books']} |"
+            + f" | {float(r['settled_s']):.1f} | {float(r['requests']):.2f}"  # type: ignore[arg-type]
+            + f" | {r['most_claims']} | {r['books']} |"
         )
     return "\n".join(lines)
 
@@ -154,6 +176,10 @@ def main(argv: Sequence[str]) -> int:
         "--provider-jitter", type=float, default=0.5, help="the latency varies by this fraction"
     )
     parser.add_argument(
+        "--provider-capacity", type=int, default=None, help="sends the provider serves at once"
+    )
+    parser.add_argument("--provider", choices=("http", "blocking"), default="http")
+    parser.add_argument(
         "--rollback",
         type=float,
         default=LoopSettings.rollback,
@@ -165,23 +191,28 @@ def main(argv: Sequence[str]) -> int:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
-    if args.provider_latency:
-        print(
-            f"provider: {args.provider_latency * 1000:.0f} ms "
-            f"±{args.provider_jitter * 100:.0f} % per send",
-            flush=True,
-        )
+    print(
+        f"provider: {args.provider}, {args.provider_latency * 1000:.0f} ms "
+        f"±{args.provider_jitter * 100:.0f} % per send"
+        + (f", {args.provider_capacity} at once" if args.provider_capacity else ""),
+        flush=True,
+    )
     pg = private_postgres()
     rows = []
     try:
-        loop = Loop(pg, "e2e", LoopSettings(rate=rates[0], rollback=args.rollback))
+        env = {"LOOP_PROVIDER": args.provider}
+        settings = LoopSettings(rate=rates[0], rollback=args.rollback, env=env)
+        loop = Loop(pg, "e2e", settings)
         try:
             loop.start(load=False)
-            if args.provider_latency:
-                loop.simulator.client.post(
-                    f"{loop.simulator.url}/config",
-                    json={"latency": args.provider_latency, "jitter": args.provider_jitter},
-                ).raise_for_status()
+            loop.simulator.client.post(
+                f"{loop.simulator.url}/config",
+                json={
+                    "latency": args.provider_latency,
+                    "jitter": args.provider_jitter,
+                    "capacity": args.provider_capacity,
+                },
+            ).raise_for_status()
             for rate in rates:
                 row = measure(loop, rate, args.warmup, args.seconds)
                 rows.append(row)

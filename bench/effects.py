@@ -1,7 +1,8 @@
 """One worker process with its defaults against a slow provider: effects/s, CPU per effect.
 
 ``python -m bench effects [--latency 0.3] [--rates 50,100,200,400] [--seconds S]
-[--backlog N] [--handlers sync,async] [--capacity N] [--jitter FRACTION]``
+[--backlog N] [--handlers sync,async] [--capacity N] [--jitter FRACTION]
+[--provider http|blocking] [--concurrency N] [--threads N]``
 
 One ``outbox-simulator serve`` adding ``--latency`` seconds to every send, one ``outbox-worker
 run tests.effects_app:build`` process with no flags (its default slots), PostgreSQL (the
@@ -14,10 +15,17 @@ handler calling ``job.dispatch``; ``async``: an ``async def`` one awaiting
 - the ceiling: ``--backlog`` jobs enqueued at once, drained; effects/s from the first effect
   to the last, and CPU per effect.
 
+``--provider blocking`` (issue 37): the user's path instead of ours, as DESIGN.md shows it:
+``outbox-worker run tests.blocking_app:build``, a provider of the user's own around plain
+``urllib`` (a new connection per call), registered with an ``Operations`` built apart from
+the worker, called from a ``def`` handler (``--handlers`` is then ``sync`` only).
+``--concurrency`` / ``--threads`` set ``OUTBOX_CONCURRENCY`` / ``OUTBOX_THREADS`` for the
+worker (the defaults otherwise).
+
 ``--capacity N``: the provider serves N sends at once and queues the others (a provider
 slower than what is offered: overload). Each row also gives the provider requests per
 effect (every call that reached it, sends, resends and lookups, over the effects made),
-and the jobs handed back by a provider limit.
+the jobs handed back by a provider limit, and the most claims of one job (its lease epoch).
 
 The CPU is the worker process's utime + stime from ``/proc``. Figures depend on what else
 the machine runs (say so when quoting them): a benchmark, never a timed test.
@@ -49,7 +57,7 @@ from tests.simulator_support import SimulatorProcess  # noqa: E402
 
 HEAD = (
     "| offered jobs/s | effects/s | p50 ms | p99 ms | worker CPU % | ms CPU/effect "
-    "| handed back | requests/effect |"
+    "| handed back | requests/effect | most claims |"
 )
 BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -70,7 +78,9 @@ def _drop(schema: str) -> None:
     engine.dispose()
 
 
-def _worker(url: str, sim: SimulatorProcess, handler: str, log: Path) -> subprocess.Popen[bytes]:
+def _worker(
+    url: str, sim: SimulatorProcess, handler: str, log: Path, args: argparse.Namespace
+) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
         OUTBOX_DATABASE_URL=url,
@@ -78,9 +88,14 @@ def _worker(url: str, sim: SimulatorProcess, handler: str, log: Path) -> subproc
         MAIL_URL=sim.url,
         HANDLER=handler,
     )
+    if args.concurrency:
+        env["OUTBOX_CONCURRENCY"] = str(args.concurrency)
+    if args.threads:
+        env["OUTBOX_THREADS"] = str(args.threads)
+    app = "tests.blocking_app:build" if args.provider == "blocking" else "tests.effects_app:build"
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.effects_app:build"],
+            [sys.executable, "-m", "consumer.jobs.cli", "run", app],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -102,6 +117,12 @@ def _handed_back(store: Store) -> int:
     a move and a claim again, without an effect."""
     with store.engine.connect() as conn:
         query = text("SELECT count(*) FROM outbox_job_attempts WHERE outcome = 'deferred'")
+        return int(conn.execute(query).scalar_one())
+
+
+def _most_claims(store: Store) -> int:
+    with store.engine.connect() as conn:
+        query = text("SELECT coalesce(max(lease_epoch), 0) FROM outbox_jobs")
         return int(conn.execute(query).scalar_one())
 
 
@@ -156,6 +177,7 @@ def offered(
         "cpu_ms": 1000 * cpu / max(made, 1),
         "handed_back": _handed_back(store) - back,
         "requests": (len(sim.arrivals()) - calls) / max(settled, 1),
+        "claims": _most_claims(store),
     }
 
 
@@ -177,6 +199,7 @@ def ceiling(
         "cpu_ms": 1000 * cpu / max(len(times), 1),
         "handed_back": _handed_back(store) - back,
         "requests": (len(sim.arrivals()) - calls) / max(len(times), 1),
+        "claims": _most_claims(store),
     }
 
 
@@ -195,13 +218,22 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--jitter", type=float, default=0.0, help="each send's latency varies by ± this fraction"
     )
+    parser.add_argument("--provider", choices=("http", "blocking"), default="http")
+    parser.add_argument("--concurrency", type=int, default=None, help="the worker's slots")
+    parser.add_argument("--threads", type=int, default=None, help="its threads for def handlers")
     args = parser.parse_args(argv)
+    if args.provider == "blocking":
+        args.handlers = "sync"
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
         print(f"machine: {os.cpu_count()} cores; {uptime.read().strip()}", flush=True)
     served = f", {args.capacity} sends at once" if args.capacity else ""
     jitter = f" ± {args.jitter:.0%}" if args.jitter else ""
-    print(f"provider: {args.latency * 1000:.0f} ms{jitter} per send{served}; one worker, defaults")
+    print(
+        f"provider: {args.provider}, {args.latency * 1000:.0f} ms{jitter} per send{served}; "
+        f"one worker, concurrency {args.concurrency or 'default'}, "
+        f"threads {args.threads or 'default'}"
+    )
     for handler in [h.strip() for h in args.handlers.split(",") if h.strip()]:
         schema, url = _schema_url()
         directory = Path(tempfile.mkdtemp(prefix="bench-effects-"))
@@ -210,18 +242,19 @@ def main(argv: Sequence[str]) -> int:
         try:
             with SimulatorProcess(directory / "sim.db") as sim:
                 sim.configure(latency=args.latency, jitter=args.jitter, capacity=args.capacity)
-                worker = _worker(url, sim, handler, directory / "worker.log")
+                worker = _worker(url, sim, handler, directory / "worker.log", args)
                 try:
                     time.sleep(2.0)  # the worker is up
-                    print(f"\n{handler} handler")
+                    label = "user's blocking provider" if args.provider == "blocking" else ""
+                    print(f"\n{handler} handler {label}")
                     print(HEAD)
-                    print("|---|---|---|---|---|---|---|---|")
+                    print("|---|---|---|---|---|---|---|---|---|")
                     for i, rate in enumerate(rates):
                         row = offered(store, sim, worker.pid, rate, args.seconds, f"r{i}")
                         print(
                             f"| {rate:.0f} | {row['effects_per_s']:.0f} | {_ms(row['p50'])} | "
                             f"{_ms(row['p99'])} | {row['cpu_pct']:.0f} | {row['cpu_ms']:.2f} | "
-                            f"{row['handed_back']} | {row['requests']:.2f} |",
+                            f"{row['handed_back']} | {row['requests']:.2f} | {row['claims']} |",
                             flush=True,
                         )
                     top = ceiling(store, sim, worker.pid, args.backlog, "max")
@@ -229,7 +262,8 @@ def main(argv: Sequence[str]) -> int:
                         f"ceiling: {top['effects']} jobs drained at {top['effects_per_s']:.0f} "
                         f"effects/s, {top['cpu_ms']:.2f} ms CPU per effect, "
                         f"{top['handed_back']} handed back, "
-                        f"{top['requests']:.2f} requests per effect",
+                        f"{top['requests']:.2f} requests per effect, "
+                        f"at most {top['claims']} claims of one job",
                         flush=True,
                     )
                 finally:

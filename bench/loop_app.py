@@ -235,12 +235,37 @@ def worker() -> Any:
         value = _env_float(key)
         if value is not None:
             options[name] = value
+    if os.environ.get("LOOP_PROVIDER") == "blocking":
+        return _blocking_worker(url, options)
     built = Worker(providers={"mail": provider}, **options)
 
     @built.handler("send-quote")
     def send_quote(job: JobContext) -> None:
         data = job.payload or {}
         job.dispatch("send", "mail", {"quote": data.get("quote"), "t": data.get("t")})
+
+    return built
+
+
+def _blocking_worker(url: str, options: dict[str, Any]) -> Any:
+    """``LOOP_PROVIDER=blocking``: the user's path of issue 37, as DESIGN.md shows it: a
+    provider of their own around a blocking client (``tests.blocking_app.PostMail``: urllib,
+    a new connection per call), an ``Operations`` built apart from the worker, a ``def``
+    handler; the worker has no providers of its own."""
+    from consumer import Operations, Store
+    from consumer.jobs.worker import JobContext, Worker
+    from tests.blocking_app import PostMail
+
+    store = Store(os.environ["OUTBOX_DATABASE_URL"])
+    mail = PostMail(url, timeout=float(os.environ.get("LOOP_PROVIDER_TIMEOUT", "2")))
+    operations = Operations(store, {"postmail": mail})
+    built = Worker(store, **options)
+
+    @built.handler("send-quote")
+    def send_quote(job: JobContext) -> None:
+        data = job.payload or {}
+        request = {"quote": data.get("quote"), "t": data.get("t")}
+        operations.dispatch(job, "send", "postmail", request)
 
     return built
 
