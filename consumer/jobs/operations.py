@@ -58,10 +58,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from consumer.errors import (
-    AuthFailure,
     Conflict,
     JobError,
-    JobFailure,
     OperationError,
     OperationInFlight,
     OperationUnresolved,
@@ -73,6 +71,17 @@ from consumer.jobs import deliveries
 from consumer.jobs.checks import _time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
+from consumer.jobs.outcome import (
+    ACCEPTED,
+    FAILED,
+    NOT_SENT,
+    PENDING,
+    RECEIPT_STATES,
+    UNKNOWN,
+    failed_state,
+    failure_text,
+    retry_after_of,
+)
 from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
@@ -88,12 +97,6 @@ __all__ += ["request_digest", "retry_after_of"]
 
 log = logging.getLogger("outbox.worker")
 
-PENDING = "PENDING"
-ACCEPTED = "ACCEPTED"
-UNKNOWN = "UNKNOWN"
-NOT_SENT = "NOT_SENT"
-FAILED = "FAILED"
-RECEIPT_STATES = (PENDING, ACCEPTED, UNKNOWN, NOT_SENT, FAILED)
 
 _MAX_RESTARTS = 3  # a dispatch re-reads its intent when the sweep changed it meanwhile
 
@@ -400,7 +403,7 @@ class Operations:
             # a numeric ``retry_after`` (a user's own SDK error).
             ticket.retry_after = retry_after_of(exc)
             ticket.timed_out = isinstance(exc, ProviderTimeout)
-            self._update(operation_id, _failed_state(exc), None, _failure_text(exc))
+            self._update(operation_id, failed_state(exc), None, failure_text(exc))
             raise
         if not isinstance(ref, str) or not ref:
             self._update(operation_id, UNKNOWN, None, f"provider returned no reference: {ref!r}")
@@ -738,40 +741,6 @@ class Operations:
             log.info("job not parked", extra=fields(job_id=job_id, error=repr(exc)))
             return False
         return True
-
-
-def retry_after_of(exc: BaseException) -> float | None:
-    """The seconds a failure asks to wait before the provider is called again: its
-    ``retry_after`` attribute when that is a number >= 0 (any exception; a
-    :class:`~consumer.errors.JobFailure` takes it as ``retry_after=``), else None."""
-    value = getattr(exc, "retry_after", None)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(min(value, 86400.0))
-    return None
-
-
-def _failed_state(exc: BaseException) -> str:
-    """The receipt of a call that raised ``exc``: FAILED for a definitive rejection,
-    NOT_SENT when the provider certainly did not act (credentials refused, ``not_sent``, a
-    429/503 status: a retry sends), UNKNOWN otherwise (a timeout, anything else: the
-    request may have landed; reconciled before any resend)."""
-    if isinstance(exc, PermanentFailure):
-        return FAILED
-    if isinstance(exc, ProviderTimeout):
-        return UNKNOWN
-    if isinstance(exc, JobFailure) and (
-        isinstance(exc, AuthFailure) or exc.not_sent or exc.status in (429, 503)
-    ):
-        return NOT_SENT
-    return UNKNOWN
-
-
-def _failure_text(exc: BaseException) -> str:
-    status = getattr(exc, "status", None)
-    if not isinstance(exc, JobFailure):
-        return repr(exc)[:2000]
-    text = f"{type(exc).__name__}: {exc}"
-    return (f"HTTP {status}: {text}" if status else text)[:2000]
 
 
 def _os_user() -> str:
