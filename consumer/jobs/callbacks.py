@@ -29,13 +29,30 @@ from typing import Any
 import httpx
 
 from consumer.jobs.inbound import sign
+from outbox.errors import ConfigError
 
-__all__ = ["ATTEMPTS", "CallbackSender", "outcome_of"]
+__all__ = ["ATTEMPTS", "CallbackSender", "outcome_of", "read_secret"]
 
 log = logging.getLogger("outbox.simulator")
 
 ATTEMPTS = 5
 BOUNCE_DETAIL = "550 5.1.1 no such user"
+
+
+def read_secret(path: str | None) -> str:
+    """The first line of ``path`` (the ``--callback-secret-file``); ``ConfigError`` when
+    there is none, or it is shorter than the endpoint accepts."""
+    secret = ""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                secret = handle.readline().strip()
+        except OSError as exc:
+            problem = f"cannot read {path!r}: {exc.strerror}"
+            raise ConfigError("callback_secret_file", problem) from None
+    if len(secret) < 16:
+        raise ConfigError("OUTBOX_INBOUND_SECRET", "--callback-url needs the endpoint's secret")
+    return secret
 
 
 def outcome_of(request: Any) -> str:

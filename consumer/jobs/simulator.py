@@ -562,19 +562,11 @@ def _callbacks(args: argparse.Namespace) -> CallbackSender:
 
     for extra in ("http", "inbound"):  # it sends with httpx, signs as consumer.jobs.inbound
         require(extra, "outbox-simulator --callback-url")
-    from consumer.jobs.callbacks import CallbackSender  # only with --callback-url
+    from consumer.jobs.callbacks import CallbackSender, read_secret  # only with --callback-url
 
-    secret = os.environ.get("OUTBOX_INBOUND_SECRET", "")
-    if not secret and args.callback_secret_file:
-        with open(args.callback_secret_file, encoding="utf-8") as handle:
-            secret = handle.readline().strip()
-    if len(secret) < 16:
-        raise ConfigError(
-            "OUTBOX_INBOUND_SECRET", "--callback-url needs the endpoint's secret (16+ characters)"
-        )
-    return CallbackSender(
-        args.callback_url, secret, delay=_seconds("callback_delay", args.callback_delay)
-    )
+    secret = os.environ.get("OUTBOX_INBOUND_SECRET") or read_secret(args.callback_secret_file)
+    delay = _seconds("callback_delay", args.callback_delay)
+    return CallbackSender(args.callback_url, secret, delay=delay)
 
 
 def _start_problem(exc: OSError, host: str, port: int) -> str:
