@@ -565,8 +565,7 @@ def _callbacks(args: argparse.Namespace) -> CallbackSender:
     from consumer.jobs.callbacks import CallbackSender, read_secret  # only with --callback-url
 
     secret = os.environ.get("OUTBOX_INBOUND_SECRET") or read_secret(args.callback_secret_file)
-    delay = _seconds("callback_delay", args.callback_delay)
-    return CallbackSender(args.callback_url, secret, delay=delay)
+    return CallbackSender(args.callback_url, secret, delay=_seconds("delay", args.callback_delay))
 
 
 def _start_problem(exc: OSError, host: str, port: int) -> str:
