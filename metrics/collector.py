@@ -36,6 +36,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
+from metrics.schedules import schedules_source
 from metrics.tables import Source as Source
 from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
@@ -129,6 +130,8 @@ class DatabaseCollector(Collector):
                 self.consumer_schema,
                 self.jobs_schema,
             ),
+            # Schedules: slots fired and missed, overdue slots, live workers (issue 39).
+            schedules_source(self.jobs_schema),
             *extra_sources,
         ]
 

@@ -49,6 +49,8 @@ def exported_names(tmp_path: Path) -> set[str]:
         conn.execute(sa.text("CREATE TABLE receipts (state text, created_at float)"))
     # A READY job (the per-queue gauges) next to the published event (the tables' ages).
     consumer.Store(engine).enqueue("t", "send-a")
+    # A schedule: its per-schedule series (fired, missed, overdue).
+    consumer.Store(engine).schedule_every("digest", cron="0 9 * * *", tenant="t", action="digest")
     metrics = build_metrics(engine=engine, extra_sources=[unknown_receipts_source("receipts")])
     hooks = metrics.hooks
     for name, method in vars(Hooks).items():

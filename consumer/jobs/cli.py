@@ -70,6 +70,7 @@ from consumer.jobs.purge import (
     purge_command,
     retention_config,
 )
+from consumer.jobs.schedule_cli import add_schedules_command
 from outbox.cli import (
     DATABASE,
     DATABASE_URL,
@@ -220,6 +221,7 @@ def build_parser() -> Parser:
         p.set_defaults(func=_operations_command)
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
+    schedules = add_schedules_command(sub)  # consumer.jobs.schedule_cli
     inbound = sub.add_parser(
         "inbound",
         help="serve the signed inbound endpoint (replies, delivery callbacks)",
@@ -257,7 +259,7 @@ def build_parser() -> Parser:
     )
     inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge, inbound):
+    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from consumer.errors import Conflict, JobCancelled
 from consumer.jobs.cancels import is_requested
+from consumer.jobs.cron import Slot
 from consumer.jobs.replies import Reply, unconsumed
+from consumer.jobs.schedules import schedule_slot
 from consumer.jobs.store import Lease, Store, Time, Timer, _time
 from outbox.errors import ConfigError
 
@@ -93,6 +95,13 @@ class JobContext:
     @property
     def attempt(self) -> int:
         return self.lease.attempts
+
+    @property
+    def slot(self) -> Slot | None:
+        """The slot this job was fired for, when a schedule made it (its action is
+        ``f"{action}@{slot}"``, ``consumer.jobs.schedules``): an aware UTC datetime whose
+        ``str`` is the ISO 8601 text in the action. None for any other job."""
+        return schedule_slot(self.lease.kind, self.lease.action)
 
     @property
     def replies(self) -> list[Reply]:
