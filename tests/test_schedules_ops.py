@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
+from sqlalchemy import select as sa_select
 from sqlalchemy import update
 
 from consumer.jobs.cli import main
@@ -90,3 +91,53 @@ def test_metrics_count_fired_and_missed_and_show_an_overdue_slot(store: Store) -
     store.pause_schedule("tick")
     _move_back(store, "tick", 600)
     assert registry.get_sample_value("outbox_schedule_overdue_seconds", labels) == 0  # paused
+
+
+def test_console_lists_schedules_and_audits_pause_and_resume(db_url: str) -> None:
+    from starlette.testclient import TestClient
+
+    from outbox.console.app import Console
+    from outbox.console.schema import audit, create_audit_table
+
+    store = Store(db_url)
+    try:
+        create_audit_table(store.engine)
+        store.schedule_every("digest", cron="0 9 * * 1-5", tenant="studio", action="digest",
+                             tz="Europe/Berlin")  # fmt: skip
+        store.schedule_every("tick", cron="0 0 1 1 *", tenant="t", action="tick")
+        _move_back(store, "tick", 5)
+        fired = store.fire_schedules().fired
+        console = Console(store.engine, None, "s3cret-token-for-tests")
+        bearer = {"Authorization": "Bearer s3cret-token-for-tests"}
+        with TestClient(console.app) as api:
+            rows = {r["name"]: r for r in api.get("/api/schedules", headers=bearer).json()["rows"]}
+            assert rows["tick"]["last_job_id"] == fired[0].job_id
+            assert rows["tick"]["last_job_state"] == "READY"
+            assert rows["digest"]["next_slot"].endswith("+00:00") and not rows["digest"]["paused"]
+            path = "/api/schedules/digest/pause"
+            assert api.post(path, headers=bearer, json={}).status_code == 400  # no reason
+            done = api.post(path, headers=bearer, json={"reason": "holiday", "by": "ann"})
+            assert done.status_code == 200, done.text
+            assert done.json()["before"]["paused"] is False and done.json()["after"]["paused"]
+            assert store.get_schedule("digest").paused
+            again = api.post(path, headers=bearer, json={"reason": "twice"})
+            assert again.status_code == 409
+            missing = api.post("/api/schedules/nope/pause", headers=bearer, json={"reason": "x"})
+            assert missing.status_code == 404
+            resumed = api.post(
+                "/api/schedules/digest/resume", headers=bearer, json={"reason": "back"}
+            )
+            assert resumed.status_code == 200 and not store.get_schedule("digest").paused
+            page = api.get("/schedules", headers=bearer).text
+            assert 'action="/schedules/digest/pause"' in page and "Europe/Berlin" in page
+            assert f'href="/trace?q={fired[0].job_id}"' in page
+        with store.engine.connect() as conn:
+            rows_audit = conn.execute(sa_select(audit).order_by(audit.c.id)).all()
+        assert [(r.action, r.target_kind, r.target_id, r.outcome[:7]) for r in rows_audit] == [
+            ("pause", "schedule", "digest", "ok"),
+            ("pause", "schedule", "digest", "refused"),
+            ("pause", "schedule", "nope", "refused"),
+            ("resume", "schedule", "digest", "ok"),
+        ]
+    finally:
+        store.dispose()

@@ -142,6 +142,9 @@ class Actions:
                 query = select(jobs).where(jobs.c.id == int(target_id))
             elif kind == "queue":
                 return self.store.depth(target_id)[target_id].as_dict()  # any name is a queue
+            elif kind == "schedule":
+                found = [s for s in self.store.schedules() if s.name == target_id]
+                return found[0].as_dict() if found else None
             else:
                 query = select(operations).where(operations.c.operation_id == target_id)
             row = conn.execute(query).first()
@@ -321,6 +324,28 @@ class Actions:
 
         return self._run(actor, "resume", "queue", name, reason, operation)
 
+    def pause_schedule(self, name: str, reason: Any, actor: Actor) -> Outcome:
+        """The schedule fires nothing until resumed; pausing a paused one is refused."""
+        target = _schedule_name(name)
+
+        def operation() -> Any:
+            if not self.store.pause_schedule(target):
+                raise ActionRefused(f"schedule {target} is paused already")
+            return {"paused": True}
+
+        return self._run(actor, "pause", "schedule", target, reason, operation)
+
+    def resume_schedule(self, name: str, reason: Any, actor: Actor) -> Outcome:
+        """The schedule fires again from its next slot; resuming a running one is refused."""
+        target = _schedule_name(name)
+
+        def operation() -> Any:
+            if not self.store.resume_schedule(target):
+                raise ActionRefused(f"schedule {target} is not paused")
+            return {"paused": False}
+
+        return self._run(actor, "resume", "schedule", target, reason, operation)
+
     # -- bulk ----------------------------------------------------------------------------
 
     def bulk_targets(self, kind: str, filters: dict[str, str]) -> tuple[Any, Any, Any, Any]:
@@ -389,6 +414,14 @@ def _job_id(value: str) -> int:
 def _queue_name(value: str) -> str:
     try:
         check_name("queue", value, JobError)
+    except JobError as exc:
+        raise ActionError(str(exc)) from None
+    return value
+
+
+def _schedule_name(value: str) -> str:
+    try:
+        check_name("schedule", value, JobError)
     except JobError as exc:
         raise ActionError(str(exc)) from None
     return value

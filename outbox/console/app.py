@@ -131,6 +131,13 @@ class Console:
             r("/api/queues", api(self.api_queues)),
             r("/api/queues/{target:path}/pause", act("pause_queue", True), methods=["POST"]),
             r("/api/queues/{target:path}/resume", act("resume_queue", True), methods=["POST"]),
+            r("/api/schedules", api(self.api_schedules)),
+            r("/api/schedules/{target:path}/pause", act("pause_schedule", True), methods=["POST"]),
+            r(
+                "/api/schedules/{target:path}/resume",
+                act("resume_schedule", True),
+                methods=["POST"],
+            ),
             r("/", page(self.page_overview)),
             r("/trace", page(self.page_trace)),
             r("/events", page(self.page_list("events"))),
@@ -147,6 +154,9 @@ class Console:
             r("/queues", page(self.page_queues)),
             r("/queues/{target:path}/pause", act("pause_queue"), methods=["POST"]),
             r("/queues/{target:path}/resume", act("resume_queue"), methods=["POST"]),
+            r("/schedules", page(self.page_schedules)),
+            r("/schedules/{target:path}/pause", act("pause_schedule"), methods=["POST"]),
+            r("/schedules/{target:path}/resume", act("resume_schedule"), methods=["POST"]),
         ]
 
     def _who(self, request: Request) -> Principal | None:
@@ -297,6 +307,25 @@ class Console:
             notice=_notice(request),
         )
 
+    def _schedules(self) -> queries.Page:
+        if "outbox_schedules" not in self.present() or "outbox_jobs" not in self.present():
+            return queries.Page([], None, {})  # no schedules here (yet)
+        return queries.list_schedules(self.actions.store)
+
+    async def api_schedules(self, request: Request) -> Any:
+        return (await run_in_threadpool(self._schedules)).as_dict()
+
+    async def page_schedules(self, request: Request, who: Principal) -> Response:
+        page = await run_in_threadpool(self._schedules)
+        return self._render(
+            "schedules.html",
+            who=who,
+            csrf=self._csrf(who),
+            page=page,
+            here="/schedules",
+            notice=_notice(request),
+        )
+
     async def api_overview(self, request: Request) -> Any:
         return await run_in_threadpool(self._overview)
 
@@ -421,6 +450,10 @@ class Console:
             out = a.pause_queue(target, reason, actor)
         elif action == "resume_queue":
             out = a.resume_queue(target, reason, actor)
+        elif action == "pause_schedule":
+            out = a.pause_schedule(target, reason, actor)
+        elif action == "resume_schedule":
+            out = a.resume_schedule(target, reason, actor)
         elif action == "settle":
             not_sent = body.get("not_sent")
             if isinstance(not_sent, str):  # a form's checkbox or radio button

@@ -50,6 +50,7 @@ from consumer.jobs.schema import (
     operations,
     paused_queues,
     replies,
+    schedules,
     workers,
 )
 from consumer.jobs.states import (
@@ -406,6 +407,7 @@ def present_tables(engine: Engine, tables: Tables) -> set[str]:
         operations.name,
         workers.name,
         paused_queues.name,
+        schedules.name,
         replies.name,
         deliveries.name,
         audit.name,
@@ -429,6 +431,12 @@ def list_queues(store: Store) -> Page:
         row["leased"] = leased.get(name, 0)
         rows.append(row)
     return Page(rows, None, {})
+
+
+def list_schedules(store: Store) -> Page:
+    """The schedules, by name: each with its next slot, its last fired slot and that job's
+    state, slots fired and missed, paused or running (``Store.schedules``: one statement)."""
+    return Page([info.as_dict() for info in store.schedules()], None, {})
 
 
 def job_counts(conn: Connection) -> dict[str, dict[str, int]]:
