@@ -307,3 +307,21 @@ def test_retention_takes_a_finished_jobs_replies_and_callbacks_with_it(
         left = [int(r[0]) for r in conn.execute(sa.select(replies.c.job_id))]
         callbacks = conn.execute(sa.select(sa.func.count()).select_from(deliveries)).scalar()
     assert left == [kept] and callbacks == 0
+
+
+def test_a_cancelled_job_makes_no_new_call_for_an_earlier_intent(
+    store: Store, mail: FakeProvider
+) -> None:
+    from consumer.errors import AuthFailure
+
+    ops = Operations(store, {"mail": mail})
+    job = store.enqueue("studio", "send-quote-17").job_id
+    lease = claim(store)
+    mail.fail_next("unauthorized")  # the provider did not act: NOT_SENT, a new call may go
+    with pytest.raises(AuthFailure):
+        JobContext(store, lease, ops).dispatch("email", "mail", {"to": "ann"})
+    store.cancel(job, reason="withdrawn")
+    with pytest.raises(JobCancelled):
+        JobContext(store, lease, ops).dispatch("email", "mail", {"to": "ann"})
+    assert mail.effects == []
+    assert ops.receipt(f"{job}:email").state == "NOT_SENT"  # type: ignore[union-attr]

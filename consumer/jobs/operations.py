@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 from consumer.errors import (
     Conflict,
+    JobCancelled,
     JobError,
     OperationError,
     OperationInFlight,
@@ -68,6 +69,7 @@ from consumer.errors import (
     ProviderTimeout,
 )
 from consumer.jobs import deliveries
+from consumer.jobs.cancels import is_requested
 from consumer.jobs.checks import _time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
@@ -622,6 +624,8 @@ class Operations:
                 )
             if row.state in (ACCEPTED, FAILED):
                 return str(row.state), row
+            if is_requested(conn, lease.job_id, lease.epoch):  # no new call once cancelled
+                raise JobCancelled(f"job #{lease.job_id} was cancelled: {operation_id} not sent")
             if row.state in (PENDING, UNKNOWN):
                 if row.call_deadline is not None and row.call_deadline > clock:
                     return "in_flight", row
