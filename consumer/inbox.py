@@ -225,6 +225,10 @@ class Inbox:
         assert isinstance(value, datetime)
         return value
 
+    def clock_at(self, conn: Connection, now: datetime | None = None) -> datetime:
+        """``now`` (default: the database clock) as the tables store timestamps."""
+        return self._comparable(now if now is not None else self.clock_read(conn))
+
     def _comparable(self, moment: datetime) -> datetime:
         """``moment`` as the tables store timestamps."""
         return moment
@@ -289,7 +293,7 @@ class Inbox:
         total = 0
         for _ in range(max_batches):
             with self.engine.begin() as conn:
-                clock = self._comparable(now if now is not None else self.clock_read(conn))
+                clock = self.clock_at(conn, now)
                 cutoff = clock - timedelta(seconds=retention_seconds)
                 oldest = (
                     select(table.c.group_name, table.c.identity)

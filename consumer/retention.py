@@ -56,7 +56,7 @@ class DeadLetterRetention:
 
     def _where(self, conn: Any, now: Any) -> Any:
         table = self.inbox.tables.dead_letters
-        clock = self.inbox._comparable(now if now is not None else self.inbox.clock_read(conn))
+        clock = self.inbox.clock_at(conn, now)
         cutoff = clock - timedelta(seconds=self.retention_seconds)
         return (table.c.state == REPLAYED) & (table.c.replayed_at < cutoff)
 

@@ -125,7 +125,7 @@ def test_no_import_cycles_counting_function_level_imports() -> None:
     assert unknown == []
     # relay.redis.cluster <-> relay.redis.publisher is gone (shared pieces: relay.redis.replies).
     assert not any({"relay.redis.cluster", "relay.redis.publisher"} <= set(c) for c in found)
-    # consumer.jobs.worker <-> consumer.jobs.slots is gone (the runner's SlotHost protocol).
+    # consumer.jobs.worker <-> consumer.jobs.slots is gone (the slots' SlotParts protocol).
     assert not any({"consumer.jobs.worker", "consumer.jobs.slots"} <= set(c) for c in found)
     # consumer.jobs.schema -> driver -> queries -> schema is gone: the schema creates its
     # tables itself (create_tables), and the PostgreSQL driver calls it.

@@ -60,7 +60,7 @@ import json
 import logging
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consumer.jobs.purge import (
     WINDOWS,
@@ -88,6 +88,11 @@ from outbox.cli import (
 from outbox.db import default_database_url, describe_url, same_database
 from outbox.extras import require
 from outbox.logs import fields, setup_logging
+
+if TYPE_CHECKING:
+    from consumer.jobs.config import WorkerConfig
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
 
 log = logging.getLogger("outbox.worker")
 
@@ -294,28 +299,53 @@ def _init_db(args: argparse.Namespace, url: str) -> int:
 
 
 def _run(args: argparse.Namespace, url: str) -> int:
-    from consumer.jobs.store import Store
+    """``outbox-worker run``: the final worker is built before it runs (its config from the
+    flags and ``OUTBOX_*``, its store, its hooks); the user's worker is left as it was."""
+    loaded = load_worker(args.target)
+    config = _run_config(args, loaded.config)
+    store = _run_store(args, url, loaded)
+    hooks = loaded.hooks
+    if args.metrics_port is not None:
+        from metrics import start_metrics  # lazily: only with the flag
 
-    worker = load_worker(args.target)
-    options: dict[str, Any] = {}
-    for option in (
-        "concurrency",
-        "batch_size",
-        "ttl",
-        "reconcile_interval",
-        "recover_interval",
-        "liveness_ttl",
-        "liveness_interval",
-    ):
-        value = getattr(args, option)
-        if value is not None:
-            options[option] = value
+        hooks = start_metrics(args.metrics_port, args.metrics_host, engine=store.engine)
+    worker = loaded.bound(store=store, config=config, hooks=hooks)
+    log.info(
+        "outbox-worker starting",
+        extra=fields(
+            database=describe_url(str(store.engine.url)),
+            concurrency=config.concurrency,
+            queues=list(config.queues) if config.queues is not None else None,
+        ),
+    )
+    worker.run()
+    return 0
+
+
+_RUN_OPTIONS = (
+    "concurrency",
+    "batch_size",
+    "ttl",
+    "reconcile_interval",
+    "recover_interval",
+    "liveness_ttl",
+    "liveness_interval",
+)
+
+
+def _run_config(args: argparse.Namespace, base: WorkerConfig) -> WorkerConfig:
+    """The worker's config with the flags (and ``OUTBOX_*``) given over it."""
+    options: dict[str, Any] = {
+        option: getattr(args, option)
+        for option in _RUN_OPTIONS
+        if getattr(args, option) is not None
+    }
     if args.no_listen:
         options["listen"] = False
     if args.queues is not None:
         options["queues"] = args.queues
         if isinstance(args.queues, list):  # the Worker's own slots stay for queues still named
-            kept = worker.config.queue_slots
+            kept = base.queue_slots
             options["queue_slots"] = {q: n for q, n in kept.items() if q in args.queues}
     if args.tenant_limit is not None:
         options["tenant_limit"] = args.tenant_limit
@@ -323,34 +353,25 @@ def _run(args: argparse.Namespace, url: str) -> int:
         getattr(args, flag.replace("-", "_")) is not None for flag, *_ in WINDOWS
     ):
         options["retention"] = retention_config(args)
-    if options:
-        worker.config = replace(worker.config, **options)
-    if worker.store is None:
-        worker.store = Store(url)
-    elif args.database_url is not None and not same_database(
-        args.database_url, worker.store.engine.url
+    return replace(base, **options) if options else base
+
+
+def _run_store(args: argparse.Namespace, url: str, loaded: Worker) -> Store:
+    """The worker's own store, or one on ``url``; a database named that is not the worker's
+    own is refused, never ignored (the Worker would run on another database)."""
+    from consumer.jobs.store import Store
+
+    if loaded.store is None:
+        return Store(url)
+    if args.database_url is not None and not same_database(
+        args.database_url, loaded.store.engine.url
     ):
-        # Never ignored: the Worker would run on another database than the one named.
         raise UsageError(
             f"{given_as(args, DATABASE_URL)} cannot apply: {args.target} built its own Store "
-            f"on {describe_url(worker.store.engine.url)}; drop {given_as(args, DATABASE_URL)}, "
+            f"on {describe_url(loaded.store.engine.url)}; drop {given_as(args, DATABASE_URL)}, "
             "or build the Worker without a store to take the database from the command line"
         )
-    port = args.metrics_port
-    if port is not None:
-        from metrics import start_metrics  # lazily: only with the flag
-
-        worker.hooks = start_metrics(port, args.metrics_host, engine=worker.store.engine)
-    log.info(
-        "outbox-worker starting",
-        extra=fields(
-            database=describe_url(str(worker.store.engine.url)),
-            concurrency=worker.config.concurrency,
-            queues=list(worker.config.queues) if worker.config.queues is not None else None,
-        ),
-    )
-    worker.run()
-    return 0
+    return loaded.store
 
 
 def queue_names(raw: str) -> list[str] | dict[str, int | None]:

@@ -1,77 +1,191 @@
-"""The worker's periodic duties besides claiming: vacuum and retention.
+"""The worker's periodic duties besides claiming, each a named service with ``run_once()``.
 
-Each is a named service with ``run_once()`` and its interval in one place
-(``outbox.maintenance.PeriodicVacuum``, ``outbox.retention.RetentionDuty``); the worker's
-``run_once`` steps them (:meth:`WorkerDuties.step_duties`), and each runs its round in a
-background thread when due, so a claim never waits for a VACUUM or a DELETE.
+- ``recovery``: expired leases and due timers back to READY (``Store.recover``), every
+  ``recover_interval`` and as soon as the earliest timer of a waiting job comes due, so a
+  timer fires on time, not up to an interval late.
+- ``reconciliation``: the receipt sweep (``Operations.reconcile``), only with providers.
+- ``liveness``: this worker's row in ``outbox_workers``; the leases of workers whose row
+  expired go back to READY at once (``Store.worker_beat``). From a thread of its own while
+  the worker runs, so a long handler never makes it look dead.
+- ``vacuum``: the job tables, when the server runs without autovacuum
+  (``WorkerConfig.vacuum_interval``; ``outbox.maintenance.PeriodicVacuum``).
+- ``retention``: finished jobs with their history and receipts, and gone workers' liveness
+  rows (``WorkerConfig.retention``; ``consumer.jobs.retention``).
 
-- ``Worker.vacuum``: the job tables, when the server runs without autovacuum
-  (``WorkerConfig.vacuum_interval``).
-- ``Worker.retention``: finished jobs with their history and receipts, and gone workers'
-  liveness rows (``WorkerConfig.retention``, a
-  :class:`consumer.jobs.retention.JobRetentionConfig`; ``consumer.jobs.retention``).
+Vacuum and retention run their rounds in background threads, so a claim never waits for a
+VACUUM or a DELETE. ``Worker.recovery`` and the others are these objects.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from consumer.jobs.retention import JobRetentionConfig, job_retention_duty
+from sqlalchemy.exc import SQLAlchemyError
+
+from consumer.jobs.checks import tenant_limits
+from consumer.jobs.config import WorkerConfig
+from consumer.jobs.retention import job_retention_duty
 from consumer.jobs.schema import HOT_TABLES
-from consumer.jobs.store import Store
+from consumer.jobs.store import RecoveryResult, Store, Time
+from outbox.duty import Duty, weakly
+from outbox.hooks import Hooks, call_hook
+from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum, quoted_table
+from outbox.outage import report_failure
 from outbox.retention import RetentionDuty
 
+if TYPE_CHECKING:
+    from consumer.jobs.operations import Operations
 
-class _DutySettings(Protocol):
-    @property
-    def vacuum_interval(self) -> float: ...
+__all__ = ["WorkerDuties"]
 
-    @property
-    def retention(self) -> JobRetentionConfig: ...
+log = logging.getLogger("outbox.worker")
 
 
 class WorkerDuties:
-    """Mixed into ``Worker``: its duties, built for the store it is bound to."""
+    """A worker's duties on ``store`` (see the module docstring). ``on_work`` is called
+    when one of them made jobs READY (the worker's idle slots claim at once)."""
 
-    store: Store | None
-    config: _DutySettings
-    _duties_store: Store | None = None
-    _vacuum: PeriodicVacuum | None = None
-    _retention: RetentionDuty | None = None
+    def __init__(
+        self,
+        store: Store,
+        config: WorkerConfig,
+        hooks: Hooks,
+        operations: Operations | None,
+        on_work: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.hooks = hooks
+        self.operations = operations
+        self.on_work = on_work
+        self._lock = threading.Lock()
+        self._next_timer: float | None = None  # unix seconds: the earliest waiting job's timer
+        self._due_timer_seen: float | None = None  # a timer learnt already due, acted on once
+        # Through weak references: a bound method would keep a dropped worker's duties (its
+        # engine, its connections) alive until the cyclic collector runs.
+        self.recovery: Duty[bool] = Duty(
+            "recovery", lambda: config.recover_interval, weakly(self.recover_round)
+        )
+        # The receipt sweep: its first round one interval after start.
+        self.reconciliation: Duty[None] = Duty(
+            "receipt sweep",
+            lambda: config.reconcile_interval,
+            weakly(self.reconcile),
+            first="later",
+        )
+        self.liveness: Duty[RecoveryResult] = Duty(
+            "liveness", lambda: config.liveness_interval, weakly(self.beat)
+        )
+        self.vacuum: PeriodicVacuum | None = PeriodicVacuum.for_engine(
+            store.engine,
+            [quoted_table(t) for t in HOT_TABLES],
+            interval=config.vacuum_interval,
+            what="job tables",
+        )
+        self.retention: RetentionDuty = job_retention_duty(store, config.retention)
 
-    def _bind_duties(self) -> Store | None:
-        store = self.store
-        if store is not None and self._duties_store is not store:
-            self._duties_store = store
-            self._vacuum = PeriodicVacuum.for_engine(
-                store.engine,
-                [quoted_table(t) for t in HOT_TABLES],
-                interval=self.config.vacuum_interval,
-                what="job tables",
-            )
-            self._retention = job_retention_duty(store, self.config.retention)
-        return store
+    # -- one step of each, when due -----------------------------------------------------
+    def maintain(self, now: Time | None = None) -> bool:
+        """Recovery and the receipt sweep when due, vacuum and retention started in the
+        background when due. True if jobs became READY."""
+        moved = self.maybe_recover(now)
+        self.maybe_reconcile()
+        if self.vacuum is not None:
+            self.vacuum.maybe_start()
+        self.retention.maybe_start()
+        return moved
 
-    @property
-    def vacuum(self) -> PeriodicVacuum | None:
-        """The worker's vacuum of the job tables (``outbox.maintenance``): ``run_once``
-        starts it in the background every ``vacuum_interval`` seconds, and it vacuums only
-        the tables autovacuum does not take care of (the server runs without it). None off
-        PostgreSQL, with ``vacuum_interval=0``, or before a store is bound."""
-        return self._vacuum if self._bind_duties() is not None else None
+    # -- recovery -------------------------------------------------------------------------
+    def maybe_recover(self, now: Time | None) -> bool:
+        # Due every recover_interval, and as soon as the earliest timer of a waiting job
+        # (read after each recovery) comes due. A timer the clocks disagree on is dropped:
+        # the interval remains.
+        with self._lock:
+            timer = self._next_timer
+            due = self.recovery.due() or (timer is not None and time.time() >= timer)
+            if due:
+                self.recovery.interval.done()
+                self._next_timer = None
+        return self.recover(now) if due else False
 
-    @property
-    def retention(self) -> RetentionDuty | None:
-        """The worker's retention duty (``consumer.jobs.retention``): ``run_once`` starts a
-        round in the background every ``retention.purge_interval`` seconds. None before a
-        store is bound."""
-        return self._retention if self._bind_duties() is not None else None
+    def recover_round(self) -> bool:
+        """``recovery.run_once()``: one round now. True if jobs became READY."""
+        return self.recover(None)
 
-    def step_duties(self) -> None:
-        """Start each duty that is due, in the background (never blocks)."""
-        vacuum, retention = self.vacuum, self.retention
-        if vacuum is not None:
-            vacuum.maybe_start()
-        if retention is not None:
-            retention.maybe_start()
+    def recover(self, now: Time | None) -> bool:
+        """One recovery round now. True if jobs became READY."""
+        result = self.store.recover(now=now)
+        moved = bool(result.requeued or result.needs_attention or result.woken)
+        if moved:
+            log.info("recovered jobs", extra=fields(**result.__dict__))
+        self.learn_timer()
+        if self.config.tenant_limit is not None or self.config.tenant_limits:
+            waiting = self.store.waiting_on_tenant_limit(**tenant_limits(self.config))
+            call_hook(self.hooks, "worker_tenant_limit_waiting", waiting)
+        return moved
+
+    def learn_timer(self) -> None:
+        """Read the earliest timer of a waiting job: recovery runs as it comes due."""
+        upcoming = self.store.next_timer()
+        if upcoming is None:
+            return
+        with self._lock:
+            if upcoming <= time.time():
+                # Already due when learnt (the cycle that set a short wait took longer than
+                # the wait, e.g. on a loaded machine): recover at once, but once per timer,
+                # so a timer the clocks disagree on cannot make every cycle a recovery.
+                if upcoming == self._due_timer_seen:
+                    return
+                self._due_timer_seen = upcoming
+            if self._next_timer is None or upcoming < self._next_timer:
+                self._next_timer = upcoming
+
+    def sleep_limit(self) -> float | None:
+        """Seconds until the earliest known timer (an idle loop wakes for it)."""
+        with self._lock:
+            timer = self._next_timer
+        return None if timer is None else max(0.0, timer - time.time())
+
+    # -- the receipt sweep ----------------------------------------------------------------
+    def maybe_reconcile(self) -> None:
+        if self.operations is None:
+            return
+        with self._lock:
+            due = self.reconciliation.due()
+            if due:
+                self.reconciliation.interval.done()
+        if due:
+            self.reconciliation.run_once()
+
+    def reconcile(self) -> None:
+        """Settle the receipts whose call deadline passed; nothing without providers."""
+        if self.operations is not None:
+            self.operations.reconcile()
+
+    # -- liveness -------------------------------------------------------------------------
+    def beat(self, *, now: Time | None = None) -> RecoveryResult:
+        """One liveness tick: this worker is alive for ``liveness_ttl`` more seconds, and the
+        leases of workers whose liveness expired go back to READY at once (fenced)."""
+        result = self.store.worker_beat(self.config.name, self.config.liveness_ttl, now=now)
+        if result.requeued or result.needs_attention:
+            log.info("recovered the jobs of dead workers", extra=fields(**result.__dict__))
+            self.on_work()  # this worker's idle slots claim them at once
+        return result
+
+    def keep_alive(self, stop: threading.Event) -> None:
+        """The liveness beats, until ``stop`` is set (a thread of its own)."""
+        failures = 0
+        while True:
+            try:
+                self.liveness.run_once()
+                failures = 0
+            except SQLAlchemyError as exc:
+                failures += 1
+                report_failure(log, "liveness beat failed", exc, attempt=failures)
+            if stop.wait(self.liveness.interval.seconds):
+                return

@@ -1,6 +1,6 @@
 """The worker's run loop: N slots on one event loop, each claimed job started at once.
 
-``Worker.run`` hands its loop to a :class:`SlotRunner`. A worker has
+``Worker.run`` hands its loop to a :class:`SlotRunner` (through its ``Runner``). A worker has
 ``WorkerConfig.concurrency`` **slots** (jobs in flight in this process). The runner claims at
 most as many jobs as it has free slots, all of them in **one** ``Store.claim_batch``
 statement, and starts each job the moment it is claimed: no job is leased to a process that
@@ -20,8 +20,7 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
   is adaptive, like the relay's: every ``BUSY_POLL`` for ``BUSY_WINDOW`` after a claim that
   found work, then doubling toward ``poll_interval`` (an empty claim reads the READY index
   only, ~0.1-0.2 ms of the server).
-- Finishes are recorded in batches: a finished job joins the batch being written, and the
-  first one waiting writes everyone's in one ``finish_batch`` (group commit). Its slot is
+- Finishes are recorded in batches by the completer (``consumer.jobs.completer``). A slot is
   freed once its finish is recorded, so the leases a worker holds never exceed its slots.
 - Slots per queue (``WorkerConfig.slot_pools``, ``consumer.jobs.config``): each group of
   slots (a queue with slots of its own; the queues that share the rest) is claimed with its
@@ -31,7 +30,7 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
   group whose last claim filled its free slots claims again as soon as one of them is
   freed, the others on a NOTIFY, a timer or the poll.
 
-Recovery, the receipt sweep and the vacuum run beside it (``Worker._maintain``, every
+Recovery, the receipt sweep and the vacuum run beside it (``WorkerDuties.maintain``, every
 ``MAINTENANCE_TICK``), in the executor, never on the loop.
 """
 
@@ -41,7 +40,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +48,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
+from consumer.jobs.duties import WorkerDuties
+from consumer.jobs.inhand import JobsInHand
+from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.backoff import Backoff
@@ -63,7 +65,7 @@ if TYPE_CHECKING:  # the worker imports operations lazily too (only with provide
     from consumer.errors import ProviderThrottled
     from consumer.jobs.operations import Operations, Provider
 
-__all__ = ["CLAIM_SPACING", "SlotHost", "SlotRunner", "is_async_handler"]
+__all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 
 log = logging.getLogger("outbox.worker")
 
@@ -80,50 +82,26 @@ def is_async_handler(fn: Callable[..., Any]) -> bool:
     )
 
 
-Routed = tuple[str, Callable[..., Any]]
+class SlotParts(Protocol):
+    """What the slots use of a running worker (``consumer.jobs.runner.Runner`` is one): its
+    settings, claim, jobs in hand, outcomes and duties, each through its public methods."""
 
-
-class SlotHost(Protocol):
-    """What the runner needs of its worker (``consumer.jobs.worker.Worker`` is one): its
-    settings, its handlers' routing and outcomes, its claim, and its bookkeeping of the jobs
-    in hand (the heartbeat renews those). A protocol, so that this module never imports the
-    worker's (the worker imports this one)."""
-
-    stop_flag: GracefulStop
+    config: WorkerConfig
+    store: Store
     providers: dict[str, Provider]
-    _active: dict[int, JobContext]
-    _active_lock: threading.Lock
-    _listening: bool
+    operations: Operations | None
+    stop: GracefulStop
+    route: Route
+    in_hand: JobsInHand
+    outcomes: Outcomes
+    duties: WorkerDuties
+    listening: bool
 
-    @property
-    def config(self) -> WorkerConfig: ...
+    def claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
 
-    @property
-    def operations(self) -> Operations | None: ...
+    def context(self, lease: Lease, executor: Any = None) -> JobContext: ...
 
-    def route(self, lease: Lease) -> Routed | None: ...
-
-    def _store(self) -> Store: ...
-
-    def _claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
-
-    def _maintain(self) -> bool: ...
-
-    def _ensure_heartbeat(self) -> None: ...
-
-    def _sleep_limit(self) -> float | None: ...
-
-    def _learn_timer(self, store: Store) -> None: ...
-
-    def _run_traced(self, ctx: JobContext) -> tuple[str, str, float]: ...
-
-    def _settle(
-        self, ctx: JobContext, routed: Routed | None, started: float, error: BaseException | None
-    ) -> tuple[str, str, float]: ...
-
-    def _hand_back_after_error(self, contexts: list[JobContext]) -> None: ...
-
-    def _hook(self, name: str, *args: Any, **facts: Any) -> None: ...
+    def hook(self, name: str, *args: Any, **facts: Any) -> None: ...
 
 
 @dataclass
@@ -152,27 +130,35 @@ class SlotRunner:
     """One worker process's slots (see the module docstring). ``run()`` blocks until the
     worker is stopped and every job in hand has ended."""
 
-    def __init__(self, worker: SlotHost) -> None:
-        self.worker = worker
-        groups: tuple[QueueSlots, ...] = worker.config.slot_pools()
-        own = worker.config.queue_slots
+    def __init__(self, parts: SlotParts) -> None:
+        self.parts = parts
+        config = parts.config
+        groups: tuple[QueueSlots, ...] = config.slot_pools()
+        own = config.queue_slots
         self.pools = [
             _Pool(g.queues, g.slots, g.queues is not None and g.queues[0] in own) for g in groups
         ]
         self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
-        name = worker.config.name
-        self.threads = ThreadPoolExecutor(self.slots, thread_name_prefix=f"{name}-slot")
+        self.threads = ThreadPoolExecutor(self.slots, thread_name_prefix=f"{config.name}-slot")
         # Claims, finishes, maintenance and the database statements of async dispatches:
         # short statements, bounded by the store's connection pool anyway.
-        self.db = ThreadPoolExecutor(min(16, max(4, self.slots)), thread_name_prefix=f"{name}-db")
+        self.db = ThreadPoolExecutor(
+            min(16, max(4, self.slots)), thread_name_prefix=f"{config.name}-db"
+        )
+        self.completer = Completer(parts.outcomes, self._db)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
         self._halt: asyncio.Event | None = None  # set at a stop
         self._tasks: set[asyncio.Task[None]] = set()
-        self._pending: list[tuple[JobContext, str, float, asyncio.Future[bool]]] = []
-        self._flushing = False
+        # The claim loop's state: failures in a row, empty claims after the busy window.
+        self._backoff = Backoff(0.2, 10.0)
+        self._idle = Backoff(BUSY_POLL, config.poll_interval)
+        self._failures = 0
+        self._empty = 0
+        self._busy_until = 0.0
+        self._last_claim = 0.0
 
     # -- from other threads ---------------------------------------------------------------
     def kick(self) -> None:
@@ -181,7 +167,7 @@ class SlotRunner:
         if loop is not None and kick is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
                 loop.call_soon_threadsafe(kick.set)
-                if halt is not None and self.worker.stop_flag.stopped:
+                if halt is not None and self.parts.stop.stopped:
                     loop.call_soon_threadsafe(halt.set)  # parked slots end their wait
 
     # -- the loop -------------------------------------------------------------------------
@@ -202,16 +188,10 @@ class SlotRunner:
         self._freed = asyncio.Event()
         self._halt = asyncio.Event()
         self._kick.set()  # claim at once
-        self.worker._hook("worker_slots", 0, self.slots)
+        self.parts.hook("worker_slots", 0, self.slots)
         for pool in self.pools:  # every group's series from the start, idle ones too
-            self.worker._hook("worker_queue_slots", pool.label, 0, pool.slots)
-        for provider in self.worker.providers.values():
-            prepare = getattr(provider, "aprepare", None)
-            if prepare is not None:
-                try:
-                    await prepare()
-                except Exception as exc:  # a provider that cannot prepare still works
-                    log.warning("provider not prepared", extra=fields(error=repr(exc)))
+            self.parts.hook("worker_queue_slots", pool.label, 0, pool.slots)
+        await self._prepare_providers()
         maintenance = asyncio.create_task(self._maintenance())
         try:
             await self._claim_loop()
@@ -222,8 +202,17 @@ class SlotRunner:
             await asyncio.gather(maintenance, return_exceptions=True)
             await self._close_providers()
 
+    async def _prepare_providers(self) -> None:
+        for provider in self.parts.providers.values():
+            prepare = getattr(provider, "aprepare", None)
+            if prepare is not None:
+                try:
+                    await prepare()
+                except Exception as exc:  # a provider that cannot prepare still works
+                    log.warning("provider not prepared", extra=fields(error=repr(exc)))
+
     async def _close_providers(self) -> None:
-        for provider in self.worker.providers.values():
+        for provider in self.parts.providers.values():
             aclose = getattr(provider, "aclose", None)
             if aclose is not None:
                 try:
@@ -236,7 +225,7 @@ class SlotRunner:
         failures = 0
         while True:
             try:
-                if await self._db(self.worker._maintain):
+                if await self._db(self.parts.duties.maintain):
                     self.kick()
                 failures = 0
             except SQLAlchemyError as exc:
@@ -247,21 +236,10 @@ class SlotRunner:
                 report_failure(log, "receipt sweep failed, retrying", exc)
             await asyncio.sleep(MAINTENANCE_TICK)
 
+    # -- claiming, in named steps -------------------------------------------------------
     async def _claim_loop(self) -> None:
-        assert self._kick is not None and self._freed is not None
-        worker = self.worker
-        stop = worker.stop_flag
-        backoff = Backoff(0.2, 10.0)
-        idle = Backoff(BUSY_POLL, worker.config.poll_interval)
-        # Without NOTIFY from the enqueuers (``StoreConfig.notify``, off by default) an idle
-        # loop polls: every BUSY_POLL for a BUSY_WINDOW after a claim that found work, then
-        # doubling toward poll_interval (``empty`` counts the empty claims after the window).
-        notified = worker._store().config.notify
-        busy_until = 0.0
-        failures = 0
-        empty = 0
-        last_claim = 0.0
-        while not stop.stopped:
+        assert self._freed is not None
+        while not self.parts.stop.stopped:
             # Cleared before the slots are looked at: a slot freed from here on wakes a wait
             # below (the loop and the jobs' ends share one thread, so nothing comes between).
             self._freed.clear()
@@ -269,58 +247,77 @@ class SlotRunner:
             if not open_pools:
                 await self._freed.wait()
                 continue
-            kicked = self._kick.is_set()
-            # Due: a group whose last claim filled its free slots, or one not claimed for a
-            # poll interval (another group's steady claims must not keep it from its poll).
-            stale = time.monotonic() - worker.config.poll_interval
-            due = [pool for pool in open_pools if pool.more or pool.claimed_at <= stale]
-            if not due and not kicked:
-                limit = worker._sleep_limit()
-                if worker._listening and notified:
-                    pause = worker.config.poll_interval  # a NOTIFY wakes it at once
-                else:
-                    pause = idle.cap(empty)
-                pause = pause if limit is None else min(pause, limit)
-                # A full group whose last claim filled it claims again once a slot is freed.
-                watch_freed = any(pool.more for pool in self.pools)
-                if await self._wait(pause, watch_freed) == "freed":
-                    continue
-                if stop.stopped:
-                    break
-                kicked = True  # a NOTIFY, a stop, a timer or the poll: every group looks
-            self._kick.clear()
-            spacing = CLAIM_SPACING - (time.monotonic() - last_claim)
-            if self.busy and spacing > 0:
-                await asyncio.sleep(spacing)  # slots freed meanwhile join this claim
-            targets = open_pools if kicked else due
-            last_claim = time.monotonic()
-            results = await asyncio.gather(
-                *(self._claim_into(pool) for pool in targets), return_exceptions=True
-            )
-            errors = [r for r in results if isinstance(r, BaseException)]
-            for error in errors:
-                if not isinstance(error, SQLAlchemyError):
-                    raise error
-            if errors:
-                delay = backoff.delay(failures)
-                failures += 1
-                log.warning(
-                    "worker claim failed, retrying",
-                    extra=fields(
-                        error=f"{type(errors[0]).__name__}: {errors[0]}"[:500],
-                        attempt=failures,
-                        retry_in_seconds=round(delay, 3),
-                    ),
-                )
-                await asyncio.sleep(delay)
-                continue
-            failures = 0
-            if any(results):
-                busy_until = time.monotonic() + BUSY_WINDOW
-                empty = 0
-            elif time.monotonic() >= busy_until:
-                empty += 1
-            worker._hook("worker_cycle_ok", time.time())
+            targets = await self._targets(open_pools)
+            if targets:
+                await self._claim_round(targets)
+
+    async def _targets(self, open_pools: list[_Pool]) -> list[_Pool]:
+        """The groups to claim for now, after waiting if none is due (empty: look again).
+        Due: a group whose last claim filled its free slots, or one not claimed for a poll
+        interval (another group's steady claims must not keep it from its poll)."""
+        assert self._kick is not None
+        kicked = self._kick.is_set()
+        stale = time.monotonic() - self.parts.config.poll_interval
+        due = [pool for pool in open_pools if pool.more or pool.claimed_at <= stale]
+        if not due and not kicked:
+            # A full group whose last claim filled it claims again once a slot is freed.
+            watch_freed = any(pool.more for pool in self.pools)
+            if await self._wait(self._idle_pause(), watch_freed) == "freed":
+                return []
+            if self.parts.stop.stopped:
+                return []
+            kicked = True  # a NOTIFY, a stop, a timer or the poll: every group looks
+        self._kick.clear()
+        return open_pools if kicked else due
+
+    def _idle_pause(self) -> float:
+        """How long an idle loop waits: without NOTIFY from the enqueuers
+        (``StoreConfig.notify``, off by default) it polls every BUSY_POLL for a BUSY_WINDOW
+        after a claim that found work, then doubling toward poll_interval; never past the
+        earliest known timer."""
+        if self.parts.listening and self.parts.store.config.notify:
+            pause = self.parts.config.poll_interval  # a NOTIFY wakes it at once
+        else:
+            pause = self._idle.cap(self._empty)
+        limit = self.parts.duties.sleep_limit()
+        return pause if limit is None else min(pause, limit)
+
+    async def _claim_round(self, targets: list[_Pool]) -> None:
+        """One claim per target group, together; spaced from the last while jobs run."""
+        spacing = CLAIM_SPACING - (time.monotonic() - self._last_claim)
+        if self.busy and spacing > 0:
+            await asyncio.sleep(spacing)  # slots freed meanwhile join this claim
+        self._last_claim = time.monotonic()
+        results = await asyncio.gather(
+            *(self._claim_into(pool) for pool in targets), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            if not isinstance(error, SQLAlchemyError):
+                raise error
+        if errors:
+            await self._claim_failed(errors[0])
+            return
+        self._failures = 0
+        if any(results):
+            self._busy_until = time.monotonic() + BUSY_WINDOW
+            self._empty = 0
+        elif time.monotonic() >= self._busy_until:
+            self._empty += 1
+        self.parts.hook("worker_cycle_ok", time.time())
+
+    async def _claim_failed(self, error: BaseException) -> None:
+        delay = self._backoff.delay(self._failures)
+        self._failures += 1
+        log.warning(
+            "worker claim failed, retrying",
+            extra=fields(
+                error=f"{type(error).__name__}: {error}"[:500],
+                attempt=self._failures,
+                retry_in_seconds=round(delay, 3),
+            ),
+        )
+        await asyncio.sleep(delay)
 
     async def _wait(self, pause: float, watch_freed: bool) -> str:
         """Wait up to ``pause`` seconds for a kick (or a freed slot, ``watch_freed``): which
@@ -345,7 +342,7 @@ class SlotRunner:
         if free <= 0:
             return 0
         pool.claimed_at = time.monotonic()
-        leases: list[Lease] = await self._db(self.worker._claim, free, pool.queues)
+        leases: list[Lease] = await self._db(self.parts.claim, free, pool.queues)
         # Between the count and now slots can only have been freed: never more than its own.
         for lease in leases:
             self._start(lease, pool)
@@ -354,51 +351,24 @@ class SlotRunner:
 
     # -- one job --------------------------------------------------------------------------
     def _start(self, lease: Lease, pool: _Pool) -> None:
-        worker = self.worker
-        ctx = JobContext(worker._store(), lease, worker.operations, executor=self.db)
-        with worker._active_lock:
-            worker._active[ctx.job_id] = ctx
-        worker._ensure_heartbeat()
-        self.busy += 1
-        pool.busy += 1
-        worker._hook("worker_slots", self.busy, self.slots)
-        worker._hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
+        ctx = self.parts.context(lease, self.db)
+        self._taken(pool, +1)
         task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _taken(self, pool: _Pool, change: int) -> None:
+        self.busy += change
+        pool.busy += change
+        self.parts.hook("worker_slots", self.busy, self.slots)
+        self.parts.hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
+
     async def _run(self, ctx: JobContext, pool: _Pool) -> None:
-        worker = self.worker
+        parts = self.parts
         assert self._loop is not None and self._freed is not None
         try:
-            routed = worker.route(ctx.lease)
-            if routed is not None and is_async_handler(routed[1]):
-                started = time.monotonic()
-                ctx.started()  # renewed at every beat until here
-                worker._hook("worker_job_started", routed[0], **ctx.lease.facts())
-                error: BaseException | None = None
-                with tracing.running(ctx.lease, worker.route) as span:  # this task's context
-                    try:
-                        await routed[1](ctx)
-                    except Exception as exc:
-                        error = exc
-                    ctx.ended()  # renewed at every beat from here
-                    span.set("outbox.job.outcome", "interrupted")  # unless settled below
-                    result = await self._db(worker._settle, ctx, routed, started, error)
-                    span.set("outbox.job.outcome", result[0])
-            else:
-                result = await self._loop.run_in_executor(self.threads, worker._run_traced, ctx)
-            outcome, label, started = result
-            if outcome == "throttled" and ctx.throttled is not None:
-                with worker._active_lock:  # handed back: no lease for the heartbeat to renew
-                    worker._active.pop(ctx.job_id, None)
-                await self._park(ctx.throttled)
-            if outcome in ("waiting_external", "waiting_review"):
-                # a wait with ``until`` may come before every timer the worker knows
-                await self._db(worker._learn_timer, worker._store())
-            if outcome == "done":
-                ctx.outcome = "done"  # the heartbeat leaves it alone from here
-                await self._finish(ctx, label, started)
+            settled = await self._handle(ctx)
+            await self._after(settled)
         except SQLAlchemyError as exc:
             # The database went away mid-job: hand the lease back so the job runs again now
             # (a dispatch already made finds its receipt and sends nothing).
@@ -406,27 +376,61 @@ class SlotRunner:
                 log, "job interrupted by a database error; its lease is handed back", exc
             )
             with contextlib.suppress(Exception):  # unreachable still: the lease expires by its ttl
-                await self._db(worker._hand_back_after_error, [ctx])
+                await self._db(parts.outcomes.hand_back_after_error, [ctx])
         except Exception as exc:  # the worker's own fault, not the handler's: say so
             log.error(
                 "job run failed in the worker; its lease expires by its ttl",
                 extra=fields(job_id=ctx.job_id, error=repr(exc)[:500]),
             )
         finally:
-            with worker._active_lock:
-                worker._active.pop(ctx.job_id, None)
-            self.busy -= 1
-            pool.busy -= 1
+            parts.in_hand.remove(ctx.job_id)
+            self._taken(pool, -1)
             self._freed.set()
-            worker._hook("worker_slots", self.busy, self.slots)
-            worker._hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
+
+    async def _handle(self, ctx: JobContext) -> Settled:
+        """Run the job's handler: an ``async def`` one on this loop, a ``def`` one on a
+        slot's thread; either way settled by ``Outcomes.settle``."""
+        assert self._loop is not None
+        parts = self.parts
+        routed = parts.route(ctx.lease)
+        if routed is None or not is_async_handler(routed[1]):
+            settled: Settled = await self._loop.run_in_executor(
+                self.threads, parts.outcomes.run, ctx
+            )
+            return settled
+        started = time.monotonic()
+        ctx.started()  # renewed at every beat until here
+        parts.hook("worker_job_started", routed[0], **ctx.lease.facts())
+        error: BaseException | None = None
+        with tracing.running(ctx.lease, parts.route) as span:  # this task's context
+            try:
+                await routed[1](ctx)
+            except Exception as exc:
+                error = exc
+            ctx.ended()  # renewed at every beat from here
+            span.set("outbox.job.outcome", "interrupted")  # unless settled below
+            settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
+            span.set("outbox.job.outcome", settled.outcome)
+        return settled
+
+    async def _after(self, settled: Settled) -> None:
+        ctx = settled.ctx
+        if settled.outcome == "throttled" and ctx.throttled is not None:
+            self.parts.in_hand.remove(ctx.job_id)  # handed back: no lease left to renew
+            await self._park(ctx.throttled)
+        if settled.outcome in WAITS:
+            # a wait with ``until`` may come before every timer the worker knows
+            await self._db(self.parts.duties.learn_timer)
+        if settled.outcome == "done":
+            ctx.outcome = "done"  # the heartbeat leaves it alone from here
+            await self.completer.finish(settled)
 
     async def _park(self, throttled: ProviderThrottled) -> None:
         """The slot of a job its provider's limit handed back waits before it is freed
         (``ProviderGate.aparked``; ``consumer.jobs.limits``: behind a backlog for that
         provider, a slot freed at once claims its next job and hands it back too, at the
         database's speed). A stop ends the wait."""
-        operations = self.worker.operations
+        operations = self.parts.operations
         gate = operations.gate_named(throttled.provider) if operations is not None else None
         if gate is None or self._halt is None:
             return
@@ -436,40 +440,3 @@ class SlotRunner:
         for task in (parked, halted):
             task.cancel()
         await asyncio.gather(parked, halted, return_exceptions=True)
-
-    async def _finish(self, ctx: JobContext, label: str, started: float) -> None:
-        """Record this job's finish in the next batch (group commit, module docstring)."""
-        assert self._loop is not None
-        done: asyncio.Future[bool] = self._loop.create_future()
-        self._pending.append((ctx, label, started, done))
-        if not self._flushing:
-            self._flushing = True
-            try:
-                while self._pending:
-                    batch, self._pending = self._pending, []
-                    try:
-                        result = await self._db(
-                            worker_store_finish, self.worker, [c.lease for c, _, _, _ in batch]
-                        )
-                    except BaseException as exc:
-                        for _, _, _, future in batch:
-                            if not future.done():
-                                future.set_exception(exc)
-                        continue
-                    lost = set(result.conflicts)
-                    for c, name, began, future in batch:
-                        outcome = "conflict" if c.job_id in lost else "done"
-                        if outcome == "conflict":
-                            self.worker._hook("worker_lease_conflict", name)
-                        took = time.monotonic() - began
-                        self.worker._hook(
-                            "worker_job_finished", name, outcome, took, **c.lease.facts()
-                        )
-                        future.set_result(outcome == "done")
-            finally:
-                self._flushing = False
-        await done
-
-
-def worker_store_finish(worker: SlotHost, leases: list[Lease]) -> Any:
-    return worker._store().finish_batch(leases)

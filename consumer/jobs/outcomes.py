@@ -1,0 +1,202 @@
+"""A job's outcome, recorded once: the one settle and the one finish of every path.
+
+A ``def`` handler run by ``Worker.run_once`` or on a slot's thread, and an ``async def``
+handler awaited on the slots' event loop, end the same way (issue 42: this was written
+twice): :meth:`Outcomes.settle` turns what the handler did (returned, raised, moved its job
+through its :class:`~consumer.jobs.context.JobContext`) into the job's next state, and a job
+that returned without moving itself is finished by :meth:`Outcomes.finish`, in batches
+(``Store.finish_batch``: one fenced statement for many jobs; a finish whose lease was taken
+over comes back as a conflict, job by job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from consumer.errors import Conflict, JobFailure, OperationUnresolved, ProviderThrottled
+from consumer.jobs.context import JobContext
+from consumer.jobs.store import Lease, Store
+from outbox import tracing
+from outbox.hooks import Hooks, call_hook
+from outbox.logs import fields
+
+__all__ = ["WAITS", "Outcomes", "Routed", "Settled"]
+
+log = logging.getLogger("outbox.worker")
+
+Routed = tuple[str, Callable[..., Any]]
+Route = Callable[[Lease], "Routed | None"]
+WAITS = ("waiting_external", "waiting_review")  # outcomes that may set a new earliest timer
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What became of one run: ``outcome`` (``done`` still to be finished, ``conflict``,
+    ``throttled``, ``failed_ready``, a wait...), the handler's ``label`` for the hooks, and
+    when the run ``started`` (monotonic)."""
+
+    ctx: JobContext
+    outcome: str
+    label: str
+    started: float
+
+
+class Outcomes:
+    """Settles and finishes jobs on ``store``, reporting each end to ``hooks``."""
+
+    def __init__(self, store: Store, hooks: Hooks, route: Route) -> None:
+        self.store = store
+        self.hooks = hooks
+        self.route = route
+
+    def hook(self, name: str, *args: Any, **facts: Any) -> None:
+        call_hook(self.hooks, name, *args, **facts)
+
+    # -- running a handler in this thread ------------------------------------------------
+    def run(self, ctx: JobContext) -> Settled:
+        """Run one job's handler in this thread and settle it (a ``def`` handler; an
+        ``async def`` one called here runs to its end on an event loop of its own)."""
+        with tracing.running(ctx.lease, self.route) as span:  # the job's trace goes on
+            try:
+                settled = self._run_here(ctx)
+            except BaseException:
+                span.set("outbox.job.outcome", "interrupted")
+                raise
+            span.set("outbox.job.outcome", settled.outcome)
+        return settled
+
+    def _run_here(self, ctx: JobContext) -> Settled:
+        started = time.monotonic()
+        ctx.started()  # renewed at every beat until here (a busy process starts late)
+        routed = self.route(ctx.lease)
+        self.hook("worker_job_started", routed[0] if routed else "unrouted", **ctx.lease.facts())
+        error: BaseException | None = None
+        if routed is not None:
+            try:
+                result = routed[1](ctx)
+                if inspect.isawaitable(result):
+                    asyncio.run(_awaited(result))
+            except Exception as exc:
+                error = exc
+        ctx.ended()  # renewed at every beat from here (the outcome waits on the worker)
+        return self.settle(ctx, routed, started, error)
+
+    # -- the one settle ------------------------------------------------------------------
+    def settle(
+        self,
+        ctx: JobContext,
+        routed: Routed | None,
+        started: float,
+        error: BaseException | None,
+    ) -> Settled:
+        """Record a handler's outcome (``error``: what it raised, None if it returned); the
+        same for ``def`` and ``async def`` handlers. A success is left to :meth:`finish`
+        (in batches); every other end is reported to the hooks here."""
+        label = routed[0] if routed else "unrouted"
+        try:
+            outcome = self._outcome(ctx, routed, error)
+        except Conflict as exc:
+            log.info("lease lost", extra=fields(job_id=ctx.job_id, error=str(exc)))
+            self.hook("worker_lease_conflict", label)
+            outcome = "conflict"
+        if outcome != "done":
+            took = time.monotonic() - started
+            self.hook("worker_job_finished", label, outcome, took, **ctx.lease.facts())
+        return Settled(ctx, outcome, label, started)
+
+    def _outcome(self, ctx: JobContext, routed: Routed | None, error: BaseException | None) -> str:
+        store = self.store
+        if routed is None:
+            reason = f"no handler registered for action {ctx.action!r}"
+            store.fail(ctx.lease, error=reason, kind="permanent")
+            return "no_handler"
+        if error is None:
+            return ctx.outcome or "done"
+        if isinstance(error, Conflict):
+            raise error
+        if isinstance(error, ProviderThrottled):
+            ctx.throttled = error  # dispatch handed the job back until the provider's time
+            return "throttled"
+        if isinstance(error, OperationUnresolved):
+            return ctx.outcome or "waiting_review"  # dispatch moved the job
+        if isinstance(error, JobFailure):
+            state = store.fail(
+                ctx.lease,
+                error=error,
+                kind=error.kind,
+                provider=error.provider,
+                retry_after=retry_after(error),
+            )
+            return "failed_" + state.lower()
+        log.warning(  # any other handler error: transient
+            "job handler failed",
+            extra=fields(job_id=ctx.job_id, action=ctx.action, error=repr(error)),
+        )
+        return "failed_" + store.fail(ctx.lease, error=error).lower()
+
+    # -- the one finish ------------------------------------------------------------------
+    def finish(self, done: Sequence[Settled]) -> set[int]:
+        """Finish the jobs whose handlers returned, in one fenced statement, and report each
+        (``done`` or ``conflict``). Returns the job ids refused (their lease was lost)."""
+        if not done:
+            return set()
+        for settled in done:
+            settled.ctx.outcome = "done"  # the heartbeat leaves it alone from here
+        result = self.store.finish_batch([settled.ctx.lease for settled in done])
+        lost = set(result.conflicts)
+        now = time.monotonic()
+        for settled in done:
+            end = "conflict" if settled.ctx.job_id in lost else "done"
+            if end == "conflict":
+                self.hook("worker_lease_conflict", settled.label)
+            facts = settled.ctx.lease.facts()
+            self.hook("worker_job_finished", settled.label, end, now - settled.started, **facts)
+        return lost
+
+    # -- handing leases back -------------------------------------------------------------
+    def release(self, contexts: Sequence[JobContext]) -> int:
+        """Hand back jobs not started (a stop): READY again at once, for any worker."""
+        released = 0
+        for ctx in contexts:
+            try:
+                self.store.release(ctx.lease)
+                released += 1
+            except Conflict:
+                continue  # no longer ours
+        return released
+
+    def hand_back_after_error(self, contexts: Sequence[JobContext]) -> None:
+        """The database went away mid-run: hand back every lease still held, so that the
+        jobs run again now rather than after the lease ttl (this worker is alive: no peer
+        recovers them). A job whose handler already dispatched finds its receipt."""
+        released = 0
+        for ctx in contexts:
+            try:
+                self.store.release(ctx.lease)
+                released += 1
+            except Conflict:
+                continue  # no longer ours: finished, waiting, failed or taken over
+            except SQLAlchemyError:
+                return  # still unreachable: the leases expire by their ttl
+        if released:
+            log.info("leases handed back after a database error", extra=fields(jobs=released))
+
+
+def retry_after(failure: JobFailure) -> float | None:
+    """A provider's ``Retry-After`` (seconds) carried by the failure, if any."""
+    value = getattr(failure, "retry_after", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+async def _awaited(result: Awaitable[Any]) -> Any:
+    return await result
