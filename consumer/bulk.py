@@ -126,6 +126,7 @@ def _insert_values(
     return [row[0] if single else tuple(row) for row in result]
 
 
+# complexity: one branch per column type of the binary UNNEST insert
 def _insert_unnest(
     conn: Connection,
     table: Table,

@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from outbox.core import _PENDING, EventBuffer, EventSpec, Outbox
+from outbox.core import PENDING_EVENTS_KEY, EventBuffer, EventSpec, Outbox
 from outbox.db import configure_sqlite, default_database_url, normalise_url, write_locked
 from outbox.errors import ConfigError
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent
@@ -195,7 +195,7 @@ class AsyncOutbox:
         self, session_or_connection: AsyncSession | AsyncConnection, events: Iterable[EventSpec]
     ) -> list[str]:
         """Validate every event, then write them all in one statement; return their ids."""
-        checked = self.core._events(events)
+        checked = self.core.checked_events(events)
         await self.write(session_or_connection, checked)
         return [new.event_id for new in checked]
 
@@ -219,10 +219,10 @@ class AsyncOutbox:
         """Open an AsyncSession and transaction; commit on success, roll back on exception."""
         async with self._sessions() as session, session.begin():
             tx = AsyncTransaction(self, session)
-            session.info[_PENDING] = tx.pending
+            session.info[PENDING_EVENTS_KEY] = tx.pending
             yield tx
             if tx.pending:
-                await session.run_sync(self.core._write_with_commit, tx.pending)
+                await session.run_sync(self.core.write_with_commit, tx.pending)
 
     @overload
     def transactional(

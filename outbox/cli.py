@@ -539,6 +539,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     return " ".join(formatter.format_help().split())
 
 
+# complexity: one row per kind of argparse action (flag, choice, count, store_true) in one table
 def _options_table(parser: argparse.ArgumentParser) -> list[str]:
     lines = ["| flag | environment | default | what |", "|---|---|---|---|"]
     for action in parser._actions:

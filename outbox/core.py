@@ -48,7 +48,7 @@ EventSpec = Mapping[str, Any] | NewEvent
 ``event_id``)."""
 
 _EMIT_ARGS = frozenset({"topic", "key", "payload", "tenant", "identity", "headers", "event_id"})
-_PENDING = "outbox.pending_events"  # Session.info key of a transaction's buffered events
+PENDING_EVENTS_KEY = "outbox.pending_events"  # Session.info key of a transaction's buffered events
 _INSERT_COLUMNS = (
     "event_id",
     "topic",
@@ -198,7 +198,7 @@ class Outbox:
             max_payload_bytes=self.max_payload_bytes,
         )
 
-    def _events(self, specs: Iterable[EventSpec]) -> list[NewEvent]:
+    def checked_events(self, specs: Iterable[EventSpec]) -> list[NewEvent]:
         if isinstance(specs, (str, bytes, Mapping)):
             raise InvalidEvent("events", "emit_many takes a list of events, not a single one")
         events: list[NewEvent] = []
@@ -263,7 +263,7 @@ class Outbox:
         self, session_or_connection: Session | Connection, events: Iterable[EventSpec]
     ) -> list[str]:
         """Validate every event, then write them all in one statement; return their ids."""
-        checked = self._events(events)
+        checked = self.checked_events(events)
         self.write(session_or_connection, checked)
         return [event.event_id for event in checked]
 
@@ -365,21 +365,21 @@ class Outbox:
         """Open a Session and transaction; commit on success, roll back on any exception."""
         with self._sessions() as session, session.begin():
             tx = Transaction(self, session)
-            session.info[_PENDING] = tx.pending
+            session.info[PENDING_EVENTS_KEY] = tx.pending
             yield tx
-            self._write_with_commit(session, tx.pending)
+            self.write_with_commit(session, tx.pending)
 
     def _before_commit(self, session: Session) -> None:
         """A commit we did not make ourselves (``tx.session.commit()``): write buffered events
         first, in the transaction being committed."""
-        pending: list[NewEvent] | None = session.info.get(_PENDING)
+        pending: list[NewEvent] | None = session.info.get(PENDING_EVENTS_KEY)
         if pending:
             session.flush()  # the state change first (see write), whatever autoflush says
             events = list(pending)
             pending.clear()
             self.write(session, events)
 
-    def _write_with_commit(self, session: Session, pending: list[NewEvent]) -> None:
+    def write_with_commit(self, session: Session, pending: list[NewEvent]) -> None:
         """Write the buffered events just before the COMMIT of a transaction we own.
 
         The ORM flush comes first, so the state change precedes the events. The events go
@@ -490,7 +490,7 @@ class EventBuffer:
 
     def emit_many(self, events: Iterable[EventSpec]) -> list[str]:
         """Validate every event, then write them all with this transaction (one statement)."""
-        checked = self._validator._events(events)
+        checked = self._validator.checked_events(events)
         self.pending.extend(checked)
         return [new.event_id for new in checked]
 

@@ -315,6 +315,7 @@ def _qualified(outbox_schema: OutboxSchema) -> str:
     return f'"{outbox_schema.schema}"."{name}"' if outbox_schema.schema else f'"{name}"'
 
 
+# complexity: one optional DDL piece per schema option (notify, partitions, indexes)
 def create_extras(
     conn: Connection,
     outbox_schema: OutboxSchema,

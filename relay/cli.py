@@ -514,6 +514,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
     return 0
 
 
+# complexity: wiring of the relay's flags into its config and process
 def cmd_run(args: argparse.Namespace) -> int:
     from relay.relay import Relay, infrastructure_errors
 

@@ -616,6 +616,7 @@ def run_demo(args: argparse.Namespace) -> int:
         logging.shutdown()
 
 
+# complexity: the demo's script of steps, read top to bottom (to split by step)
 def _run(
     args: argparse.Namespace,
     outbox: Outbox,

@@ -73,6 +73,7 @@ class RepublishResult:
     dry_run: bool = False
 
 
+# complexity: the republish options (since, from-seq, topic, dry-run) in one pass
 def republish(
     store: Store,
     publisher: Broker,

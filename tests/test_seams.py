@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 
 from consumer.inbox import Inbox, PostgresInbox, SqliteInbox, build_inbox_schema, inbox_for
 from consumer.jobs.base import StoreConfig
-from consumer.jobs.checks import _job_values
+from consumer.jobs.checks import job_values
 from consumer.jobs.driver import JobDriver, PostgresJobDriver, SqliteJobDriver, driver_for
 from consumer.jobs.schema import jobs, provider_limits
 from consumer.jobs.states import DONE, LEASED, READY
@@ -262,12 +262,12 @@ def claim(driver: JobDriver, limit: int = 10) -> list[Any]:
 
 def test_driver_insert_is_once_per_tenant_and_action(driver: JobDriver) -> None:
     with driver.begin() as conn:
-        job_id, created = driver.job_insert(conn, _job_values("t1", "a1"))
-        again, created_again = driver.job_insert(conn, _job_values("t1", "a1"))
-        other, _ = driver.job_insert(conn, _job_values("t2", "a1"))
+        job_id, created = driver.job_insert(conn, job_values("t1", "a1"))
+        again, created_again = driver.job_insert(conn, job_values("t1", "a1"))
+        other, _ = driver.job_insert(conn, job_values("t2", "a1"))
     assert (created, created_again, again) == (True, False, job_id)
     assert other != job_id
-    rows = [_job_values("t1", "a1"), _job_values("t3", "a3")]
+    rows = [job_values("t1", "a1"), job_values("t3", "a3")]
     with driver.begin() as conn:
         new, existing = driver.job_insert_many(conn, rows)
         counts = driver.job_count_by_state(conn)
@@ -278,7 +278,7 @@ def test_driver_insert_is_once_per_tenant_and_action(driver: JobDriver) -> None:
 
 def test_driver_claim_leases_each_job_once(driver: JobDriver) -> None:
     with driver.begin() as conn:
-        ids = {driver.job_insert(conn, _job_values(f"t{n}", "a"))[0] for n in range(3)}
+        ids = {driver.job_insert(conn, job_values(f"t{n}", "a"))[0] for n in range(3)}
     rows = claim(driver)
     assert {int(r.id) for r in rows} == ids
     assert {int(r.lease_epoch) for r in rows} == {1}
@@ -289,8 +289,8 @@ def test_driver_claim_leases_each_job_once(driver: JobDriver) -> None:
 
 def test_driver_finish_is_fenced_on_the_epoch(driver: JobDriver) -> None:
     with driver.begin() as conn:
-        first = driver.job_insert(conn, _job_values("t1", "a"))[0]
-        second = driver.job_insert(conn, _job_values("t2", "a"))[0]
+        first = driver.job_insert(conn, job_values("t1", "a"))[0]
+        second = driver.job_insert(conn, job_values("t2", "a"))[0]
     claim(driver)
     with driver.begin() as conn:
         assert driver.job_finish_batch(conn, WORKER, [(first, 1), (second, 2)], None) == [first]
@@ -306,7 +306,7 @@ def test_driver_finish_is_fenced_on_the_epoch(driver: JobDriver) -> None:
 
 def test_driver_intent_is_fenced_and_written_once(driver: JobDriver) -> None:
     with driver.begin() as conn:
-        job_id = driver.job_insert(conn, _job_values("t1", "a"))[0]
+        job_id = driver.job_insert(conn, job_values("t1", "a"))[0]
     claim(driver)
     intent = {"job_id": job_id, "provider": "p", "digest": "d" * 64, "timeout": 30.0}
     assert driver.operation_intent(operation_id="op1", worker=WORKER, epoch=1, **intent) == (
@@ -332,7 +332,7 @@ def test_driver_intent_is_fenced_and_written_once(driver: JobDriver) -> None:
 
 def test_driver_intent_reads_the_providers_pause(driver: JobDriver) -> None:
     with driver.begin() as conn:
-        job_id = driver.job_insert(conn, _job_values("t1", "a"))[0]
+        job_id = driver.job_insert(conn, job_values("t1", "a"))[0]
         conn.execute(insert(provider_limits).values(provider="p", paused_until=10.0**10))
         conn.execute(insert(provider_limits).values(provider="q", paused_until=1.0))
     claim(driver)

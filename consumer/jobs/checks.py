@@ -25,7 +25,7 @@ from outbox.validate import check_name, check_number
 Time = float | int | datetime
 """A time argument: unix seconds, or a datetime (naive means UTC)."""
 
-_NO_TIMER: dict[str, Any] = {
+NO_TIMER: dict[str, Any] = {
     "timer_scheduled_for": None,
     "timer_reason": None,
     "timer_subject_version": None,
@@ -33,7 +33,7 @@ _NO_TIMER: dict[str, Any] = {
 }
 
 
-_SPEC_FIELDS = frozenset(
+SPEC_FIELDS = frozenset(
     {
         "tenant",
         "action",
@@ -54,7 +54,7 @@ _SPEC_FIELDS = frozenset(
 _DB_NOW = db_epoch()
 
 
-def _job_values(
+def job_values(
     tenant: str,
     action: str,
     *,
@@ -71,25 +71,25 @@ def _job_values(
     """Validate one job's fields (raising JobError naming the field); its row values."""
     # The natural consumer handler calls this once per event: the absent optional fields
     # (most of them) skip their checks.
-    _name("tenant", tenant)
-    _name("action", action)
+    valid_name("tenant", tenant)
+    valid_name("action", action)
     if subject is not None:
-        _name("subject", subject)
-    version = None if subject_version is None else _version("subject_version", subject_version)
+        valid_name("subject", subject)
+    version = None if subject_version is None else valid_version("subject_version", subject_version)
     if queue is not DEFAULT_QUEUE:
-        _name("queue", queue)
+        valid_name("queue", queue)
     if kind is not None:
-        _name("kind", kind)
+        valid_name("kind", kind)
     if provider is not None:
-        _name("provider", provider)
+        valid_name("provider", provider)
     if priority.__class__ is not int and (
         isinstance(priority, bool) or not isinstance(priority, int)
     ):
         raise JobError("priority", f"must be an integer, got {priority!r}")
     if payload is not None:
-        _check_json("payload", payload)
-    when = None if now is None else _time("now", now)
-    after = None if run_after is None else _time("run_after", run_after)
+        valid_json("payload", payload)
+    when = None if now is None else valid_time("now", now)
+    after = None if run_after is None else valid_time("run_after", run_after)
     # A number when ``now`` was given; else the database clock as a SQL expression.
     stamp: Any = when if when is not None else _DB_NOW
     return {
@@ -110,27 +110,27 @@ def _job_values(
     }
 
 
-def _name(field_name: str, value: object, *, optional: bool = False) -> None:
+def valid_name(field_name: str, value: object, *, optional: bool = False) -> None:
     """The shared name rules (``outbox.validate``: non-blank, at most 200 characters, no
     NUL), checked before anything reaches either database; ``JobError`` names the field."""
     check_name(field_name, value, JobError, required=not optional)
 
 
-def _version(field_name: str, value: object) -> str | None:
+def valid_version(field_name: str, value: object) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise JobError(field_name, f"must be a string or an integer, got {value!r}")
     text_value = str(value)
-    _name(field_name, text_value)
+    valid_name(field_name, text_value)
     return text_value
 
 
-def _ttl(ttl: object) -> float:
+def valid_ttl(ttl: object) -> float:
     return check_number("ttl", ttl, JobError)
 
 
-def _time(field_name: str, value: object) -> float | None:
+def valid_time(field_name: str, value: object) -> float | None:
     """A time argument as unix seconds: a number, or a datetime (naive means UTC)."""
     if value is None:
         return None
@@ -144,7 +144,7 @@ def _time(field_name: str, value: object) -> float | None:
     return float(value)
 
 
-def _check_json(field_name: str, value: object) -> None:
+def valid_json(field_name: str, value: object) -> None:
     try:
         encoded = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -154,7 +154,7 @@ def _check_json(field_name: str, value: object) -> None:
         raise JobError(field_name, "must not contain NUL characters")
 
 
-def _error_text(error: object) -> str:
+def error_text(error: object) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"[:2000]
     if not isinstance(error, str):
@@ -162,7 +162,7 @@ def _error_text(error: object) -> str:
     return error[:2000]
 
 
-def _key(job: object, action: str | None) -> tuple[ColumnElement[bool], str]:
+def job_key(job: object, action: str | None) -> tuple[ColumnElement[bool], str]:
     """A job reference: a Lease, a job id, ``(tenant, action)`` or ``tenant, action``."""
     if isinstance(job, Lease):
         return jobs.c.id == job.job_id, f"{job.tenant}/{job.action}"
@@ -173,20 +173,20 @@ def _key(job: object, action: str | None) -> tuple[ColumnElement[bool], str]:
     if isinstance(job, tuple) and len(job) == 2 and action is None:
         job, action = job
     if isinstance(job, str):
-        _name("tenant", job)
-        _name("action", action)
+        valid_name("tenant", job)
+        valid_name("action", action)
         return and_(jobs.c.tenant == job, jobs.c.action == action), f"{job}/{action}"
     raise JobError("job", f"expected a Lease, a job id or (tenant, action), got {job!r}")
 
 
-def _holder(
+def valid_holder(
     job: object, action: str | None, worker: str | None, epoch: int | None
 ) -> tuple[ColumnElement[bool], str, str, int]:
     if isinstance(job, Lease):
         worker = job.worker if worker is None else worker
         epoch = job.epoch if epoch is None else epoch
-    where, label = _key(job, action)
-    _name("worker", worker)
+    where, label = job_key(job, action)
+    valid_name("worker", worker)
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
         raise JobError("epoch", f"must be a positive integer (from claim), got {epoch!r}")
     assert worker is not None
@@ -196,6 +196,7 @@ def _holder(
 # -- worker settings (consumer.jobs.worker.WorkerConfig) ------------------------------------
 
 
+# complexity: one check per form of queues (names, mapping, slots), each naming it
 def check_queue_settings(config: Any) -> None:
     """A ``WorkerConfig``'s ``queues`` (a list of names, kept as a tuple; None: every queue;
     or a mapping of names to slots of their own, None sharing, which sets ``queue_slots``

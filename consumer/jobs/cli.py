@@ -391,6 +391,7 @@ def queue_names(raw: str) -> list[str] | dict[str, int | None]:
     return slots
 
 
+# complexity: one branch per queues subcommand (list, pause, resume) and format
 def _queues(args: argparse.Namespace, url: str) -> int:
     from consumer.jobs.store import Store
 

@@ -22,7 +22,7 @@ from consumer.jobs.cancels import is_requested
 from consumer.jobs.cron import Slot
 from consumer.jobs.replies import Reply, unconsumed
 from consumer.jobs.schedules import schedule_slot
-from consumer.jobs.store import Lease, Store, Time, Timer, _time
+from consumer.jobs.store import Lease, Store, Time, Timer, valid_time
 from outbox.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -163,6 +163,12 @@ class JobContext:
         with self._lock:
             self._on_worker = self._ended = True
 
+    @property
+    def has_ended(self) -> bool:
+        """The handler returned (:meth:`ended` was called)."""
+        with self._lock:
+            return self._ended
+
     @contextmanager
     def provider_call(self, timeout: float) -> Iterator[None]:
         """Around one provider call (``Operations.dispatch``): its intent extended the lease
@@ -202,7 +208,8 @@ class JobContext:
             if cancel and self.cancel_task is not None:
                 self.cancel_task()
 
-    def _due_for_renewal(self) -> bool:
+    def due_for_renewal(self) -> bool:
+        """Whether the next beat renews this job's lease (the heartbeat asks)."""
         with self._lock:
             if self._call_depth:
                 live = time.monotonic() < self._call_ends
@@ -315,7 +322,7 @@ class JobContext:
         if replan_at is None:
             self.cancel(f"{timer.reason}: subject changed ({timer.subject_version} -> {current})")
             return False
-        if _time("replan_at", replan_at) is None:  # pragma: no cover - checked above
+        if valid_time("replan_at", replan_at) is None:  # pragma: no cover - checked above
             return False
         self.schedule(replan_at, timer.reason, current, timer.cancellation_condition)
         return False

@@ -72,7 +72,7 @@ _NO_TIMER: dict[str, Any] = {
 }
 
 
-class _Fenced(Exception):
+class FencedOut(Exception):
     """Internal: the lease is not held; roll the transaction back."""
 
 
@@ -698,8 +698,8 @@ class JobDriver:
                 if created is None:
                     return "exists"
                 if not self.job_lease_extend(conn, job_id, worker, epoch, created):
-                    raise _Fenced  # rolls the intent back with the transaction
-        except _Fenced:
+                    raise FencedOut  # rolls the intent back with the transaction
+        except FencedOut:
             return "fenced"
         return "created"
 
@@ -747,7 +747,7 @@ class JobDriver:
         ``values`` are plain column values, ``stamp`` names the columns set to the database
         clock; the filters are :meth:`operation_update`'s. True if the receipt matched.
         ``durable=False``: no wait for the WAL flush (PostgreSQL; ``Operations._update``)."""
-        _check_operation_columns([*values, *stamp])
+        check_operation_columns([*values, *stamp])
         stamped = dict(values)
         for column in stamp:
             stamped[column] = db_epoch()
@@ -794,7 +794,7 @@ def _pause_query(now_given: bool) -> Select[Any]:
     )
 
 
-def _check_operation_columns(names: Sequence[str]) -> None:
+def check_operation_columns(names: Sequence[str]) -> None:
     for name in names:
         if name not in operations.c:
             raise ValueError(f"{name!r} is not a column of {operations.name}")

@@ -24,7 +24,7 @@ from consumer.jobs.driver_base import (
     READY_CHANNEL_SQL,
     JobDriver,
     ReadyListener,
-    _check_operation_columns,
+    check_operation_columns,
 )
 from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import (
@@ -180,7 +180,7 @@ class PostgresJobDriver(JobDriver):
         durable: bool = True,
     ) -> str:
         prep = self.engine.dialect.identifier_preparer
-        _check_operation_columns([*columns, *stamp])
+        check_operation_columns([*columns, *stamp])
         sets = [f"{prep.quote(name)} = %({name})s" for name in columns]
         sets += [f"{prep.quote(name)} = {EPOCH_SQL[POSTGRESQL]}" for name in stamp]
         where = ["operation_id = %(_operation_id)s"]

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
-from consumer.jobs.driver_base import JobDriver, _check_operation_columns, _Fenced
+from consumer.jobs.driver_base import FencedOut, JobDriver, check_operation_columns
 from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import JOBS_TABLE, OPERATIONS_TABLE, PROVIDER_LIMITS_TABLE
 from consumer.jobs.states import LEASED
@@ -35,6 +35,7 @@ class SqliteJobDriver(JobDriver):
     def _prepare(self, conn: Connection) -> None:
         conn.execution_options(sqlite_begin="IMMEDIATE")
 
+    # complexity: SQLite's emulation of the PostgreSQL claim scan (no SKIP LOCKED)
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool
     ) -> Sequence[Any]:
@@ -166,8 +167,8 @@ class SqliteJobDriver(JobDriver):
                     return "exists"
                 fence["until"] = float(created[0])
                 if raw.execute(_EXTEND_SQL, fence).fetchone() is None:
-                    raise _Fenced  # rolls the intent back with the transaction
-        except _Fenced:
+                    raise FencedOut  # rolls the intent back with the transaction
+        except FencedOut:
             return "fenced"
         return "created"
 
@@ -200,7 +201,7 @@ def _record_statement(
     if_states: bool,
     if_attempts: bool,
 ) -> str:
-    _check_operation_columns([*columns, *stamp])  # names of the table: safe in the text
+    check_operation_columns([*columns, *stamp])  # names of the table: safe in the text
     sets = [f"{name} = :{name}" for name in columns]
     sets += [f"{name} = {_NOW}" for name in stamp]
     where = ["operation_id = :_operation_id"]

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
-from consumer.jobs.checks import Time, _job_values, _time
+from consumer.jobs.checks import Time, job_values, valid_time
 from consumer.jobs.cron import Slot, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import schedules
@@ -77,7 +77,7 @@ class FiringResult:
 def fire_schedules(driver: JobDriver, *, now: Time | None = None, limit: int = 100) -> FiringResult:
     """One round of the firing duty (module docstring), in one transaction
     (``Store.fire_schedules``)."""
-    when = _time("now", now)
+    when = valid_time("now", now)
     fired: list[FiredSlot] = []
     missed: dict[str, int] = {}
     with driver.begin() as conn:
@@ -138,7 +138,7 @@ def _fire_row(
     given_up = due - len(chosen)
     last_job_id = row.last_job_id
     for moment in chosen:
-        values = _job_values(
+        values = job_values(
             row.tenant,
             f"{row.action}@{slot_text(moment)}",
             kind=row.action,

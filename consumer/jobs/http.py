@@ -142,6 +142,7 @@ class HttpProvider:
     connections, shared safely by a worker's threads; ``close()`` (or ``with``) releases it.
     """
 
+    # complexity: one check per HttpProvider argument, each naming it (owner: effects)
     def __init__(
         self,
         name: str,

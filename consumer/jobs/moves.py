@@ -19,16 +19,16 @@ from consumer.jobs import cancels
 from consumer.jobs import replies as talk
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import (
-    _NO_TIMER,
+    NO_TIMER,
     Time,
-    _check_json,
-    _error_text,
-    _holder,
-    _key,
-    _name,
-    _time,
-    _ttl,
-    _version,
+    error_text,
+    job_key,
+    valid_holder,
+    valid_json,
+    valid_name,
+    valid_time,
+    valid_ttl,
+    valid_version,
 )
 from consumer.jobs.rows import BatchResult, Lease
 from consumer.jobs.schema import db_epoch, jobs
@@ -65,9 +65,9 @@ class LeaseMoves(StoreBase):
         landing just after a dispatch extended the lease to its provider call's deadline must
         not pull it back (the lease would expire mid-call). Returns the lease's expiry.
         ``Conflict`` if fenced."""
-        seconds = _ttl(ttl)
-        when = _time("now", now)
-        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        seconds = valid_ttl(ttl)
+        when = valid_time("now", now)
+        where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             until = clock + seconds
@@ -89,9 +89,9 @@ class LeaseMoves(StoreBase):
         ``conflicts``: leases that were lost (nothing raised); a lease whose row another
         transaction holds locked at that moment (its finish) is in neither: the next beat
         renews it if it is still held."""
-        seconds = _ttl(ttl)
+        seconds = valid_ttl(ttl)
         items, by_worker = _by_worker(leases)
-        when = _time("now", now)
+        when = valid_time("now", now)
         if not items:
             return BatchResult()
         renewed: list[int] = []
@@ -120,8 +120,8 @@ class LeaseMoves(StoreBase):
         now: Time | None = None,
     ) -> None:
         """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held."""
-        when = _time("now", now)
-        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        when = valid_time("now", now)
+        where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             self._move(
                 conn,
@@ -137,11 +137,12 @@ class LeaseMoves(StoreBase):
                 consume=talk.watermark(job),
             )
 
+    # complexity: the batch finish's per-lease fencing, replies and cancel requests
     def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
         """Finish many leases in one transaction, each fenced on its own epoch. Leases that
         were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
         items, by_worker = _by_worker(leases)
-        when = _time("now", now)
+        when = valid_time("now", now)
         if not items:
             return BatchResult()
         done: list[int] = []
@@ -197,7 +198,7 @@ class LeaseMoves(StoreBase):
         (an earlier provider call may still be in flight until its deadline)."""
         if reason is not None and not isinstance(reason, str):
             raise JobError("reason", "must be a string")
-        at = _time("until", until)
+        at = valid_time("until", until)
         if at is None:
             raise JobError("until", "is required")
         self._hand_back(job, action, worker, epoch, at, "deferred", reason, now)
@@ -215,8 +216,8 @@ class LeaseMoves(StoreBase):
         *,
         seen: bool = True,
     ) -> None:
-        when = _time("now", now)
-        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        when = valid_time("now", now)
+        where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         values: dict[str, Any] = {"attempts": jobs.c.attempts - 1}
         if run_after is not None:
             values["run_after"] = run_after
@@ -236,6 +237,7 @@ class LeaseMoves(StoreBase):
                 consume=talk.watermark(job) if seen else None,
             )
 
+    # complexity: fail's fenced moves: retry, dead, provider pause, each with its reason
     def fail(
         self,
         job: Any,
@@ -263,10 +265,10 @@ class LeaseMoves(StoreBase):
             or retry_after < 0
         ):
             raise JobError("retry_after", f"must be a non-negative number, got {retry_after!r}")
-        _name("provider", provider, optional=True)
-        text_error = _error_text(error)
-        when = _time("now", now)
-        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        valid_name("provider", provider, optional=True)
+        text_error = error_text(error)
+        when = valid_time("now", now)
+        where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             row = self.driver.job_lock_held(conn, where, who, epoch_)
             if row is None:
@@ -340,9 +342,9 @@ class LeaseMoves(StoreBase):
     ) -> None:
         if reason is not None and not isinstance(reason, str):
             raise JobError("reason", "must be a string")
-        when = _time("now", now)
-        wake = _time("until", until)
-        where, label, who, epoch_ = _holder(job, action, worker, epoch)
+        when = valid_time("now", now)
+        wake = valid_time("until", until)
+        where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             reached = self._move(
                 conn,
@@ -391,14 +393,14 @@ class LeaseMoves(StoreBase):
         epoch) or a job id / ``(tenant, action)`` for a job that is READY (stays READY,
         delayed) or waiting (stays waiting; the timer wakes it).
         """
-        at = _time("scheduled_for", scheduled_for)
+        at = valid_time("scheduled_for", scheduled_for)
         if at is None:
             raise JobError("scheduled_for", "is required")
         if not isinstance(reason, str) or not reason:
             raise JobError("reason", "must be a non-empty string")
-        version = _version("subject_version", subject_version)
-        _check_json("cancellation_condition", cancellation_condition)
-        when = _time("now", now)
+        version = valid_version("subject_version", subject_version)
+        valid_json("cancellation_condition", cancellation_condition)
+        when = valid_time("now", now)
         timer_values = {
             "run_after": at,
             "timer_scheduled_for": at,
@@ -423,7 +425,7 @@ class LeaseMoves(StoreBase):
                     consume=talk.watermark(job),
                 )
             return
-        where, label = _key(job, None)
+        where, label = job_key(job, None)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             moved = self.driver.job_update_from(
@@ -461,9 +463,9 @@ class LeaseMoves(StoreBase):
         recorded."""
         if reason is not None and not isinstance(reason, str):
             raise JobError("reason", "must be a string")
-        when = _time("now", now)
+        when = valid_time("now", now)
         if isinstance(job, Lease) or worker is not None or epoch is not None:
-            where, label, who, epoch_ = _holder(job, action, worker, epoch)
+            where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
             with self.driver.begin() as conn:
                 self._move(
                     conn,
@@ -478,7 +480,7 @@ class LeaseMoves(StoreBase):
                     when,
                 )
             return CANCELLED
-        where, label = _key(job, action)
+        where, label = job_key(job, action)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             requested = self.driver.job_update_from(
@@ -510,9 +512,9 @@ class LeaseMoves(StoreBase):
         """A reply or an operator's decision: WAITING_EXTERNAL, WAITING_REVIEW or
         NEEDS_ATTENTION -> READY (eligible at ``run_after``, default at once). The failure
         counters restart, so a fixed job gets its full retry budget again."""
-        when = _time("now", now)
-        after = _time("run_after", run_after)
-        where, label = _key(job, action)
+        when = valid_time("now", now)
+        after = valid_time("run_after", run_after)
+        where, label = job_key(job, action)
         values = {
             "run_after": after,
             "wait_reason": None,
@@ -543,8 +545,8 @@ class LeaseMoves(StoreBase):
         WAITING_REVIEW: a person must decide before the job runs again."""
         if reason is not None and not isinstance(reason, str):
             raise JobError("reason", "must be a string")
-        when = _time("now", now)
-        where, label = _key(job, action)
+        when = valid_time("now", now)
+        where, label = job_key(job, action)
         # No wake-up: a READY job's run_after ("not before", a backoff or a call's deadline)
         # would read as a due timer in WAITING_REVIEW, and recovery would make it READY
         # again at once, only for the sweep to park it again, for ever.
@@ -577,7 +579,7 @@ class LeaseMoves(StoreBase):
                 conn,
                 where,
                 from_states,
-                {**values, "state": target, "updated_at": clock, **_NO_TIMER},
+                {**values, "state": target, "updated_at": clock, **NO_TIMER},
             )
             if job_id is None:
                 state = self._state(conn, where, label)
@@ -618,7 +620,7 @@ class LeaseMoves(StoreBase):
                 where & jobs.c.cancel_requested_at.is_not(None),
                 worker,
                 epoch,
-                {**_CANCELLED_END, **_NO_TIMER, "updated_at": clock},
+                {**_CANCELLED_END, **NO_TIMER, "updated_at": clock},
             )
             if ended is not None:
                 note = f"cancel requested; the run ended {outcome}"
@@ -626,7 +628,7 @@ class LeaseMoves(StoreBase):
                 return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
-            moved.update(_NO_TIMER)
+            moved.update(NO_TIMER)
         job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
         self._record(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume

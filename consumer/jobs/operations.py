@@ -70,7 +70,7 @@ from consumer.errors import (
 )
 from consumer.jobs import deliveries
 from consumer.jobs.cancels import is_requested
-from consumer.jobs.checks import _time
+from consumer.jobs.checks import valid_time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
 from consumer.jobs.outcome import (
@@ -313,6 +313,7 @@ class Operations:
         finally:
             gate.leave(ticket, timed_out=ticket.timed_out, retry_after=ticket.retry_after)
 
+    # complexity: one attempt's intent, call and receipt states (owner: effects, issue 37)
     def _attempt(
         self,
         job: Any,
@@ -435,11 +436,12 @@ class Operations:
             ref=ref,
             detail=detail,
             event_id=event_id,
-            when=_time("now", now),
+            when=valid_time("now", now),
         )
 
     # -- the sweep and the operator's path --------------------------------------------------
 
+    # complexity: the reconcile rules per receipt state (owner: effects, issue 37)
     def reconcile(self, *, limit: int = 100, now: float | None = None) -> ReconcileResult:
         """Settle PENDING and UNKNOWN receipts whose call deadline passed, without claiming
         their jobs: by lookup where the provider has one (found: ACCEPTED; not found:

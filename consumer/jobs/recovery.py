@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError
 from consumer.jobs.base import StoreBase
-from consumer.jobs.checks import Time, _name, _time, _ttl
+from consumer.jobs.checks import Time, valid_name, valid_time, valid_ttl
 from consumer.jobs.rows import RecoveryResult
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import LEASED, NEEDS_ATTENTION, READY, check_transition
@@ -33,7 +33,7 @@ class Recovery(StoreBase):
         """
         bound = self.config.recover_limit if limit is None else limit
         check_number("limit", bound, JobError, integer=True)
-        when = _time("now", now)
+        when = valid_time("now", now)
         requeued = attention = woken = 0
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
@@ -66,7 +66,7 @@ class Recovery(StoreBase):
         get ``Conflict``. Cheap when nobody died: one read of the small liveness table."""
         bound = self.config.recover_limit if limit is None else limit
         check_number("limit", bound, JobError, integer=True)
-        when = _time("now", now)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             return self._take_back_dead(conn, clock, bound)
@@ -121,9 +121,9 @@ class Recovery(StoreBase):
     def worker_alive(self, name: str, ttl: float, *, now: Time | None = None) -> None:
         """Worker liveness: ``name`` (the ``lease_owner`` it claims as) is alive until the
         database clock (or ``now``) + ``ttl`` seconds."""
-        _name("name", name)
-        seconds = _ttl(ttl)
-        when = _time("now", now)
+        valid_name("name", name)
+        seconds = valid_ttl(ttl)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             self.driver.worker_beat(conn, name, self._clock(conn, when), seconds)
 
@@ -133,11 +133,11 @@ class Recovery(StoreBase):
         """:meth:`worker_alive` and :meth:`recover_dead` in one transaction on one clock: the
         beating worker is alive past that clock, so it never finds itself dead. (As two calls,
         a worker stalled longer than ``ttl`` between them took back its own running jobs.)"""
-        _name("name", name)
-        seconds = _ttl(ttl)
+        valid_name("name", name)
+        seconds = valid_ttl(ttl)
         bound = self.config.recover_limit if limit is None else limit
         check_number("limit", bound, JobError, integer=True)
-        when = _time("now", now)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
             self.driver.worker_beat(conn, name, clock, seconds)
@@ -145,6 +145,6 @@ class Recovery(StoreBase):
 
     def worker_gone(self, name: str) -> None:
         """Remove ``name``'s liveness row (a clean stop: its leases were released)."""
-        _name("name", name)
+        valid_name("name", name)
         with self.driver.begin() as conn:
             self.driver.worker_delete(conn, name)

@@ -36,7 +36,7 @@ from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from consumer.errors import JobError, JobNotFound
-from consumer.jobs.checks import _NO_TIMER, _check_json, _key, _time
+from consumer.jobs.checks import NO_TIMER, job_key, valid_json, valid_time
 from consumer.jobs.driver import JobDriver, driver_for
 from consumer.jobs.rows import Lease
 from consumer.jobs.schema import jobs, replies
@@ -80,7 +80,7 @@ def check_reply(payload: Any, reply_id: object, source: object) -> None:
     check_name("reply_id", reply_id, JobError, limit=MAX_NAME_LENGTH * 2)
     if source is not None:
         check_name("source", source, JobError)
-    _check_json("payload", payload)
+    valid_json("payload", payload)
     if len(json.dumps(payload, separators=(",", ":"))) > MAX_REPLY_BYTES:
         raise JobError("payload", f"is larger than {MAX_REPLY_BYTES} bytes as JSON")
 
@@ -130,7 +130,7 @@ def record_reply(
             first_failed_at=None,
             attempts=0,
             updated_at=clock,
-            **_NO_TIMER,
+            **NO_TIMER,
         )
     # Filtered on the state read: under the row lock it cannot have changed.
     conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.state == state).values(**values))
@@ -156,7 +156,7 @@ def reply_in(
     """:func:`record_reply` on a connection of the caller's (``ConsumerTx.reply``), with the
     job store's driver for its engine (made once per engine)."""
     check_reply(payload, reply_id, source)
-    where, label = _key(job, action)
+    where, label = job_key(job, action)
     driver = _drivers.get(conn.engine)
     if driver is None:
         driver = _drivers.setdefault(conn.engine, driver_for(conn.engine))
@@ -168,7 +168,7 @@ def reply_in(
         payload=payload,
         reply_id=reply_id,
         source=source,
-        when=_time("now", now),
+        when=valid_time("now", now),
     )
 
 

@@ -43,7 +43,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import InvalidSchedule, JobError, ScheduleNotFound
-from consumer.jobs.checks import Time, _check_json, _time
+from consumer.jobs.checks import Time, valid_json, valid_time
 from consumer.jobs.cron import Slot, check_cron, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import DEFAULT_QUEUE, jobs, schedules
@@ -111,7 +111,7 @@ class Schedule:
             raise InvalidSchedule("grace", problem)
         object.__setattr__(self, "grace", float(self.grace))
         try:
-            _check_json("payload", self.payload)
+            valid_json("payload", self.payload)
         except JobError as exc:
             raise InvalidSchedule("payload", exc.problem) from None
 
@@ -255,7 +255,7 @@ class ScheduleMethods:
             raise InvalidSchedule("schedule", f"must be a Schedule, got {schedule!r}")
         if source not in ("api", "code"):
             raise InvalidSchedule("source", f"must be 'api' or 'code', got {source!r}")
-        when = _time("now", now)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             clock = self.driver.clock_read(conn, when)
             first = schedule.first_slot_after(clock)
@@ -303,7 +303,7 @@ class ScheduleMethods:
         """Stop the schedule firing (its jobs already enqueued still run). True if it was
         running; ``ScheduleNotFound`` for an unknown name. Idempotent."""
         check_name("name", name, _invalid)
-        when = _time("now", now)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             _locked(conn, name)
             clock = self.driver.clock_read(conn, when)
@@ -319,7 +319,7 @@ class ScheduleMethods:
         """Let a paused schedule fire again, from its next slot after now (the slots of the
         pause are not fired nor counted missed). True if it was paused; idempotent."""
         check_name("name", name, _invalid)
-        when = _time("now", now)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             row = _locked(conn, name)
             if row.paused_at is None:

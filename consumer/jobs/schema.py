@@ -468,6 +468,7 @@ COUNTED_JOB_COLUMNS = ("replies_received", "replies_consumed")
 """``outbox_jobs``'s NOT NULL integer columns with default 0 added after its first release."""
 
 
+# complexity: one step per schema version, in order
 def upgrade_schema(conn: Connection) -> None:
     """Add what the job tables gained since they were created (module docstring), in
     ``conn``'s transaction. The tables themselves must exist (``metadata.create_all``)."""

@@ -83,6 +83,7 @@ class Fault:
     delay: float = 0.0
     retry_after: str | None = None
 
+    # complexity: one check per fault rule field, each naming it
     @classmethod
     def from_json(cls, raw: Any) -> Fault:
         if not isinstance(raw, dict):

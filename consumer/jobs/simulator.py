@@ -179,6 +179,7 @@ class Handler(BaseHTTPRequestHandler):
     def sim(self) -> Simulator:
         return self.server.simulator
 
+    # complexity: the simulator's routes, one branch each (a test service)
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         path = url.path.rstrip("/") or "/"
@@ -255,6 +256,7 @@ class Handler(BaseHTTPRequestHandler):
         if unknown:
             raise ConfigError("config", f"unknown settings {sorted(unknown)}")
 
+    # complexity: the simulator's send rules per fault kind (a test service)
     def _send(self) -> None:
         arrived = time.time()  # before the body: the request has reached the provider
         raw = self._body()

@@ -50,7 +50,15 @@ from sqlalchemy.orm import Session
 from consumer.bulk import deferred_writes
 from consumer.errors import Conflict, JobError, JobNotFound
 from consumer.jobs.base import StoreConfig
-from consumer.jobs.checks import _SPEC_FIELDS, Time, _job_values, _key, _name, _time, _ttl
+from consumer.jobs.checks import (
+    SPEC_FIELDS,
+    Time,
+    job_key,
+    job_values,
+    valid_name,
+    valid_time,
+    valid_ttl,
+)
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.moves import LeaseMoves
 from consumer.jobs.recovery import Recovery
@@ -104,7 +112,7 @@ __all__ = [
     "StoreConfig",
     "Time",
     "Timer",
-    "_time",  # consumer.jobs.worker's import of it predates consumer.jobs.checks
+    "valid_time",  # consumer.jobs.worker's import of it predates consumer.jobs.checks
 ]
 
 _T = TypeVar("_T")
@@ -254,7 +262,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         names the queue the job waits in (``"default"``): workers claim from the queues they
         are given.
         """
-        values = _job_values(
+        values = job_values(
             tenant,
             action,
             subject=subject,
@@ -298,12 +306,12 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         for index, spec in enumerate(specs):
             if not isinstance(spec, Mapping):
                 raise JobError("specs", f"item {index} is {type(spec).__name__}, not a mapping")
-            unknown = set(spec) - _SPEC_FIELDS
+            unknown = set(spec) - SPEC_FIELDS
             if unknown:
                 raise JobError("specs", f"item {index} has unknown fields {sorted(unknown)}")
             if "tenant" not in spec or "action" not in spec:
                 raise JobError("specs", f"item {index} needs tenant and action")
-            rows.append(_job_values(**spec, now=now))
+            rows.append(job_values(**spec, now=now))
         if not rows:
             return []
         return self._in_session(session, lambda conn: self._enqueue_many(conn, rows))
@@ -355,7 +363,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
 
     def get(self, job: Any, action: str | None = None) -> Job:
         """The job's current row; ``JobNotFound`` if it does not exist."""
-        where, label = _key(job, action)
+        where, label = job_key(job, action)
         with self.driver.connect() as conn:
             row = self.driver.job_get(conn, where)
         if row is None:
@@ -380,8 +388,8 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         joins the caller's transaction (``ConsumerTx.reply`` does). ``JobNotFound`` for an
         unknown job."""
         check_reply(payload, reply_id, source)
-        when = _time("now", now)
-        where, label = _key(job, action)
+        when = valid_time("now", now)
+        where, label = job_key(job, action)
 
         def work(conn: Connection) -> ReplyResult:
             return record_reply(
@@ -433,7 +441,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         only, present even when empty), paused queues included. Read from the READY index:
         O(ready), never the DONE history."""
         if queue is not None:
-            _name("queue", queue)
+            valid_name("queue", queue)
         with self.driver.connect() as conn:
             rows = self.driver.job_depth(conn, queue)
             paused = self.driver.queue_paused_list(conn)
@@ -454,14 +462,14 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
     def pause_queue(self, queue: str, *, now: Time | None = None) -> bool:
         """Stop every worker claiming from ``queue`` (jobs in hand run to their end; new jobs
         are still enqueued). True if it was running. Idempotent."""
-        _name("queue", queue)
-        when = _time("now", now)
+        valid_name("queue", queue)
+        when = valid_time("now", now)
         with self.driver.begin() as conn:
             return self.driver.queue_pause(conn, queue, self._clock(conn, when))
 
     def resume_queue(self, queue: str) -> bool:
         """Let workers claim from ``queue`` again; True if it was paused. Idempotent."""
-        _name("queue", queue)
+        valid_name("queue", queue)
         with self.driver.begin() as conn:
             resumed = self.driver.queue_resume(conn, queue)
             if resumed:
@@ -498,6 +506,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
 
     # -- claiming ------------------------------------------------------------------------
 
+    # complexity: the seed example's claim: one check per argument, then one fenced move
     def claim(
         self,
         tenant: str,
@@ -520,13 +529,13 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         and its attempt recorded as ``expired``; the tenant's count does not change, so the
         limit does not refuse it). Unknown job: ``JobNotFound``.
         """
-        _name("tenant", tenant)
-        _name("action", action)
-        _name("worker", worker)
-        seconds = _ttl(ttl)
-        when = _time("now", now)
+        valid_name("tenant", tenant)
+        valid_name("action", action)
+        valid_name("worker", worker)
+        seconds = valid_ttl(ttl)
+        when = valid_time("now", now)
         default, limits = _limit("tenant_limit", tenant_limit), _limits(tenant_limits)
-        where, label = _key(tenant, action)
+        where, label = job_key(tenant, action)
         with self.driver.begin() as conn:
             row = self.driver.job_lock_for_claim(conn, where)
             if row is None:
@@ -623,10 +632,10 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
           holding no lease. Race-safe on PostgreSQL (a per-tenant advisory lock and a count
           taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
         """
-        _name("worker", worker)
+        valid_name("worker", worker)
         check_number("limit", limit, JobError, integer=True)
-        seconds = _ttl(ttl)
-        when = _time("now", now)
+        seconds = valid_ttl(ttl)
+        when = valid_time("now", now)
         if when is None and self.driver.clock is not None:
             when = self.driver.clock()
         with self._cursor_lock:
@@ -664,7 +673,7 @@ def _names(field_name: str, values: Iterable[str] | None) -> list[str] | None:
         raise JobError(field_name, f"must be a list of names, not one string {values!r}")
     names = list(values)
     for name in names:
-        _name(field_name, name)
+        valid_name(field_name, name)
     return names
 
 
@@ -681,7 +690,7 @@ def _limits(values: Mapping[str, int] | None) -> dict[str, int]:
         raise JobError("tenant_limits", f"must map tenants to limits, got {values!r}")
     checked: dict[str, int] = {}
     for tenant, value in values.items():
-        _name("tenant_limits", tenant)
+        valid_name("tenant_limits", tenant)
         limit = _limit("tenant_limits", value)
         if limit is None:
             raise JobError("tenant_limits", f"{tenant!r}: a limit must be a positive integer")

@@ -131,6 +131,7 @@ class WirePool:
         self._origins: dict[str, tuple[Origin, str]] = {}
         self._closed = False
 
+    # complexity: one HTTP request's connection reuse, retry and timeout rules
     async def request(
         self,
         method: str,

@@ -348,6 +348,7 @@ class Actions:
 
     # -- bulk ----------------------------------------------------------------------------
 
+    # complexity: one branch per bulk action's table and filter (owner: the console)
     def bulk_targets(self, kind: str, filters: dict[str, str]) -> tuple[Any, Any, Any, Any]:
         """(table, id column, where, order) of a bulk action's filter."""
         if kind == "requeue":

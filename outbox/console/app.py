@@ -433,6 +433,7 @@ class Console:
 
         return endpoint
 
+    # complexity: one dispatch per console action, each audited (owner: the console)
     def _do(
         self, action: str, request: Request, target: str, body: dict[str, Any], actor: Actor
     ) -> dict[str, Any]:

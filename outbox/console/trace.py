@@ -355,6 +355,7 @@ def stream_entries(redis: Any, events: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+# complexity: the verdict's rules in the module docstring's order, one branch each
 def verdict(trace: Trace) -> tuple[str, str]:
     """The verdict and its reason (the rules are the module docstring's)."""
     if not (trace.events or trace.jobs or trace.receipts or trace.inbox or trace.dead_letters):
@@ -424,6 +425,7 @@ def _sent(trace: Trace, accepted: list[dict[str, Any]]) -> tuple[str, str]:
     return SENT, because
 
 
+# complexity: the job rules of the verdict, in the module docstring's order
 def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
     def label(job: dict[str, Any]) -> str:
         return f"job {job['id']} ({job['tenant']}/{job['action']}) is {job['state']}"

@@ -29,7 +29,7 @@ from relay.records import Record, entry_id_key
 from relay.redis.cluster import publish_by_slot, set_fences_by_slot, template_has_hash_tag
 from relay.redis.replies import TRANSIENT_REPLIES as TRANSIENT_REPLIES
 from relay.redis.replies import ReplicasNotConfirmed as ReplicasNotConfirmed
-from relay.redis.replies import _bulk
+from relay.redis.replies import bulk
 from relay.redis.replies import classify_reply as classify_reply
 from relay.redis.replies import send_fences as send_fences
 from relay.redis.replies import wait_command as wait_command
@@ -108,6 +108,7 @@ class StreamTrim:
             out[stream] = "0" if ms <= 0 else f"{ms}-{seq}"
         return out
 
+    # complexity: one branch per trimming mode and stream state (owner: nats, issue 40)
     def _refresh(self, streams: Sequence[str], until: float) -> None:
         self.refreshes += 1
         pipe = self.client.pipeline(transaction=False)
@@ -242,8 +243,8 @@ if not m or mm < am or (mm == am and ms < as) then
 end
 return 1
 """
-_EVAL = _bulk(b"EVAL")
-_SCRIPT = _bulk(PUBLISH_LUA.encode())
+_EVAL = bulk(b"EVAL")
+_SCRIPT = bulk(PUBLISH_LUA.encode())
 
 
 class RedisStreamPublisher:
@@ -447,15 +448,15 @@ class RedisStreamPublisher:
             % (5 + 2 * len(streams) + 3 + 3 * len(prepared) + sum(p.nfields for p in prepared)),
             _EVAL,
             _SCRIPT,
-            _bulk(str(len(streams) + 2).encode()),
-            _bulk(fence_key.encode()),
-            _bulk(marker_key.encode()),
+            bulk(str(len(streams) + 2).encode()),
+            bulk(fence_key.encode()),
+            bulk(marker_key.encode()),
         ]
-        head.extend(_bulk(name.encode()) for name in streams)
-        head.append(_bulk(str(len(prepared)).encode()))
-        head.append(_bulk(str(self.maxlen or 0).encode()))
-        head.append(_bulk((expected or "0").encode()))
-        head.extend(_bulk(minids.get(name, "0").encode()) for name in streams)
+        head.extend(bulk(name.encode()) for name in streams)
+        head.append(bulk(str(len(prepared)).encode()))
+        head.append(bulk(str(self.maxlen or 0).encode()))
+        head.append(bulk((expected or "0").encode()))
+        head.extend(bulk(minids.get(name, "0").encode()) for name in streams)
         return b"".join(head) + b"".join(body)
 
     def script_results(
@@ -557,6 +558,7 @@ class RedisStreamPublisher:
 
     # -- reconciliation ---------------------------------------------------------------------
 
+    # complexity: the reconcile scan's cases per stream entry (owner: nats, issue 40)
     def find_published(
         self, stream: str, event_ids: Iterable[str], start_ms: int, end_ms: int | None
     ) -> dict[str, str]:

@@ -26,22 +26,22 @@ class ReplicasNotConfirmed(RedisConnectionError):
     is never assumed."""
 
 
-def _bulk(value: bytes) -> bytes:
+def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
 def wait_command(replicas: int, timeout_ms: int) -> bytes:
     """``WAIT replicas timeout``, packed: sent on the connection that ran the script."""
-    return b"*3\r\n" + _bulk(b"WAIT") + _bulk(b"%d" % replicas) + _bulk(b"%d" % timeout_ms)
+    return b"*3\r\n" + bulk(b"WAIT") + bulk(b"%d" % replicas) + bulk(b"%d" % timeout_ms)
 
 
 def send_fences(
     conn: Any, keys: Sequence[str], ttl_seconds: int, wait_replicas: int, wait_timeout: float
 ) -> None:
     """``SET key 1 EX ttl`` for each key (and ``WAIT``) on one connection, replies read."""
-    ttl = _bulk(b"%d" % ttl_seconds)
+    ttl = bulk(b"%d" % ttl_seconds)
     parts = [
-        b"*5\r\n" + _bulk(b"SET") + _bulk(key.encode()) + _bulk(b"1") + _bulk(b"EX") + ttl
+        b"*5\r\n" + bulk(b"SET") + bulk(key.encode()) + bulk(b"1") + bulk(b"EX") + ttl
         for key in keys
     ]
     timeout_ms = max(1, int(wait_timeout * 1000))

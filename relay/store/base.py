@@ -105,11 +105,11 @@ class Store(Protocol):
         ...
 
 
-def _quoted(schema: OutboxSchema) -> str:
+def full_table(schema: OutboxSchema) -> str:
     return quoted_table(schema.table_name, schema.schema)
 
 
-def _status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus]:
+def topic_status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus]:
     """Per-topic status from the backlog statements above; ages on the database clock
     (``now_sql``), the clock that wrote ``created_at``."""
     now = conn.execute(
@@ -127,7 +127,7 @@ def _status(conn: Connection, table: str, now_sql: str) -> dict[str, TopicStatus
     return dict(sorted(out.items()))
 
 
-def _highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
+def highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
     best: dict[str, str] = {}
     for stream, entry_id in rows:
         if not stream or not entry_id:
@@ -138,7 +138,7 @@ def _highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
     return list(best.items())
 
 
-def _requeue(
+def requeue_quarantined(
     engine: Engine,
     t: str,
     now_sql: str,

@@ -5,14 +5,14 @@ shapes next to them: each one was measured against plans that read more than its
 
 from __future__ import annotations
 
-_PG_RECORD_COLUMNS = """t.seq, t.event_id, t.topic, t.key, t.key_hash, t.tenant, t.identity,
+PG_RECORD_COLUMNS = """t.seq, t.event_id, t.topic, t.key, t.key_hash, t.tenant, t.identity,
     t.payload::text, t.headers::text,
     to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
     extract(epoch FROM t.created_at)::float8, t.attempts"""
 
 # The blocked-key probe. Its predicate is the predicate of ix_<table>_blocked, so the probe
 # reads that small index only.
-_BLOCKED = """NOT EXISTS (
+PG_BLOCKED = """NOT EXISTS (
         SELECT 1 FROM {t} b
         WHERE b.key = o.key AND b.seq < o.seq
           AND (b.state = 'quarantined' OR (b.state = 'pending' AND b.attempts > 0)))"""
@@ -46,7 +46,7 @@ _CHUNK = (
         WHERE o.state = 'pending' AND o.seq >= f.lo AND o.seq < f.lo + s.span
           AND o.claimed_by IS NULL AND o.available_at <= now()
           AND (o.key_hash %% %(nparts)s) = ANY(%(parts)s) AND """
-    + _BLOCKED
+    + PG_BLOCKED
 )
 
 PG_CLAIM = (
@@ -86,7 +86,7 @@ UPDATE {t} t SET claimed_by = %(owner)s, claim_epoch = %(epoch)s, claimed_at = n
 WHERE t.seq = ANY(ARRAY(SELECT seq FROM picked))
   AND (SELECT set_config('synchronous_commit', 'on', true)) = 'on'
 RETURNING """
-    + _PG_RECORD_COLUMNS
+    + PG_RECORD_COLUMNS
 )
 
 # Receipts: one statement for the whole batch. Adapting Python lists into arrays costs

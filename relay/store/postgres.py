@@ -25,14 +25,13 @@ from outbox.outage import report_failure
 from outbox.schema import OutboxSchema, table_schema_of
 from relay.records import Orphan, Record, RequeueResult, TopicStatus
 from relay.store.base import (
-    _highest_receipts,
-    _quoted,
-    _requeue,
-    _status,
+    full_table,
+    highest_receipts,
+    requeue_quarantined,
+    topic_status,
 )
 from relay.store.partitions import statements_for
 from relay.store.pg_statements import (
-    _PG_RECORD_COLUMNS,
     PG_BACKLOG,
     PG_CLAIM,
     PG_FAILED,
@@ -41,6 +40,7 @@ from relay.store.pg_statements import (
     PG_ORPHANS,
     PG_PUBLISHED,
     PG_QUARANTINE,
+    PG_RECORD_COLUMNS,
     PG_RELEASE,
     PG_RESOLVE_FOUND,
     PG_RESOLVE_MISSING,
@@ -213,6 +213,7 @@ class PostgresStore:
     def partition_rebalance_due(self) -> bool:
         return self._rebalance.due() or not self._owned
 
+    # complexity: the partition rebalance's take and give-back rules
     def partition_rebalance(self, before_release: Callable[[], None] = lambda: None) -> bool:
         """Take or give back partitions toward a fair share (``before_release`` runs first if
         any go back); True if any were taken (orphans marked: the caller should sweep)."""
@@ -470,7 +471,7 @@ class PostgresStore:
                 conn = self._new_connection()
                 # The channel names the schema the table lives in (the trigger uses
                 # TG_TABLE_SCHEMA): other schemas' outboxes do not wake this relay.
-                row = conn.execute(_TABLE_SCHEMA_SQL, {"q": _quoted(self.schema)}).fetchone()
+                row = conn.execute(_TABLE_SCHEMA_SQL, {"q": full_table(self.schema)}).fetchone()
                 table_schema = row[0] if row and row[0] else (self.schema.schema or "public")
                 channel = self.schema.notify_channel(table_schema)
                 conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
@@ -527,7 +528,7 @@ class PostgresStore:
 
     def outbox_status(self) -> dict[str, TopicStatus]:
         with self.engine.connect() as conn:
-            return _status(conn, _quoted(self.schema), NOW_SQL[POSTGRESQL])
+            return topic_status(conn, full_table(self.schema), NOW_SQL[POSTGRESQL])
 
     def outbox_published_page(
         self,
@@ -538,7 +539,7 @@ class PostgresStore:
         topic: str | None = None,
     ) -> list[tuple[Record, str | None]]:
         sql = (
-            f"SELECT {_PG_RECORD_COLUMNS}, t.stream FROM {_quoted(self.schema)} t "
+            f"SELECT {PG_RECORD_COLUMNS}, t.stream FROM {full_table(self.schema)} t "
             "WHERE t.seq > %(after)s AND t.state = 'published'"
             + ("" if since is None else " AND t.created_at >= %(since)s")
             + ("" if topic is None else " AND t.topic = %(topic)s")
@@ -552,17 +553,17 @@ class PostgresStore:
     def receipt_latest(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(
-                f"SELECT stream, stream_id FROM {_quoted(self.schema)} "
+                f"SELECT stream, stream_id FROM {full_table(self.schema)} "
                 "WHERE state = 'published' AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
             ).fetchall()
-        return _highest_receipts(rows)
+        return highest_receipts(rows)
 
     def outbox_oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:
             return cast(
                 "datetime | None",
                 conn.exec_driver_sql(
-                    f"SELECT min(created_at) FROM {_quoted(self.schema)} "
+                    f"SELECT min(created_at) FROM {full_table(self.schema)} "
                     "WHERE state = 'published' AND published_at >= to_timestamp(%(after)s)",
                     {"after": published_after or 0.0},
                 ).scalar(),
@@ -578,9 +579,9 @@ class PostgresStore:
             channel = outbox_schema.notify_channel(table_schema_of(conn, outbox_schema))
             conn.execute(text("SELECT pg_notify(:c, 'sweep')"), {"c": channel})
 
-        return _requeue(
+        return requeue_quarantined(
             self.engine,
-            _quoted(self.schema),
+            full_table(self.schema),
             NOW_SQL[POSTGRESQL],
             event_ids,
             all_quarantined,

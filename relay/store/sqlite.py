@@ -20,12 +20,12 @@ from outbox.logs import fields
 from outbox.schema import OutboxSchema
 from relay.records import Orphan, Record, RequeueResult, TopicStatus
 from relay.store.base import (
-    _highest_receipts,
-    _quoted,
-    _requeue,
-    _status,
+    full_table,
+    highest_receipts,
+    requeue_quarantined,
+    topic_status,
 )
-from relay.store.pg_statements import _BLOCKED
+from relay.store.pg_statements import PG_BLOCKED
 
 log = logging.getLogger("outbox.relay")
 
@@ -49,7 +49,7 @@ WHERE o.state = 'pending' AND o.claimed_by IS NULL AND o.available_at <= """
     + _SQLITE_NOW
     + """
   AND """
-    + _BLOCKED.replace("{t}", "{t}")
+    + PG_BLOCKED.replace("{t}", "{t}")
     + """
 ORDER BY o.seq
 LIMIT :limit"""
@@ -68,7 +68,7 @@ class SqliteStore:
         self.engine = engine
         self.schema = schema
         self.reconcile_after = reconcile_after
-        self.t = _quoted(schema)
+        self.t = full_table(schema)
         self._lock_fd: int | None = None
         self._owned: frozenset[int] = frozenset()
         self._waiting_logged = False
@@ -312,12 +312,12 @@ class SqliteStore:
 
     def outbox_status(self) -> dict[str, TopicStatus]:
         with self.engine.connect() as conn:
-            return _status(conn, self.t, NOW_SQL[SQLITE])
+            return topic_status(conn, self.t, NOW_SQL[SQLITE])
 
     def outbox_requeue(
         self, event_ids: Sequence[str] | None, all_quarantined: bool
     ) -> RequeueResult:
-        return _requeue(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)
+        return requeue_quarantined(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)
 
     def outbox_published_page(
         self,
@@ -349,7 +349,7 @@ class SqliteStore:
                     "AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
                 )
             ).fetchall()
-        return _highest_receipts(rows)
+        return highest_receipts(rows)
 
     def outbox_oldest_published_since(self, published_after: float | None) -> datetime | None:
         with self.engine.connect() as conn:
