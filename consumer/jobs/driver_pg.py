@@ -237,6 +237,9 @@ class PostgresJobDriver(JobDriver):
             f" EXISTS (SELECT 1 FROM intent)"
         )
 
+    def _prepare(self, conn: Connection) -> None:
+        """Nothing: PostgreSQL's transactions need no set-up before they begin."""
+
     def job_ready_notify(self, conn: Connection) -> None:
         if self.notify:
             conn.execute(text(f"SELECT pg_notify({READY_CHANNEL_SQL}, '')"))

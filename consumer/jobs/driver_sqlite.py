@@ -32,6 +32,10 @@ class SqliteJobDriver(JobDriver):
 
     name = "sqlite"
 
+    def job_ready_notify(self, conn: Connection) -> None:
+        """Nothing: SQLite has no NOTIFY (a worker in the same process is woken by the local
+        enqueue; others poll)."""
+
     def _prepare(self, conn: Connection) -> None:
         conn.execution_options(sqlite_begin="IMMEDIATE")
 
