@@ -54,6 +54,7 @@ def add_schedules_command(sub: Any) -> argparse.ArgumentParser:
     return command
 
 
+# complexity: one branch per schedules subcommand (list, pause, resume, remove) and format
 def schedules_command(args: argparse.Namespace, url: str) -> int:
     from consumer.jobs.store import Store
 
@@ -65,9 +66,11 @@ def schedules_command(args: argparse.Namespace, url: str) -> int:
         raise UsageError("--json and --worker go with schedules list")
     defined: set[str] | None = None
     if args.worker:
-        from consumer.jobs.cli import load_worker
+        from consumer.jobs.worker import Worker  # not consumer.jobs.cli: it imports this module
+        from outbox.cli import load_target
 
-        defined = {s.name for s in load_worker(args.worker).schedules}
+        worker = load_target(args.worker, Worker, example="myapp.jobs:worker")
+        defined = {s.name for s in worker.schedules}
     store = Store(url)
     try:
         if args.action == "pause":
