@@ -374,6 +374,11 @@ class BatchProcessor:
         """Run ``events``' handlers and write what they buffered, in one savepoint: None if
         it was released, else the exception that rolled it back."""
         savepoint = session.begin_nested()
+        # The Session emits SAVEPOINT lazily, at its next statement: a handler that writes
+        # through another client of the same connection (the Django ORM on
+        # outbox.django.engine()) would otherwise write outside the savepoint, and its work
+        # would survive the rollback below.
+        session.connection()
         try:
             self._run(session, events, tx)
         except Exception as exc:

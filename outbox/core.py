@@ -104,6 +104,42 @@ def _row_params(events: list[NewEvent]) -> list[Any]:
     return params
 
 
+def check_specs(specs: Iterable[EventSpec], max_payload_bytes: int) -> list[NewEvent]:
+    """Validate what ``emit_many`` takes (NewEvents, or mappings of ``emit``'s arguments)."""
+    if isinstance(specs, (str, bytes, Mapping)):
+        raise InvalidEvent("events", "emit_many takes a list of events, not a single one")
+    events: list[NewEvent] = []
+    for index, spec in enumerate(specs):
+        if isinstance(spec, NewEvent):
+            events.append(spec)
+            continue
+        if not isinstance(spec, Mapping):
+            kind = type(spec).__name__
+            raise InvalidEvent("events", f"item {index} is {kind}, not a mapping")
+        unknown = set(spec) - _EMIT_ARGS
+        if unknown:
+            raise InvalidEvent("events", f"item {index} has unknown fields {sorted(unknown)}")
+        if "topic" not in spec:
+            raise InvalidEvent("topic", f"is required (item {index})")
+        if "key" not in spec:
+            raise InvalidEvent("key", f"is required (item {index})")
+        if "payload" not in spec:
+            raise InvalidEvent("payload", f"is required (item {index})")
+        events.append(
+            make_event(
+                spec["topic"],
+                key=spec["key"],
+                payload=spec["payload"],
+                tenant=spec.get("tenant"),
+                identity=spec.get("identity"),
+                headers=spec.get("headers"),
+                event_id=spec.get("event_id"),
+                max_payload_bytes=max_payload_bytes,
+            )
+        )
+    return events
+
+
 class Outbox:
     """A transactional outbox on one database.
 
@@ -199,38 +235,8 @@ class Outbox:
         )
 
     def checked_events(self, specs: Iterable[EventSpec]) -> list[NewEvent]:
-        if isinstance(specs, (str, bytes, Mapping)):
-            raise InvalidEvent("events", "emit_many takes a list of events, not a single one")
-        events: list[NewEvent] = []
-        for index, spec in enumerate(specs):
-            if isinstance(spec, NewEvent):
-                events.append(spec)
-                continue
-            if not isinstance(spec, Mapping):
-                kind = type(spec).__name__
-                raise InvalidEvent("events", f"item {index} is {kind}, not a mapping")
-            unknown = set(spec) - _EMIT_ARGS
-            if unknown:
-                raise InvalidEvent("events", f"item {index} has unknown fields {sorted(unknown)}")
-            if "topic" not in spec:
-                raise InvalidEvent("topic", f"is required (item {index})")
-            if "key" not in spec:
-                raise InvalidEvent("key", f"is required (item {index})")
-            if "payload" not in spec:
-                raise InvalidEvent("payload", f"is required (item {index})")
-            events.append(
-                make_event(
-                    spec["topic"],
-                    key=spec["key"],
-                    payload=spec["payload"],
-                    tenant=spec.get("tenant"),
-                    identity=spec.get("identity"),
-                    headers=spec.get("headers"),
-                    event_id=spec.get("event_id"),
-                    max_payload_bytes=self.max_payload_bytes,
-                )
-            )
-        return events
+        """Validate what ``emit_many`` takes (:func:`check_specs`, with this payload limit)."""
+        return check_specs(specs, self.max_payload_bytes)
 
     # -- writing --------------------------------------------------------------------------
 
