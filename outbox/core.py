@@ -49,7 +49,7 @@ EventSpec = Mapping[str, Any] | NewEvent
 
 _EMIT_ARGS = frozenset({"topic", "key", "payload", "tenant", "identity", "headers", "event_id"})
 PENDING_EVENTS_KEY = "outbox.pending_events"  # Session.info key of a transaction's buffered events
-_INSERT_COLUMNS = (
+INSERT_COLUMNS = (
     "event_id",
     "topic",
     "key",
@@ -72,7 +72,7 @@ _MAX_ARRAY_ROWS = 50_000
 
 
 def _column_arrays(events: list[NewEvent]) -> tuple[list[Any], ...]:
-    """The eight column arrays of ``_UNNEST``, in ``_INSERT_COLUMNS`` order."""
+    """The eight column arrays of ``_UNNEST``, in ``INSERT_COLUMNS`` order."""
     return (
         [item.event_id for item in events],
         [item.topic for item in events],
@@ -85,8 +85,8 @@ def _column_arrays(events: list[NewEvent]) -> tuple[list[Any], ...]:
     )
 
 
-def _row_params(events: list[NewEvent]) -> list[Any]:
-    """The flat parameter list of ``_PG_ROW`` x len(events), in ``_INSERT_COLUMNS`` order."""
+def row_params(events: list[NewEvent]) -> list[Any]:
+    """The flat parameter list of ``_PG_ROW`` x len(events), in ``INSERT_COLUMNS`` order."""
     params: list[Any] = []
     for item in events:
         params.extend(
@@ -319,7 +319,7 @@ class Outbox:
         # by column. Here the payload text from validation is cast to jsonb by the server,
         # and psycopg prepares the statement after a few executions like any other.
         if len(events) == 1:
-            self._driver_execute(connection, self._insert_one, tuple(_row_params(events)))
+            self._driver_execute(connection, self._insert_one, tuple(row_params(events)))
             return
         # Several rows: one array per column. A multi-row VALUES has 8 parameters a row, and
         # psycopg parses a query with more than 50 parameters again on every execution (its
@@ -414,7 +414,7 @@ class Outbox:
         if dialect.name != "postgresql" or dialect.driver not in ("psycopg", "psycopg_async"):
             return None
         preparer = dialect.identifier_preparer
-        columns = ", ".join(preparer.quote(name) for name in _INSERT_COLUMNS)
+        columns = ", ".join(preparer.quote(name) for name in INSERT_COLUMNS)
         table = preparer.format_table(self.schema.table)
         return f"INSERT INTO {table} ({columns})"
 

@@ -30,7 +30,7 @@ require("django", "outbox.django")
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction  # noqa: E402
 
-from outbox.core import _INSERT_COLUMNS, EventSpec, _row_params, check_specs  # noqa: E402
+from outbox.core import INSERT_COLUMNS, EventSpec, check_specs, row_params  # noqa: E402
 from outbox.django.connection import database_url, engine  # noqa: E402
 from outbox.errors import OutboxError  # noqa: E402
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent, make_event  # noqa: E402
@@ -70,7 +70,7 @@ def _connection(using: str | None, autocommit: bool) -> Any:
 
 def _insert_sql(connection: Any) -> str:
     quote = connection.ops.quote_name
-    columns = ", ".join(quote(name) for name in _INSERT_COLUMNS)
+    columns = ", ".join(quote(name) for name in INSERT_COLUMNS)
     # PostgreSQL: the payload's JSON text from validation, cast by the server (as Outbox.emit
     # does on psycopg); SQLite stores the same text.
     json_cast = "::jsonb" if connection.vendor == "postgresql" else ""
@@ -79,8 +79,8 @@ def _insert_sql(connection: Any) -> str:
 
 
 def _write(connection: Any, events: list[NewEvent]) -> None:
-    params = _row_params(events)
-    width = len(_INSERT_COLUMNS)
+    params = row_params(events)
+    width = len(INSERT_COLUMNS)
     rows = [params[i : i + width] for i in range(0, len(params), width)]
     with connection.cursor() as cursor:
         if len(rows) == 1:

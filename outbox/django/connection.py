@@ -119,18 +119,24 @@ def database_url(using: str | None = None) -> str:
     if alias not in connections.settings:
         raise ConfigError("using", f"no database {alias!r} in DATABASES")
     conn = connections[alias]
-    settings = conn.settings_dict
     if conn.vendor == "sqlite":
-        name = str(settings["NAME"])
-        if name == ":memory:" or "mode=memory" in name:
-            raise ConfigError(
-                "DATABASES",
-                f"{alias!r} is an in-memory SQLite database: other processes cannot "
-                "open it (give it a file NAME, or TEST['NAME'] in tests)",
-            )
-        return f"sqlite:///{name}"
-    if conn.vendor != "postgresql":
-        raise ConfigError("DATABASES", f"{alias!r} is {conn.vendor}: PostgreSQL or SQLite only")
+        return _sqlite_url(alias, str(conn.settings_dict["NAME"]))
+    if conn.vendor == "postgresql":
+        return _postgresql_url(conn.settings_dict)
+    raise ConfigError("DATABASES", f"{alias!r} is {conn.vendor}: PostgreSQL or SQLite only")
+
+
+def _sqlite_url(alias: str, name: str) -> str:
+    if name == ":memory:" or "mode=memory" in name:
+        raise ConfigError(
+            "DATABASES",
+            f"{alias!r} is an in-memory SQLite database: other processes cannot open it "
+            "(give it a file NAME, or TEST['NAME'] in tests)",
+        )
+    return f"sqlite:///{name}"
+
+
+def _postgresql_url(settings: dict[str, Any]) -> str:
     options = settings.get("OPTIONS") or {}
     query = {
         key: str(value)
