@@ -62,6 +62,8 @@ class JobContext:
         # Set by the worker that runs an ``async def`` handler: cancels its task (thread-safe).
         self.cancel_task: Callable[[], None] | None = None
         self._cancel_after_dispatch = False
+        self._cancel_told = False  # the worker told this run (``request_cancel``)
+        self._adispatching = 0  # adispatch calls under way (a cancel waits for their end)
 
     # -- facts ----------------------------------------------------------------------------
     @property
@@ -128,17 +130,26 @@ class JobContext:
                 self._cancelled = is_requested(conn, self.job_id, self.lease.epoch)
         return self._cancelled
 
-    def request_cancel(self) -> None:
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether this run knows of a cancel request, without asking the database."""
+        return self._cancelled
+
+    def request_cancel(self) -> bool:
         """The worker saw a cancel request for this job: ``cancelled`` is True from now, and
-        an ``async def`` handler's task is cancelled, at once or, when a dispatch is under
-        way, as soon as it has recorded its receipt (a cancel never cuts a provider call)."""
+        an ``async def`` handler's task is cancelled, at once or, when an ``adispatch`` is
+        under way, once it has returned its receipt (a cancel never cuts a provider call).
+        False when it was told already (nothing more happens)."""
         with self._lock:
-            self._cancelled = True
-            if self._dispatch_depth:
+            if self._cancel_told:
+                return False
+            self._cancel_told = self._cancelled = True
+            if self._adispatching:
                 self._cancel_after_dispatch = True
-                return
+                return True
         if self.cancel_task is not None:
             self.cancel_task()
+        return True
 
     # -- heartbeat ------------------------------------------------------------------------
     def progress(self) -> None:
@@ -202,11 +213,6 @@ class JobContext:
             with self._lock:
                 self._dispatch_depth -= 1
                 self._progress += 1
-                cancel = self._cancel_after_dispatch and not self._dispatch_depth
-                if cancel:
-                    self._cancel_after_dispatch = False
-            if cancel and self.cancel_task is not None:
-                self.cancel_task()
 
     def due_for_renewal(self) -> bool:
         """Whether the next beat renews this job's lease (the heartbeat asks)."""
@@ -259,11 +265,22 @@ class JobContext:
         cancel was requested: no new effect starts."""
         operations = self._operations()
         self._refuse_if_cancelled(name)
+        with self._lock:
+            self._adispatching += 1
         try:
             return await operations.adispatch(self, name, provider, request, executor=self.executor)
         except Conflict:
             self._refuse_if_cancelled(name, ask=True)  # the intent was refused for it
             raise
+        finally:
+            with self._lock:
+                self._adispatching -= 1
+                cancel = self._cancel_after_dispatch and not self._adispatching
+                self._cancel_after_dispatch &= not cancel
+            if cancel and self.cancel_task is not None:
+                # Scheduled on the loop: the handler gets this receipt, and is cancelled at
+                # its next ``await``.
+                self.cancel_task()
 
     def _refuse_if_cancelled(self, name: str, *, ask: bool = False) -> None:
         # The intent's own statement refuses a job with a cancel request (no round trip of

@@ -12,18 +12,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from consumer.jobs.cancels import requested_list
 from consumer.jobs.context import JobContext
 from consumer.jobs.store import Store
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
 from outbox.outage import report_failure
 
-__all__ = ["JobsInHand"]
+__all__ = ["CANCEL_WATCH", "JobsInHand"]
 
 log = logging.getLogger("outbox.worker")
+
+CANCEL_WATCH = 0.25  # seconds between looks for cancel requests while jobs are in hand
 
 
 class JobsInHand:
@@ -42,6 +46,7 @@ class JobsInHand:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pinned = False  # the heartbeat holds a connection of its own
+        self._next_watch = 0.0  # monotonic: the next look for cancel requests
 
     def add(self, ctx: JobContext) -> None:
         with self._lock:
@@ -63,6 +68,28 @@ class JobsInHand:
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)
+
+    # -- cancel requests ------------------------------------------------------------------
+    def watch_cancels(self) -> int:
+        """Tell the jobs in hand that an operator asked to cancel them (``Store.cancel`` of a
+        LEASED job; ``consumer.jobs.cancels``): at most every :data:`CANCEL_WATCH` seconds,
+        and only while jobs are in hand, one probe of a partial index that holds only such
+        jobs. Returns how many were told now."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._jobs or now < self._next_watch:
+                return 0
+            self._next_watch = now + CANCEL_WATCH
+        with self.store.driver.connect() as conn:
+            requested = requested_list(conn, self.name)
+        told = 0
+        for job_id in requested:
+            with self._lock:
+                ctx = self._jobs.get(job_id)
+            if ctx is not None and ctx.request_cancel():
+                log.info("cancel requested", extra=fields(job_id=job_id))
+                told += 1
+        return told
 
     # -- the heartbeat --------------------------------------------------------------------
     def ensure_heartbeat(self) -> None:

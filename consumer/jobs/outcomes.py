@@ -21,7 +21,13 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from consumer.errors import Conflict, JobFailure, OperationUnresolved, ProviderThrottled
+from consumer.errors import (
+    Conflict,
+    JobCancelled,
+    JobFailure,
+    OperationUnresolved,
+    ProviderThrottled,
+)
 from consumer.jobs.context import JobContext
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
@@ -122,6 +128,11 @@ class Outcomes:
             return ctx.outcome or "done"
         if isinstance(error, Conflict):
             raise error
+        if isinstance(error, JobCancelled):
+            # A cancel was requested while it ran: any end of the holder's makes the job
+            # CANCELLED (``LeaseMoves``); this one counts no failure.
+            store.release(ctx.lease)
+            return "cancelled"
         if isinstance(error, ProviderThrottled):
             ctx.throttled = error  # dispatch handed the job back until the provider's time
             return "throttled"

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from consumer.errors import JobCancelled
 from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
@@ -227,6 +228,7 @@ class SlotRunner:
             try:
                 if await self._db(self.parts.duties.maintain):
                     self.kick()
+                await self._db(self.parts.in_hand.watch_cancels)  # operators' cancels
                 failures = 0
             except SQLAlchemyError as exc:
                 failures += 1
@@ -404,7 +406,7 @@ class SlotRunner:
         error: BaseException | None = None
         with tracing.running(ctx.lease, parts.route) as span:  # this task's context
             try:
-                await routed[1](ctx)
+                await self._handler_task(ctx, routed[1])
             except Exception as exc:
                 error = exc
             ctx.ended()  # renewed at every beat from here
@@ -412,6 +414,29 @@ class SlotRunner:
             settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
             span.set("outbox.job.outcome", settled.outcome)
         return settled
+
+    async def _handler_task(self, ctx: JobContext, handler: Callable[..., Any]) -> None:
+        """Run an ``async def`` handler as a task of its own, which a cancel request cancels
+        (``JobContext.request_cancel``: never inside a provider call); a cancelled handler
+        ends as ``JobCancelled`` (the job then ends CANCELLED)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(handler(ctx))
+
+        def cancel() -> None:  # from the maintenance thread, or from the loop itself
+            loop.call_soon_threadsafe(task.cancel)
+
+        ctx.cancel_task = cancel
+        if ctx.cancel_requested:  # requested before it started: it never runs
+            task.cancel()
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():  # this slot itself is cancelled: so is the handler
+                task.cancel()
+                raise
+            raise JobCancelled(f"job #{ctx.job_id}: its handler was cancelled") from None
+        finally:
+            ctx.cancel_task = None
 
     async def _after(self, settled: Settled) -> None:
         ctx = settled.ctx
