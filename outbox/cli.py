@@ -278,8 +278,8 @@ DATABASE_URL = Flag(
 )
 REDIS_URL = Flag(
     "--broker-url",
-    help="the broker: redis://host:port/db or rediss://...; --redis-url and "
-    "OUTBOX_REDIS_URL are its older names",
+    help="the broker: redis://host:port/db, rediss://..., or nats://host:port (NATS "
+    "JetStream); --redis-url and OUTBOX_REDIS_URL are its older names",
     shown_default="an embedded Redis server",
     metavar="URL",
     dest="redis_url",

@@ -25,16 +25,18 @@ from relay.seam import (
 
 
 def broker_kind(url: str | None) -> str:
-    """``redis`` by the URL's scheme (None: the embedded Redis); anything else
+    """``redis`` or ``nats`` by the URL's scheme (None: the embedded Redis); anything else
     is a :class:`ConfigError` naming ``broker_url``."""
     if url is None or url == "":
         return "redis"
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         return "redis"
+    if scheme in ("nats", "tls"):
+        return "nats"
     raise ConfigError(
         "broker_url",
-        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis:// or rediss://",
+        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
     )
 
 
@@ -47,11 +49,16 @@ def broker_for(
     **options: Any,
 ) -> Broker:
     """The broker of ``url``: ``redis://``/``rediss://`` (Redis Streams; a Redis Cluster
-    with ``cluster`` or a ``redis+cluster://`` URL). This is
+    with ``cluster`` or a ``redis+cluster://`` URL), ``nats://`` (NATS JetStream). This is
     the one place that reads the scheme. ``client``: a Redis client already connected (the
     CLI's, which waits for a cluster to form); ``options`` go to the broker's constructor
     (``maxlen``, ``source``, ``partitions``, ``stream_retention``, ...)."""
-    broker_kind(url)  # a scheme of no broker is refused, naming broker_url
+    if broker_kind(url) == "nats":
+        if cluster:
+            raise ConfigError("redis_cluster", "applies only to a Redis broker URL")
+        from relay.nats.broker import NatsBroker
+
+        return NatsBroker(url or "", stream_template, **options)
     from relay.redis.publisher import RedisStreamPublisher
 
     if client is None:

@@ -1,0 +1,208 @@
+"""A synchronous handle on a NATS connection: nats-py is asyncio, the relay and the
+consumer are threads. One event loop runs in a daemon thread; :meth:`NatsClient.run` hands
+it a coroutine and waits for the result.
+
+The connection does not reconnect by itself (``allow_reconnect=False``): nats-py would
+otherwise buffer publishes while it reconnects and send them later, maybe after another
+relay has reconciled those intents. Here a lost connection fails every call in flight with
+:class:`relay.seam.BrokerUnavailable` and is dropped; the next call connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from outbox.errors import ConfigError
+from relay.seam import BrokerUnavailable
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 5.0
+"""Seconds a call may take (a publish's acknowledgements, a lookup) before the connection
+is dropped and the call fails as an outage."""
+
+
+def nats_module() -> Any:
+    """The ``nats`` package (``pip install 'outbox-toolkit[nats]'``), or a ConfigError."""
+    try:
+        import nats
+    except ImportError:
+        raise ConfigError(
+            "broker_url", "a nats:// broker needs nats-py: pip install 'outbox-toolkit[nats]'"
+        ) from None
+    return nats
+
+
+class NatsClient:
+    """One NATS connection driven from other threads (see the module docstring)."""
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, name: str = "outbox") -> None:
+        if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
+            raise ConfigError("broker_url", f"{url!r} is not a nats:// URL")
+        self.url = url
+        self.timeout = float(timeout)
+        self.name = name
+        self._nats = nats_module()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="nats-client", daemon=True
+        )
+        self._thread.start()
+        self._nc: Any = None
+        self._js: Any = None
+        self._lock = threading.Lock()
+        self._replies: dict[str, asyncio.Future[Any]] = {}
+        self._reply_prefix = ""
+        self._token = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, step: Callable[[Any], Awaitable[T]], timeout: float | None = None) -> T:
+        """``await step(js)`` on the loop thread with a connected JetStream context; a
+        connection failure or a timeout drops the connection and raises
+        :class:`BrokerUnavailable`."""
+        limit = self.timeout if timeout is None else timeout
+        future = asyncio.run_coroutine_threadsafe(self._call(step, limit), self._loop)
+        try:
+            return future.result(limit + 2.0)
+        except TimeoutError:
+            future.cancel()
+            self.drop()
+            raise BrokerUnavailable(f"NATS at {self.url} did not answer within {limit} s") from None
+
+    async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
+        errors = self._nats.errors
+        try:
+            js = await self._connected()
+            return await asyncio.wait_for(step(js), limit)
+        except (
+            TimeoutError,
+            OSError,
+            errors.ConnectionClosedError,
+            errors.NoServersError,
+            errors.StaleConnectionError,
+            errors.OutboundBufferLimitError,
+            errors.UnexpectedEOF,
+            errors.TimeoutError,
+        ) as exc:
+            await self._close()
+            raise BrokerUnavailable(
+                f"NATS at {self.url}: {type(exc).__name__}: {exc}".rstrip(": ")
+            ) from exc
+
+    async def _connected(self) -> Any:
+        if self._nc is not None and self._nc.is_connected:
+            return self._js
+        await self._close()
+
+        async def closed(*_: Any) -> None:
+            return None
+
+        self._nc = await self._nats.connect(
+            self.url,
+            name=self.name,
+            allow_reconnect=False,
+            connect_timeout=min(self.timeout, 5.0),
+            max_reconnect_attempts=0,
+            error_cb=closed,
+            disconnected_cb=closed,
+        )
+        self._js = self._nc.jetstream(timeout=self.timeout)
+        self._reply_prefix = self._nc.new_inbox()
+        await self._nc.subscribe(self._reply_prefix + ".*", cb=self._on_reply)
+        return self._js
+
+    async def _on_reply(self, msg: Any) -> None:
+        future = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if future is None or future.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            future.set_result({"error": {"code": 503, "description": "no responders"}})
+            return
+        try:
+            future.set_result(json.loads(msg.data))
+        except ValueError as exc:
+            future.set_result({"error": {"code": 500, "description": f"bad reply: {exc}"}})
+
+    async def publish_many(
+        self, messages: Sequence[tuple[str, bytes, dict[str, str]]]
+    ) -> list[dict[str, Any]]:
+        """Publish ``(subject, body, headers)`` messages in order on this connection and
+        wait for every JetStream acknowledgement: one reply each, as JetStream sent it
+        (``{"stream", "seq", "duplicate"}`` or ``{"error": {...}}``; no responders is
+        ``{"error": {"code": 503}}``). (nats-py's ``publish_async`` leaves a future
+        unresolved when the server refuses a message, so the relay keeps its own.)"""
+        assert self._nc is not None
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for subject, body, headers in messages:
+                self._token += 1
+                token = str(self._token)
+                future: asyncio.Future[Any] = loop.create_future()
+                self._replies[token] = future
+                futures.append(future)
+                await self._nc.publish(
+                    subject, body, reply=f"{self._reply_prefix}.{token}", headers=headers
+                )
+            await self._nc.flush(timeout=self.timeout)
+            return list(await asyncio.gather(*futures))
+        finally:
+            for future in futures:
+                if not future.done():
+                    future.cancel()
+            self._replies = {t: f for t, f in self._replies.items() if not f.done()}
+
+    async def _close(self) -> None:
+        nc, self._nc, self._js = self._nc, None, None
+        for future in self._replies.values():
+            if not future.done():
+                future.cancel()
+        self._replies = {}
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):  # already gone: nothing to release
+                await nc.close()
+
+    # -- what callers use -------------------------------------------------------------------
+
+    @property
+    def max_payload(self) -> int:
+        """The server's ``max_payload`` (bytes a message may carry, headers included)."""
+        return int(self.run(self._max_payload))
+
+    async def _max_payload(self, _js: Any) -> int:
+        return int(self._nc.max_payload)
+
+    def ping(self) -> None:
+        """A round trip to the server (PING/PONG)."""
+
+        async def flush(_js: Any) -> None:
+            await self._nc.flush(timeout=self.timeout)
+
+        self.run(flush)
+
+    def drop(self) -> None:
+        """Close the connection (the next call connects again)."""
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(5.0)
+
+    def close(self) -> None:
+        """Close the connection and stop the loop thread."""
+        with self._lock:
+            if self._loop.is_closed():
+                return
+            self.drop()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+__all__ = ["DEFAULT_TIMEOUT", "NatsClient", "nats_module"]

@@ -1,0 +1,184 @@
+"""The brokers the contract suite (tests/test_brokers.py) runs on: the shared Redis, the
+session's Redis Cluster and the shared NATS JetStream. A :class:`BrokerKit` makes a broker
+for a test's own streams (under ``stream_prefix``), reads a stream back in order, makes the
+broker lose a stream, and removes the test's streams afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+
+from relay.broker import Broker, broker_for
+from relay.nats.client import NatsClient
+from relay.nats.names import jetstream_name
+
+NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+
+
+@dataclass
+class BrokerKit:
+    """One broker under test (see the module docstring)."""
+
+    name: str
+    url: str
+    prefix: str
+    cluster: bool = False
+    made: list[Broker] = field(default_factory=list)
+
+    @property
+    def template(self) -> str:
+        """The test's stream template (a hash tag per topic on the cluster)."""
+        if self.cluster:
+            return f"{self.prefix}.{{{{{{topic}}}}}}"
+        return f"{self.prefix}.{{topic}}"
+
+    def stream(self, topic: str) -> str:
+        return self.template.replace("{{", "{").replace("}}", "}").replace("{topic}", topic)
+
+    def make(self, **options: Any) -> Broker:
+        options.setdefault("stream_template", self.template)
+        broker = broker_for(self.url, cluster=self.cluster, **options)
+        self.made.append(broker)
+        return broker
+
+    # -- reading and breaking ---------------------------------------------------------------
+
+    def read(self, stream: str) -> list[dict[str, str]]:
+        """The entries of ``stream`` in order, as field dicts (``id`` is the event id)."""
+        if self.name == "nats":
+            return _nats_read(stream)
+        client = self._redis()
+        try:
+            return [
+                {k.decode(): v.decode() for k, v in fields.items()}
+                for _id, fields in client.xrange(stream)
+            ]
+        except redis.ResponseError:
+            return []
+        finally:
+            client.close()
+
+    def ids(self, stream: str) -> list[str]:
+        return [e["id"] for e in self.read(stream)]
+
+    def lose(self, stream: str) -> None:
+        """The broker loses ``stream`` (deleted: what a flush or an empty restart does)."""
+        if self.name == "nats":
+            _nats_run(lambda js: js.delete_stream(jetstream_name(stream)))
+            return
+        client = self._redis()
+        try:
+            client.delete(stream)
+        finally:
+            client.close()
+
+    def _redis(self) -> Any:
+        if self.cluster:
+            return redis.RedisCluster.from_url(self.url)
+        return redis.Redis.from_url(self.url)
+
+    def cleanup(self) -> None:
+        for broker in self.made:
+            with contextlib.suppress(Exception):
+                broker.close()
+        if self.name == "nats":
+            _nats_delete_prefixed(self.prefix)
+            return
+        client = self._redis()
+        try:
+            for key in list(client.scan_iter(match=f"*{self.prefix}*", count=1000)):
+                client.delete(key)
+        finally:
+            client.close()
+
+
+def _nats_run(step: Callable[[Any], Any], timeout: float = 10.0) -> Any:
+    client = NatsClient(NATS_URL, timeout=timeout)
+    try:
+
+        async def call(js: Any) -> Any:
+            return await step(js)
+
+        return client.run(call)
+    finally:
+        client.close()
+
+
+def _nats_read(stream: str) -> list[dict[str, str]]:
+    name = jetstream_name(stream)
+
+    async def read(js: Any) -> list[dict[str, str]]:
+        from nats.js.errors import NotFoundError
+
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            return []
+        out: list[dict[str, str]] = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg(name, seq)
+            except NotFoundError:
+                continue
+            if msg.subject == stream:
+                out.append(json.loads(msg.data))
+        return out
+
+    result: list[dict[str, str]] = _nats_run(read, timeout=60.0)
+    return result
+
+
+def _nats_delete_prefixed(prefix: str) -> None:
+    async def delete(js: Any) -> None:
+        names = [
+            info.config.name
+            for info in await js.streams_info()
+            if info.config.name.startswith(jetstream_name(prefix))
+        ]
+        for name in names:
+            await js.delete_stream(name)
+
+    _nats_run(delete)
+
+
+def nats_reachable() -> str:
+    """The shared NATS's URL; a NATS that does not answer fails the test (never skips)."""
+    try:
+        _nats_run(lambda js: js.account_info(), timeout=5.0)
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.fail(f"NATS JetStream is not reachable at {NATS_URL}: {exc}")
+    return NATS_URL
+
+
+def kit_for(request: pytest.FixtureRequest, kind: str, prefix: str) -> Iterator[BrokerKit]:
+    if kind == "redis":
+        kit = BrokerKit("redis", str(request.getfixturevalue("redis_url")), prefix)
+    elif kind == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        kit = BrokerKit("cluster", cluster.url, prefix, cluster=True)
+    elif kind == "nats":
+        kit = BrokerKit("nats", nats_reachable(), prefix)
+    else:
+        raise ValueError(f"unknown broker {kind!r}")
+    try:
+        yield kit
+    finally:
+        kit.cleanup()
+
+
+@pytest.fixture(params=["redis", "cluster", "nats"])
+def broker_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[BrokerKit]:
+    """Parametrise a guarantee test over every broker."""
+    yield from kit_for(request, str(request.param), stream_prefix)
+
+
+@pytest.fixture
+def nats_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[BrokerKit]:
+    yield from kit_for(request, "nats", stream_prefix)

@@ -1,0 +1,196 @@
+"""The contract suite for brokers (issue 40): every guarantee of the relay, through the
+:class:`relay.broker.Broker` seam, on the shared Redis, the session's Redis Cluster and the
+shared NATS JetStream (``broker_kit``, tests/broker_support.py). A broker is added by
+adding it to that fixture; every case here must then pass on it.
+
+What each case proves:
+
+- committed events reach their streams once, each key's in commit order, with receipts;
+- an intent without a receipt (a relay that died between the publish and the receipt) is
+  reconciled by finding the event in the stream, also once the broker's own duplicate
+  window has closed, so nothing is published twice;
+- a record the broker refuses is quarantined, and the other keys go on;
+- a stream the broker lost is detected by the relay's health check and published again
+  from the outbox's retention.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox.backoff import Backoff
+from relay import Relay, RelayConfig
+from relay.broker import Broker, broker_for, broker_kind
+from relay.errors import ConfigError
+
+try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
+    from broker_support import BrokerKit, broker_kit, nats_kit
+    from cluster_support import redis_cluster
+    from services import wait_for
+except ImportError:  # pragma: no cover
+    from tests.broker_support import BrokerKit, broker_kit, nats_kit  # noqa: F401
+    from tests.cluster_support import redis_cluster  # noqa: F401
+    from tests.services import wait_for
+
+
+def fast_config(**overrides: Any) -> RelayConfig:
+    values: dict[str, Any] = {
+        "publish_deadline": 0.5,
+        "clock_margin": 0.2,
+        "record_backoff": Backoff(0.05, 0.2),
+        "rebalance_interval": 0.1,
+    }
+    values.update(overrides)
+    return RelayConfig(**values)
+
+
+@pytest.fixture
+def outbox(pg_url: str) -> Iterator[Outbox]:
+    o = Outbox(pg_url)
+    o.create_schema()
+    yield o
+    o.engine.dispose()
+
+
+def rows(outbox: Outbox) -> list[dict[str, Any]]:
+    with outbox.engine.connect() as conn:
+        result = conn.execute(
+            sa.text(
+                "SELECT seq, event_id, key, state, last_error, stream, stream_id "
+                "FROM outbox_events ORDER BY seq"
+            )
+        )
+        return [dict(r._mapping) for r in result]
+
+
+def drain(relay: Relay, rounds: int = 10) -> int:
+    return sum(relay.run_once() for _ in range(rounds))
+
+
+def relay_on(outbox: Outbox, broker: Broker, **config: Any) -> Relay:
+    return Relay(outbox, broker, fast_config(**config))
+
+
+def test_the_scheme_picks_the_broker() -> None:
+    assert broker_kind(None) == "redis"
+    assert broker_kind("redis://127.0.0.1:6379/0") == "redis"
+    assert broker_kind("rediss://example:6380") == "redis"
+    assert broker_kind("redis+cluster://127.0.0.1:7000") == "redis"
+    assert broker_kind("nats://127.0.0.1:4222") == "nats"
+    with pytest.raises(ConfigError, match=r"broker_url.*kafka"):
+        broker_for("kafka://127.0.0.1:9092")
+    with pytest.raises(ConfigError, match="redis_cluster"):
+        broker_for("nats://127.0.0.1:4222", cluster=True)
+
+
+def test_committed_events_are_published_once_in_key_order(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i % 3}", payload={"i": i}) for i in range(30)]
+    relay = relay_on(outbox, broker_kit.make())
+    assert drain(relay, 5) == 30
+    got = broker_kit.ids(broker_kit.stream("t"))
+    assert sorted(got) == sorted(ids)  # each once
+    for k in range(3):
+        mine = [i for n, i in enumerate(ids) if n % 3 == k]
+        assert [i for i in got if i in mine] == mine
+    published = rows(outbox)
+    assert all(r["state"] == "published" and r["stream_id"] for r in published)
+    assert {r["stream"] for r in published} == {broker_kit.stream("t")}
+    relay.store.close()
+
+
+def test_an_intent_without_a_receipt_is_found_in_the_stream_past_the_duplicate_window(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """A relay publishes a batch and dies before its receipts commit (its recording is cut
+    off here); on NATS its streams forget message ids after 0.3 s. Another relay, after the
+    window, reconciles by reading the stream: nothing is published twice."""
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i % 4}", payload={"i": i}) for i in range(12)]
+    options = {"duplicate_window": 0.3} if broker_kit.name == "nats" else {}
+    dying = relay_on(outbox, broker_kit.make(**options))
+    dying._batches.record = lambda outcome, held: None  # type: ignore[method-assign]
+    dying.run_once()
+    dying.store.close()
+    stream = broker_kit.stream("t")
+    assert sorted(broker_kit.ids(stream)) == sorted(ids)
+    assert all(r["state"] == "pending" and r["stream_id"] is None for r in rows(outbox))
+    time.sleep(1.0)  # past the publish window and the duplicate window
+    relay = relay_on(outbox, broker_kit.make(**options))
+    wait_for(
+        lambda: drain(relay, 1) >= 0 and all(r["state"] == "published" for r in rows(outbox)),
+        "the orphaned intents reconciled",
+        timeout=60,
+    )
+    assert relay.stats.reconciled_found == 12 and relay.stats.reconciled_missing == 0
+    assert sorted(broker_kit.ids(stream)) == sorted(ids)  # nothing twice
+    relay.store.close()
+
+
+def test_a_record_the_broker_refuses_is_quarantined_and_other_keys_go_on(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """The broker refuses every entry of one stream (Redis: a key of another type at the
+    stream's name; NATS: a stream that takes no message over 64 bytes); its records are
+    quarantined with the server's reason, the other stream's events are published."""
+    poisoned = broker_kit.stream("poison")
+    refuse(broker_kit, poisoned)
+    with outbox.transaction() as tx:
+        bad = tx.emit("poison", key="p", payload={"pad": "x" * 200})
+        good = [tx.emit("t", key=f"g{i}", payload={"i": i}) for i in range(3)]
+    relay = relay_on(outbox, broker_kit.make())
+    drain(relay, 5)
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[bad]["state"] == "quarantined"
+    assert by_id[bad]["last_error"]
+    assert all(by_id[g]["state"] == "published" for g in good)
+    assert sorted(broker_kit.ids(broker_kit.stream("t"))) == sorted(good)
+    relay.store.close()
+
+
+def refuse(kit: BrokerKit, stream: str) -> None:
+    if kit.name == "nats":
+        from broker_support import _nats_run
+        from nats.js.api import StreamConfig
+
+        from relay.nats.names import jetstream_name
+
+        config = StreamConfig(name=jetstream_name(stream), subjects=[stream], max_msg_size=64)
+        _nats_run(lambda js: js.add_stream(config))
+        return
+    client = kit._redis()
+    try:
+        client.set(stream, "not a stream")
+    finally:
+        client.close()
+
+
+def test_a_lost_stream_is_detected_and_published_again(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i % 2}", payload={"i": i}) for i in range(6)]
+    relay = relay_on(outbox, broker_kit.make(), auto_republish=True)
+    drain(relay, 3)
+    stream = broker_kit.stream("t")
+    assert sorted(broker_kit.ids(stream)) == sorted(ids)
+    broker_kit.lose(stream)
+    assert broker_kit.ids(stream) == []
+    assert relay.check_redis() is True
+    assert relay.stats.data_loss_detected == 1
+    assert sorted(broker_kit.ids(stream)) == sorted(ids)  # republished, in key order
+    # New events flow again, and the same loss is not reported twice.
+    with outbox.transaction() as tx:
+        later = tx.emit("t", key="k0", payload={"later": True})
+    drain(relay, 3)
+    assert broker_kit.ids(stream)[-1] == later
+    assert relay.check_redis() is False
+    relay.store.close()
