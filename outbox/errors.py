@@ -27,3 +27,9 @@ class ConfigError(OutboxError, ValueError):
         super().__init__(f"invalid configuration {setting}: {problem}")
         self.setting = setting
         self.problem = problem
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker does not answer (connection refused, lost, timed out): an outage, waited
+    out like Redis's. A publish that raised it may have been added in part: the relay
+    reconciles it."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from outbox.errors import BrokerUnavailable as BrokerUnavailable
 from relay.records import Record
 
 if TYPE_CHECKING:
@@ -31,11 +32,6 @@ if TYPE_CHECKING:
 #
 # A receipt is a string: where the broker put the entry (a Redis entry id, a JetStream
 # stream sequence). Anything else is one of these exceptions; the entry was not added.
-
-
-class BrokerUnavailable(ConnectionError):
-    """The broker does not answer (connection refused, lost, timed out): an outage, waited
-    out like Redis's. A batch that raised it may have been added in part: reconciled."""
 
 
 class TransientError(Exception):

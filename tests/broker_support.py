@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import redis
 
+from outbox.nats_client import NatsClient, jetstream_name
 from relay.broker import Broker, broker_for
-from relay.nats.client import NatsClient
-from relay.nats.names import jetstream_name
 
 NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 

@@ -16,6 +16,10 @@ What each case proves:
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -161,7 +165,7 @@ def refuse(kit: BrokerKit, stream: str) -> None:
         from broker_support import _nats_run
         from nats.js.api import StreamConfig
 
-        from relay.nats.names import jetstream_name
+        from outbox.nats_client import jetstream_name
 
         config = StreamConfig(name=jetstream_name(stream), subjects=[stream], max_msg_size=64)
         _nats_run(lambda js: js.add_stream(config))
@@ -194,3 +198,27 @@ def test_a_lost_stream_is_detected_and_published_again(
     assert broker_kit.ids(stream)[-1] == later
     assert relay.check_redis() is False
     relay.store.close()
+
+
+@pytest.mark.parametrize("how", ["--broker-url", "OUTBOX_BROKER_URL", "--redis-url"])
+def test_the_relay_command_takes_the_broker_url(
+    outbox: Outbox, pg_url: str, broker_kit: BrokerKit, how: str
+) -> None:
+    """``outbox-relay run --once`` on each broker, given by ``--broker-url``, by
+    ``OUTBOX_BROKER_URL``, or by the older ``--redis-url`` (a Redis-only name that still
+    takes any broker URL, as its alias)."""
+    with outbox.transaction() as tx:
+        ids = [tx.emit("t", key=f"k{i}", payload={"i": i}) for i in range(5)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    argv = [sys.executable, "-m", "relay", "run", "--once", "--database-url", pg_url]
+    argv += ["--stream", broker_kit.template]
+    if broker_kit.cluster:
+        argv.append("--redis-cluster")
+    if how.startswith("--"):
+        argv += [how, broker_kit.url]
+    else:
+        env[how] = broker_kit.url
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"published": 5}
+    assert sorted(broker_kit.ids(broker_kit.stream("t"))) == sorted(ids)

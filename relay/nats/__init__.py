@@ -1,5 +1,5 @@
 """The NATS JetStream broker: :class:`~relay.nats.broker.NatsBroker` is the
-:class:`relay.broker.Broker`; :mod:`relay.nats.client` drives nats-py's asyncio connection
-from threads, :mod:`relay.nats.names` maps outbox names to NATS ones and
+:class:`relay.broker.Broker`; :mod:`outbox.nats_client` (shared with the consumer) drives
+nats-py's asyncio connection from threads and maps outbox names to NATS ones;
 :mod:`relay.nats.health` checks the streams for lost messages. Needs ``nats-py``
 (``pip install 'outbox-toolkit[nats]'``)."""

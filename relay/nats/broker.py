@@ -17,7 +17,7 @@ How each guarantee holds here:
   however long ago the window closed.
 - **Fences**: JetStream has no conditional write a reconciler could set for another
   relay's batch. A relay sends a batch only within ``publish_deadline`` of its claim, and
-  its connection never buffers across a reconnect (:mod:`relay.nats.client`), so no
+  its connection never buffers across a reconnect (:mod:`outbox.nats_client`), so no
   message of an intent can arrive once its window has passed, except one already in the
   server's socket; the duplicate window (default 2 minutes, far above that) drops it.
   :meth:`NatsBroker.set_fences` therefore sends nothing. ``docs/how-to/brokers.md``.
@@ -41,10 +41,17 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
+from outbox.nats_client import (
+    DEFAULT_TIMEOUT,
+    EXPECTED_STREAM,
+    MSG_ID,
+    NatsClient,
+    event_id_of,
+    is_subject,
+    jetstream_name,
+)
 from outbox.validate import check_number
 from relay.errors import PermanentPublishError, RoutingError
-from relay.nats.client import DEFAULT_TIMEOUT, NatsClient
-from relay.nats.names import EXPECTED_STREAM, MSG_ID, event_id_of, is_subject, jetstream_name
 from relay.records import Record
 from relay.routing import StreamTemplate, headers_of
 from relay.seam import MarkerBehind, Prepared, TransientError
@@ -249,7 +256,7 @@ class NatsBroker:
     async def _holds(self, js: Any, name: str, seq: int) -> bool:
         try:
             await js.get_msg(name, seq)
-        except self.client._nats.js.errors.NotFoundError:
+        except self.client.nats.js.errors.NotFoundError:
             return False
         return True
 
@@ -305,8 +312,8 @@ class NatsBroker:
         start_ms: int,
         end_ms: int | None,
     ) -> dict[str, str]:
-        api = self.client._nats.js.api
-        errors = self.client._nats.js.errors
+        api = self.client.nats.js.api
+        errors = self.client.nats.js.errors
         try:
             info = await js.stream_info(name)
         except errors.NotFoundError:
@@ -333,7 +340,7 @@ class NatsBroker:
             while wanted:
                 try:
                     msgs = await sub.fetch(1000, timeout=1.0)
-                except (errors.FetchTimeoutError, self.client._nats.errors.TimeoutError):
+                except (errors.FetchTimeoutError, self.client.nats.errors.TimeoutError):
                     break  # nothing (more) stored from the start time
                 done = False
                 for msg in msgs:
@@ -422,11 +429,11 @@ class NatsBroker:
     async def _info(self, js: Any, name: str) -> Any:
         try:
             return await js.stream_info(name)
-        except self.client._nats.js.errors.NotFoundError:
+        except self.client.nats.js.errors.NotFoundError:
             return None
 
     async def _create(self, js: Any, name: str, subject: str) -> Any:
-        api = self.client._nats.js.api
+        api = self.client.nats.js.api
         config = api.StreamConfig(
             name=name,
             subjects=[subject],
@@ -439,7 +446,7 @@ class NatsBroker:
         )
         try:
             await js.add_stream(config)
-        except self.client._nats.js.errors.BadRequestError as exc:
+        except self.client.nats.js.errors.BadRequestError as exc:
             raise RoutingError(f"JetStream refused the stream {name}: {exc.description}") from exc
         return await js.stream_info(name)
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox.logs import fields
+from outbox.nats_client import jetstream_name
 from relay.config import RelayConfig
-from relay.nats.names import jetstream_name
-from relay.records import RelayStats, entry_id_key
+from relay.records import RelayStats
 from relay.republish import republish, since_argument
 from relay.store import Store
 
@@ -54,9 +54,9 @@ class NatsCheck:
     def check(self) -> bool:
         lost = False
         for stream, entry_id in self.store.receipt_latest():
-            seq = entry_id_key(entry_id)[0]
-            if seq <= 0:
-                continue  # not a sequence: a receipt of another broker
+            if not entry_id.isdigit():
+                continue  # not a sequence: a receipt of another broker (a Redis entry id)
+            seq = int(entry_id)
             name = jetstream_name(stream)
             if self._reported.get(stream) == seq:
                 continue  # reported already; the stream was created again since
@@ -70,7 +70,7 @@ class NatsCheck:
     async def _look(self, js: Any, name: str, seq: int) -> str | None:
         """Why stream ``name`` no longer holds sequence ``seq`` (None: it does, or it was
         trimmed by its own age limit)."""
-        errors = self.broker.client._nats.js.errors
+        errors = self.broker.client.nats.js.errors
         try:
             info = await js.stream_info(name)
         except errors.NotFoundError:

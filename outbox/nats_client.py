@@ -1,11 +1,12 @@
-"""A synchronous handle on a NATS connection: nats-py is asyncio, the relay and the
-consumer are threads. One event loop runs in a daemon thread; :meth:`NatsClient.run` hands
-it a coroutine and waits for the result.
+"""NATS for the relay and the consumer: a synchronous handle on a connection (nats-py is
+asyncio, the relay and the consumer are threads), and how outbox names map onto NATS names.
+One event loop runs in a daemon thread; :meth:`NatsClient.run` hands it a coroutine and
+waits for the result.
 
 The connection does not reconnect by itself (``allow_reconnect=False``): nats-py would
 otherwise buffer publishes while it reconnects and send them later, maybe after another
 relay has reconciled those intents. Here a lost connection fails every call in flight with
-:class:`relay.seam.BrokerUnavailable` and is dropped; the next call connects again.
+:class:`BrokerUnavailable` and is dropped; the next call connects again.
 """
 
 from __future__ import annotations
@@ -13,14 +14,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from outbox.errors import ConfigError
-from relay.seam import BrokerUnavailable
+from outbox.errors import BrokerUnavailable, ConfigError
 
 T = TypeVar("T")
+
+MSG_ID = "Nats-Msg-Id"
+"""The header JetStream deduplicates by: the event id (a republish of a message JetStream
+still remembers but no longer holds adds ``~`` and a suffix: :func:`event_id_of`)."""
+EXPECTED_STREAM = "Nats-Expected-Stream"
+"""The header that makes JetStream refuse a message another stream would take."""
+_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
+_STREAM_NAME_BAD = re.compile(r"[\s.*>/\\]")
+
+
+def jetstream_name(stream: str) -> str:
+    """The JetStream stream that holds outbox stream ``stream`` (a name cannot hold ``.``,
+    ``*``, ``>``, slashes or spaces: each becomes ``_``)."""
+    return _STREAM_NAME_BAD.sub("_", stream)
+
+
+def is_subject(name: str) -> bool:
+    """Whether ``name`` can be a NATS subject to publish to (dot-separated non-empty tokens
+    without spaces or wildcards)."""
+    return bool(_SUBJECT.match(name))
+
+
+def event_id_of(msg_id: str | None) -> str | None:
+    """The event id a ``Nats-Msg-Id`` carries."""
+    if msg_id is None:
+        return None
+    return msg_id.split("~", 1)[0]
+
 
 DEFAULT_TIMEOUT = 5.0
 """Seconds a call may take (a publish's acknowledgements, a lookup) before the connection
@@ -47,7 +76,7 @@ class NatsClient:
         self.url = url
         self.timeout = float(timeout)
         self.name = name
-        self._nats = nats_module()
+        self.nats = nats_module()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="nats-client", daemon=True
@@ -76,7 +105,7 @@ class NatsClient:
             raise BrokerUnavailable(f"NATS at {self.url} did not answer within {limit} s") from None
 
     async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
-        errors = self._nats.errors
+        errors = self.nats.errors
         try:
             js = await self._connected()
             return await asyncio.wait_for(step(js), limit)
@@ -103,7 +132,7 @@ class NatsClient:
         async def closed(*_: Any) -> None:
             return None
 
-        self._nc = await self._nats.connect(
+        self._nc = await self.nats.connect(
             self.url,
             name=self.name,
             allow_reconnect=False,
@@ -205,4 +234,13 @@ class NatsClient:
                 self._loop.close()
 
 
-__all__ = ["DEFAULT_TIMEOUT", "NatsClient", "nats_module"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "EXPECTED_STREAM",
+    "MSG_ID",
+    "NatsClient",
+    "event_id_of",
+    "is_subject",
+    "jetstream_name",
+    "nats_module",
+]
