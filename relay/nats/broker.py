@@ -334,31 +334,38 @@ class NatsBroker:
         else:
             config.deliver_policy = api.DeliverPolicy.ALL
         sub = await js.pull_subscribe(subject, stream=name, config=config)
-        found: dict[str, str] = {}
-        end_s = None if end_ms is None else end_ms / 1000.0
         try:
-            while wanted:
-                try:
-                    msgs = await sub.fetch(1000, timeout=1.0)
-                except (errors.FetchTimeoutError, self.client.nats.errors.TimeoutError):
-                    break  # nothing (more) stored from the start time
-                done = False
-                for msg in msgs:
-                    meta = msg.metadata
-                    seq = meta.sequence.stream
-                    if end_s is not None and meta.timestamp.timestamp() > end_s:
-                        done = True
-                        break
-                    event_id = event_id_of((msg.headers or {}).get(MSG_ID))
-                    if event_id in wanted:
-                        wanted.discard(event_id)
-                        found[event_id] = str(seq)
-                    if seq >= last or meta.num_pending == 0:
-                        done = True
-                if done or not msgs:
-                    break
+            return await self._read_ids(sub, wanted, last, None if end_ms is None else end_ms / 1e3)
         finally:
             await sub.unsubscribe()
+
+    async def _read_ids(
+        self, sub: Any, wanted: set[str], last: int, end_s: float | None
+    ) -> dict[str, str]:
+        """Page through ``sub`` until ``wanted`` are all found, the stream's last sequence
+        (as it was when the scan began) or ``end_s`` is reached."""
+        timeouts = (
+            self.client.nats.js.errors.FetchTimeoutError,
+            self.client.nats.errors.TimeoutError,
+        )
+        found: dict[str, str] = {}
+        while wanted:
+            try:
+                msgs = await sub.fetch(1000, timeout=1.0)
+            except timeouts:
+                break  # nothing (more) stored from the start time
+            for msg in msgs:
+                meta = msg.metadata
+                if end_s is not None and meta.timestamp.timestamp() > end_s:
+                    return found
+                event_id = event_id_of((msg.headers or {}).get(MSG_ID))
+                if event_id in wanted:
+                    wanted.discard(event_id)
+                    found[event_id] = str(meta.sequence.stream)
+                if meta.sequence.stream >= last or meta.num_pending == 0:
+                    return found
+            if not msgs:
+                break
         return found
 
     def ping(self) -> None:
