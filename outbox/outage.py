@@ -23,10 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import redis
-from redis.exceptions import RedisClusterException
 from sqlalchemy.exc import (
     DBAPIError,
     DisconnectionError,
@@ -36,6 +34,13 @@ from sqlalchemy.exc import (
 )
 
 from outbox.logs import fields
+
+if TYPE_CHECKING:
+    import redis
+
+# redis-py is imported where an error is classified, not with this module: the outbox's
+# schema imports it (through outbox.partitions), and a domain process that only writes events
+# (a Django app's, say) never talks to Redis: ~25 % of `import outbox` there (issue 43).
 
 TRANSIENT_REPLIES = (
     "OOM",
@@ -60,6 +65,8 @@ also reads them in per-entry replies (``relay.redis.replies.classify_reply``).""
 def outage_errors() -> tuple[type[BaseException], ...]:
     """The exception classes that mean "a service is unavailable" (see :func:`is_outage`)."""
     import psycopg
+    import redis
+    from redis.exceptions import RedisClusterException
 
     return (
         # The database: connection refused, reset or lost, a server shutting down, a
@@ -91,6 +98,8 @@ def outage_errors() -> tuple[type[BaseException], ...]:
 def service_errors() -> tuple[type[BaseException], ...]:
     """Every error of the database or Redis: the outages and the refusals (see the module
     docstring)."""
+    import redis
+
     return (*outage_errors(), redis.RedisError, SQLAlchemyError)
 
 
@@ -112,6 +121,8 @@ def is_outage(exc: BaseException) -> bool:
     opposed to a bug or a bad input. A DBAPI error that invalidated its connection (the
     server went away mid-statement) is an outage whatever its class; so is a Redis reply
     that says "not now" (:data:`TRANSIENT_REPLIES`)."""
+    import redis
+
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
     if isinstance(exc, redis.ResponseError) and reply_code(exc) in TRANSIENT_REPLIES:
@@ -123,6 +134,9 @@ def outage_service(exc: BaseException) -> str | None:
     """``"database"``, ``"Redis"`` or None: which service an outage concerns, for messages."""
     if not is_outage(exc):
         return None
+    import redis
+    from redis.exceptions import RedisClusterException
+
     if isinstance(exc, redis.RedisError | RedisClusterException):
         return "Redis"
     if isinstance(exc, DBAPIError) or type(exc).__module__.startswith("psycopg"):

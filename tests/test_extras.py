@@ -118,3 +118,13 @@ def test_missing_extra_is_an_import_error_naming_the_extra() -> None:
     assert caught.value.extra == "http"
     assert "pip install 'outbox-toolkit[http]'" in str(caught.value)
     require("http", "HttpProvider")  # installed here (the dev install has every extra)
+
+
+def test_a_writer_imports_no_redis_client(tmp_path: Path) -> None:
+    """A domain process that only writes events (a Django app's) never talks to Redis:
+    ``import outbox`` leaves redis-py unloaded (it was ~25 % of that import)."""
+    result = _run(
+        "import outbox\nfrom outbox import Outbox\nprint('redis' in sys.modules)", [], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
