@@ -254,3 +254,47 @@ def test_slot_prints_as_the_action_suffix() -> None:
     assert Schedule("n", "@daily", "t", "a").cron == "@daily"
     assert next_slot("@daily", check_zone("UTC"), T0) == T0 - 9 * 3600 - 30 + 86400
     assert timedelta(0) == slot.utcoffset()
+
+
+def test_a_worker_defines_fires_and_runs_its_schedules(store: Store) -> None:
+    from consumer import Worker
+    from consumer.jobs.context import JobContext
+
+    clock = [T0]
+    store.schedule_clock = lambda: clock[0]  # the schedules' time; claims keep the database's
+    store.define_schedule(Schedule("old", "0 3 * * *", "t", "old"), source="code", now=T0)
+    store.schedule_every("by-hand", cron="0 3 * * *", tenant="t", action="by-hand", now=T0)
+    seen: list[tuple[object, object, object]] = []
+    digest = Schedule("digest", "* * * * *", "studio", "digest", payload={"k": 1})
+    worker = Worker(store, schedules=[digest])
+
+    @worker.handler("digest")
+    def run_digest(job: JobContext) -> None:
+        seen.append((job.slot, job.payload, job.action))
+
+    assert worker.run_once() == 0  # defines its schedule; the first slot is 09:01
+    report = worker.schedules_defined
+    assert report is not None and report.created == ("digest",)
+    assert report.not_in_code == ("old",)  # reported, kept: only code-defined ones
+    assert store.get_schedule("old").name == "old"
+    clock[0] = T0 + 31
+    duty = worker.schedule_duty
+    assert duty is not None
+    duty.make_due()
+    assert worker.run_once() == 1
+    slot = Slot.at(T0 + 30)
+    assert seen == [(slot, {"k": 1}, f"digest@{slot}")]
+    assert store.get_schedule("digest").last_job_state == "DONE"
+    # The definition changed in code: the next worker updates it, and keeps the rhythm's
+    # history (last slot) while starting the new cron after now.
+    changed = Worker(store, schedules=[Schedule("digest", "*/5 * * * *", "studio", "digest")])
+    report = changed.define_schedules()
+    assert report.updated == ("digest",) and report.created == ()
+    info = store.get_schedule("digest")
+    assert info.cron == "*/5 * * * *" and info.payload is None
+    assert info.next_slot.timestamp() == T0 + 270  # 09:05
+    assert info.last_slot == slot and info.source == "code"
+    # The same definitions again: unchanged.
+    again = Worker(store, schedules=[Schedule("digest", "*/5 * * * *", "studio", "digest")])
+    assert again.define_schedules().unchanged == ("digest",)
+    assert Worker(store).define_schedules().not_in_code == ()  # no schedules=: no report

@@ -208,6 +208,10 @@ class ScheduleDuty:
     def due(self) -> bool:
         return self._clock() >= self.next_at
 
+    def make_due(self) -> None:
+        """The next check runs a round, whatever the last one booked."""
+        self.next_at = -1.0
+
     def run_once(self, now: Time | None = None) -> FiringResult:
         started = self._clock()
         self.next_at = started + self.max_wait  # a round that raises waits this long

@@ -70,7 +70,7 @@ def schedules_command(args: argparse.Namespace, url: str) -> int:
         from outbox.cli import load_target
 
         worker = load_target(args.worker, Worker, example="myapp.jobs:worker")
-        defined = {s.name for s in worker.schedules}
+        defined = {s.name for s in worker.schedules or ()}
     store = Store(url)
     try:
         if args.action == "pause":

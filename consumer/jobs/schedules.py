@@ -35,7 +35,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -219,6 +219,15 @@ class ScheduleMethods:
     """Mixed into ``Store``: defining, listing, pausing and removing schedules."""
 
     driver: JobDriver
+    schedule_clock: Callable[[], float] | None = None
+    """The schedules' time (unix seconds) wherever a schedule call is given no ``now``;
+    None (the default): the database clock. A test runs real worker processes on a clock of
+    its own with it (minutes of schedule passing in seconds)."""
+
+    def _schedule_time(self, now: Time | None) -> float | None:
+        if now is None and self.schedule_clock is not None:
+            return self.schedule_clock()
+        return valid_time("now", now)
 
     def schedule_every(
         self,
@@ -255,7 +264,7 @@ class ScheduleMethods:
             raise InvalidSchedule("schedule", f"must be a Schedule, got {schedule!r}")
         if source not in ("api", "code"):
             raise InvalidSchedule("source", f"must be 'api' or 'code', got {source!r}")
-        when = valid_time("now", now)
+        when = self._schedule_time(now)
         with self.driver.begin() as conn:
             clock = self.driver.clock_read(conn, when)
             first = schedule.first_slot_after(clock)
@@ -303,7 +312,7 @@ class ScheduleMethods:
         """Stop the schedule firing (its jobs already enqueued still run). True if it was
         running; ``ScheduleNotFound`` for an unknown name. Idempotent."""
         check_name("name", name, _invalid)
-        when = valid_time("now", now)
+        when = self._schedule_time(now)
         with self.driver.begin() as conn:
             _locked(conn, name)
             clock = self.driver.clock_read(conn, when)
@@ -319,7 +328,7 @@ class ScheduleMethods:
         """Let a paused schedule fire again, from its next slot after now (the slots of the
         pause are not fired nor counted missed). True if it was paused; idempotent."""
         check_name("name", name, _invalid)
-        when = valid_time("now", now)
+        when = self._schedule_time(now)
         with self.driver.begin() as conn:
             row = _locked(conn, name)
             if row.paused_at is None:
@@ -343,7 +352,7 @@ class ScheduleMethods:
         at most ``limit`` schedules. Workers run it by themselves; a test steps it."""
         from consumer.jobs.firing import fire_schedules
 
-        return fire_schedules(self.driver, now=now, limit=limit)
+        return fire_schedules(self.driver, now=self._schedule_time(now), limit=limit)
 
     def remove_schedule(self, name: str) -> bool:
         """Delete the schedule (the jobs it made stay). ``ScheduleNotFound`` if unknown."""
