@@ -64,6 +64,9 @@ class WorkerConfig:
     reconcile_interval: float = 10.0
     listen: bool = True
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
+    # The schedules' firing duty (consumer.jobs.firing): a round at each schedule's next
+    # slot, and at most this many seconds apart (a schedule defined or resumed meanwhile).
+    schedule_interval: float = 30.0
     liveness_ttl: float = 3.0
     liveness_interval: float = 1.0
     retention: JobRetentionConfig = field(default_factory=JobRetentionConfig)
@@ -90,6 +93,7 @@ class WorkerConfig:
         ):
             check_number(name, getattr(self, name), ConfigError)
         check_number("vacuum_interval", self.vacuum_interval, ConfigError, zero=True)  # 0: never
+        check_number("schedule_interval", self.schedule_interval, ConfigError)
         if not isinstance(self.retention, JobRetentionConfig):
             raise ConfigError("retention", "must be a consumer.jobs.retention.JobRetentionConfig")
         if self.liveness_interval >= self.liveness_ttl:

@@ -11,6 +11,10 @@
   (``WorkerConfig.vacuum_interval``; ``outbox.maintenance.PeriodicVacuum``).
 - ``retention``: finished jobs with their history and receipts, and gone workers' liveness
   rows (``WorkerConfig.retention``; ``consumer.jobs.retention``).
+- ``firing``: the schedules whose slot fell enqueue their slots' jobs, once fleet-wide
+  (``consumer.jobs.firing``), at each schedule's next slot and at least every
+  ``schedule_interval``; before its first round, the worker's own ``schedules=`` are created
+  or updated (``consumer.jobs.schedules.define_in_code``), once.
 
 Vacuum and retention run their rounds in background threads, so a claim never waits for a
 VACUUM or a DELETE. ``Worker.recovery`` and the others are these objects.
@@ -28,7 +32,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.jobs.checks import tenant_limits
 from consumer.jobs.config import WorkerConfig
+from consumer.jobs.firing import ScheduleDuty
 from consumer.jobs.retention import job_retention_duty
+from consumer.jobs.schedules import Schedule, SchedulesDefined, define_in_code
 from consumer.jobs.schema import HOT_TABLES
 from consumer.jobs.store import RecoveryResult, Store, Time
 from outbox.duty import Duty, weakly
@@ -57,6 +63,7 @@ class WorkerDuties:
         hooks: Hooks,
         operations: Operations | None,
         on_work: Callable[[], None],
+        schedules: tuple[Schedule, ...] | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -88,17 +95,41 @@ class WorkerDuties:
             what="job tables",
         )
         self.retention: RetentionDuty = job_retention_duty(store, config.retention)
+        self.firing = ScheduleDuty(store, max_wait=config.schedule_interval)
+        self.schedules = schedules  # None: this worker defines none (it still fires them)
+        self.schedules_defined: SchedulesDefined | None = None
 
     # -- one step of each, when due -----------------------------------------------------
     def maintain(self, now: Time | None = None) -> bool:
         """Recovery and the receipt sweep when due, vacuum and retention started in the
         background when due. True if jobs became READY."""
         moved = self.maybe_recover(now)
+        fired = self.fire_due()
         self.maybe_reconcile()
         if self.vacuum is not None:
             self.vacuum.maybe_start()
         self.retention.maybe_start()
-        return moved
+        return moved or fired
+
+    # -- schedules --------------------------------------------------------------------------
+    def define_schedules(self) -> SchedulesDefined:
+        """Create or update this worker's ``schedules=`` and report those defined in code
+        before that it no longer defines (kept). Nothing without ``schedules=``."""
+        if self.schedules is None:
+            report = SchedulesDefined()
+        else:
+            report = define_in_code(self.store, self.schedules)
+        self.schedules_defined = report
+        return report
+
+    def fire_due(self) -> bool:
+        """A firing round when due (this worker's schedules defined first, once). True if
+        it enqueued jobs."""
+        if not self.firing.due():
+            return False
+        if self.schedules_defined is None:
+            self.define_schedules()
+        return any(not slot.duplicate for slot in self.firing.run_once().fired)
 
     # -- recovery -------------------------------------------------------------------------
     def maybe_recover(self, now: Time | None) -> bool:

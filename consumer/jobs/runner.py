@@ -9,7 +9,7 @@ runner owns the state of a running worker, in parts that talk through their publ
 - **the jobs in hand** and their heartbeat (``consumer.jobs.inhand``);
 - **outcomes** (``consumer.jobs.outcomes``): the one settle and the one finish;
 - **the duties** (``consumer.jobs.duties``): recovery, the receipt sweep, liveness, vacuum,
-  retention;
+  retention, the schedules' firing;
 - **the slots** (``consumer.jobs.slots``): ``run``'s event loop, and its completer
   (``consumer.jobs.completer``), which batches the finishes;
 - **wake-up**: a LISTEN thread (PostgreSQL) that kicks the slots when work arrives.
@@ -32,6 +32,7 @@ from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.inhand import JobsInHand
 from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
+from consumer.jobs.schedules import Schedule
 from consumer.jobs.store import Lease, Store, Time
 from outbox.backoff import Backoff
 from outbox.duty import weakly
@@ -63,6 +64,7 @@ class Runner:
         operations: Operations | None,
         stop: GracefulStop,
         heartbeat: bool,
+        schedules: tuple[Schedule, ...] | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -75,7 +77,9 @@ class Runner:
             store, ttl=config.ttl, name=config.name, stop=stop, heartbeat=heartbeat
         )
         self.outcomes = Outcomes(store, hooks, route)
-        self.duties = WorkerDuties(store, config, hooks, operations, weakly(self.kick))
+        self.duties = WorkerDuties(
+            store, config, hooks, operations, weakly(self.kick), schedules=schedules
+        )
         # What every claim filters on, computed once: the handlers are frozen.
         self._filters = claim_filters(config, handlers)
         self._kick: Callable[[], None] | None = None  # while ``run`` runs: wake its slots

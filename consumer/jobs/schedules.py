@@ -35,6 +35,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,6 +48,7 @@ from consumer.jobs.checks import Time, valid_json, valid_time
 from consumer.jobs.cron import Slot, check_cron, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import DEFAULT_QUEUE, jobs, schedules
+from outbox.logs import fields
 
 if TYPE_CHECKING:
     from consumer.jobs.firing import FiringResult
@@ -59,8 +61,12 @@ __all__ = [
     "Schedule",
     "ScheduleInfo",
     "ScheduleMethods",
+    "SchedulesDefined",
+    "define_in_code",
     "schedule_slot",
 ]
+
+log = logging.getLogger("outbox.worker.schedules")
 
 MISSED_POLICIES = ("skip", "catch_up")
 DEFAULT_GRACE = 60.0
@@ -386,6 +392,51 @@ def _read_one(conn: Connection, name: str) -> ScheduleInfo:
     if not found:
         raise ScheduleNotFound(f"no schedule {name!r}")
     return found[0]
+
+
+@dataclass(frozen=True)
+class SchedulesDefined:
+    """What a worker's start did with its ``schedules=``: the names it created, updated
+    (definition changed) and found unchanged, and the schedules defined in code before that
+    it does not define (``not_in_code``: kept, still firing, reported;
+    ``outbox-worker schedules remove NAME`` deletes one)."""
+
+    created: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    not_in_code: tuple[str, ...] = ()
+
+
+def define_in_code(store: ScheduleMethods, definitions: Iterable[Schedule]) -> SchedulesDefined:
+    """Create or update each of a worker's schedules (``source="code"``) and report the
+    schedules defined in code earlier that are not among them (never deleted here)."""
+    before = {info.name: info.schedule for info in store.schedules()}
+    created: list[str] = []
+    updated: list[str] = []
+    unchanged: list[str] = []
+    names = set()
+    for schedule in definitions:
+        names.add(schedule.name)
+        store.define_schedule(schedule, source="code")
+        if schedule.name not in before:
+            created.append(schedule.name)
+        elif before[schedule.name] != schedule:
+            updated.append(schedule.name)
+        else:
+            unchanged.append(schedule.name)
+    stored = store.schedules()
+    orphans = tuple(i.name for i in stored if i.source == "code" and i.name not in names)
+    for name in created:
+        log.info("schedule created", extra=fields(schedule=name))
+    for name in updated:
+        log.info("schedule definition updated", extra=fields(schedule=name))
+    for name in orphans:
+        log.warning(
+            "schedule no longer defined in code: kept, still firing; remove it with "
+            "'outbox-worker schedules remove NAME', or pause it",
+            extra=fields(schedule=name),
+        )
+    return SchedulesDefined(tuple(created), tuple(updated), tuple(unchanged), orphans)
 
 
 def check_definitions(items: object) -> list[Schedule]:

@@ -61,14 +61,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from consumer.jobs.config import DEFAULT_CONCURRENCY, QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
+from consumer.jobs.firing import ScheduleDuty
 from consumer.jobs.runner import Runner
+from consumer.jobs.schedules import Schedule, SchedulesDefined, check_definitions
 from consumer.jobs.store import Lease, RecoveryResult, Store, Time
 from outbox.duty import Duty
 from outbox.errors import ConfigError
@@ -97,6 +99,7 @@ _SEPARATORS = "-:/.#_"
 # What a worker is built from: set before it runs, frozen after (``Worker.__setattr__``).
 _BUILT_FROM = frozenset(
     {"config", "store", "hooks", "providers", "default_timeout", "heartbeat", "handlers"}
+    | {"schedules"}
 )
 
 
@@ -115,6 +118,7 @@ class Worker:
         hooks: Hooks | None = None,
         providers: Mapping[str, Provider] | None = None,
         default_timeout: float = 30.0,
+        schedules: Iterable[Schedule] | None = None,
         **options: Any,
     ) -> None:
         if store is not None and not isinstance(store, Store):
@@ -134,6 +138,9 @@ class Worker:
         self.heartbeat = True
         self.default_timeout = check_number("default_timeout", default_timeout, ConfigError)
         self.providers: dict[str, Provider] = dict(providers or {})
+        # Schedules defined in code (consumer.jobs.schedules): created or updated before the
+        # first firing round; None: this worker defines none (it fires every schedule).
+        self.schedules = None if schedules is None else tuple(check_definitions(schedules))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _BUILT_FROM and getattr(self, "_runner", None) is not None:
@@ -159,6 +166,7 @@ class Worker:
             hooks=hooks if hooks is not None else self.hooks,
             providers=self.providers,
             default_timeout=self.default_timeout,
+            schedules=self.schedules,
         )
         made.heartbeat = self.heartbeat
         for name, fn in self.handlers.items():
@@ -219,6 +227,7 @@ class Worker:
                     operations=self._make_operations(store),
                     stop=self.stop_flag,
                     heartbeat=self.heartbeat,
+                    schedules=self.schedules,
                 )
             return self._runner
 
@@ -262,6 +271,22 @@ class Worker:
     def retention(self) -> RetentionDuty | None:
         """The retention duty (``consumer.jobs.retention``). None before a store is bound."""
         return self.runner.duties.retention if self.store is not None else None
+
+    @property
+    def schedule_duty(self) -> ScheduleDuty:
+        """The schedules' firing duty (``consumer.jobs.firing``): ``run_once()``,
+        ``make_due()``; the worker steps it with its other duties."""
+        return self.runner.duties.firing
+
+    def define_schedules(self) -> SchedulesDefined:
+        """Create or update this worker's ``schedules=`` now (the first firing round does it
+        otherwise) and report the schedules defined in code that it no longer defines."""
+        return self.runner.duties.define_schedules()
+
+    @property
+    def schedules_defined(self) -> SchedulesDefined | None:
+        """What the worker's start did with its ``schedules=`` (None: not yet)."""
+        return self.runner.duties.schedules_defined
 
     def beat(self, *, now: Time | None = None) -> RecoveryResult:
         """One liveness tick: this worker is alive for ``liveness_ttl`` more seconds, and the
