@@ -15,7 +15,6 @@ from sqlalchemy import ColumnElement, case, func
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
-from consumer.jobs import cancels
 from consumer.jobs import replies as talk
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import (
@@ -31,7 +30,7 @@ from consumer.jobs.checks import (
     valid_version,
 )
 from consumer.jobs.rows import BatchResult, Lease
-from consumer.jobs.schema import db_epoch, jobs
+from consumer.jobs.schema import jobs
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
@@ -146,17 +145,10 @@ class LeaseMoves(StoreBase):
         if not items:
             return BatchResult()
         done: list[int] = []
-        stamp: Any = when
-        if stamp is None:
-            stamp = self.driver.clock() if self.driver.clock is not None else db_epoch()
         with self.driver.begin() as conn:
             for worker, pairs in by_worker.items():
-                # A cancel requested during the run: the run ends CANCELLED, not DONE.
-                cancelled = set(cancels.end_requested(conn, worker, pairs, stamp))
-                done.extend(cancelled)
-                rest = [pair for pair in pairs if pair[0] not in cancelled]
-                if rest:
-                    done.extend(self.driver.job_finish_batch(conn, worker, rest, when))
+                # A job with a cancel request ends CANCELLED instead (the same statement).
+                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
             ended = set(done)
             seen = [(x.job_id, talk.watermark(x)) for x in items if x.job_id in ended]
             if any(upto is not None for _, upto in seen):

@@ -16,7 +16,7 @@ from sqlalchemy.sql.selectable import TextualSelect
 from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, PAUSED_QUEUES_TABLE, jobs
 from consumer.jobs.schema import PG_TENANT_ROOM_SQL as PG_TENANT_ROOM_SQL  # the DDL lives there
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION as TENANT_ROOM_FUNCTION
-from consumer.jobs.states import DONE, LEASED, READY
+from consumer.jobs.states import CANCELLED, DONE, LEASED, READY
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE
 
 # What a claim returns, in this order (a Lease is built from it).
@@ -321,6 +321,14 @@ def depth(dialect: str, one_queue: bool) -> TextClause:
     )
 
 
+# A finished run's job: DONE, or CANCELLED when a cancel was requested while it ran (its
+# reason kept as the wait reason), and the history row that says which.
+_DONE_OR_CANCELLED = f"CASE WHEN cancel_requested_at IS NULL THEN '{DONE}' ELSE '{CANCELLED}' END"
+_CANCEL_REASON = "CASE WHEN cancel_requested_at IS NULL THEN wait_reason ELSE cancel_reason END"
+_OUTCOME = f"CASE WHEN state = '{CANCELLED}' THEN 'cancelled' ELSE 'done' END"
+_NOTE = f"CASE WHEN state = '{CANCELLED}' THEN 'cancel requested; the run ended done' END"
+
+
 @lru_cache(maxsize=4)
 def pg_finish_batch(now_given: bool) -> TextClause:
     """Finish many leases of one worker in one statement, each fenced on its own epoch.
@@ -328,7 +336,9 @@ def pg_finish_batch(now_given: bool) -> TextClause:
     The ids and epochs travel as comma-separated text (psycopg would send Python lists as
     text arrays element by element, far slower). A row whose epoch moved on, or that is no
     longer LEASED by :worker, simply does not match: the caller reports it as a conflict.
-    The history rows are written by the same statement.
+    The history rows are written by the same statement. A job with a cancel request (issue
+    38, ``consumer.jobs.cancels``) ends CANCELLED instead, in the same statement: no round
+    trip of its own for what is almost never there.
     """
     now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
     return text(
@@ -339,16 +349,17 @@ WITH input AS (
 ),
 done AS (
     UPDATE {JOBS_TABLE} AS j
-    SET state = '{DONE}', lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
+    SET state = {_DONE_OR_CANCELLED}, wait_reason = {_CANCEL_REASON},
+        lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
         timer_scheduled_for = NULL, timer_reason = NULL, timer_subject_version = NULL,
         timer_cancellation_condition = NULL
     FROM input i
     WHERE j.id = i.id AND j.lease_epoch = i.epoch AND j.lease_owner = :worker
       AND j.state = '{LEASED}'
-    RETURNING j.id, i.epoch
+    RETURNING j.id, i.epoch, j.state
 )
-INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, at)
-SELECT id, epoch, :worker, 'done', {now} FROM done
+INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
+SELECT id, epoch, :worker, {_OUTCOME}, {_NOTE}, {now} FROM done
 RETURNING job_id
 """
     )
@@ -363,12 +374,14 @@ def sqlite_finish_batch() -> TextClause:
     The ``[id, epoch]`` pairs travel as ONE JSON text parameter. ``id IN (...)`` makes the
     rows rowid look-ups (never a scan of the history); the row-value test then fences each
     row on its own epoch. A row whose epoch moved on, or that is no longer LEASED by
-    :worker, does not match: the caller reports it as a conflict."""
+    :worker, does not match: the caller reports it as a conflict. A job with a cancel
+    request ends CANCELLED instead (as on PostgreSQL)."""
     pairs = "SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(:pairs)"
     return text(
         f"""
 UPDATE {JOBS_TABLE}
-SET state = '{DONE}', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now,
+SET state = {_DONE_OR_CANCELLED}, wait_reason = {_CANCEL_REASON},
+    lease_owner = NULL, lease_expires_at = NULL, updated_at = :now,
     timer_scheduled_for = NULL, timer_reason = NULL, timer_subject_version = NULL,
     timer_cancellation_condition = NULL
 WHERE id IN (SELECT json_extract(value, '$[0]') FROM json_each(:pairs))
@@ -382,12 +395,15 @@ RETURNING id
 @lru_cache(maxsize=1)
 def sqlite_finish_history() -> TextClause:
     """SQLite: the history rows of finished leases (``[id, epoch]`` pairs as one JSON text
-    parameter, written in the order given)."""
+    parameter, written in the order given): ``done``, or ``cancelled`` for a job whose
+    cancel request ended it (its row read by rowid)."""
     return text(
         f"""
 INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
-SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), :worker, 'done', NULL, :now
-FROM json_each(:pairs) ORDER BY key
+SELECT p.id, p.epoch, :worker, {_OUTCOME}, {_NOTE}, :now
+FROM (SELECT key, json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS epoch
+      FROM json_each(:pairs)) p JOIN {JOBS_TABLE} j ON j.id = p.id
+ORDER BY p.key
 """
     )
 
