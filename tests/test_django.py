@@ -162,7 +162,7 @@ def test_the_example_passes_under_pytest_django(tmp_path: Path) -> None:
         TEST_DATABASE_NAME=f"test_djq_{uuid.uuid4().hex[:12]}",
     )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "quotes/test_pytest.py"],
+        [sys.executable, "-m", "pytest", "-q", "quotes/pytest_checks.py"],
         cwd=EXAMPLE,
         env=env,
         capture_output=True,
