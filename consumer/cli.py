@@ -49,6 +49,7 @@ from outbox.cli import (
     run_main,
 )
 from outbox.db import describe_url, make_engine
+from outbox.display import table
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
@@ -263,13 +264,7 @@ def _dead_letters(args: argparse.Namespace) -> int:
         )
         for row in rows
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    for line in lines:
-        print(
-            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
-            + "  "
-            + line[-1]
-        )
+    print(table(lines))
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 
 from outbox.backoff import Backoff
 from outbox.errors import ConfigError
+from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES
 from outbox.retention import DEFAULT_DEAD_LETTER_RETENTION, check_seconds
 from outbox.schema import check_identifier
 from outbox.validate import check_number
@@ -56,6 +57,9 @@ class ConsumerConfig:
     - ``dead_letter_retention_seconds``: replayed dead letters go this long after their
       replay (default 30 days, 0 never; ``consumer.retention``); unreplayed ones stay.
     - ``maintenance_interval_seconds``: how often lag is reported and stale consumers swept.
+    - ``max_entry_bytes``: an entry larger than this (field names and values) is
+      dead-lettered at once as ``too_large``, without its data, and never reaches a handler
+      or a job: emit's 1 MiB payload cap plus 64 KiB for the envelope, by default.
     - ``schema``: database schema of the consumer tables (None: the default search path).
     - ``create_schema``: create the tables on first use (idempotent).
     """
@@ -75,6 +79,7 @@ class ConsumerConfig:
     purge_batch: int = 1000
     dead_letter_retention_seconds: float = DEFAULT_DEAD_LETTER_RETENTION
     maintenance_interval_seconds: float = 5.0
+    max_entry_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES + 64 * 1024
     schema: str | None = None
     create_schema: bool = True
     backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 10.0))
@@ -95,6 +100,7 @@ class ConsumerConfig:
         _positive_number("inbox_retention_seconds", self.inbox_retention_seconds)
         _positive_number("purge_interval_seconds", self.purge_interval_seconds)
         _positive_int("purge_batch", self.purge_batch)
+        _positive_int("max_entry_bytes", self.max_entry_bytes)
         check_seconds("dead_letter_retention_seconds", self.dead_letter_retention_seconds)
         _positive_number("maintenance_interval_seconds", self.maintenance_interval_seconds)
         if self.stale_consumer_ms is not None:

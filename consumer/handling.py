@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Table
@@ -195,6 +195,15 @@ class BatchProcessor:
                     extra=fields(group=self.group, stream=entry.stream, entry_id=entry.entry_id),
                 )
                 outcome.ack(entry)
+                continue
+            size = entry_bytes(entry.raw)
+            if size > self.config.max_entry_bytes:
+                error = (
+                    f"the entry holds {size} bytes, over the consumer's max_entry_bytes "
+                    f"({self.config.max_entry_bytes}; emit caps a payload at 1 MiB): its data "
+                    "is not kept"
+                )
+                outcome.dead.append(Dead(without_data(entry, size), q.TOO_LARGE, error))
                 continue
             try:
                 event = decode_entry(entry.stream, entry.entry_id, entry.raw, entry.deliveries)
@@ -427,6 +436,29 @@ class BatchProcessor:
             "payload": q.encode_fields(raw),
             "dead_letter_stream": self.dead_letter_stream_for(entry.stream),
         }
+
+
+def entry_bytes(raw: Mapping[Any, Any]) -> int:
+    """The size of an entry: its field names and values, in bytes."""
+    return sum(_size(k) + _size(v) for k, v in raw.items())
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (bytes, str)) else len(str(value))
+
+
+def without_data(entry: Entry, size: int) -> Entry:
+    """``entry`` with its ``data`` field (and any field over 64 KiB) replaced by a note: what
+    a dead letter keeps of an entry too large to handle."""
+    kept = (
+        {
+            k: (v if _size(v) <= 65536 and k not in (b"data", "data") else f"<{_size(v)} bytes>")
+            for k, v in entry.raw.items()
+        }
+        if entry.raw
+        else {}
+    )
+    return replace(entry, raw=kept)
 
 
 def entry_key(event: ConsumedEvent) -> str:

@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
+from outbox.display import display_url
 from outbox.errors import ConfigError
 
 if TYPE_CHECKING:  # the async path loads on first use (outbox/__init__.py)
@@ -39,7 +40,9 @@ def normalise_url(url: str | URL) -> URL:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise ConfigError("database_url", f"{url!r} is not a database URL ({exc})") from None
+        raise ConfigError(
+            "database_url", f"{display_url(url)!r} is not a database URL ({exc})"
+        ) from None
     backend = parsed.get_backend_name()
     if backend in ("postgresql", "postgres"):
         if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
@@ -141,8 +144,6 @@ def same_database(a: str | URL, b: str | URL) -> bool:
 
 
 def describe_url(url: str | URL) -> str:
-    """The URL with any password hidden, for logs and error messages."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "<invalid url>"
+    """The URL with any password hidden (also one in its query string), for logs, pages and
+    error messages: :func:`outbox.display.display_url`, the one rule for that."""
+    return display_url(url)

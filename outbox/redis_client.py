@@ -16,6 +16,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from outbox.display import display_url
 from outbox.errors import ConfigError
 
 DEFAULT_REDIS_FILE = "outbox-redis.db"
@@ -41,7 +42,9 @@ def as_cluster_url(url: str | None) -> str:
     for scheme in ("redis://", "rediss://"):
         if url.startswith(scheme):
             return scheme[:-3] + "+cluster://" + url[len(scheme) :]
-    raise ConfigError("redis_url", f"{url!r}: a Redis Cluster seed is a redis:// or rediss:// URL")
+    raise ConfigError(
+        "redis_url", f"{display_url(url)!r}: a Redis Cluster seed is a redis:// or rediss:// URL"
+    )
 
 
 def is_cluster_client(client: object) -> bool:
@@ -143,15 +146,17 @@ def redis_client(
     if is_cluster_url(url):
         raise ConfigError(
             "redis_url",
-            f"{url!r} names a Redis Cluster: pass cluster=True (--redis-cluster, "
+            f"{display_url(url)!r} names a Redis Cluster: pass cluster=True (--redis-cluster, "
             "OUTBOX_REDIS_CLUSTER=1)",
         )
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("redis_url", f"{url!r} is not a redis://, rediss:// or unix:// URL")
+        raise ConfigError(
+            "redis_url", f"{display_url(url)!r} is not a redis://, rediss:// or unix:// URL"
+        )
     try:
         client = redis.Redis.from_url(url, **kwargs)
     except ValueError as exc:
-        raise ConfigError("redis_url", f"{url!r}: {exc}") from None
+        raise ConfigError("redis_url", f"{display_url(url)!r}: {exc}") from None
     _check_database_index(client, url)
     return client
 
@@ -177,9 +182,7 @@ def _check_database_index(client: redis.Redis, url: str) -> None:
 
 
 def _hide_password(url: str) -> str:
-    from outbox.db import describe_url
-
-    return describe_url(url) if "@" in url else url
+    return display_url(url)
 
 
 def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
@@ -195,7 +198,8 @@ def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
         url = url.replace("+cluster://", "://", 1)
     if not url.startswith(("redis://", "rediss://")):
         raise ConfigError(
-            "redis_url", f"{url!r}: a Redis Cluster seed is a redis:// or rediss:// URL"
+            "redis_url",
+            f"{display_url(url)!r}: a Redis Cluster seed is a redis:// or rediss:// URL",
         )
     # Slot maps change under resharding and failover; the client refreshes them on MOVED and
     # on connection errors. The relay's scripts go through raw node connections and refresh
@@ -204,7 +208,7 @@ def cluster_client(url: str | None, **kwargs: Any) -> RedisCluster:
     try:
         return RedisCluster.from_url(url, **kwargs)
     except ValueError as exc:
-        raise ConfigError("redis_url", f"{url!r}: {exc}") from None
+        raise ConfigError("redis_url", f"{display_url(url)!r}: {exc}") from None
 
 
 def embedded_redis(path: str, **kwargs: Any) -> redis.Redis:

@@ -18,6 +18,7 @@ by :func:`check_number`, so ``inf``, ``nan`` and ``True`` fail the same way ever
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 
 MAX_NAME_LENGTH = 200
@@ -98,3 +99,32 @@ def check_number(
         raise error(field, problem if item is None else f"{item!r}: {problem}")
     assert isinstance(value, int | float)
     return float(value)
+
+
+INT64_MAX = 2**63 - 1
+"""The largest BIGINT (a row id, a cursor): a larger number is refused, not sent to a database."""
+
+_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
+def int_problem(text: object, *, minimum: int, maximum: int) -> str | None:
+    """What is wrong with ``text`` as a whole number written in ASCII digits from
+    ``minimum`` to ``maximum``, or None. ``str.isdigit`` and ``int()`` accept other scripts'
+    digits (fullwidth, superscript, Arabic-Indic), signs, spaces and underscores; this does not."""
+    if not isinstance(text, str) or not _DIGITS.fullmatch(text):
+        shown = repr(text)[:40]
+        return f"must be a whole number in ASCII digits (0-9), got {shown}"
+    value = int(text)
+    if not minimum <= value <= maximum:
+        return f"must be from {minimum} to {maximum}, got {value}"
+    return None
+
+
+def parse_int(text: object, field: str, error: ErrorFactory, *, minimum: int, maximum: int) -> int:
+    """``text`` (a query parameter, a path segment, a command-line value) as an int, strictly:
+    ASCII digits only and within ``minimum..maximum``; else ``error(field, problem)``."""
+    problem = int_problem(text, minimum=minimum, maximum=maximum)
+    if problem is not None:
+        raise error(field, problem)
+    assert isinstance(text, str)
+    return int(text)

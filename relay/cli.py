@@ -33,6 +33,7 @@ from outbox.cli import (
     run_main,
 )
 from outbox.db import default_database_url, describe_url, make_engine
+from outbox.display import table
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.hooks import Hooks
@@ -443,14 +444,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _print_rows(rows: Sequence[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
-        )
+    print(table(rows, right=range(1, len(rows[0]))))
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
@@ -600,7 +594,7 @@ def _aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> s
     report = found[-1]
     if report.mode == "aof":
         return None
-    where = args.redis_url or "the embedded Redis"
+    where = describe_url(args.redis_url) if args.redis_url else "the embedded Redis"
     if report.mode == "unknown":
         return (
             f"--require-aof: cannot tell whether Redis at {where} runs with AOF: "

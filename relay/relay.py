@@ -43,6 +43,7 @@ from sqlalchemy.engine import URL, Engine
 from outbox.backoff import Backoff
 from outbox.core import Outbox
 from outbox.db import make_engine
+from outbox.display import display_url
 from outbox.duty import Duty, Interval, weakly
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
@@ -432,7 +433,7 @@ class Relay:
             "relay started",
             extra=fields(
                 relay=self.name,
-                database=self.engine.url.render_as_string(hide_password=True),
+                database=display_url(self.engine.url),
                 stream=self.publisher.stream_template,
                 batch_size=cfg.batch_size,
                 partitions=self.store.partitions,

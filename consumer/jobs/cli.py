@@ -86,6 +86,7 @@ from outbox.cli import (
     run_main,
 )
 from outbox.db import default_database_url, describe_url, same_database
+from outbox.display import printable, table
 from outbox.extras import require
 from outbox.logs import fields, setup_logging
 
@@ -403,11 +404,11 @@ def _queues(args: argparse.Namespace, url: str) -> int:
     try:
         if args.action == "pause":
             changed = store.pause_queue(args.name)
-            print(f"{args.name}: paused" + ("" if changed else " (it was already)"))
+            print(f"{printable(args.name)}: paused" + ("" if changed else " (it was already)"))
             return 0
         if args.action == "resume":
             changed = store.resume_queue(args.name)
-            print(f"{args.name}: running" + ("" if changed else " (it was not paused)"))
+            print(f"{printable(args.name)}: running" + ("" if changed else " (it was not paused)"))
             return 0
         depth = store.depth()
         if args.json:
@@ -418,9 +419,7 @@ def _queues(args: argparse.Namespace, url: str) -> int:
             for d in depth.values()
         ]
         header = ("QUEUE", "READY", "OLDEST_READY_S", "PAUSED")
-        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
-        for row in (header, *rows):
-            print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+        print(table([header, *rows]))
         return 0
     finally:
         store.dispose()
@@ -454,7 +453,10 @@ def _operations_command(args: argparse.Namespace, url: str) -> int:
                 reason=args.reason,
                 by=args.by,
             )
-            print(f"{receipt.operation_id}: {receipt.state} (settled by {receipt.settled_by})")
+            print(
+                f"{printable(receipt.operation_id)}: {receipt.state} "
+                f"(settled by {printable(receipt.settled_by)})"
+            )
             return 0
         if not providers:
             print(
@@ -533,9 +535,7 @@ def _print_receipts(receipts: list[Any]) -> None:
         )
         for r in receipts
     ]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    for row in (header, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+    print(table([header, *rows]))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,6 +89,7 @@ from consumer.errors import (
 from consumer.jobs.limits import StartMissed, send_by
 from consumer.jobs.wire import LostAfterSend, NotSent, WirePool
 from outbox import tracing
+from outbox.display import display_url
 from outbox.errors import ConfigError
 from outbox.extras import optional_module, require
 from outbox.validate import check_number
@@ -456,8 +457,8 @@ class HttpProvider:
                     chunks.append(chunk)
                     if time.monotonic() - started > self.timeout:
                         raise ProviderTimeout(
-                            f"{self.name}: {method} {url}: answer still arriving after "
-                            f"{self.timeout:g} s",
+                            f"{self.name}: {method} {display_url(url)}: answer still arriving "
+                            f"after {self.timeout:g} s",
                             provider=self.name,
                             status=response.status_code,
                         )
@@ -465,7 +466,7 @@ class HttpProvider:
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
         except _NoTimeLeft:
             raise ProviderUnavailable(
-                f"{self.name}: {method} {url}: not sent (connecting took the whole "
+                f"{self.name}: {method} {display_url(url)}: not sent (connecting took the whole "
                 f"{self.timeout:g} s)",
                 provider=self.name,
             ) from None
@@ -482,7 +483,7 @@ class HttpProvider:
         """What a transport failure means for the request: sorted by whether it can have left
         this process (a failure to connect, or to get a pooled connection, happens before any
         byte is written; everything after may have reached the provider)."""
-        what = f"{self.name}: {method} {url}"
+        what = f"{self.name}: {method} {display_url(url)}"
         if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
             return ProviderUnavailable(
                 f"{what}: not sent ({type(exc).__name__}: {exc})", provider=self.name
@@ -567,7 +568,7 @@ class HttpProvider:
                 raise StartMissed
             sent = True
 
-        what = f"{self.name}: {method} {url}"
+        what = f"{self.name}: {method} {display_url(url)}"
         try:
             async with asyncio.timeout(self.timeout):
                 answer = await self._wire().request(
@@ -621,12 +622,12 @@ class HttpProvider:
         except TimeoutError:
             if not sent:
                 raise ProviderUnavailable(
-                    f"{self.name}: {method} {url}: not sent (connecting took the whole "
-                    f"{self.timeout:g} s)",
+                    f"{self.name}: {method} {display_url(url)}: not sent (connecting took the "
+                    f"whole {self.timeout:g} s)",
                     provider=self.name,
                 ) from None
             raise ProviderTimeout(
-                f"{self.name}: {method} {url}: no answer within {self.timeout:g} s",
+                f"{self.name}: {method} {display_url(url)}: no answer within {self.timeout:g} s",
                 provider=self.name,
             ) from None
         except httpx.TransportError as exc:

@@ -52,7 +52,7 @@ from outbox.console import queries
 from outbox.console.queries import Tables
 from outbox.console.schema import audit
 from outbox.schema import QUARANTINED, OutboxSchema
-from outbox.validate import check_name
+from outbox.validate import INT64_MAX, check_name, int_problem
 from relay.admin import requeue
 
 ACTIONS = ("requeue", "replay", "resume", "cancel", "settle", "pause")
@@ -406,10 +406,9 @@ class Actions:
 
 
 def _job_id(value: str) -> int:
-    text_value = str(value)
-    if not text_value.isdigit() or len(text_value) > 18:
-        raise ActionRefused(f"no job {value!r} (a job id is a number)", 404)
-    return int(text_value)
+    if int_problem(value, minimum=1, maximum=INT64_MAX) is not None:
+        raise ActionRefused(f"no job {value!r} (a job id is a number in ASCII digits)", 404)
+    return int(value)
 
 
 def _queue_name(value: str) -> str:
@@ -429,7 +428,8 @@ def _schedule_name(value: str) -> str:
 
 
 def _record_id(value: str) -> int:
-    text_value = str(value)
-    if not text_value.isdigit() or len(text_value) > 18:
-        raise ActionRefused(f"no dead letter {value!r} (a record id is a number)", 404)
-    return int(text_value)
+    if int_problem(value, minimum=1, maximum=INT64_MAX) is not None:
+        raise ActionRefused(
+            f"no dead letter {value!r} (a record id is a number in ASCII digits)", 404
+        )
+    return int(value)

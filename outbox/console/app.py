@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
-from jinja2 import Environment, PackageLoader
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -31,9 +29,13 @@ from starlette.routing import Route
 from consumer.inbox import NEEDS_ATTENTION as DL_NEEDS_ATTENTION
 from outbox.console import queries
 from outbox.console.actions import ActionError, Actions, Actor
-from outbox.console.auth import COOKIE, CSRF_HEADER, Guard, Principal
+from outbox.console.auth import COOKIE, CSRF_HEADER, Guard, Principal, Sessions
+from outbox.console.door import Door
+from outbox.console.gate import MAX_BODY, Gate, host_names
 from outbox.console.overview import overview
-from outbox.console.queries import FilterError, Tables
+from outbox.console.params import integer, optional_integer, text
+from outbox.console.queries import FilterError, NotFound, Tables
+from outbox.console.templating import templates
 from outbox.console.trace import collect
 from outbox.logs import fields
 from outbox.schema import OutboxSchema, build_schema
@@ -47,24 +49,6 @@ CSP = (
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _ts(value: Any) -> str:
-    """A time for a page: unix seconds or ISO text as ``YYYY-MM-DD HH:MM:SS`` UTC."""
-    if value is None or value == "":
-        return ""
-    if isinstance(value, (int, float)):
-        return datetime.fromtimestamp(float(value), UTC).strftime("%Y-%m-%d %H:%M:%S")
-    return str(value).replace("T", " ")[:19]
-
-
-def _pretty(value: Any) -> str:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return str(value)
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
-
-
 class Console:
     """One console: its database, Redis, token and templates; :attr:`app` is the ASGI app."""
 
@@ -72,27 +56,36 @@ class Console:
         self,
         engine: Engine,
         redis: Any,
-        token: str,
+        token: str | Callable[[], str],
         *,
         read_only: bool = False,
         outbox_schema: OutboxSchema | None = None,
         describe: dict[str, str] | None = None,
+        allowed_hosts: Iterable[str] | None = None,
+        secure_cookies: bool = False,
+        trusted_proxies: Iterable[str] = (),
+        sessions: Sessions | None = None,
+        max_body: int = MAX_BODY,
     ) -> None:
+        """``token``: the token, or a function giving the current one (a new one ends every
+        session). ``allowed_hosts``: the names the Host header may carry (None: any; the
+        ``serve`` command always gives them). ``secure_cookies``: the session cookie is
+        ``Secure`` (TLS in front); it also is for a request that arrives over https, or from
+        one of ``trusted_proxies`` (client addresses) with ``X-Forwarded-Proto: https``.
+        ``max_body``: the largest request body read (bytes), before authentication."""
         self.engine = engine
         self.redis = redis
-        self.guard = Guard(token)
+        self.guard = Guard(token, sessions)
+        self.door = Door(self.guard, secure_cookies=secure_cookies, trusted_proxies=trusted_proxies)
         self.read_only = read_only
         self.outbox_schema = outbox_schema if outbox_schema is not None else build_schema()
         self.tables = Tables.build(self.outbox_schema)
         self.actions = Actions(engine, self.outbox_schema, self.tables, redis)
         self.describe = describe or {}
         self._present: tuple[float, set[str]] = (0.0, set())
-        self.templates = Environment(
-            loader=PackageLoader("outbox.console", "templates"), autoescape=True
-        )
-        self.templates.filters["ts"] = _ts
-        self.templates.filters["pretty"] = _pretty
-        self.app = Starlette(routes=self._routes())
+        self.templates = templates()
+        hosts = None if allowed_hosts is None else host_names(allowed_hosts)
+        self.app = Gate(Starlette(routes=self._routes()), allowed_hosts=hosts, max_body=max_body)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -117,6 +110,7 @@ class Console:
             r("/api/jobs", api(self.api_list("jobs"))),
             r("/api/receipts", api(self.api_list("receipts"))),
             r("/api/dead-letters", api(self.api_list("dead_letters"))),
+            r("/api/dead-letters/{target}", api(self.api_dead_letter)),
             r("/api/audit", api(self.api_list("audit"))),
             r("/api/events/{target}/requeue", act("requeue", json_api=True), methods=["POST"]),
             r("/api/jobs/{target}/resume", act("resume", json_api=True), methods=["POST"]),
@@ -159,33 +153,35 @@ class Console:
             r("/schedules/{target:path}/resume", act("resume_schedule"), methods=["POST"]),
         ]
 
-    def _who(self, request: Request) -> Principal | None:
-        return self.guard.principal(
-            request.headers.get("authorization"), request.cookies.get(COOKIE)
-        )
-
     def _render(self, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         template = self.templates.get_template(name)
-        body = template.render(read_only=self.read_only, describe=self.describe, **context)
+        # Who runs where (database, Redis) is shown to the signed-in only.
+        describe = self.describe if context.get("who") is not None else {}
+        body = template.render(read_only=self.read_only, describe=describe, **context)
         return HTMLResponse(body, status, headers=_headers())
 
     def _api(self, handler: Callable[[Request], Awaitable[Any]]) -> Handler:
         async def endpoint(request: Request) -> Response:
-            if self._who(request) is None:
+            who = self.door.who(request)
+            if isinstance(who, Response):
+                return who
+            if who is None:
                 return _json({"error": "a valid token is required (Authorization: Bearer)"}, 401)
             started = time.perf_counter()
             try:
                 return _timed(_json(await handler(request)), started)
             except FilterError as exc:
-                return _json({"error": str(exc)}, 400)
+                return _json({"error": str(exc)}, 404 if isinstance(exc, NotFound) else 400)
 
         return endpoint
 
     def _page(self, handler: Callable[[Request, Principal], Awaitable[Response]]) -> Handler:
         async def endpoint(request: Request) -> Response:
-            who = self._who(request)
+            who = self.door.who(request)
+            if isinstance(who, Response):
+                return who
             if who is None:
-                return self._render("login.html", 401, error=None, next=_local(request.url.path))
+                return self._render("login.html", 401, error=None, next=_here(request))
             started = time.perf_counter()
             try:
                 return _timed(await handler(request, who), started)
@@ -208,20 +204,32 @@ class Console:
             form = await _form(request)
             token, target = form.get("token"), _local(form.get("next") or "/")
         else:
-            token, target = request.query_params.get("token"), "/"
+            token = request.query_params.get("token")
+            target = _local(request.query_params.get("next") or "/")
         if token is None:
             return self._render("login.html", error=None, next=target)
+        throttled = self.door.throttled(request)
+        if throttled is not None:
+            return throttled
         if not self.guard.token_ok(token):
+            self.guard.throttle.failed(self.door.client(request))
+            log.info("console sign-in refused", extra=fields(client=self.door.client(request)))
             return self._render("login.html", 401, error="That token is not valid.", next=target)
         response = RedirectResponse(target, 303, headers=_headers())
         response.set_cookie(
-            COOKIE, self.guard.new_session_cookie(), httponly=True, samesite="strict", path="/"
+            COOKIE,
+            self.guard.new_session_cookie(),
+            httponly=True,
+            samesite="strict",
+            path="/",
+            secure=self.door.secure(request),
         )
         return response
 
     async def logout(self, request: Request, who: Principal) -> Response:
+        self.guard.end_session(request.cookies.get(COOKIE))
         response = RedirectResponse("/login", 303, headers=_headers())
-        response.delete_cookie(COOKIE, path="/")
+        response.delete_cookie(COOKIE, path="/", secure=self.door.secure(request), httponly=True)
         return response
 
     # -- reads -----------------------------------------------------------------------------
@@ -234,10 +242,8 @@ class Console:
             return collect(conn, self.tables, q, self.present(), self.redis)
 
     def _list(self, kind: str, params: dict[str, str]) -> queries.Page:
-        limit = params.get("limit", "50")
-        if not limit.isdigit():
-            raise FilterError("limit", "must be an integer")
-        cursor, size = params.get("cursor") or None, int(limit)
+        size = optional_integer(params, "limit", 50, minimum=1, maximum=queries.MAX_PAGE)
+        cursor = text(params.get("cursor"), "cursor")
         table = {
             "events": self.tables.outbox.name,
             "jobs": "outbox_jobs",
@@ -326,11 +332,25 @@ class Console:
             notice=_notice(request),
         )
 
+    def _dead_letter(self, record: int) -> dict[str, Any] | None:
+        if self.tables.inbox.dead_letters.name not in self.present():
+            return None
+        with self.engine.connect() as conn:
+            return queries.dead_letter(conn, self.tables, record)
+
+    async def api_dead_letter(self, request: Request) -> Any:
+        """One dead letter with its payload: lists leave payloads out, this reads one."""
+        record = integer(request.path_params["target"], "entry_id", minimum=1)
+        found = await run_in_threadpool(self._dead_letter, record)
+        if found is None:
+            raise NotFound("entry_id", f"no dead letter {record}")
+        return found
+
     async def api_overview(self, request: Request) -> Any:
         return await run_in_threadpool(self._overview)
 
     async def api_trace(self, request: Request) -> Any:
-        q = (request.query_params.get("q") or "").strip()
+        q = (text(request.query_params.get("q"), "q") or "").strip()
         if not q:
             raise FilterError("q", "give an identity, event key, event id, job id or operation id")
         trace = await run_in_threadpool(self._trace, q)
@@ -350,7 +370,7 @@ class Console:
         )
 
     async def page_trace(self, request: Request, who: Principal) -> Response:
-        q = (request.query_params.get("q") or "").strip()
+        q = (text(request.query_params.get("q"), "q") or "").strip()
         trace = await run_in_threadpool(self._trace, q) if q else None
         status = 404 if trace is not None and not trace.found else 200
         return self._render(
@@ -404,22 +424,21 @@ class Console:
 
     def _action(self, action: str, json_api: bool = False) -> Handler:
         async def endpoint(request: Request) -> Response:
-            who = self._who(request)
-            if who is None:
-                return _json({"error": "a valid token is required"}, 401)
+            who = self.door.who(request)
+            if who is None or isinstance(who, Response):
+                return who or _json({"error": "a valid token is required"}, 401)
             body = await _body(request)
-            if self.read_only:
-                return self._refuse(json_api, 403, "the console runs --read-only: no actions")
-            if who.via == "cookie":
-                given = request.headers.get(CSRF_HEADER) or _text(body.get("csrf"))
-                if not self.guard.csrf_ok(who.session, given):
-                    return self._refuse(json_api, 403, "a CSRF token is required for this change")
+            refused = self._admit(who, request, body, json_api)
+            if refused is not None:
+                return refused
             actor = Actor(
                 name=(_text(body.get("by")) or "console").strip()[:200] or "console",
                 via=who.via,
                 client=request.client.host if request.client else None,
             )
             target = request.path_params.get("target", "")
+            if len(target) > 400 or "\x00" in target:
+                return self._refuse(json_api, 404, "no such target (too long, or holds NUL)")
             try:
                 result = await run_in_threadpool(self._do, action, request, target, body, actor)
             except ActionError as exc:
@@ -432,6 +451,18 @@ class Console:
             return RedirectResponse(_with_notice(back, message), 303, headers=_headers())
 
         return endpoint
+
+    def _admit(
+        self, who: Principal, request: Request, body: dict[str, Any], json_api: bool
+    ) -> Response | None:
+        """The refusal of a change by this principal (read-only, CSRF), or None."""
+        if self.read_only:
+            return self._refuse(json_api, 403, "the console runs --read-only: no actions")
+        if who.via == "cookie":
+            given = request.headers.get(CSRF_HEADER) or _text(body.get("csrf"))
+            if not self.guard.csrf_ok(who.session, given):
+                return self._refuse(json_api, 403, "a CSRF token is required for this change")
+        return None
 
     # complexity: one dispatch per console action, each audited (owner: the console)
     def _do(
@@ -511,8 +542,8 @@ def _timed(response: Response, started: float) -> Response:
     return response
 
 
-def _json(data: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(queries.jsonable(data), status, headers=_headers())
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(queries.jsonable(data), status, headers={**_headers(), **(headers or {})})
 
 
 def _text(value: Any) -> str | None:
@@ -534,7 +565,7 @@ async def _body(request: Request) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -544,6 +575,12 @@ def _local(path: str | None) -> str:
     if not path or not path.startswith("/") or path.startswith("//") or "\\" in path:
         return "/"
     return path
+
+
+def _here(request: Request) -> str:
+    """This request's path and query string, as a sign-in's way back (a deep link)."""
+    query = request.url.query
+    return _local(request.url.path + (f"?{query}" if query else ""))
 
 
 def _with_notice(path: str, message: str) -> str:

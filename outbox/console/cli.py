@@ -65,6 +65,53 @@ class ServeConfig:
 PROG = "outbox-console"
 
 
+def _host_list(raw: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    if not names:
+        raise ValueError("give at least one name")
+    for name in names:
+        if any(c.isspace() or c in "/@?#" for c in name):
+            raise ValueError(f"{name!r} is not a host name or address")
+    return names
+
+
+def allowed_hosts(bind: str, given: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The Host names ``serve`` accepts: the given ones, else this machine's loopback names
+    and the bind address (a wildcard bind address needs ``--allowed-hosts``)."""
+    if given:
+        return given
+    names = ("localhost", "127.0.0.1", "::1")
+    return names if bind in ("0.0.0.0", "::", "", *names) else (*names, bind)
+
+
+class TokenFile:
+    """The token in a file, re-read when the file changes (its mtime and size)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: tuple[float, int] | None = None
+        self._token = ""
+
+    def __call__(self) -> str:
+        stat = os.stat(self.path)
+        seen = (stat.st_mtime, stat.st_size)
+        if seen != self._seen:
+            token = read_token_file(self.path)
+            self._seen, self._token = seen, token
+        return self._token
+
+
+def read_token_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.readline().strip()
+    except OSError as exc:
+        raise ConfigError("token_file", f"cannot read {path!r}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError("token_file", f"{path!r}: the token needs 16 characters or more")
+    return token
+
+
 def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="The operator console of the outbox toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,9 +128,33 @@ def build_parser() -> Parser:
         ),
         Flag(
             "--token-file",
-            help="file whose first line is the token; OUTBOX_CONSOLE_TOKEN wins over it",
+            help="file whose first line is the token, re-read when it changes (every session "
+            "ends); OUTBOX_CONSOLE_TOKEN wins over it",
             env="OUTBOX_CONSOLE_TOKEN_FILE",
             metavar="FILE",
+        ),
+        Flag(
+            "--allowed-hosts",
+            _host_list,
+            "names the Host header may carry, comma-separated (other names get 400); "
+            "'*' allows any",
+            env="OUTBOX_CONSOLE_ALLOWED_HOSTS",
+            shown_default="localhost, 127.0.0.1, ::1 and --host",
+            metavar="NAMES",
+        ),
+        Flag(
+            "--secure-cookies",
+            bool,
+            "mark the session cookie Secure: TLS is terminated in front of the console",
+            env="OUTBOX_CONSOLE_SECURE_COOKIES",
+        ),
+        Flag(
+            "--trusted-proxies",
+            _host_list,
+            "addresses of the reverse proxies whose X-Forwarded-Proto and X-Forwarded-For "
+            "are believed, comma-separated",
+            env="OUTBOX_CONSOLE_TRUSTED_PROXIES",
+            metavar="ADDRESSES",
         ),
     )
     serve.set_defaults(func=_serve)
@@ -148,14 +219,7 @@ def _token(args: argparse.Namespace) -> tuple[str, bool]:
         return given.strip(), False
     path = args.token_file
     if path:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                token = handle.readline().strip()
-        except OSError as exc:
-            raise ConfigError("token_file", f"cannot read {path!r}: {exc.strerror}") from None
-        if len(token) < 16:
-            raise ConfigError("token_file", f"{path!r}: the token needs 16 characters or more")
-        return token, False
+        return read_token_file(path), False
     return generate_token(), True
 
 
@@ -186,12 +250,16 @@ def _serve(args: argparse.Namespace, url: str) -> int:
                 "the console listens beyond this machine: the token is the only protection",
                 extra=fields(host=config.host),
             )
+        from_file = not os.environ.get("OUTBOX_CONSOLE_TOKEN") and args.token_file
         console = Console(
             engine,
             redis,
-            token,
+            TokenFile(args.token_file) if from_file else token,
             read_only=config.read_only,
             describe={"database": describe_url(url), "redis": _redis_description(args)},
+            allowed_hosts=allowed_hosts(config.host, args.allowed_hosts),
+            secure_cookies=bool(args.secure_cookies),
+            trusted_proxies=args.trusted_proxies or (),
         )
         shown = f"[{config.host}]" if ":" in config.host else config.host
         if generated:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -64,10 +65,18 @@ from consumer.jobs.states import (
     STATES as JOB_STATES,
 )
 from consumer.jobs.store import Store
+from outbox.console.columns import (
+    DEAD_LETTER_LIST_COLUMNS,
+    EVENT_LIST_COLUMNS,
+    JOB_LIST_COLUMNS,
+    LONG_TEXT,
+    RECEIPT_LIST_COLUMNS,
+)
 from outbox.console.schema import audit
 from outbox.dialect import db_epoch, db_now
 from outbox.schema import PENDING, QUARANTINED, OutboxSchema, build_schema
 from outbox.schema import STATES as EVENT_STATES
+from outbox.validate import INT64_MAX
 
 RECEIPT_STATES = ("PENDING", "ACCEPTED", "UNKNOWN", "NOT_SENT", "FAILED")
 DEAD_LETTER_STATES = (DL_NEEDS_ATTENTION, DL_REPLAYED)
@@ -77,6 +86,12 @@ TERMINAL_COUNT_CAP = 10_000
 count of a terminal state reads every row of it, and those only grow until retention."""
 
 MAX_PAGE = 500
+CELL_CHARS = 2000
+"""A list shows at most this many characters of a long text cell (an error, a reason, an
+audit row's before/after): a page of 500 rows stays a few megabytes at most, whatever the
+tables hold. Payloads are never part of a list; a dead letter's comes one at a time
+(:func:`dead_letter`), capped at :data:`MAX_PAYLOAD_CHARS`."""
+MAX_PAYLOAD_CHARS = 1024 * 1024
 TRACE_LIMIT = 50
 """At most this many rows of each kind in one trace (an identity has a handful)."""
 
@@ -87,6 +102,10 @@ class FilterError(ValueError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message}")
         self.name = name
+
+
+class NotFound(FilterError):
+    """The record a read names does not exist (the API answers 404)."""
 
 
 def lit(value: str) -> Any:
@@ -103,6 +122,12 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
+
+
+def capped(column: Any, chars: int = CELL_CHARS) -> Any:
+    """``column``'s first ``chars`` characters, cut in the database (the rest never leaves
+    it), under the column's own name."""
+    return func.substr(column, 1, chars).label(column.name)
 
 
 def _row(row: Any) -> dict[str, Any]:
@@ -139,6 +164,21 @@ def encode_cursor(values: Sequence[Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def _cursor_value(value: Any, kind: type) -> Any:
+    """One value of a cursor, checked: its type, and a range its column can hold."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError("wrong type")
+    if isinstance(value, int) and not -INT64_MAX <= value <= INT64_MAX:
+        raise ValueError("out of range")  # a BIGINT column cannot hold it
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("not finite")
+    if isinstance(value, str) and (len(value) > 400 or "\x00" in value):
+        raise ValueError("too long or holds NUL")
+    return value
+
+
 def decode_cursor(cursor: str | None, types: Sequence[type]) -> list[Any] | None:
     if not cursor:
         return None
@@ -147,15 +187,8 @@ def decode_cursor(cursor: str | None, types: Sequence[type]) -> list[Any] | None
         values = json.loads(base64.urlsafe_b64decode(padded.encode()))
         if not isinstance(values, list) or len(values) != len(types):
             raise ValueError("wrong shape")
-        out = []
-        for value, kind in zip(values, types, strict=True):
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError("wrong type")
-            out.append(value)
-        return out
-    except (ValueError, TypeError) as exc:
+        return [_cursor_value(v, kind) for v, kind in zip(values, types, strict=True)]
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise FilterError("cursor", f"not a cursor of this list ({exc})") from None
 
 
@@ -207,22 +240,6 @@ def _paged(
 
 # -- lists ----------------------------------------------------------------------------------
 
-EVENT_LIST_COLUMNS = (
-    "seq",
-    "event_id",
-    "topic",
-    "key",
-    "tenant",
-    "identity",
-    "state",
-    "attempts",
-    "last_error",
-    "created_at",
-    "published_at",
-    "stream",
-    "stream_id",
-)
-
 
 def event_filter(t: Table, topic: str | None, key: str | None, state: str | None) -> Any:
     conditions: list[ColumnElement[bool]] = []
@@ -249,31 +266,12 @@ def list_events(
     topic, key = _text("topic", topic), _text("key", key)
     state = _choice("state", state, EVENT_STATES)
     t = tables.outbox
-    query = select(*[t.c[c] for c in EVENT_LIST_COLUMNS])
+    query = select(*[capped(t.c[c]) if c == "last_error" else t.c[c] for c in EVENT_LIST_COLUMNS])
     where = event_filter(t, topic, key, state)
     if where is not None:
         query = query.where(where)
     filters = {k: v for k, v in (("topic", topic), ("key", key), ("state", state)) if v}
     return _paged(conn, query, [t.c.seq], decode_cursor(cursor, [int]), _limit(limit), filters)
-
-
-JOB_LIST_COLUMNS = (
-    "id",
-    "tenant",
-    "action",
-    "kind",
-    "subject",
-    "state",
-    "attempts",
-    "last_error",
-    "wait_reason",
-    "lease_owner",
-    "run_after",
-    "timer_scheduled_for",
-    "cancel_requested_at",
-    "created_at",
-    "updated_at",
-)
 
 
 def job_filter(state: str | None, tenant: str | None, action: str | None) -> Any:
@@ -299,7 +297,7 @@ def list_jobs(
     """Jobs, newest first (``id`` desc)."""
     state = _choice("state", state, JOB_STATES)
     tenant, action = _text("tenant", tenant), _text("action", action)
-    query = select(*[jobs.c[c] for c in JOB_LIST_COLUMNS])
+    query = select(*[capped(jobs.c[c]) if c in LONG_TEXT else jobs.c[c] for c in JOB_LIST_COLUMNS])
     where = job_filter(state, tenant, action)
     if where is not None:
         query = query.where(where)
@@ -307,12 +305,16 @@ def list_jobs(
     return _paged(conn, query, [jobs.c.id], decode_cursor(cursor, [int]), _limit(limit), filters)
 
 
+def _shown(table: Table, names: Sequence[str]) -> list[Any]:
+    return [capped(table.c[n]) if n in LONG_TEXT else table.c[n] for n in names]
+
+
 def list_receipts(
     conn: Connection, *, state: str | None = None, cursor: str | None = None, limit: int = 50
 ) -> Page:
     """Operation receipts, latest change first (``updated_at``, ``operation_id`` desc)."""
     state = _choice("state", state, RECEIPT_STATES)
-    query = select(operations)
+    query = select(*_shown(operations, RECEIPT_LIST_COLUMNS))
     if state:
         query = query.where(operations.c.state == lit(state))
     keys = [operations.c.updated_at, operations.c.operation_id]
@@ -348,7 +350,7 @@ def list_dead_letters(
     group = _text("group", group)
     state = _choice("state", state, DEAD_LETTER_STATES)
     dl = tables.inbox.dead_letters
-    query = select(dl)
+    query = select(*_shown(dl, DEAD_LETTER_LIST_COLUMNS))
     where = dead_letter_filter(dl, group, state)
     if where is not None:
         query = query.where(where)
@@ -366,13 +368,31 @@ def list_audit(
 ) -> Page:
     """The audit, newest first (``id`` desc)."""
     action, target = _text("action", action), _text("target", target)
-    query = select(audit)
+    query = select(*_shown(audit, [c.name for c in audit.c]))
     if action:
         query = query.where(audit.c.action == action)
     if target:
         query = query.where(audit.c.target_id == target)
     filters = {k: v for k, v in (("action", action), ("target", target)) if v}
     return _paged(conn, query, [audit.c.id], decode_cursor(cursor, [int]), _limit(limit), filters)
+
+
+def dead_letter(conn: Connection, tables: Tables, record_id: int) -> dict[str, Any] | None:
+    """One dead-letter record with its payload (the first :data:`MAX_PAYLOAD_CHARS`
+    characters; ``payload_truncated`` says whether there was more)."""
+    dl = tables.inbox.dead_letters
+    names = [*DEAD_LETTER_LIST_COLUMNS]
+    query = select(
+        *_shown(dl, names),
+        capped(dl.c.payload, MAX_PAYLOAD_CHARS),
+        func.length(dl.c.payload).label("payload_chars"),
+    ).where(dl.c.id == record_id)
+    row = conn.execute(query).first()
+    if row is None:
+        return None
+    out = _row(row)
+    out["payload_truncated"] = int(out.get("payload_chars") or 0) > MAX_PAYLOAD_CHARS
+    return out
 
 
 def count_matching(conn: Connection, table: Table, where: Any, cap: int) -> int:

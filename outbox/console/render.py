@@ -1,6 +1,6 @@
 """The trace as text for a terminal (``outbox-console trace QUERY``): the page's story,
-section by section. Values are printed with control characters escaped (``repr`` of text
-that holds them), so a payload cannot move the cursor or recolour the terminal."""
+section by section. Values are printed through :func:`outbox.display.printable` (control
+characters escaped), so a payload cannot move the cursor or recolour the terminal."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from outbox.console.trace import Trace
+from outbox.display import printable
 
 
 def _clean(value: Any) -> str:
@@ -18,10 +19,7 @@ def _clean(value: Any) -> str:
         return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
     if not isinstance(value, str):
         value = json.dumps(value, ensure_ascii=False, default=str)
-    text = str(value)
-    if any(ord(c) < 32 and c not in "\t" for c in text) or "\x7f" in text:
-        return repr(text)
-    return text
+    return printable(value, keep_tabs=True)
 
 
 def _line(out: TextIO, label: str, row: dict[str, Any], keys: tuple[str, ...]) -> None:
