@@ -38,6 +38,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from bench.procstat import cpu_seconds
+
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SECRET = "bench-secret-of-at-least-16"
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,14 +225,23 @@ def inbound(url: str, clients: int, seconds: float, rounds: int, tmp: Path) -> N
                 time.sleep(0.2)
         accepted: list[float] = []
         health: list[float] = []
+        per_cpu: dict[bool, list[float]] = {False: [], True: []}
         asyncio.run(_round(base, clients, 1.0, ops, False))  # warm-up
         for _ in range(rounds):
-            accepted.append(asyncio.run(_round(base, clients, seconds, ops, False)))
-            health.append(asyncio.run(_round(base, clients, seconds, ops, True)))
+            for probe, into in ((False, accepted), (True, health)):
+                cpu = cpu_seconds(proc.pid)
+                rate = asyncio.run(_round(base, clients, seconds, ops, probe))
+                into.append(rate)
+                # The server's own CPU per request: what a core would serve unloaded.
+                per_cpu[probe].append(rate * seconds / max(1e-9, cpu_seconds(proc.pid) - cpu))
         print(
             f"inbound, one process, {clients} connections: accepted signed callbacks "
             f"{statistics.median(accepted):.0f}/s (rounds {[round(x) for x in accepted]}); "
             f"GET /healthz {statistics.median(health):.0f}/s (rounds {[round(x) for x in health]})"
+        )
+        print(
+            f"per second of the server's own CPU: callbacks {statistics.median(per_cpu[False]):.0f}"
+            f", healthz {statistics.median(per_cpu[True]):.0f} (PostgreSQL's time not counted)"
         )
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -203,36 +203,43 @@ def test_a_provider_webhook_with_its_own_scheme(store: Store) -> None:
         assert client.post("/webhooks/other", content=body).status_code == 404
 
 
-def start_inbound(db_url: str, secret_file: Path, port: int) -> subprocess.Popen[str]:
-    """``outbox-worker inbound serve`` as a child process, answering /healthz."""
+def start_inbound(db_url: str, secret_file: Path) -> tuple[subprocess.Popen[str], int]:
+    """``outbox-worker inbound serve`` as a child process answering /healthz, and its port
+    (another free one when a parallel test took the first between its choice and the bind)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    command = ["inbound", "serve", "--port", str(port), "--secret-file", str(secret_file)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "consumer.jobs.cli", *command, "--database-url", db_url],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    for _ in range(3):
+        port = free_port()
+        command = ["inbound", "serve", "--port", str(port), "--secret-file", str(secret_file)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "consumer.jobs.cli", *command, "--database-url", db_url],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[0]
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        def up(proc: subprocess.Popen[str] = proc, port: int = port) -> bool:
+            if proc.poll() is not None:
+                return True  # it exited: seen below
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
 
-    wait_for(up, "the inbound endpoint", timeout=60)
-    return proc
+        wait_for(up, "the inbound endpoint", timeout=60)
+        if proc.poll() is None:
+            return proc, port
+        output = proc.communicate()[0]
+        assert "address already in use" in output, output
+    raise AssertionError("no free port three times")
 
 
 def test_the_simulator_sends_signed_delivery_callbacks(db_url: str, tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET + "\n")
-    port = free_port()
     store = Store(db_url)
-    inbound = start_inbound(db_url, secret_file, port)
+    inbound, port = start_inbound(db_url, secret_file)
     simulator = SimulatorProcess(
         tmp_path / "sim.db",
         env={
@@ -277,8 +284,7 @@ def test_inbound_serve_runs_alone_and_drains_on_sigterm(db_url: str, tmp_path: P
         job = waiting_job(store)
         secret_file = tmp_path / "secret"
         secret_file.write_text(SECRET + "\n")
-        port = free_port()
-        proc = start_inbound(db_url, secret_file, port)
+        proc, port = start_inbound(db_url, secret_file)
         try:
             base = f"http://127.0.0.1:{port}"
             body = json.dumps({"job": job, "reply_id": "r1", "payload": "accepted"}).encode()

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.replies import record_reply
-from consumer.jobs.schema import deliveries, jobs, operations
+from consumer.jobs.schema import db_epoch, deliveries, jobs, operations
 from outbox.dialect import insert_or_ignore
 from outbox.validate import MAX_NAME_LENGTH, check_name
 
@@ -87,9 +87,13 @@ def record_delivery(
     when: float | None,
 ) -> DeliveryResult:
     """Keep a callback and apply it if its receipt is ACCEPTED (module docstring); checked
-    already (:func:`check_delivery`). One transaction."""
+    already (:func:`check_delivery`). One transaction of three statements in the usual case
+    (the receipt locked, the callback inserted, applied with any that waited), four when the
+    receipt's outcome moves; the clock is the database's, in the statements themselves."""
+    stamp = _stamp(driver, when)
     with driver.begin() as conn:
-        clock = driver.clock_read(conn, when)
+        # The receipt first, locked: a callback racing its receipt's record waits for it.
+        receipt = driver.operation_get(conn, operation_id, lock=True)
         created = conn.execute(
             insert_or_ignore(deliveries, ("event_id",), conn.dialect.name)
             .values(
@@ -98,36 +102,31 @@ def record_delivery(
                 status=status,
                 provider_ref=ref,
                 detail=detail,
-                received_at=clock,
+                received_at=stamp,
             )
             .returning(deliveries.c.event_id)
         ).first()
-        receipt = driver.operation_get(conn, operation_id, lock=True)
+        current = None if receipt is None else receipt.delivery_status
         if created is None:
             kept = conn.execute(
                 select(deliveries.c.applied_at).where(deliveries.c.event_id == event_id)
             ).scalar()
-            current = None if receipt is None else receipt.delivery_status
             return DeliveryResult(
                 event_id, operation_id, status, True, kept is not None, current, False
             )
-        woke = False
-        applied = receipt is not None and receipt.state == "ACCEPTED"
-        after = None
-        if applied:
-            # This one and any that came before the receipt was ACCEPTED, oldest first.
-            for row in _unapplied(conn, operation_id):
-                after, bounced = _apply(driver, conn, receipt, row, clock, after)
-                woke = woke or (bounced and row.event_id == event_id)
-    return DeliveryResult(event_id, operation_id, status, False, applied, after, woke)
+        if receipt is None or receipt.state != "ACCEPTED":
+            return DeliveryResult(event_id, operation_id, status, False, False, None, False)
+        # This one and any that came before the receipt was ACCEPTED.
+        after, bounces = _apply(driver, conn, receipt, stamp, when)
+    return DeliveryResult(event_id, operation_id, status, False, True, after, event_id in bounces)
 
 
 def apply_pending(driver: JobDriver, *, limit: int = 500, now: float | None = None) -> int:
     """Apply the kept callbacks whose receipt is ACCEPTED now (the receipt sweep's step);
     returns how many. Reads ``ix_outbox_deliveries_unapplied``: only what waits."""
     applied = 0
+    stamp = _stamp(driver, now)
     with driver.begin() as conn:
-        clock = driver.clock_read(conn, now)
         waiting = conn.execute(
             select(deliveries.c.operation_id)
             .where(deliveries.c.applied_at.is_(None))
@@ -138,47 +137,69 @@ def apply_pending(driver: JobDriver, *, limit: int = 500, now: float | None = No
             receipt = driver.operation_get(conn, operation_id, lock=True)
             if receipt is None or receipt.state != "ACCEPTED":
                 continue
-            after = None
-            for row in _unapplied(conn, operation_id):
-                after, _ = _apply(driver, conn, receipt, row, clock, after)
-                applied += 1
+            _, done = _apply(driver, conn, receipt, stamp, now, count=True)
+            applied += len(done)
     return applied
 
 
-def _unapplied(conn: Connection, operation_id: str) -> list[Any]:
-    return list(
-        conn.execute(
-            select(deliveries)
-            .where(deliveries.c.operation_id == operation_id, deliveries.c.applied_at.is_(None))
-            .order_by(deliveries.c.received_at, deliveries.c.event_id)
-        )
-    )
+def _stamp(driver: JobDriver, when: float | None) -> Any:
+    """``when``, the store's clock (a test's), or the database clock as an expression."""
+    if when is not None:
+        return when
+    return driver.clock() if driver.clock is not None else db_epoch()
 
 
 def _apply(
     driver: JobDriver,
     conn: Connection,
     receipt: Any,
-    row: Any,
-    clock: float,
-    current: str | None,
-) -> tuple[str, bool]:
-    """Apply one callback to its ACCEPTED receipt: the furthest status wins; a bounce is a
-    reply to the job. Returns the receipt's status after it, and whether it was a bounce."""
-    before = current if current is not None else receipt.delivery_status
-    status = str(row.status)
-    after = status if before is None or _RANK[status] > _RANK.get(before, 0) else str(before)
+    stamp: Any,
+    when: float | None,
+    *,
+    count: bool = False,
+) -> tuple[str | None, set[str]]:
+    """Apply the operation's waiting callbacks to its ACCEPTED receipt in one statement: the
+    furthest status wins (one more statement when it moves); each bounce is a reply to the
+    job. Returns the receipt's status after, and the event ids of the bounces (of every
+    callback applied, with ``count``)."""
+    rows = conn.execute(
+        update(deliveries)
+        .where(
+            deliveries.c.operation_id == receipt.operation_id,
+            deliveries.c.applied_at.is_(None),
+        )
+        .values(applied_at=stamp)
+        .returning(
+            deliveries.c.event_id,
+            deliveries.c.status,
+            deliveries.c.provider_ref,
+            deliveries.c.detail,
+            deliveries.c.received_at,
+        )
+    ).all()
+    before = receipt.delivery_status
+    after = before
+    for row in rows:
+        if after is None or _RANK.get(str(row.status), 0) > _RANK.get(after, 0):
+            after = str(row.status)
     if after != before:
         conn.execute(
             update(operations)
             .where(operations.c.operation_id == receipt.operation_id)
-            .values(delivery_status=after, delivery_at=clock)
+            .values(delivery_status=after, delivery_at=stamp)
         )
-    conn.execute(
-        update(deliveries).where(deliveries.c.event_id == row.event_id).values(applied_at=clock)
-    )
-    if status != BOUNCED:
-        return after, False
+    bounces: set[str] = set()
+    for row in sorted(rows, key=lambda r: (float(r.received_at), str(r.event_id))):
+        if row.status == BOUNCED and _reply_bounce(driver, conn, receipt, row, when):
+            bounces.add(str(row.event_id))
+    return after, {str(r.event_id) for r in rows} if count else bounces
+
+
+def _reply_bounce(
+    driver: JobDriver, conn: Connection, receipt: Any, row: Any, when: float | None
+) -> bool:
+    """A bounce is a reply to the operation's job (``delivery:<event_id>``, source
+    ``delivery``); False when the job is gone (retention: the receipt keeps the outcome)."""
     try:
         record_reply(
             driver,
@@ -187,14 +208,14 @@ def _apply(
             f"#{receipt.job_id}",
             payload={
                 "operation_id": receipt.operation_id,
-                "status": status,
+                "status": str(row.status),
                 "provider_ref": row.provider_ref or receipt.provider_ref,
                 "detail": row.detail,
             },
             reply_id=f"delivery:{row.event_id}",
             source="delivery",
-            when=clock,
+            when=when,
         )
-    except JobNotFound:  # its job went with retention: the receipt keeps the outcome
-        return after, False
-    return after, True
+    except JobNotFound:
+        return False
+    return True
