@@ -6,12 +6,13 @@ go with it (``test_2_...`` runs after ``test_1_...`` and finds none).
 
 from __future__ import annotations
 
+import sqlalchemy
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
 
 import outbox.django
-from outbox import InvalidEvent
+from outbox import ConfigError, InvalidEvent
 from outbox.django.models import OutboxEvent
 from quotes.models import Quote
 
@@ -75,3 +76,19 @@ class OutsideATransactionTests(TransactionTestCase):
     def test_autocommit_true_writes_the_event_on_its_own(self) -> None:
         outbox.django.emit("quote.approved", key="quote-1", payload={}, autocommit=True)
         self.assertEqual(OutboxEvent.objects.count(), 1)
+
+    def test_database_url_names_the_database_django_uses(self) -> None:
+        """What manage.py outbox_relay & co. connect to: the test database, here."""
+        new_quote()
+        if connection.vendor == "sqlite" and "memory" in connection.settings_dict["NAME"]:
+            # An in-memory test database: no other process could open it, so it is refused.
+            with self.assertRaises(ConfigError):
+                outbox.django.database_url()
+            return
+        engine = sqlalchemy.create_engine(outbox.django.database_url())
+        try:
+            with engine.connect() as conn:
+                count = conn.execute(sqlalchemy.text("SELECT count(*) FROM quotes_quote"))
+                self.assertEqual(count.scalar(), 1)
+        finally:
+            engine.dispose()
