@@ -144,7 +144,7 @@ def arrivals_nats(url: str, where: Place) -> dict[str, float]:
                 while True:
                     try:
                         msgs = await sub.fetch(1000, timeout=1.0)
-                    except (FetchTimeoutError, NatsTimeout):
+                    except (FetchTimeoutError, NatsTimeout, TimeoutError):
                         break
                     for msg in msgs:
                         out[json.loads(msg.data)["id"]] = msg.metadata.timestamp.timestamp()

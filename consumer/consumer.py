@@ -60,10 +60,12 @@ from sqlalchemy.engine import URL, Engine
 
 from consumer import inbox as q
 from consumer.config import DEFAULT_RETENTION_SECONDS, ConsumerConfig
-from consumer.event import ConsumedEvent, text_fields
+from consumer.event import ConsumedEvent
 from consumer.handling import BatchProcessor, ConsumerTx, Outcome
-from consumer.reading import CLUSTER_BLOCK_SLICE_MS, Entry, StreamReader, text
+from consumer.nats_reading import NatsReader
+from consumer.reading import CLUSTER_BLOCK_SLICE_MS, Entry, StreamReader
 from consumer.retention import dead_letter_duty
+from consumer.source import Source
 from outbox.db import make_engine
 from outbox.duty import Duty, weakly
 from outbox.errors import ConfigError
@@ -71,8 +73,9 @@ from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum
+from outbox.nats_client import broker_kind
 from outbox.outage import report_failure
-from outbox.redis_client import in_slot_of, is_cluster_url, redis_client
+from outbox.redis_client import is_cluster_url, redis_client
 from outbox.validate import check_name
 
 log = logging.getLogger("outbox.consumer")
@@ -134,7 +137,8 @@ class Consumer:
             raise ConfigError(
                 "redis", f"expected a redis URL or a redislib.Redis, got {type(redis).__name__}"
             )
-        if isinstance(redis, str) and not is_cluster_url(redis):
+        self.broker = _broker_of(redis, start)
+        if self.broker == "redis" and isinstance(redis, str) and not is_cluster_url(redis):
             # Validates the URL now; the client is made on first use (a cluster client reads
             # the slot map when it is made, so it is not made here).
             redis_client(redis)
@@ -176,15 +180,7 @@ class Consumer:
             again_in=weakly(self._purge_again_in),
         )
         # Redis (consumer.reading) and the database (consumer.handling), each its own part.
-        self.reader = StreamReader(
-            weakly(self._redis_client),
-            group=self.group,
-            name=self.name,
-            streams=self.streams,
-            start=self.start,
-            config=self.config,
-            stop=self._stop,
-        )
+        self.reader: Source = self._source(redis)
         self.processor = BatchProcessor(
             group=self.group,
             config=self.config,
@@ -194,6 +190,21 @@ class Consumer:
         )
 
     # -- construction helpers ---------------------------------------------------------------
+
+    def _source(self, broker: Any) -> Source:
+        """Where the batches come from: JetStream durable pull consumers for a ``nats://``
+        URL (:mod:`consumer.nats_reading`), Redis consumer groups otherwise."""
+        options: dict[str, Any] = {
+            "group": self.group,
+            "name": self.name,
+            "streams": self.streams,
+            "start": self.start,
+            "config": self.config,
+            "stop": self._stop,
+        }
+        if self.broker == "nats":
+            return NatsReader(str(broker), **options)
+        return StreamReader(weakly(self._redis_client), **options)
 
     @staticmethod
     def _resolve_streams(
@@ -326,9 +337,7 @@ class Consumer:
         stream's slot: when the template's name would land elsewhere (the stream has no hash
         tag), the source stream becomes its tag (``{outbox.quote}.dead-letter``)."""
         name = self.config.dead_letter_stream.format(stream=stream, group=self.group)
-        if isinstance(self._redis, RedisCluster):
-            return in_slot_of(name, stream)
-        return name
+        return self.reader.dead_letter_name(name, stream)
 
     def stop(self) -> None:
         """Ask ``run()`` to finish the batch in hand and return."""
@@ -379,10 +388,7 @@ class Consumer:
             except Exception as exc:
                 report_failure(log, "final acknowledge failed; the entries come again", exc)
         # Gone: a peer may take whatever this consumer still has pending at once.
-        try:
-            self.redis.delete(self.heartbeat_key(self.name))
-        except redislib.RedisError as exc:
-            report_failure(log, "heartbeat key not removed; it expires by itself", exc)
+        self.reader.forget()
         log.info("consumer stopped", extra=fields(group=self.group, consumer=self.name))
 
     def _run_batches(self, stopping: Callable[[], bool]) -> None:
@@ -487,49 +493,19 @@ class Consumer:
     # -- after commit -----------------------------------------------------------------------
 
     def _acknowledge(self, outcome: Outcome) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        self.reader.acknowledge(outcome, self.dead_letter_stream_for, self.group)
         for dead in outcome.dead:
-            fields_ = text_fields(dead.entry.raw)
-            fields_.update(
-                {
-                    "dl.group": self.group,
-                    "dl.stream": dead.entry.stream,
-                    "dl.entry_id": dead.entry.entry_id,
-                    "dl.reason": dead.reason,
-                    "dl.error": dead.error[: q.MAX_ERROR_CHARS],
-                    "dl.deliveries": str(dead.entry.deliveries),
-                    "dl.record_id": str(
-                        outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id), "")
-                    ),
-                }
+            log.error(
+                "entry dead-lettered",
+                extra=fields(
+                    group=self.group,
+                    stream=dead.entry.stream,
+                    entry_id=dead.entry.entry_id,
+                    reason=dead.reason,
+                    error=dead.error[:500],
+                    record_id=outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id)),
+                ),
             )
-            pipe.xadd(self.dead_letter_stream_for(dead.entry.stream), fields_)  # type: ignore[arg-type]
-        for stream_name, ids in outcome.acks.items():
-            pipe.xack(stream_name, self.group, *ids)
-        results = pipe.execute(raise_on_error=False)
-        for result in results:
-            if isinstance(result, (redislib.ConnectionError, redislib.TimeoutError)):
-                raise result
-            if isinstance(result, Exception):
-                # A permanent refusal (say, the dead-letter key holds another type): the
-                # database record is the durable one; say so loudly and go on.
-                log.error(
-                    "dead-letter copy or ack refused",
-                    extra=fields(group=self.group, error=str(result)),
-                )
-        if outcome.dead:
-            for dead in outcome.dead:
-                log.error(
-                    "entry dead-lettered",
-                    extra=fields(
-                        group=self.group,
-                        stream=dead.entry.stream,
-                        entry_id=dead.entry.entry_id,
-                        reason=dead.reason,
-                        error=dead.error[:500],
-                        record_id=outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id)),
-                    ),
-                )
 
     def _report(self, outcome: Outcome) -> None:
         for stream_name, count in outcome.handled.items():
@@ -577,29 +553,21 @@ class Consumer:
         return removed
 
     def _report_lag(self, stream: str) -> None:
-        for info in self.redis.xinfo_groups(stream):
-            if text(info.get("name")) == self.group:
-                lag = info.get("lag")
-                self._hook(
-                    "consumer_lag",
-                    self.group,
-                    stream,
-                    int(lag) if lag is not None else None,
-                    int(info.get("pending") or 0),
-                )
+        found = self.reader.lag(stream)
+        if found is not None:
+            self._hook("consumer_lag", self.group, stream, found[0], found[1])
 
     def _remove_stale_consumers(self, stream: str) -> None:
         assert self.config.stale_consumer_ms is not None
-        for info in self.redis.xinfo_consumers(stream, self.group):
-            name = text(info.get("name"))
-            if name == self.name or int(info.get("pending") or 0) > 0:
-                continue  # a consumer with pending entries keeps them until they are claimed
-            if int(info.get("idle") or 0) > self.config.stale_consumer_ms:
-                self.redis.xgroup_delconsumer(stream, self.group, name)
-                log.info(
-                    "stale consumer removed",
-                    extra=fields(group=self.group, stream=stream, consumer=name),
-                )
+        self.reader.remove_stale(stream, self.config.stale_consumer_ms)
+
+
+def _broker_of(url: object, start: str) -> str:
+    """``redis`` or ``nats`` (a ``nats://`` URL), checking what only one of them takes."""
+    kind = broker_kind(url) if isinstance(url, str) else "redis"
+    if kind == "nats" and start not in ("0", "$"):
+        raise ConfigError("start", "a NATS consumer group starts at '0' or '$'")
+    return kind
 
 
 def _is_redis_client(value: object) -> bool:

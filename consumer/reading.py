@@ -29,10 +29,12 @@ import redis as redislib
 from redis.cluster import RedisCluster
 
 from consumer.config import ConsumerConfig
+from consumer.event import text_fields
+from consumer.inbox import MAX_ERROR_CHARS
 from outbox.duty import Duty, Interval
 from outbox.logs import fields
 from outbox.outage import report_failure
-from outbox.redis_client import slot_of
+from outbox.redis_client import in_slot_of, slot_of
 
 log = logging.getLogger("outbox.consumer")
 
@@ -340,6 +342,78 @@ class StreamReader:
             name = text(stream_name)
             entries.extend(Entry(name, text(eid), raw, 1) for eid, raw in items)
         return entries
+
+    # -- after commit, and upkeep ----------------------------------------------------------
+
+    def acknowledge(
+        self, outcome: Any, dead_letter_stream_for: Callable[[str], str], group: str
+    ) -> None:
+        """XADD the dead-letter copies and XACK every settled entry, in one pipeline."""
+        pipe = self.redis.pipeline(transaction=False)
+        for dead in outcome.dead:
+            fields_ = text_fields(dead.entry.raw)
+            fields_.update(
+                {
+                    "dl.group": group,
+                    "dl.stream": dead.entry.stream,
+                    "dl.entry_id": dead.entry.entry_id,
+                    "dl.reason": dead.reason,
+                    "dl.error": dead.error[:MAX_ERROR_CHARS],
+                    "dl.deliveries": str(dead.entry.deliveries),
+                    "dl.record_id": str(
+                        outcome.dead_ids.get((dead.entry.stream, dead.entry.entry_id), "")
+                    ),
+                }
+            )
+            pipe.xadd(dead_letter_stream_for(dead.entry.stream), fields_)  # type: ignore[arg-type]
+        for stream_name, ids in outcome.acks.items():
+            pipe.xack(stream_name, group, *ids)
+        results = pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, (redislib.ConnectionError, redislib.TimeoutError)):
+                raise result
+            if isinstance(result, Exception):
+                # A permanent refusal (say, the dead-letter key holds another type): the
+                # database record is the durable one; say so loudly and go on.
+                log.error(
+                    "dead-letter copy or ack refused",
+                    extra=fields(group=group, error=str(result)),
+                )
+
+    def dead_letter_name(self, name: str, stream: str) -> str:
+        """On a Redis Cluster the dead-letter stream shares the source stream's slot."""
+        if isinstance(self.redis, RedisCluster):
+            return in_slot_of(name, stream)
+        return name
+
+    def lag(self, stream: str) -> tuple[int | None, int] | None:
+        """(entries not delivered to the group yet, delivered and not acknowledged)."""
+        for info in self.redis.xinfo_groups(stream):
+            if text(info.get("name")) == self.group:
+                lag = info.get("lag")
+                return (int(lag) if lag is not None else None), int(info.get("pending") or 0)
+        return None
+
+    def remove_stale(self, stream: str, stale_ms: int) -> None:
+        """Remove the group's consumers idle longer than ``stale_ms`` with nothing pending."""
+        for info in self.redis.xinfo_consumers(stream, self.group):
+            name = text(info.get("name"))
+            if name == self.name or int(info.get("pending") or 0) > 0:
+                continue  # a consumer with pending entries keeps them until they are claimed
+            if int(info.get("idle") or 0) > stale_ms:
+                self.redis.xgroup_delconsumer(stream, self.group, name)
+                log.info(
+                    "stale consumer removed",
+                    extra=fields(group=self.group, stream=stream, consumer=name),
+                )
+
+    def forget(self) -> None:
+        """At stop: remove the heartbeat key, so a peer may take this consumer's pending
+        entries at once."""
+        try:
+            self.redis.delete(self.heartbeat_key(self.name))
+        except redislib.RedisError as exc:
+            report_failure(log, "heartbeat key not removed; it expires by itself", exc)
 
 
 __all__ = ["CLUSTER_BLOCK_SLICE_MS", "Entry", "StreamReader"]

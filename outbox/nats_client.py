@@ -56,6 +56,22 @@ DEFAULT_TIMEOUT = 5.0
 is dropped and the call fails as an outage."""
 
 
+def broker_kind(url: str | None) -> str:
+    """``redis`` or ``nats`` by the URL's scheme (None: the embedded Redis); anything else
+    is a :class:`ConfigError` naming ``broker_url``."""
+    if url is None or url == "":
+        return "redis"
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        return "redis"
+    if scheme in ("nats", "tls"):
+        return "nats"
+    raise ConfigError(
+        "broker_url",
+        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
+    )
+
+
 def nats_module() -> Any:
     """The ``nats`` package (``pip install 'outbox-toolkit[nats]'``), or a ConfigError."""
     try:
@@ -239,6 +255,7 @@ __all__ = [
     "EXPECTED_STREAM",
     "MSG_ID",
     "NatsClient",
+    "broker_kind",
     "event_id_of",
     "is_subject",
     "jetstream_name",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from outbox.errors import ConfigError
+from outbox.nats_client import broker_kind
 from relay.seam import (
     Broker,
     BrokerCheck,
@@ -22,22 +23,6 @@ from relay.seam import (
     Prepared,
     TransientError,
 )
-
-
-def broker_kind(url: str | None) -> str:
-    """``redis`` or ``nats`` by the URL's scheme (None: the embedded Redis); anything else
-    is a :class:`ConfigError` naming ``broker_url``."""
-    if url is None or url == "":
-        return "redis"
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-        return "redis"
-    if scheme in ("nats", "tls"):
-        return "nats"
-    raise ConfigError(
-        "broker_url",
-        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
-    )
 
 
 def broker_for(

@@ -99,7 +99,7 @@ def read_jetstream(kit: BrokerKit) -> list[Entry]:
                 while seen < info.state.messages:
                     try:
                         msgs = await sub.fetch(1000, timeout=2.0)
-                    except (FetchTimeoutError, NatsTimeout):
+                    except (FetchTimeoutError, NatsTimeout, TimeoutError):
                         break
                     for msg in msgs:
                         seen += 1
