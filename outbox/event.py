@@ -70,6 +70,10 @@ def encode_payload(payload: object, max_bytes: int) -> str:
     if "\\u0000" in text:
         # PostgreSQL's jsonb cannot store U+0000; refuse it on every backend alike.
         raise InvalidEvent("payload", "contains a NUL character (\\u0000)")
+    if not text.isascii():
+        problem = validate.utf8_problem(text)
+        if problem is not None:
+            raise InvalidEvent("payload", problem)
     size = len(text) if text.isascii() else len(text.encode("utf-8"))
     if size > max_bytes:
         raise InvalidEvent("payload", f"is {size} bytes encoded, over the limit of {max_bytes}")
@@ -94,6 +98,9 @@ def check_headers(headers: object) -> dict[str, str]:
             )
         if "\x00" in value:
             raise InvalidEvent("headers", f"value of {name!r} must not contain NUL characters")
+        problem = validate.utf8_problem(name + value)
+        if problem is not None:
+            raise InvalidEvent("headers", f"{name!r}: {problem}")
         if len(value) > MAX_HEADER_VALUE_LENGTH:
             limit = MAX_HEADER_VALUE_LENGTH
             raise InvalidEvent("headers", f"value of {name!r} is longer than {limit}")

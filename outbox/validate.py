@@ -40,6 +40,20 @@ def name_problem(value: object, *, limit: int = MAX_NAME_LENGTH) -> str | None:
         return f"is {len(value)} characters, longer than {limit}"
     if "\x00" in value:
         return "must not contain NUL characters"
+    return utf8_problem(value)
+
+
+def utf8_problem(text: str) -> str | None:
+    """None when ``text`` can be encoded as UTF-8; else where its lone surrogate is (a
+    ``"\\ud800"`` a JSON decoder or ``surrogateescape`` let through: no database, Redis or
+    JSON reader downstream accepts it)."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f"{text[exc.start]!r} at character {exc.start}"
+        return f"holds a lone surrogate {where}: not valid UTF-8"
     return None
 
 

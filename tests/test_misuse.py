@@ -1,0 +1,94 @@
+"""What a newcomer or a careless caller trips on (issue 41, items 10-20): each case fails
+with a clear, typed error or does what the user meant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from outbox import InvalidEvent, Outbox
+from outbox.console.app import Console
+from outbox.console.schema import create_audit_table
+
+TOKEN = "test-token-" + "x" * 20
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("payload", {"payload": {"note": "half an emoji \ud83d"}}),
+        ("payload", {"payload": {"\udfff": 1}}),
+        ("key", {"key": "quote-\ud800"}),
+        ("tenant", {"tenant": "\ud83d"}),
+        ("identity", {"identity": "studio:\udc00"}),
+        ("headers", {"headers": {"x-note": "\ud800"}}),
+    ],
+)
+def test_a_lone_surrogate_is_an_invalid_event(
+    sqlite_url: str, field: str, kwargs: dict[str, Any]
+) -> None:
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    args: dict[str, Any] = {"key": "quote-1", "payload": {"total": 1}, **kwargs}
+    with pytest.raises(InvalidEvent, match="lone surrogate") as caught, outbox.transaction() as tx:
+        tx.emit("quote.approved", **args)
+    assert caught.value.field == field  # type: ignore[attr-defined]
+    with outbox.engine.connect() as conn:  # nothing was written
+        assert conn.exec_driver_sql("SELECT count(*) FROM outbox_events").scalar_one() == 0
+
+
+def test_sign_in_keeps_the_deep_link_and_its_query(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    create_audit_table(outbox.engine)
+    console = Console(outbox.engine, redis_client, TOKEN)
+    with TestClient(console.app) as browser:
+        page = browser.get("/trace?q=studio%3Asend-quote-017&x=1")
+        assert page.status_code == 401
+        deep = page.text.split('name="next" value="')[1].split('"')[0]
+        assert deep == "/trace?q=studio%3Asend-quote-017&amp;x=1"  # HTML-escaped
+        signed = browser.post(
+            "/login",
+            data={"token": TOKEN, "next": deep.replace("&amp;", "&")},
+            follow_redirects=False,
+        )
+        assert signed.headers["location"] == "/trace?q=studio%3Asend-quote-017&x=1"
+        assert "studio:send-quote-017" in browser.get(signed.headers["location"]).text
+        by_link = browser.get(
+            f"/login?token={TOKEN}&next=/jobs%3Fstate%3DREADY", follow_redirects=False
+        )
+        assert by_link.headers["location"] == "/jobs?state=READY"
+        outside = browser.get(f"/login?token={TOKEN}&next=//evil.example/", follow_redirects=False)
+        assert outside.headers["location"] == "/"
+
+
+def test_every_extra_the_docs_install_is_also_shown_from_a_clone() -> None:
+    """Until the package is published, ``pip install 'outbox-toolkit[x]'`` fails: each page
+    that says it also says ``pip install -e '.[x]'``."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        for extra in set(re.findall(r"pip install '?outbox-toolkit\[(\w+)\]", text)):
+            if f"pip install -e '.[{extra}]'" not in text:
+                missing.append(f"{page.relative_to(root)}: [{extra}]")
+    assert not missing, missing
+
+
+def test_the_console_page_traces_the_quickstart_quote() -> None:
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    identity = "studio:send-quote-17"
+    assert identity in (docs / "quickstart.md").read_text()
+    console = (docs / "how-to" / "console.md").read_text()
+    assert identity in console and "quote-017" not in console
