@@ -128,3 +128,14 @@ def test_a_writer_imports_no_redis_client(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_outbox_django_without_django_names_the_extra(tmp_path: Path) -> None:
+    result = _run(
+        "try:\n    import outbox.django\nexcept ImportError as exc:\n    print(exc)",
+        ["django"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "outbox.django needs the 'django' extra" in result.stdout
+    assert "pip install 'outbox-toolkit[django]'" in result.stdout

@@ -17,6 +17,7 @@ connect-time set-up to once per thread.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -47,6 +48,7 @@ class _Borrowed:
     def __init__(self, alias: str) -> None:
         self._alias = alias
         self._wrapper = connections[alias]  # this thread's: Django's connections are per thread
+        self._thread = threading.get_ident()
         self._atomic: Any = None
 
     def _raw(self) -> Any:
@@ -64,12 +66,21 @@ class _Borrowed:
             self._atomic = atomic
         return self._raw().cursor(*args, **kwargs)
 
+    def _owned(self) -> bool:
+        # Django's transaction functions act on the calling thread's connection: a block is
+        # closed only by its own thread (the pool may close a stand-in from another one).
+        return threading.get_ident() == self._thread
+
     def commit(self) -> None:
+        if not self._owned():
+            return
         atomic, self._atomic = self._atomic, None
         if atomic is not None:
             atomic.__exit__(None, None, None)
 
     def rollback(self) -> None:
+        if not self._owned():
+            return
         atomic, self._atomic = self._atomic, None
         if atomic is not None:
             transaction.set_rollback(True, using=self._alias)
