@@ -1,7 +1,8 @@
 """``outbox-worker``: run job handlers.
 
 ```
-outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--batch-size N]
+outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--threads N]
+                                   [--batch-size N]
                                    [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
                                    [--recover-interval SECONDS] [--liveness-ttl SECONDS]
                                    [--liveness-interval SECONDS]
@@ -44,7 +45,8 @@ by ``MODULE:ATTRIBUTE`` (lookups need them; without one it settles nothing).
 ``MODULE:ATTRIBUTE`` names a :class:`consumer.Worker` or a zero-argument factory returning
 one. A worker built without a Store gets ``Store(--database-url)``; flags override its
 concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*``
-environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_BATCH_SIZE``,
+environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_THREADS``,
+``OUTBOX_BATCH_SIZE``,
 ``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_RECOVER_INTERVAL``,
 ``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_QUEUES``,
 ``OUTBOX_TENANT_LIMIT``, ``OUTBOX_METRICS_PORT``,
@@ -119,6 +121,14 @@ def build_parser() -> Parser:
             int,
             "slots: jobs in flight per process (a worker never leases more than its free slots)",
             shown_default=_worker_default("concurrency"),
+            metavar="N",
+        ),
+        Flag(
+            "--threads",
+            int,
+            "threads that run def handlers at once (the other claimed jobs wait for one, "
+            "holding no thread)",
+            shown_default="the Worker's, else sized from the CPUs and the jobs' waits",
             metavar="N",
         ),
         Flag(
@@ -325,6 +335,7 @@ def _run(args: argparse.Namespace, url: str) -> int:
 
 _RUN_OPTIONS = (
     "concurrency",
+    "threads",
     "batch_size",
     "ttl",
     "reconcile_interval",

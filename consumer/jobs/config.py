@@ -57,6 +57,9 @@ class WorkerConfig:
 
     name: str = field(default_factory=lambda: incarnation_name("worker"))
     concurrency: int = DEFAULT_CONCURRENCY
+    # Threads running ``def`` handlers at once (None: sized from the CPUs and the jobs' own
+    # waits, consumer.jobs.threads); the other claimed jobs wait for one without a thread.
+    threads: int | None = None
     batch_size: int = 10
     ttl: float = 30.0
     poll_interval: float = 0.5
@@ -83,6 +86,8 @@ class WorkerConfig:
             raise ConfigError("listen", f"must be True or False, got {self.listen!r}")
         for name in ("concurrency", "batch_size"):
             check_number(name, getattr(self, name), ConfigError, integer=True)
+        if self.threads is not None:
+            check_number("threads", self.threads, ConfigError, integer=True)
         for name in (
             "ttl",
             "poll_interval",

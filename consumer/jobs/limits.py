@@ -241,17 +241,26 @@ class FleetLimits:
         """Pause the provider for every worker for ``seconds`` from now (a pause already
         reaching further stays); returns its end (database clock)."""
         self._ensure(provider)
+        # One statement, its commit not waiting for a WAL flush (a crash loses a pause, no
+        # more): every call whose intent statement starts after this commit is refused, so
+        # the time from the statement to its commit is the time calls may still slip past.
         with self.store.driver.begin() as conn:
-            clock = float(conn.execute(select(self._now())).scalar_one())
-            until = clock + max(0.0, seconds)
-            conn.execute(
+            fixed = self.store.driver.clock  # a store's own clock (tests) wins
+            now = self._now() if fixed is not None else _statement_clock(conn)
+            if is_postgresql(conn.dialect.name):
+                conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
+            row = conn.execute(
                 update(provider_limits)
                 .where(provider_limits.c.provider == provider)
                 .values(
-                    paused_until=_greatest(conn, provider_limits.c.paused_until, until),
+                    paused_until=_greatest(
+                        conn, provider_limits.c.paused_until, now + max(0.0, seconds)
+                    ),
                     pauses=provider_limits.c.pauses + 1,
                 )
-            )
+                .returning(provider_limits.c.paused_until, now)
+            ).one()
+        until, clock = float(row[0]), float(row[1])
         self._remember_pause(provider, until, clock)
         return until
 
@@ -724,9 +733,16 @@ class ProviderGate:
         made = ticket.held and ticket.called > 0.0
         latency = max(0.0, ticket.answered - ticket.called) if made else None
         self.permits.release(latency, timed_out=timed_out)
-        if retry_after is not None and self.fleet is not None:
-            until = self.fleet.pause(self.name, retry_after)
-            call_hook(self.hooks, "provider_paused", self.name, retry_after, until)
+        if retry_after is not None:
+            self.pause(retry_after)
+
+    def pause(self, seconds: float) -> None:
+        """The provider asked to be left alone for ``seconds`` (a failure's ``retry_after``):
+        pause it for the fleet now, before anything else is recorded, so that the calls
+        made after this one wait."""
+        if self.fleet is not None:
+            until = self.fleet.pause(self.name, seconds)
+            call_hook(self.hooks, "provider_paused", self.name, seconds, until)
 
     def _waiting(self, delta: int, progress: Callable[[], None] | None) -> None:
         if progress is not None:

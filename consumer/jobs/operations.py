@@ -404,7 +404,9 @@ class Operations:
             # Any failure that says when to call again pauses the provider for the fleet:
             # a TransientFailure(retry_after=S), HttpProvider's 429/503, any exception with
             # a numeric ``retry_after`` (a user's own SDK error).
-            ticket.retry_after = retry_after_of(exc)
+            retry_after = retry_after_of(exc)
+            if retry_after is not None:
+                gate.pause(retry_after)  # first: the fleet's next calls wait from now
             ticket.timed_out = isinstance(exc, ProviderTimeout)
             self._update(operation_id, failed_state(exc), None, failure_text(exc))
             raise
