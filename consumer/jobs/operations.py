@@ -73,7 +73,8 @@ from consumer.jobs.cancels import is_requested
 from consumer.jobs.checks import valid_time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
-from consumer.jobs.outcome import (
+from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
+from consumer.jobs.receipts import (
     ACCEPTED,
     FAILED,
     NOT_SENT,
@@ -84,7 +85,6 @@ from consumer.jobs.outcome import (
     failure_text,
     retry_after_of,
 )
-from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
 from consumer.jobs.store import Lease, Store

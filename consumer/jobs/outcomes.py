@@ -29,6 +29,7 @@ from consumer.errors import (
     ProviderThrottled,
 )
 from consumer.jobs.context import JobContext
+from consumer.jobs.receipts import retry_after_of
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
@@ -151,7 +152,8 @@ class Outcomes:
             "job handler failed",
             extra=fields(job_id=ctx.job_id, action=ctx.action, error=repr(error)),
         )
-        return "failed_" + store.fail(ctx.lease, error=error).lower()
+        state = store.fail(ctx.lease, error=error, retry_after=retry_after(error))
+        return "failed_" + state.lower()
 
     # -- the one finish ------------------------------------------------------------------
     def finish(self, done: Sequence[Settled]) -> set[int]:
@@ -201,12 +203,11 @@ class Outcomes:
             log.info("leases handed back after a database error", extra=fields(jobs=released))
 
 
-def retry_after(failure: JobFailure) -> float | None:
-    """A provider's ``Retry-After`` (seconds) carried by the failure, if any."""
-    value = getattr(failure, "retry_after", None)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    return None
+def retry_after(failure: BaseException) -> float | None:
+    """A provider's ``Retry-After`` (seconds) carried by the failure, if any: any exception
+    with a numeric ``retry_after`` (``consumer.jobs.receipts.retry_after_of``), so that the
+    job's retry comes after the pause its failure started (issue 37)."""
+    return retry_after_of(failure)
 
 
 async def _awaited(result: Awaitable[Any]) -> Any:

@@ -7,7 +7,9 @@ statement, and starts each job the moment it is claimed: no job is leased to a p
 cannot start it now (a batch model let a claimed job wait behind its batch-mates while it
 held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old defaults).
 
-- A ``def`` handler runs on a pool of threads (one per slot, made as needed).
+- A ``def`` handler runs on a bounded pool of threads (``consumer.jobs.threads``: sized
+  from the CPUs and the jobs' own waits, or ``WorkerConfig.threads``); the claimed jobs
+  beyond it wait for a thread on the loop, holding their lease but no thread.
 - An ``async def`` handler runs on the runner's event loop; ``await job.adispatch(...)``
   keeps the provider call there and its database statements in a small executor, so one
   process holds hundreds of calls in flight for little CPU.
@@ -54,8 +56,11 @@ from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.inhand import JobsInHand
+from consumer.jobs.limits import shared_limits
 from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
+from consumer.jobs.permits import SCHEDULING
 from consumer.jobs.store import Lease, Store
+from consumer.jobs.threads import ThreadGate, timed
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
@@ -141,7 +146,12 @@ class SlotRunner:
         ]
         self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
-        self.threads = ThreadPoolExecutor(self.slots, thread_name_prefix=f"{config.name}-slot")
+        # def handlers: at most ``thread_gate.size`` at once (consumer.jobs.threads), not a
+        # thread per slot (two workers of 256 on 2 cores: load average 25, issue 37).
+        self.thread_gate = ThreadGate(self.slots, config.threads)
+        self.threads = ThreadPoolExecutor(
+            self.thread_gate.most, thread_name_prefix=f"{config.name}-slot"
+        )
         # Claims, finishes, maintenance and the database statements of async dispatches:
         # short statements, bounded by the store's connection pool anyway.
         self.db = ThreadPoolExecutor(
@@ -236,7 +246,11 @@ class SlotRunner:
                 await asyncio.sleep(backoff.delay(failures))
             except Exception as exc:  # a provider's lookup in the sweep: logged, retried
                 report_failure(log, "receipt sweep failed, retrying", exc)
+            slept = time.monotonic()
             await asyncio.sleep(MAINTENANCE_TICK)
+            # How late the loop ran this tick: the provider limits allow for it (a late event
+            # loop is not a slow provider, consumer.jobs.permits.SchedulingDelay).
+            SCHEDULING.note(time.monotonic() - slept - MAINTENANCE_TICK)
 
     # -- claiming, in named steps -------------------------------------------------------
     async def _claim_loop(self) -> None:
@@ -396,10 +410,12 @@ class SlotRunner:
         parts = self.parts
         routed = parts.route(ctx.lease)
         if routed is None or not is_async_handler(routed[1]):
-            settled: Settled = await self._loop.run_in_executor(
-                self.threads, parts.outcomes.run, ctx
-            )
-            return settled
+            async with self.thread_gate:  # waits on the loop for a thread, holding none
+                ran: tuple[Settled, float, float] = await self._loop.run_in_executor(
+                    self.threads, timed, parts.outcomes.run, ctx
+                )
+            self.thread_gate.learn(ran[1], ran[2])
+            return ran[0]
         started = time.monotonic()
         ctx.started()  # renewed at every beat until here
         parts.hook("worker_job_started", routed[0], **ctx.lease.facts())
@@ -411,7 +427,7 @@ class SlotRunner:
                 error = exc
             ctx.ended()  # renewed at every beat from here
             span.set("outbox.job.outcome", "interrupted")  # unless settled below
-            settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
+            settled: Settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
             span.set("outbox.job.outcome", settled.outcome)
         return settled
 
@@ -455,8 +471,8 @@ class SlotRunner:
         (``ProviderGate.aparked``; ``consumer.jobs.limits``: behind a backlog for that
         provider, a slot freed at once claims its next job and hands it back too, at the
         database's speed). A stop ends the wait."""
-        operations = self.parts.operations
-        gate = operations.gate_named(throttled.provider) if operations is not None else None
+        # The provider's one gate in this process (a user's own Operations' too).
+        gate = shared_limits(self.parts.store).gate_named(throttled.provider)
         if gate is None or self._halt is None:
             return
         parked = asyncio.ensure_future(gate.aparked())

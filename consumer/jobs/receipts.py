@@ -1,6 +1,6 @@
-"""What the end of a provider call means: the receipt it leaves, and whether it asks the
-fleet to slow down (``consumer.jobs.operations`` records both; ``consumer.jobs.limits``
-pauses the provider).
+"""Receipt states, and what the failed end of a provider call means: the receipt it leaves,
+and whether it asks the fleet to slow down (``consumer.jobs.operations`` records both;
+``consumer.jobs.limits`` pauses the provider).
 
 The receipt states live here (``consumer.jobs.operations`` re-exports them): PENDING (an
 intent, its call may be in flight), ACCEPTED, UNKNOWN (the request may have landed:
