@@ -151,7 +151,7 @@ def test_the_example_passes_under_djangos_test_runner(
         del env["TEST_DATABASE_NAME"]
     result = manage(env, "test", "quotes", "-v", "2")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "Ran 8 tests" in result.stderr and "OK" in result.stderr
+    assert "Ran 9 tests" in result.stderr and "OK" in result.stderr
 
 
 @pytest.mark.slow

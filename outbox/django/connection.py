@@ -64,7 +64,16 @@ class _Borrowed:
             atomic = transaction.atomic(using=self._alias)
             atomic.__enter__()
             self._atomic = atomic
-        return self._raw().cursor(*args, **kwargs)
+        cursor = self._raw().cursor(*args, **kwargs)
+        if self._wrapper.vendor == "postgresql":
+            # Django's connection leaves json/jsonb as text (its JSONField decodes them);
+            # SQLAlchemy's JSON columns expect psycopg to decode them. Per cursor, so Django's
+            # own cursors keep their loaders.
+            from psycopg.types.json import JsonbLoader, JsonLoader
+
+            cursor.adapters.register_loader("json", JsonLoader)
+            cursor.adapters.register_loader("jsonb", JsonbLoader)
+        return cursor
 
     def _owned(self) -> bool:
         # Django's transaction functions act on the calling thread's connection: a block is

@@ -11,6 +11,7 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
 
+import outbox
 import outbox.django
 from outbox import ConfigError, InvalidEvent
 from outbox.django.models import OutboxEvent
@@ -53,6 +54,19 @@ class ApproveTests(TestCase):
             outbox.django.emit("quote.approved", key="q", payload={"total": object()})
         self.assertEqual(caught.exception.field, "payload")
         self.assertEqual(OutboxEvent.objects.count(), 0)
+
+    def test_sqlalchemy_on_djangos_connection_reads_json_as_the_orm_does(self) -> None:
+        """outbox.django.engine(): one transaction with the ORM, JSON decoded on both sides."""
+        outbox.django.emit("quote.approved", key="quote-1", payload={"total": 120})
+        engine = outbox.django.engine()
+        try:
+            with engine.connect() as conn:
+                table = outbox.build_schema().table  # typed: JSON decoded on either backend
+                payload = conn.execute(sqlalchemy.select(table.c.payload)).scalar()
+                self.assertEqual(payload, {"total": 120})  # sees the uncommitted row
+                self.assertEqual(OutboxEvent.objects.get().payload, {"total": 120})
+        finally:
+            engine.dispose()
 
     def test_the_admin_shows_the_backlog_read_only(self) -> None:
         quote = new_quote()
