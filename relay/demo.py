@@ -2,7 +2,8 @@
 
 Quotes are approved in transactions, each emitting an event (one in ten is approved twice,
 as a retrying client would, with the same business identity); a relay publishes the events
-to a Redis Stream; a consumer group reads them, deduplicates by identity in its inbox and
+to a Redis Stream (or, with ``--broker-url nats://...``, to NATS JetStream); a consumer group
+reads them, deduplicates by identity in its inbox and
 enqueues one "send the quote" job per quote in the same transaction; a worker claims the
 jobs under fenced leases and finishes them. The live view shows each step.
 
@@ -10,7 +11,7 @@ On the embedded default it needs nothing installed: a SQLite file (``outbox.db``
 embedded Redis server (``outbox-redis.db``), in one folder, ``.outbox/`` in the working
 directory (``--data-dir``, ``OUTBOX_DATA_DIR``; git ignores it). Each run starts fresh: the
 earlier run's database, stream and simulator effects in that folder are removed first; on a
-database or Redis of ``--database-url``/``--redis-url`` nothing is removed and the demo says
+database or broker of ``--database-url``/``--broker-url`` nothing is removed and the demo says
 that it reuses them. Ctrl-C (or ``--duration``) stops it cleanly: the writer stops, the relay
 drains what is committed.
 
@@ -58,8 +59,10 @@ from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
 from outbox.redis_client import is_cluster_url, redis_client
 from relay.admin import status
+from relay.broker import Broker, broker_for, broker_kind
 from relay.config import RelayConfig
 from relay.demo_app import PARENT_PID_VARIABLE, SIMULATOR_URL_VARIABLE
+from relay.demo_stream import NatsView, RedisView
 from relay.redis.publisher import RedisStreamPublisher
 from relay.relay import Relay
 
@@ -93,9 +96,9 @@ def _say_what_is_reused(args: argparse.Namespace, start_id: int, client: Any) ->
             "runs; the totals below count them too",
             flush=True,
         )
-    if args.redis_url is not None and client.exists(STREAM_KEY):
+    if args.redis_url is not None and client.exists():
         print(
-            f"reusing the stream {STREAM_KEY} of --redis-url: its entries of earlier runs "
+            f"reusing the stream {STREAM_KEY} of --broker-url: its entries of earlier runs "
             "count in the totals below",
             flush=True,
         )
@@ -214,13 +217,13 @@ def _view(
     elapsed: float,
 ) -> str:
     report = status(outbox.engine, outbox.schema)
-    stream = "outbox.quote.approved"
+    stream = STREAM_KEY
     try:
-        length = client.xlen(stream)
-        sample = client.xrevrange(stream, count=3)
+        length = client.length()
+        sample = client.latest(3)
     except Exception as exc:
         length, sample = -1, []
-        print(f"redis: {exc}", file=sys.stderr)
+        print(f"broker: {exc}", file=sys.stderr)
     by_state = store.counts()
     lines = [
         f"outbox demo  {elapsed:6.1f}s   (Ctrl-C to stop)",
@@ -231,11 +234,9 @@ def _view(
         f"  quarantined:                 {report['quarantined']}",
         f"  stream {stream}: {length} entries; latest:",
     ]
-    for entry_id, entry in sample:
-        f = {k.decode(): v.decode() for k, v in entry.items()}
+    for entry_id, f in sample:
         lines.append(
-            f"    {entry_id.decode()}  {f.get('subject')}  tenant={f.get('tenant')}  "
-            f"data={f.get('data')}"
+            f"    {entry_id}  {f.get('subject')}  tenant={f.get('tenant')}  data={f.get('data')}"
         )
     lines += [
         f"  consumer group billing:      {counts.handled} handled, "
@@ -582,20 +583,15 @@ def run_demo(args: argparse.Namespace) -> int:
         _start_fresh(data_dir)
     outbox = Outbox(database_url, table=args.table, schema=args.schema)
     start_id = _setup_domain(outbox)
-    if getattr(args, "redis_cluster", False) or is_cluster_url(args.redis_url):
-        client: Any = redis_client(args.redis_url, cluster=True)
-    else:
-        client = redis_client(args.redis_url, directory=data_dir)
-    client.ping()
+    client, publisher, source = _broker(args, data_dir)
     if args.redis_url is None and args.database_url is None:
         # The embedded server in the data directory is the demo's own, as is the database
         # just removed: its stream, group and markers go too.
-        client.flushdb()
+        client.flush()
     _say_what_is_reused(args, start_id, client)
-    publisher = RedisStreamPublisher(client, STREAM)
     relay = Relay(outbox, publisher, RelayConfig(poll_interval=0.02, max_poll_interval=0.2))
     counts = _Counts()
-    consumer, store, worker = _consumer_and_worker(outbox, client, counts)
+    consumer, store, worker = _consumer_and_worker(outbox, source, counts)
     # Every table exists before the threads start: on SQLite, DDL racing the writer's
     # transactions only meets "database is locked" and retries.
     consumer.create_schema()
@@ -614,6 +610,20 @@ def run_demo(args: argparse.Namespace) -> int:
         outbox.engine.dispose()
         store.engine.dispose()
         logging.shutdown()
+
+
+def _broker(args: argparse.Namespace, data_dir: str) -> tuple[Any, Broker, Any]:
+    """The stream view, the relay's broker and what the consumer reads from, for
+    ``--broker-url`` (a Redis client shared by all three, or a NATS URL)."""
+    if broker_kind(args.redis_url) == "nats":
+        view = NatsView(args.redis_url, STREAM_KEY)
+        return view, broker_for(args.redis_url, stream_template=STREAM), args.redis_url
+    if getattr(args, "redis_cluster", False) or is_cluster_url(args.redis_url):
+        client: Any = redis_client(args.redis_url, cluster=True)
+    else:
+        client = redis_client(args.redis_url, directory=data_dir)
+    client.ping()
+    return RedisView(client, STREAM_KEY), RedisStreamPublisher(client, STREAM), client
 
 
 # complexity: the demo's script of steps, read top to bottom (to split by step)
@@ -725,7 +735,7 @@ def _run(
         f"stopped: {counter[0]} quotes approved (+{counter[1]} duplicate events), "
         f"{relay.stats.published} events published, {report['pending']} pending, "
         f"{report['quarantined']} quarantined; stream outbox.quote.approved has "
-        f"{client.xlen('outbox.quote.approved')} entries; consumer handled {counts.handled}, "
+        f"{client.length()} entries; consumer handled {counts.handled}, "
         f"skipped {counts.duplicates} duplicates; {jobs_by_state['DONE']} quotes sent, one job each"
     )
     if chaos is not None:

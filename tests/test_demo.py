@@ -6,11 +6,13 @@ subprocesses, the connector simulator service and the embedded Redis, in a fresh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,4 +90,49 @@ def test_chaos_demo_kills_workers_mid_send_and_sends_one_email_per_quote(
     # Nothing left running: the embedded Redis released, every worker and the simulator
     # stopped and reaped.
     assert embedded_servers_in(tmp_path) == []
+    assert _children_in(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_chaos_demo_on_nats_sends_one_email_per_quote(tmp_path: Path) -> None:
+    """``outbox-relay demo --broker-url nats://... --chaos`` (issue 40): the same loop with
+    JetStream between the relay and the consumer, workers SIGKILLed mid-send, one email per
+    quote. The demo's stream is the shared NATS's ``outbox_quote_approved``: removed before
+    and after, so the run counts only its own events."""
+    from tests.broker_support import _nats_run, nats_reachable
+
+    url = nats_reachable()
+
+    async def drop(js: Any) -> None:
+        from nats.js.errors import NotFoundError
+
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream("outbox_quote_approved")
+
+    _nats_run(drop)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["PYTHONPATH"] = str(ROOT)
+    try:
+        command = [sys.executable, "-m", "relay", "demo", "--chaos", "--duration", "8"]
+        result = subprocess.run(
+            [*command, "--broker-url", url],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=150,
+        )
+    finally:
+        _nats_run(drop)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    summary = CHAOS_SUMMARY.fullmatch(lines[-1])
+    assert summary, lines[-1]
+    quotes, sent, duplicates, killed, _mid_send, accepted, unknown, pending = map(
+        int, summary.groups()
+    )
+    assert quotes > 0 and killed >= 1
+    assert sent == quotes and duplicates == 0
+    assert (accepted, unknown, pending) == (quotes, 0, 0)
+    assert lines[-2].endswith(f"; {quotes} quotes sent, one job each"), lines[-2]
     assert _children_in(tmp_path) == []
