@@ -32,6 +32,7 @@ from outbox.console.actions import ActionError, Actions, Actor
 from outbox.console.auth import COOKIE, CSRF_HEADER, Guard, Principal, Sessions
 from outbox.console.door import Door
 from outbox.console.gate import MAX_BODY, Gate, host_names
+from outbox.console.openapi import openapi
 from outbox.console.overview import overview
 from outbox.console.params import integer, optional_integer, text
 from outbox.console.queries import FilterError, NotFound, Tables
@@ -104,6 +105,7 @@ class Console:
             r("/console.css", self.css),
             r("/login", self.login, methods=["GET", "POST"]),
             r("/logout", page(self.logout), methods=["POST"]),
+            r("/api/openapi.json", self.api_description),
             r("/api/overview", api(self.api_overview)),
             r("/api/trace", api(self.api_trace)),
             r("/api/events", api(self.api_list("events"))),
@@ -194,6 +196,10 @@ class Console:
         return self.guard.csrf_token(who.session) if who.session else ""
 
     # -- sign in ---------------------------------------------------------------------------
+
+    async def api_description(self, request: Request) -> Response:
+        """The API's OpenAPI description (no token: it describes, it holds no data)."""
+        return _json(openapi())
 
     async def css(self, request: Request) -> Response:
         template = self.templates.get_template("console.css")
