@@ -192,7 +192,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nats-url", default=DEFAULT_NATS)
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (0: none)")
     parser.add_argument("--rate", type=float, default=1000)
     parser.add_argument("--latency-seconds", type=float, default=20)
     parser.add_argument("--writers", type=int, default=8)
@@ -205,8 +205,9 @@ def main(argv: list[str]) -> int:
     for _ in range(args.rounds):
         for kind in ("redis", "nats"):
             rates[kind].append(time_drain(args, r, kind, urls[kind]))
-    red, nat = statistics.median(rates["redis"]), statistics.median(rates["nats"])
-    print(f"  median: redis {red:,.0f}/s, nats {nat:,.0f}/s: nats/redis x{nat / red:.2f}")
+    if args.rounds:
+        red, nat = statistics.median(rates["redis"]), statistics.median(rates["nats"])
+        print(f"  median: redis {red:,.0f}/s, nats {nat:,.0f}/s: nats/redis x{nat / red:.2f}")
     if not args.skip_latency:
         seconds = args.latency_seconds
         print(f"commit -> message latency at {args.rate:,.0f} events/s for {seconds} s")

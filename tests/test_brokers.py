@@ -222,3 +222,28 @@ def test_the_relay_command_takes_the_broker_url(
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"published": 5}
     assert sorted(broker_kit.ids(broker_kit.stream("t"))) == sorted(ids)
+
+
+def test_the_console_trace_shows_the_stream_and_the_receipt(
+    outbox: Outbox, pg_url: str, broker_kit: BrokerKit
+) -> None:
+    """``outbox-console trace EVENT --json --broker-url URL``: the published event's stream
+    entry read back from the broker, under its stream name and receipt (a Redis entry id,
+    a JetStream sequence), with its fields."""
+    with outbox.transaction() as tx:
+        event_id = tx.emit("t", key="k", payload={"n": 1})
+    relay = relay_on(outbox, broker_kit.make())
+    drain(relay, 2)
+    relay.store.close()
+    [row] = rows(outbox)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    argv = [sys.executable, "-m", "outbox.console.cli", "trace", event_id, "--json"]
+    argv += ["--database-url", pg_url, "--broker-url", broker_kit.url]
+    if broker_kit.cluster:
+        argv.append("--redis-cluster")
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [entry] = json.loads(result.stdout)["stream_entries"]
+    assert entry["state"] == "present"
+    assert (entry["stream"], entry["id"]) == (broker_kit.stream("t"), row["stream_id"])
+    assert entry["fields"]["id"] == event_id

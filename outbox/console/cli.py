@@ -37,6 +37,7 @@ from outbox.db import default_database_url, describe_url, make_engine
 from outbox.errors import ConfigError
 from outbox.extras import require
 from outbox.logs import fields, setup_logging
+from outbox.nats_client import broker_kind
 from outbox.redis_client import is_cluster_url, redis_client
 
 log = logging.getLogger("outbox.console")
@@ -183,6 +184,10 @@ def _command(args: argparse.Namespace) -> int:
 
 def _redis(args: argparse.Namespace) -> Any:
     redis_url = args.redis_url
+    if broker_kind(redis_url) == "nats":
+        from outbox.console.nats_view import NatsConsoleView
+
+        return NatsConsoleView(redis_url)
     cluster = bool(args.redis_cluster) or is_cluster_url(redis_url)
     if cluster:
         return redis_client(redis_url, cluster=True)
