@@ -12,18 +12,21 @@ from consumer.errors import (
     AuthFailure,
     Conflict,
     ConsumerError,
+    InvalidSchedule,
     JobCancelled,
     OperationUnresolved,
     PermanentFailure,
     ProviderOutcomeUnknown,
     ProviderTimeout,
     ProviderUnavailable,
+    ScheduleNotFound,
     TransientFailure,
 )
 from consumer.event import ConsumedEvent
 from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import Operations, Provider, Receipt
 from consumer.jobs.retry import RetryPolicy
+from consumer.jobs.schedules import Schedule, ScheduleInfo
 from consumer.jobs.store import EnqueueResult, Lease, Reply, ReplyResult, Store, StoreConfig, Timer
 from consumer.jobs.worker import JobContext, Worker, WorkerConfig
 
@@ -37,6 +40,7 @@ __all__ = [
     "ConsumerTx",
     "EnqueueResult",
     "HttpProvider",
+    "InvalidSchedule",
     "JobCancelled",
     "JobContext",
     "Lease",
@@ -51,6 +55,9 @@ __all__ = [
     "Reply",
     "ReplyResult",
     "RetryPolicy",
+    "Schedule",
+    "ScheduleInfo",
+    "ScheduleNotFound",
     "Store",
     "StoreConfig",
     "Timer",

@@ -298,3 +298,21 @@ def test_a_worker_defines_fires_and_runs_its_schedules(store: Store) -> None:
     again = Worker(store, schedules=[Schedule("digest", "*/5 * * * *", "studio", "digest")])
     assert again.define_schedules().unchanged == ("digest",)
     assert Worker(store).define_schedules().not_in_code == ()  # no schedules=: no report
+
+
+def test_run_once_with_now_fires_the_slots_of_that_time(store: Store) -> None:
+    from consumer import Worker
+    from consumer.jobs.context import JobContext
+
+    store.schedule_every("report", cron="0 * * * *", tenant="t", action="report", now=T0)
+    worker = Worker(store)  # no schedules= of its own: it fires every schedule anyway
+    slots: list[object] = []
+
+    @worker.handler("report")
+    def run_report(job: JobContext) -> None:
+        slots.append(job.slot)
+
+    assert worker.run_once(now=T0 + 60) == 0  # 09:01:30: the 10:00 slot is ahead
+    assert worker.run_once(now=T0 + 3600) == 1  # 10:00:30
+    assert slots == [Slot.at(T0 + 3570)]
+    assert worker.schedules_defined is not None and worker.schedules_defined.created == ()

@@ -104,7 +104,7 @@ class WorkerDuties:
         """Recovery and the receipt sweep when due, vacuum and retention started in the
         background when due. True if jobs became READY."""
         moved = self.maybe_recover(now)
-        fired = self.fire_due()
+        fired = self.fire_due(now)
         self.maybe_reconcile()
         if self.vacuum is not None:
             self.vacuum.maybe_start()
@@ -122,14 +122,15 @@ class WorkerDuties:
         self.schedules_defined = report
         return report
 
-    def fire_due(self) -> bool:
-        """A firing round when due (this worker's schedules defined first, once). True if
-        it enqueued jobs."""
-        if not self.firing.due():
+    def fire_due(self, now: Time | None = None) -> bool:
+        """A firing round when due, or at ``now`` whenever a caller steps time with it
+        (``run_once(now=...)``); this worker's schedules are defined first, once. True if it
+        enqueued jobs."""
+        if now is None and not self.firing.due():
             return False
         if self.schedules_defined is None:
             self.define_schedules()
-        return any(not slot.duplicate for slot in self.firing.run_once().fired)
+        return any(not slot.duplicate for slot in self.firing.run_once(now).fired)
 
     # -- recovery -------------------------------------------------------------------------
     def maybe_recover(self, now: Time | None) -> bool:
