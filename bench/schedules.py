@@ -7,8 +7,9 @@ default settings (each with its own Store, so its own connection pool, as a proc
 
 - ``base``: no schedule, no job: the idle fleet's own statements (claim polls, liveness,
   recovery);
-- ``sched``: ``--schedules`` per-minute schedules (``* * * * *``, defined by the first
-  worker's ``schedules=``), their handler recording ``time.time() - ctx.slot``.
+- ``sched``: ``--schedules`` per-minute schedules (``* * * * *``, one tenant each, so each
+  slot of each is a job of its own; defined by the first worker's ``schedules=``), their
+  handler recording ``time.time() - ctx.slot``.
 
 Every statement each fleet's engines execute is counted (a SQLAlchemy ``before_cursor_execute``
 listener), and those naming ``outbox_schedules`` apart. Printed: statements per minute per
@@ -68,7 +69,7 @@ def fleet(
 
     made, threads = [], []
     definitions = [
-        Schedule(f"s{n:03d}", "* * * * *", f"tenant-{n % 10}", "tick") for n in range(schedules)
+        Schedule(f"s{n:03d}", "* * * * *", f"tenant-{n}", "tick") for n in range(schedules)
     ]
     for index in range(workers):
         store = Store(url)

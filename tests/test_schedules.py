@@ -316,3 +316,28 @@ def test_run_once_with_now_fires_the_slots_of_that_time(store: Store) -> None:
     assert worker.run_once(now=T0 + 3600) == 1  # 10:00:30
     assert slots == [Slot.at(T0 + 3570)]
     assert worker.schedules_defined is not None and worker.schedules_defined.created == ()
+
+
+def test_a_round_costs_a_few_statements_whatever_the_schedules_due(store: Store) -> None:
+    from sqlalchemy import event
+
+    for n in range(100):
+        store.schedule_every(f"s{n:03d}", cron="* * * * *", tenant=f"t{n}", action="a", now=T0)
+    # Two schedules of one tenant and action share each slot's job.
+    store.schedule_every("twin", cron="* * * * *", tenant="t0", action="a", now=T0)
+    statements: list[str] = []
+
+    def count(_c: object, _cur: object, statement: str, *_: object) -> None:
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    try:
+        result = store.fire_schedules(now=T0 + 31)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", count)
+    assert len(result.fired) == 101
+    assert sum(1 for s in result.fired if s.duplicate) == 1
+    assert len({s.job_id for s in result.fired}) == 100
+    assert len(statements) <= 10, statements  # not one per schedule
+    assert not result.more
+    assert store.get_schedule("twin").fired == 1

@@ -20,6 +20,7 @@ UTC datetime whose ``str`` is the ISO 8601 text used in the job's action).
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -115,6 +116,23 @@ def check_cron(cron: object) -> str:
     return text
 
 
+_per_thread = threading.local()
+
+
+def _steps(cron: str) -> croniter:
+    """A croniter for ``cron``, parsed once per thread (parsing is most of a step's cost:
+    ~0.7 ms against ~0.1 ms to step); each use sets its start."""
+    cache: dict[str, croniter] | None = getattr(_per_thread, "steps", None)
+    if cache is None:
+        cache = _per_thread.steps = {}
+    found = cache.get(cron)
+    if found is None:
+        if len(cache) >= 1024:
+            cache.clear()
+        found = cache[cron] = _croniter()(cron, datetime(2000, 1, 1))
+    return found
+
+
 def _instant(local: datetime, zone: ZoneInfo) -> float:
     """The instant of a naive local wall-clock time (the DST rules: module docstring)."""
     return local.replace(tzinfo=zone, fold=0).timestamp()
@@ -143,7 +161,8 @@ def next_slot(cron: str, zone: ZoneInfo, after: float) -> float:
         moment.astimezone(zone).utcoffset() or timedelta(0),
     ]
     start = (moment + min(offsets)).replace(tzinfo=None)
-    steps = _croniter()(cron, start)
+    steps = _steps(cron)
+    steps.set_current(start, force=True)
     best: float | None = None
     first_gap: datetime | None = None
     while True:

@@ -352,7 +352,7 @@ class ScheduleMethods:
             )
         return True
 
-    def fire_schedules(self, *, now: Time | None = None, limit: int = 100) -> FiringResult:
+    def fire_schedules(self, *, now: Time | None = None, limit: int = 500) -> FiringResult:
         """One round of the firing duty (``consumer.jobs.firing``): every running schedule
         whose slot passed at ``now`` (default: the database clock) enqueues its slots' jobs,
         at most ``limit`` schedules. Workers run it by themselves; a test steps it."""
