@@ -68,13 +68,16 @@ class BrokerKit:
         return [e["id"] for e in self.read(stream)]
 
     def lose(self, stream: str) -> None:
-        """The broker loses ``stream`` (deleted: what a flush or an empty restart does)."""
+        """The broker loses ``stream``: on NATS the JetStream stream is deleted; on Redis
+        every key of this test goes (the stream and the relay's markers and fences: what a
+        FLUSHALL or an empty restart does to them, on the shared server)."""
         if self.name == "nats":
             _nats_run(lambda js: js.delete_stream(jetstream_name(stream)))
             return
         client = self._redis()
         try:
-            client.delete(stream)
+            for key in [stream, *client.scan_iter(match=f"*{self.prefix}*", count=1000)]:
+                client.delete(key)
         finally:
             client.close()
 
