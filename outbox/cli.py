@@ -50,9 +50,11 @@ import enum
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +64,7 @@ from outbox import lifecycle, tracing
 from outbox.db import default_database_url, describe_url, missing_sqlite_file
 from outbox.errors import ConfigError, OutboxError
 from outbox.extras import MissingExtra
+from outbox.validate import int_problem
 
 log = logging.getLogger("outbox.cli")
 
@@ -293,9 +296,32 @@ REDIS_CLUSTER = Flag(
     bool,
     "--broker-url names any node of a Redis Cluster (a redis+cluster:// URL says the same)",
 )
+
+
+def port(raw: str) -> int:
+    """A TCP port from the command line or a variable: ASCII digits, 0 to 65535."""
+    problem = int_problem(raw, minimum=0, maximum=65535)
+    if problem is not None:
+        raise ValueError(problem)
+    return int(raw)
+
+
+_TYPE_WORDS[port] = "a port (0 to 65535)"
+
+
+def log_level(raw: str) -> str:
+    """A log level, in any case: debug, info, warning or error."""
+    level = raw.strip().lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 METRICS_PORT = Flag(
     "--metrics-port",
-    int,
+    port,
     "serve Prometheus metrics on this port",
     shown_default="no metrics server",
     metavar="PORT",
@@ -303,7 +329,9 @@ METRICS_PORT = Flag(
 METRICS_HOST = Flag(
     "--metrics-host", help="address of the metrics server", default="127.0.0.1", metavar="HOST"
 )
-LOG_LEVEL = Flag("--log-level", help="debug, info, warning, error", default="info", metavar="LEVEL")
+LOG_LEVEL = Flag(
+    "--log-level", log_level, "debug, info, warning, error", default="info", metavar="LEVEL"
+)
 
 DATABASE: tuple[Flag, ...] = (DATABASE_URL,)
 REDIS: tuple[Flag, ...] = (REDIS_URL, REDIS_CLUSTER)
@@ -320,6 +348,17 @@ class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]
             kwargs["description"] = line[0].upper() + line[1:] + ("" if line[-1] in ".)" else ".")
         parser: argparse.ArgumentParser = super().add_parser(name, **kwargs)
         return parser
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        # argparse hands a subcommand's unknown flags back to the top parser, whose error then
+        # shows the top-level usage ("outbox-relay run --batchsize 5"): the subcommand that
+        # did not know the flag says so, with its own usage.
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        chosen = self._name_parser_map.get(values[0]) if values else None
+        if extras and chosen is not None:
+            delattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR)
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}")
 
 
 class Parser(argparse.ArgumentParser):
@@ -357,6 +396,11 @@ def load_target(target: str, kind: type, *, example: str = "myapp.module:thing")
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
         raise UsageError(f"{target!r} is not MODULE:ATTRIBUTE (e.g. {example})")
+    if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attribute):
+        raise UsageError(
+            f"{target!r}: MODULE and ATTRIBUTE are dotted Python names (e.g. {example}), "
+            "not file paths; run from the directory that holds the module"
+        )
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
@@ -367,6 +411,9 @@ def load_target(target: str, kind: type, *, example: str = "myapp.module:thing")
         raise UsageError(f"cannot import {module_name!r}: {exc.msg} at {where}") from None
     except ImportError as exc:
         raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:
+        exc.add_note(_user_frame(exc, module_name))
+        raise
     obj: Any = module
     for part in attribute.split("."):
         try:
@@ -380,6 +427,19 @@ def load_target(target: str, kind: type, *, example: str = "myapp.module:thing")
             f"{target} is {type(obj).__name__}, not a {kind.__name__} or a factory of one"
         )
     return obj
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _user_frame(exc: BaseException, module_name: str) -> str:
+    """Where in the user's code an import failed: the last frame outside the import
+    machinery, as ``file:line``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
+    if not frames:
+        return f"while importing {module_name!r} (--log-level debug shows the traceback)"
+    last = frames[-1]
+    return f"at {last.filename}:{last.lineno}, while importing {module_name!r}"
 
 
 # -- errors and exit codes ----------------------------------------------------------------------
@@ -432,7 +492,9 @@ def error_message(exc: BaseException, args: argparse.Namespace | None = None) ->
     if isinstance(exc, OSError) and exc.strerror:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         return f"{exc.strerror}{where}"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
+    notes = [n for n in getattr(exc, "__notes__", []) if isinstance(n, str)]
+    where = f" ({notes[-1]})" if notes else ""
+    return f"{type(exc).__name__}: {_first_line(exc)}{where}"
 
 
 def exit_code(exc: BaseException) -> Exit:

@@ -59,6 +59,11 @@ def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+    # httpx logs every request at INFO ("HTTP Request: POST ... 200"): one line per provider
+    # call drowns the worker's own log. Its lines show at debug only.
+    quiet = logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(quiet)
 
 
 def fields(**values: Any) -> dict[str, Any]:

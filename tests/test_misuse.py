@@ -92,3 +92,75 @@ def test_the_console_page_traces_the_quickstart_quote() -> None:
     assert identity in (docs / "quickstart.md").read_text()
     console = (docs / "how-to" / "console.md").read_text()
     assert identity in console and "quote-017" not in console
+
+
+def _cli(name: str) -> Any:
+    import consumer.cli
+    import consumer.jobs.cli
+    import outbox.console.cli
+    import relay.cli
+
+    return {
+        "relay": relay.cli.main,
+        "consumer": consumer.cli.main,
+        "worker": consumer.jobs.cli.main,
+        "console": outbox.console.cli.main,
+    }[name]
+
+
+@pytest.mark.parametrize(
+    ("cli", "argv", "says"),
+    [
+        ("relay", ["run", "--metrics-port", "-5"], "--metrics-port: invalid port value"),
+        ("consumer", ["run", "a:b", "--metrics-port", "-5"], "invalid port value"),
+        ("worker", ["run", "a:b", "--metrics-port", "65536"], "invalid port value"),
+        ("relay", ["run", "--metrics-port", "\uff18\uff10"], "invalid port value"),
+        ("relay", ["status", "--log-level", "verbose"], "--log-level: invalid"),
+        ("relay", ["init-db", "--log-level", "verbose"], "--log-level: invalid"),
+        ("console", ["init-db", "--log-level", "loud"], "--log-level: invalid"),
+        ("consumer", ["run", "../../etc/passwd:x"], "dotted Python names"),
+        ("worker", ["run", "./app:worker"], "dotted Python names"),
+        ("relay", ["run", "--batchsize", "5"], "outbox-relay run: error: unrecognized"),
+        ("worker", ["receipts", "--no-such-flag"], "outbox-worker receipts: error"),
+    ],
+)
+def test_command_lines_are_checked_alike(
+    cli: str, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = _cli(cli)(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = int(exit_.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_an_error_in_the_users_module_names_its_file_and_line(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "shop_consumers.py").write_text("import os\n\nbilling = undefined_name\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{tmp_path}/x.db")
+    code = _cli("consumer")(["run", "shop_consumers:billing"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "NameError: name 'undefined_name' is not defined" in err
+    assert f"{tmp_path / 'shop_consumers.py'}:3" in err and "Traceback" not in err
+
+
+def test_httpx_logs_each_call_only_at_debug() -> None:
+    import logging
+
+    from outbox.logs import setup_logging
+
+    root = logging.getLogger()
+    kept = root.handlers[:], root.level
+    try:
+        setup_logging("info")
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+        setup_logging("debug")
+        assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+    finally:
+        root.handlers[:], _ = kept[0], root.setLevel(kept[1])
+        logging.getLogger("httpx").setLevel(logging.NOTSET)
