@@ -38,17 +38,20 @@ from consumer.consumer import Consumer, ConsumerConfig
 from consumer.inbox import Inbox, build_inbox_schema, inbox_for
 from outbox.cli import (
     DATABASE,
+    DATABASE_URL,
     LOGGING,
     METRICS,
     REDIS,
     Flag,
     Parser,
+    UsageError,
     add_flags,
     existing_database_url,
+    given_as,
     load_target,
     run_main,
 )
-from outbox.db import describe_url, make_engine
+from outbox.db import database_given, describe_url, make_engine, same_database
 from outbox.display import table
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
@@ -180,7 +183,17 @@ def _run(args: argparse.Namespace) -> int:
     if batch_size is not None and batch_size <= 0:
         raise ConfigError("batch_size", f"--batch-size must be positive, got {batch_size}")
     port = args.metrics_port
-    consumer = load_consumer(args.target)
+    with database_given(args.database_url):
+        consumer = load_consumer(args.target)
+    database: Any = args.database_url
+    if database is not None:
+        if not same_database(database, consumer.engine.url):
+            raise UsageError(
+                f"{given_as(args, DATABASE_URL)} cannot apply: {args.target} built its Consumer "
+                f"on {describe_url(consumer.engine.url)}; drop {given_as(args, DATABASE_URL)}, "
+                "or build the Consumer without a database to take it from the command line"
+            )
+        database = consumer.engine  # the engine the module's own code may hold too
     config = consumer.config
     if batch_size:
         config = dataclasses.replace(config, batch_size=batch_size)
@@ -194,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.schema:
         config = dataclasses.replace(config, schema=args.schema)
     consumer = consumer.with_overrides(
-        database=args.database_url,
+        database=database,
         redis=as_cluster_url(args.redis_url) if args.redis_cluster else args.redis_url,
         group=args.group,
         config=config,

@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import create_engine, event
@@ -35,6 +37,25 @@ def default_database_url(directory: str | None = None) -> str:
     return f"sqlite:///{path}"
 
 
+_given: list[str] = []
+
+
+@contextlib.contextmanager
+def database_given(url: str | None) -> Iterator[None]:
+    """While a command loads the user's module: ``make_engine()`` without a URL (a
+    ``Consumer()`` built with no database) means the database the command line or
+    ``OUTBOX_DATABASE_URL`` gave, not the SQLite file, so an engine the module takes from it
+    (``Store(consumer.engine)``) is on the same database as the command."""
+    if url is None:
+        yield
+        return
+    _given.append(url)
+    try:
+        yield
+    finally:
+        _given.pop()
+
+
 def normalise_url(url: str | URL) -> URL:
     """Parse a database URL and pick our drivers; raise ConfigError naming the problem."""
     try:
@@ -56,7 +77,9 @@ def normalise_url(url: str | URL) -> URL:
 
 def make_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
     """Create an engine for ``url`` (default: the SQLite file) with our backend settings."""
-    parsed = normalise_url(url if url is not None else default_database_url())
+    if url is None:
+        url = _given[-1] if _given else default_database_url()
+    parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite":
         connect_args = dict(kwargs.pop("connect_args", {}))
         connect_args.setdefault("timeout", 30)

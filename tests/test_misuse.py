@@ -164,3 +164,69 @@ def test_httpx_logs_each_call_only_at_debug() -> None:
     finally:
         root.handlers[:], _ = kept[0], root.setLevel(kept[1])
         logging.getLogger("httpx").setLevel(logging.NOTSET)
+
+
+def test_consumer_run_builds_a_bare_consumer_on_the_given_database(
+    pg_url: str,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``Consumer()`` without a URL in the user's module, ``OUTBOX_DATABASE_URL`` set: the
+    consumer and a ``Store(consumer.engine)`` the module builds are on that database, not
+    on a SQLite file; a module whose Consumer names another database is refused (exit 2),
+    as ``outbox-worker run`` refuses a Worker with its own Store."""
+    import sys
+
+    import sqlalchemy as sa
+
+    import consumer.cli
+    from consumer import Consumer
+    from relay import RedisStreamPublisher, Relay
+
+    url = redis_client.connection_pool.connection_kwargs
+    redis_url = f"redis://{url.get('host', '127.0.0.1')}:{url.get('port', 6379)}/{url.get('db', 0)}"
+    (tmp_path / "billing_app.py").write_text(
+        "from consumer import Consumer, Store\n"
+        f"consumer = Consumer(redis={redis_url!r}, group='billing', topics=['quote.approved'],\n"
+        f"                    stream={stream_prefix + '.{topic}'!r})\n"
+        "store = Store(consumer.engine)\n"
+        "@consumer.handler('quote.approved')\n"
+        "def on_quote(event, tx):\n"
+        "    store.enqueue(event.tenant, 'send-' + event.subject, session=tx.session)\n"
+    )
+    (tmp_path / "other_app.py").write_text(
+        "from consumer import Consumer\n"
+        f"consumer = Consumer({'sqlite:///' + str(tmp_path / 'other.db')!r}, group='g',"
+        " topics=['t'])\n"
+        "consumer.handler('t')(lambda event, tx: None)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_url)
+    outbox = Outbox(pg_url)
+    outbox.create_schema()
+    with outbox.transaction() as tx:
+        tx.emit("quote.approved", key="quote-17", payload={}, tenant="studio")
+    Relay(outbox, RedisStreamPublisher(redis_client, f"{stream_prefix}.{{topic}}")).run_once()
+
+    def run(self: Consumer, stop: object = None) -> None:
+        while self.run_once(block=False):
+            pass
+
+    monkeypatch.setattr(Consumer, "run", run)
+    monkeypatch.setattr("consumer.cli.GracefulStop.install", lambda self, *a: self)
+    assert consumer.cli.main(["run", "billing_app:consumer"]) == 0
+    module = sys.modules.pop("billing_app")
+    assert module.store.engine.url.get_backend_name() == "postgresql"
+    with outbox.engine.connect() as conn:
+        actions = conn.execute(sa.text("SELECT action FROM outbox_jobs")).scalars().all()
+    assert actions == ["send-quote-17"]
+    assert not (tmp_path / "outbox.db").exists()  # no SQLite file on the side
+
+    capsys.readouterr()
+    assert consumer.cli.main(["run", "other_app:consumer"]) == 2
+    assert "cannot apply" in capsys.readouterr().err
+    sys.modules.pop("other_app", None)
+    outbox.engine.dispose()
