@@ -230,3 +230,29 @@ def test_consumer_run_builds_a_bare_consumer_on_the_given_database(
     assert "cannot apply" in capsys.readouterr().err
     sys.modules.pop("other_app", None)
     outbox.engine.dispose()
+
+
+def test_drain_surfaces_a_failing_consumer_handler(tmp_path: Any) -> None:
+    """outbox.testing: a handler that raises is in the drain's result and in the message
+    of the assertion that then fails, not only in a log record's extra fields."""
+    from outbox.testing import Pipeline
+
+    with Pipeline(tmp_path) as p:
+
+        def on_quote(event: Any, tx: Any) -> None:
+            p.store.enqueue(
+                "studio", f"send-{event.subject}", payload=event.dat, session=tx.session
+            )
+
+        p.consumer("billing", {"quote.approved": on_quote})
+        with p.outbox.transaction() as tx:
+            tx.emit("quote.approved", key="quote-17", payload={}, tenant="studio")
+        result = p.drain()
+        assert result.handled == 0
+        (failure,) = result.failures
+        assert "AttributeError" in failure and "'dat'" in failure and "billing" in failure
+        assert "AttributeError" in str(result)
+        with pytest.raises(AssertionError) as caught:
+            p.assert_jobs(READY=1)
+        assert "handler failures during drain()" in str(caught.value)
+        assert "'dat'" in str(caught.value)

@@ -63,6 +63,16 @@ class Assertions:
     store: Store
     outbox: Outbox
     fakes: list[FakeProvider]
+    failures: list[str]
+
+    def _failed(self, lines: list[str]) -> AssertionError:
+        """An assertion's error, with the handler failures the drains met (the usual reason
+        a job or an effect is missing)."""
+        seen = getattr(self, "failures", [])
+        if seen:
+            lines = [*lines, f"handler failures during drain() ({len(seen)}):"]
+            lines += [f"  {f}" for f in seen[-_SHOWN:]]
+        return AssertionError("\n".join(lines))
 
     # -- events -----------------------------------------------------------------------------
 
@@ -120,7 +130,7 @@ class Assertions:
                 lines.append(f"other {topic} events:")
                 lines += [f"  {_event_line(e)}" for e in others[:_SHOWN]]
             lines.append(f"the outbox holds {len(every)} event(s) by topic: {by_topic}")
-            raise AssertionError("\n".join(lines))
+            raise self._failed(lines)
         return found
 
     # -- jobs and receipts ------------------------------------------------------------------
@@ -161,7 +171,7 @@ class Assertions:
             lines += [f"  {_job_line(r)}" for r in rows[:_SHOWN]]
             if len(rows) > _SHOWN:
                 lines.append(f"  ... and {len(rows) - _SHOWN} more")
-            raise AssertionError("\n".join(lines))
+            raise self._failed(lines)
 
     def receipt_rows(self) -> list[Any]:
         """The operation receipts with their job's tenant and action, by creation."""
@@ -195,7 +205,7 @@ class Assertions:
         if found != wanted:
             lines = [f"expected receipts {wanted}, found {found}:"]
             lines += [f"  {_receipt_line(r)}" for r in rows[:_SHOWN]]
-            raise AssertionError("\n".join(lines))
+            raise self._failed(lines)
 
     # -- effects ----------------------------------------------------------------------------
 
@@ -247,7 +257,7 @@ class Assertions:
             lines.append(f"effects by identity: {per if per else 'none at all'}")
             if not self.fakes:
                 lines.append("(only fake providers record effects: pipeline.fake_provider())")
-            raise AssertionError("\n".join(lines))
+            raise self._failed(lines)
         return found
 
 

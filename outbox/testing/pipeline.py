@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import random
 import uuid
@@ -111,6 +112,9 @@ class DrainResult:
     jobs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     receipts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     killed: str | None = None
+    failures: tuple[str, ...] = ()
+    """Each consumer handler failure of the drain, as one line: group, entry, the error,
+    and whether it will be retried or was dead-lettered."""
 
     def __str__(self) -> str:
         parts = [
@@ -127,7 +131,31 @@ class DrainResult:
             parts.append(f"dead-lettered {self.dead_lettered}")
         if self.killed:
             parts.append(f"killed {self.killed}")
-        return "drain: " + ", ".join(parts)
+        text = "drain: " + ", ".join(parts)
+        if self.failures:
+            text += "\nhandler failures:\n" + "\n".join(f"  {f}" for f in self.failures)
+        return text
+
+
+class _Failures(logging.Handler):
+    """Collects the consumers' "handler failed" log lines while a drain runs: a failing
+    handler is then in the drain's result and in assertion messages, not only in a log
+    record's extra fields."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if not message.startswith("handler failed"):
+            return
+        facts = getattr(record, "fields", {}) or {}
+        then = message.removeprefix("handler failed, ")
+        self.lines.append(
+            f"group {facts.get('group')!s}, entry {facts.get('entry_id')!s} of "
+            f"{facts.get('stream')!s}: {facts.get('error')!s} ({then})"
+        )
 
 
 class _Counting(Hooks):
@@ -271,6 +299,7 @@ class Pipeline(Assertions):
             self.close()
             raise
         self.counts: Counter[str] = Counter()
+        self.failures: list[str] = []
         self._consumer_specs: list[_ConsumerSpec] = []
         self._worker_specs: list[_WorkerSpec] = []
         self.consumers: list[Consumer] = []
@@ -603,6 +632,9 @@ class Pipeline(Assertions):
         killed: str | None = None
         cycles = 0
         last: Counter[str] = Counter()
+        caught = _Failures()
+        consumer_log = logging.getLogger("outbox.consumer")
+        consumer_log.addHandler(caught)
         try:
             while True:
                 if cycles >= max_cycles:
@@ -623,6 +655,9 @@ class Pipeline(Assertions):
             self._dead = True
             for worker in self.workers:
                 worker.stop()
+        finally:
+            consumer_log.removeHandler(caught)
+            self.failures.extend(caught.lines)
         counted = self.counts - before
         return DrainResult(
             cycles=cycles,
@@ -640,6 +675,7 @@ class Pipeline(Assertions):
             jobs=MappingProxyType(self._nonzero(self.store.counts())),
             receipts=MappingProxyType(self.receipt_counts()),
             killed=killed,
+            failures=tuple(caught.lines),
         )
 
     def _cycle(self, moved: Counter[str]) -> None:
