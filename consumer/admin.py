@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import redis as redislib
-
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound
 from consumer.inbox import REPLAYED, Inbox
 
@@ -28,8 +26,10 @@ def list_dead_letters(
     return inbox.dead_letter_list(group=group, include_replayed=include_replayed, limit=limit)
 
 
-def replay_dead_letter(inbox: Inbox, client: redislib.Redis, record_id: int) -> str:
+def replay_dead_letter(inbox: Inbox, client: Any, record_id: int) -> str:
     """Re-inject dead-letter record ``record_id`` into its stream; return the new entry id.
+    ``client``: a Redis client, or on NATS an :class:`outbox.nats_client.NatsClient` (its
+    ``xadd`` publishes the entry again under a message id of its own).
 
     Raises DeadLetterNotFound for an unknown id, AlreadyReplayed for a record replayed
     before (its ``replayed_entry_id`` says where)."""

@@ -56,6 +56,7 @@ from outbox.display import table
 from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
+from outbox.nats_client import NatsClient, broker_kind
 from outbox.redis_client import as_cluster_url, is_cluster_url, redis_client
 
 log = logging.getLogger("outbox.consumer.cli")
@@ -292,8 +293,10 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    if args.redis_cluster or is_cluster_url(args.redis_url):
-        client: Any = redis_client(args.redis_url, cluster=True)
+    if broker_kind(args.redis_url) == "nats":
+        client: Any = NatsClient(args.redis_url)
+    elif args.redis_cluster or is_cluster_url(args.redis_url):
+        client = redis_client(args.redis_url, cluster=True)
     else:
         client = redis_client(args.redis_url)
     entry_id = replay_dead_letter(_inbox(args), client, args.record_id)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -230,6 +231,23 @@ class NatsClient:
             await self._nc.flush(timeout=self.timeout)
 
         self.run(flush)
+
+    def xadd(self, stream: str, fields: dict[str, str]) -> str:
+        """Publish ``fields`` (an entry, as JSON) to outbox stream ``stream`` and return its
+        JetStream sequence: what a dead-letter replay does (``XADD`` on Redis). Its
+        ``Nats-Msg-Id`` is its own (``<event id>~replay-<ns>``), never deduplicated against
+        the message it replays."""
+        msg_id = f"{fields.get('id', 'entry')}~replay-{time.time_ns()}"
+        headers = {MSG_ID: msg_id, EXPECTED_STREAM: jetstream_name(stream)}
+        body = json.dumps(fields).encode()
+
+        async def send(_js: Any) -> list[dict[str, Any]]:
+            return await self.publish_many([(stream, body, headers)])
+
+        [reply] = self.run(send)
+        if "error" in reply:
+            raise BrokerUnavailable(f"JetStream refused the entry: {reply['error']}")
+        return str(reply["seq"])
 
     def drop(self) -> None:
         """Close the connection (the next call connects again)."""

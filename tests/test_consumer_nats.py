@@ -8,6 +8,9 @@ dead-letter subject)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,9 +121,11 @@ def test_a_failing_handler_is_redelivered_then_dead_lettered(
     attempts: list[int] = []
     consumer = consumer_for(pg_url, nats_kit, claim_idle_ms=200, max_deliveries=3)
 
+    fixed = [False]
+
     @consumer.handler("t")
     def handle(event: Any, tx: Any) -> None:
-        if event.data["bad"]:
+        if event.data["bad"] and not fixed[0]:
             attempts.append(event.deliveries)
             raise RuntimeError("cannot handle this one")
         handled.append(event.id)
@@ -142,3 +147,16 @@ def test_a_failing_handler_is_redelivered_then_dead_lettered(
     # Settled: nothing comes back.
     for _ in range(3):
         assert consumer.run_once(block=False) == 0
+    # Fixed, then replayed from the command line: a new message, handled once.
+    fixed[0] = True
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    argv = [sys.executable, "-c", "import sys, consumer.cli; sys.exit(consumer.cli.main())"]
+    argv += ["replay"]
+    argv += [str(record["id"]), "--database-url", pg_url, "--broker-url", nats_kit.url]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replayed dead-letter record" in result.stdout
+    wait_for(
+        lambda: consumer.run_once() >= 0 and poison in handled, "the replayed event", timeout=30
+    )
+    assert handled == [good, poison]

@@ -53,6 +53,10 @@ class NatsConsoleView:
         found: list[dict[str, Any]] = self.client.run(groups)
         return found
 
+    def xadd(self, stream: str, fields: dict[str, str]) -> str:
+        """A dead-letter replay (:meth:`outbox.nats_client.NatsClient.xadd`)."""
+        return self.client.xadd(stream, fields)
+
     def close(self) -> None:
         self.client.close()
 
