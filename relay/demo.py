@@ -3,9 +3,9 @@
 Quotes are approved in transactions, each emitting an event (one in ten is approved twice,
 as a retrying client would, with the same business identity); a relay publishes the events
 to a Redis Stream (or, with ``--broker-url nats://...``, to NATS JetStream); a consumer group
-reads them, deduplicates by identity in its inbox and
-enqueues one "send the quote" job per quote in the same transaction; a worker claims the
-jobs under fenced leases and finishes them. The live view shows each step.
+reads them, deduplicates by identity in its inbox and enqueues one "send the quote" job per
+quote in the same transaction; a worker claims the jobs under fenced leases and finishes
+them. The live view shows each step.
 
 On the embedded default it needs nothing installed: a SQLite file (``outbox.db``) and an
 embedded Redis server (``outbox-redis.db``), in one folder, ``.outbox/`` in the working
