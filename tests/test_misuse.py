@@ -256,3 +256,96 @@ def test_drain_surfaces_a_failing_consumer_handler(tmp_path: Any) -> None:
             p.assert_jobs(READY=1)
         assert "handler failures during drain()" in str(caught.value)
         assert "'dat'" in str(caught.value)
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["by-dispatch", "by-sweep"])
+def test_the_trace_shows_a_receipt_reconciled_after_a_crash(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture, sweep: bool
+) -> None:
+    """The seed's crash: the worker dies after the provider accepted; the next attempt
+    finds the effect by lookup. The receipt says it was reconciled (settled_by), the worker
+    logs it, and the DONE job's earlier error is not shown as an error."""
+    import logging
+
+    from outbox.console.queries import Tables, present_tables
+    from outbox.console.trace import collect
+    from outbox.testing import Pipeline
+
+    with Pipeline(tmp_path) as p:
+        mail = p.fake_provider("mail", lookup=True, idempotency=False)
+
+        def on_quote(event: Any, tx: Any) -> None:
+            p.store.enqueue(
+                "studio", f"send-{event.subject}", subject=event.subject, session=tx.session
+            )
+
+        def send(job: Any) -> None:
+            job.dispatch("email", "mail", {"to": "ann"})
+
+        p.consumer("billing", {"quote.approved": on_quote})
+        p.worker({"send-quote": send}, providers={"mail": mail})
+        with p.outbox.transaction() as tx:
+            tx.emit(
+                "quote.approved",
+                key="quote-17",
+                payload={},
+                tenant="studio",
+                identity="studio:send-quote-17",
+            )
+        p.kill_at("after_accepted")
+        assert p.drain().killed == "after_accepted"
+        p.restart()
+        p.clock.advance(minutes=1)
+        with caplog.at_level(logging.INFO, logger="outbox"):
+            if sweep:
+                p.workers[0].operations.reconcile()  # type: ignore[union-attr]
+            p.drain()
+        p.assert_effects("send-quote-17", 1)
+        tables = Tables.build()
+        with p.engine.connect() as conn:
+            story = collect(conn, tables, "studio:send-quote-17", present_tables(p.engine, tables))
+        (receipt,) = story.receipts
+        assert receipt["state"] == "ACCEPTED" and receipt["settled_by"] == "reconciler"
+        assert "lookup" in receipt["settled_reason"]
+        logged = [r.getMessage() for r in caplog.records]
+        assert any("reconciled" in m for m in logged), logged
+        assert not any(m.startswith("HTTP Request") for m in logged)
+
+
+def test_a_dispatch_that_finds_its_effect_by_lookup_says_it_reconciled(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The next attempt's own dispatch (not the sweep) finds the earlier effect: the
+    receipt is settled_by the reconciler, and the worker's log says so."""
+    import logging
+    import time
+
+    from consumer import Operations, ProviderTimeout, Store
+
+    class Mail:
+        name, supports_lookup, supports_idempotency, timeout = "mail", True, False, 0.2
+        sent: dict[str, str] = {}
+
+        def send(self, request: Any, *, operation_id: str, idempotency_key: Any) -> str:
+            self.sent[operation_id] = f"msg-{len(self.sent) + 1}"
+            raise ProviderTimeout("accepted, then the answer was lost")
+
+        def lookup(self, operation_id: str) -> str | None:
+            return self.sent.get(operation_id)
+
+    store = Store(sqlite_url)
+    store.create_schema()
+    ops = Operations(store, {"mail": Mail()})
+    store.enqueue("studio", "send-quote-17")
+    lease = store.claim_next("w", ttl=60)
+    assert lease is not None
+    with pytest.raises(ProviderTimeout):
+        ops.dispatch(lease, "email", "mail", {"to": "ann"})
+    time.sleep(0.3)  # the call's deadline (its timeout) passes
+    with caplog.at_level(logging.INFO, logger="outbox"):
+        receipt = ops.dispatch(lease, "email", "mail", {"to": "ann"})
+    assert receipt.state == "ACCEPTED" and receipt.reconciled
+    row = ops.receipt(f"{lease.job_id}:email")
+    assert row is not None and row.settled_by == "reconciler"
+    assert any("reconciled" in r.getMessage() for r in caplog.records)
+    store.dispose()

@@ -361,14 +361,25 @@ class Operations:
                         self._hand_back(job, lease, exc)
                         raise
                 if found is not None:
+                    note = "lookup found the effect of an earlier attempt"
                     if not self._update(
                         operation_id,
                         ACCEPTED,
                         found,
                         None,
                         if_attempts=int(row.attempts),
+                        settled=("reconciler", note),
                     ):
                         return None
+                    log.info(
+                        "receipt reconciled: not sent again",
+                        extra=fields(
+                            operation_id=operation_id,
+                            job_id=lease.job_id,
+                            provider=connector.name,
+                            provider_ref=found,
+                        ),
+                    )
                     return Receipt(operation_id, ACCEPTED, found, reconciled=True)
             elif not connector.supports_idempotency:
                 self._update(
