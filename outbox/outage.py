@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import (
@@ -167,8 +169,56 @@ def report_failure(
     return outage
 
 
+class Streak:
+    """A run of failures of one repeated duty (a liveness beat each second), logged as a
+    run, not as a line per failure: the first failure, then one "still failing" line per
+    ``every`` seconds with the count, and one line when it recovers, with how many failed
+    and for how long. ``clock`` is a parameter (tests move time)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        every: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger, self.what, self.every, self.clock = logger, what, every, clock
+        self.failures = 0
+        self._since = 0.0
+        self._logged = 0.0
+
+    def failed(self, exc: BaseException, **facts: Any) -> None:
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._since = self._logged = now
+            report_failure(self.logger, f"{self.what} failed", exc, **facts)
+        elif now - self._logged >= self.every:
+            self._logged = now
+            report_failure(
+                self.logger,
+                f"{self.what} still failing",
+                exc,
+                failures=self.failures,
+                failing_seconds=round(now - self._since, 1),
+                **facts,
+            )
+
+    def succeeded(self) -> None:
+        if self.failures:
+            self.logger.warning(
+                f"{self.what} recovered",
+                extra=fields(
+                    failures=self.failures, failing_seconds=round(self.clock() - self._since, 1)
+                ),
+            )
+            self.failures = 0
+
+
 __all__ = [
     "TRANSIENT_REPLIES",
+    "Streak",
     "is_outage",
     "outage_errors",
     "outage_service",

@@ -349,3 +349,34 @@ def test_a_dispatch_that_finds_its_effect_by_lookup_says_it_reconciled(
     assert row is not None and row.settled_by == "reconciler"
     assert any("reconciled" in r.getMessage() for r in caplog.records)
     store.dispose()
+
+
+def test_an_outage_is_logged_once_a_minute_and_its_end_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A duty that fails every second through a 2-minute outage: one line when it starts,
+    one a minute while it lasts, one when it ends (it was a line a second, and no end)."""
+    import logging
+
+    from sqlalchemy.exc import OperationalError
+
+    from outbox.outage import Streak
+
+    now = [0.0]
+    streak = Streak(logging.getLogger("outbox.worker"), "liveness beat", clock=lambda: now[0])
+    outage = OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+    with caplog.at_level(logging.INFO, logger="outbox"):
+        for _ in range(121):
+            streak.failed(outage)
+            now[0] += 1.0
+        streak.succeeded()
+        streak.succeeded()  # nothing more to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "liveness beat failed",
+        "liveness beat still failing",
+        "liveness beat still failing",
+        "liveness beat recovered",
+    ]
+    assert caplog.records[-1].fields == {"failures": 121, "failing_seconds": 121.0}  # type: ignore[attr-defined]
+    assert all(r.exc_info is None for r in caplog.records)  # an outage: no traceback

@@ -41,7 +41,7 @@ from outbox.duty import Duty, weakly
 from outbox.hooks import Hooks, call_hook
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum, quoted_table
-from outbox.outage import report_failure
+from outbox.outage import Streak
 from outbox.retention import RetentionDuty
 
 if TYPE_CHECKING:
@@ -211,13 +211,12 @@ class WorkerDuties:
 
     def keep_alive(self, stop: threading.Event) -> None:
         """The liveness beats, until ``stop`` is set (a thread of its own)."""
-        failures = 0
+        streak = Streak(log, "liveness beat")  # a line at the start, each minute, the end
         while True:
             try:
                 self.liveness.run_once()
-                failures = 0
+                streak.succeeded()
             except SQLAlchemyError as exc:
-                failures += 1
-                report_failure(log, "liveness beat failed", exc, attempt=failures)
+                streak.failed(exc)
             if stop.wait(self.liveness.interval.seconds):
                 return
