@@ -7,8 +7,8 @@ contract):
    clock``, read by ``ix_outbox_schedules_due``, at most ``limit`` rows, locked (PostgreSQL
    ``FOR UPDATE SKIP LOCKED``: two workers never wait for each other nor decide the same
    row; SQLite: the transaction holds the write lock);
-2. for each, the slots from ``next_slot`` up to the clock are listed: the latest one is on
-   time if the clock is within ``grace`` of it; the others are missed, and the ``missed``
+2. for each, the slots from ``next_slot`` up to the clock are listed: those the clock is
+   within ``grace`` of are on time and fire; the others are missed, and the ``missed``
    policy says which of them still fire (``skip``: none; ``catch_up``: the latest
    ``catch_up_limit``);
 3. each slot that fires enqueues its job ``(tenant, f"{action}@{slot}")`` with ``kind=action``
@@ -125,22 +125,21 @@ class _Decision:
 
 
 def _decide(row: Any, clock: float) -> _Decision:
-    """The slots of one due schedule from its ``next_slot`` up to ``clock``: the latest is on
-    time within its grace, the others are missed; the policy says which of those fire."""
-    cron, zone, limit = row.cron, check_zone(row.tz), int(row.catch_up_limit)
-    recent: deque[float] = deque(maxlen=limit + 1)  # the latest due slots
+    """The slots of one due schedule from its ``next_slot`` up to ``clock``: those within
+    their grace are on time and fire; the others are missed, and the policy says which of
+    those still fire (``catch_up``: the latest ``catch_up_limit``)."""
+    cron, zone, grace = row.cron, check_zone(row.tz), float(row.grace)
+    on_time: list[float] = []
+    late: deque[float] = deque(maxlen=int(row.catch_up_limit))  # the latest missed slots
     due, slot = 0, float(row.next_slot)
     while slot <= clock and due < MAX_LISTED_SLOTS:
-        recent.append(slot)
+        (on_time if clock - slot <= grace else late).append(slot)
         due += 1
         slot = next_slot(cron, zone, slot)
     if slot <= clock:  # too many to list: the rest are missed, the rhythm resumes after now
         slot = next_slot(cron, zone, clock)
-        recent.clear()
-    on_time = recent[-1] if recent and clock - recent[-1] <= float(row.grace) else None
-    late = [s for s in recent if s != on_time]
-    chosen = late[-limit:] if row.missed_policy == "catch_up" else []
-    chosen += [on_time] if on_time is not None else []
+        on_time, late = [], deque()
+    chosen = (list(late) if row.missed_policy == "catch_up" else []) + on_time
     return _Decision(row, chosen, due - len(chosen), slot, row.last_job_id)
 
 

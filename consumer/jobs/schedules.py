@@ -19,8 +19,8 @@ Contract:
 - **Missed slots.** A slot is *missed* when no worker fired it within ``grace`` seconds
   (default 60) after it passed: every worker was down, or all were too busy. The first
   worker back decides, once, in that transaction: ``missed="skip"`` fires none of them (the
-  schedule fires again at its next slot; a slot still within its grace is not missed and
-  fires late), ``missed="catch_up"`` fires each of them once, the latest
+  schedule fires again at its next slot; slots still within their grace are not missed and
+  fire late), ``missed="catch_up"`` fires each of them once, the latest
   ``catch_up_limit`` ones (older ones are given up). Either way they are counted
   (``missed``, ``outbox_schedule_slots_missed_total``).
 - **Paused** schedules fire nothing; ``resume_schedule`` starts again from the next slot
