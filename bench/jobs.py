@@ -11,6 +11,10 @@ read ratios, not absolutes.
 Options: ``--jobs`` (ours, per concurrency), ``--procrastinate-jobs``, ``--concurrency 1,4,8``,
 ``--batch-size``, ``--database-url``, ``--skip-procrastinate``.
 
+``--slots``: issue 44's cells (``bench/jobs_slots.py``): one ``Worker(concurrency=16)``
+against 16 threads of a hand-written ``FOR UPDATE SKIP LOCKED`` loop, CPU per job, the
+default concurrency, and enqueue -> handler start at ``--rate`` jobs/s.
+
 ``--steady SECONDS``: ours only, at the first ``--concurrency`` level: the claim rate per
 10-s window while a producer keeps ``--steady-backlog`` jobs READY (does it decay as
 finished jobs leave dead tuples behind?).
@@ -245,7 +249,21 @@ def main(argv: list[str]) -> int:
         "--steady", type=float, metavar="SECONDS", help="steady mode: claim rate per 10 s"
     )
     parser.add_argument("--steady-backlog", type=int, default=20_000)
+    parser.add_argument(
+        "--slots",
+        action="store_true",
+        help="issue 44's cells: one worker's slots against a 16-thread SKIP LOCKED loop, "
+        "CPU per job, default concurrency, enqueue -> start latency (bench/jobs_slots.py)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="--slots: alternated rounds")
+    parser.add_argument("--rate", type=float, default=200.0, help="--slots: latency cell's jobs/s")
+    parser.add_argument("--seconds", type=float, default=10.0, help="--slots: latency cell's run")
     args = parser.parse_args(argv)
+    if args.slots:
+        from bench.jobs_slots import run_cells
+
+        run_cells(args.database_url, args.jobs, args.rounds, args.rate, args.seconds)
+        return 0
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")
     tag = uuid.uuid4().hex[:8]

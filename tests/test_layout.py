@@ -280,6 +280,22 @@ def test_the_complexity_check_reads_the_reason(tmp_path: Path) -> None:
     assert too_complex(reasoned) == []
 
 
+# Tests find their code (issue 42): a reader who opens one of the worker's modules finds its
+# tests in tests/test_<module>.py, which names the module.
+WORKER_MODULES = ("worker", "runner", "slots", "completer", "outcomes", "inhand", "duties")
+
+
+def test_the_workers_modules_have_tests_named_after_them() -> None:
+    missing = [
+        module
+        for module in WORKER_MODULES
+        if not (ROOT / "tests" / f"test_{module}.py").exists()
+        or f"consumer.jobs.{module}" not in (ROOT / "tests" / f"test_{module}.py").read_text()
+    ]
+    assert missing == []
+    assert all(f"consumer.jobs.{module}" in _modules() for module in WORKER_MODULES)
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 

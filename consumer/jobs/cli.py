@@ -141,6 +141,12 @@ def build_parser() -> Parser:
         Flag("--ttl", float, "lease seconds", shown_default=_worker_default("ttl"), metavar="S"),
         Flag("--no-listen", bool, "PostgreSQL: poll only, no LISTEN for new jobs"),
         Flag(
+            "--claim-ahead",
+            bool,
+            "keep a small buffer of claimed jobs for slots about to free, and finish jobs in "
+            "batches off the slot's path (leases held may then exceed --concurrency)",
+        ),
+        Flag(
             "--reconcile-interval",
             float,
             "seconds between receipt sweeps when the Worker has providers",
@@ -354,6 +360,8 @@ def _run_config(args: argparse.Namespace, base: WorkerConfig) -> WorkerConfig:
     }
     if args.no_listen:
         options["listen"] = False
+    if args.claim_ahead:
+        options["claim_ahead"] = True
     if args.queues is not None:
         options["queues"] = args.queues
         if isinstance(args.queues, list):  # the Worker's own slots stay for queues still named

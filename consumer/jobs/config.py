@@ -66,6 +66,11 @@ class WorkerConfig:
     recover_interval: float = 5.0
     reconcile_interval: float = 10.0
     listen: bool = True
+    # Claim ahead (issue 44): a small buffer of claimed jobs for the slots about to free, and
+    # finishes off the slot's path. Off by default: then a worker never leases more jobs
+    # than it has slots (DESIGN.md); on, it may hold up to about twice its slots plus the
+    # finishes not yet committed (consumer.jobs.slots, docs/benchmarks.md).
+    claim_ahead: bool = False
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
     # The schedules' firing duty (consumer.jobs.firing): a round at each schedule's next
     # slot, and at most this many seconds apart (a schedule defined or resumed meanwhile).
@@ -82,8 +87,9 @@ class WorkerConfig:
         check_queue_settings(self)
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError("name", "must be a non-empty string")
-        if not isinstance(self.listen, bool):
-            raise ConfigError("listen", f"must be True or False, got {self.listen!r}")
+        for switch in ("listen", "claim_ahead"):
+            if not isinstance(getattr(self, switch), bool):
+                raise ConfigError(switch, f"must be True or False, got {getattr(self, switch)!r}")
         for name in ("concurrency", "batch_size"):
             check_number(name, getattr(self, name), ConfigError, integer=True)
         if self.threads is not None:

@@ -22,8 +22,23 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
   is adaptive, like the relay's: every ``BUSY_POLL`` for ``BUSY_WINDOW`` after a claim that
   found work, then doubling toward ``poll_interval`` (an empty claim reads the READY index
   only, ~0.1-0.2 ms of the server).
-- Finishes are recorded in batches by the completer (``consumer.jobs.completer``). A slot is
-  freed once its finish is recorded, so the leases a worker holds never exceed its slots.
+- **Claim ahead** (``WorkerConfig(claim_ahead=True)``, ``--claim-ahead``; off by default,
+  when a worker never leases more jobs than it has slots). Each group of slots keeps a
+  small buffer of claimed jobs for the slots about to free: a freed slot starts the next
+  buffered job at once, without a round trip, and the claim that refills the buffer runs
+  beside the jobs. The buffer is bounded by the group's slots and a fetch-ahead that adapts
+  to the work (it doubles while claims come back full, halves when one comes back short,
+  and is 0 when idle), and never holds more than the group starts within
+  ``BUFFER_SECONDS`` at its measured rate. Buffered jobs hold real, fenced leases whose
+  clock started at their claim; the heartbeat renews them like any job waiting on the
+  worker, and one left in the buffer longer than a third of the ttl goes back to READY.
+  On a stop (SIGTERM) the buffer is handed back at once.
+- **Finishes off the slot's path** (with claim ahead). A job whose handler returned is
+  handed to the completer (``consumer.jobs.completer``), which writes finishes in batches;
+  its slot is free at once. Without claim ahead, the slot waits for its finish's commit
+  (written at once, with whatever else is finishing: group commit). With it, the jobs a
+  worker holds leases for are at most its slots (running), plus its buffer, plus the
+  finishes not yet committed (``consumer.jobs.completer``: what a crash takes back).
 - Slots per queue (``WorkerConfig.slot_pools``, ``consumer.jobs.config``): each group of
   slots (a queue with slots of its own; the queues that share the rest) is claimed with its
   own statement, of that group's free slots and its queues only, so a queue's jobs never
@@ -43,15 +58,16 @@ import contextlib
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import JobCancelled
-from consumer.jobs.completer import Completer
+from consumer.jobs.completer import FLUSH_AFTER, Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
@@ -76,6 +92,7 @@ __all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 log = logging.getLogger("outbox.worker")
 
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
+BUFFER_SECONDS = 0.5  # a buffer holds at most what its group starts in this long
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
 BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
@@ -121,10 +138,33 @@ class _Pool:
     busy: int = 0
     more: bool = True
     claimed_at: float = 0.0  # monotonic time of its last claim
+    # Claimed jobs waiting for a slot (claim ahead), oldest first, with their claim time.
+    buffer: deque[tuple[JobContext, float]] = field(default_factory=deque)
+    ahead: int = 0  # the fetch-ahead: how many buffered jobs the next claim aims for
+    started: int = 0  # jobs started, for the rate that bounds the buffer
+    since: float = field(default_factory=time.monotonic)
 
     @property
     def free(self) -> int:
         return self.slots - self.busy
+
+    @property
+    def wanted(self) -> int:
+        """How many jobs a claim now would take: the free slots, plus the fetch-ahead
+        not yet in the buffer."""
+        return self.free + self.ahead - len(self.buffer)
+
+    def adapt(self, claimed: int, asked: int) -> None:
+        """A claim came back with ``claimed`` of ``asked``: more work waits (full) or not."""
+        if claimed >= asked:
+            self.ahead = min(self.slots, max(1, self.ahead * 2), self._safe())
+        else:
+            self.ahead //= 2
+
+    def _safe(self) -> int:
+        """What this group starts in BUFFER_SECONDS at its rate so far (at least 1)."""
+        elapsed = max(time.monotonic() - self.since, 1e-3)
+        return max(1, int(self.started / elapsed * BUFFER_SECONDS))
 
     @property
     def label(self) -> str:
@@ -157,7 +197,15 @@ class SlotRunner:
         self.db = ThreadPoolExecutor(
             min(16, max(4, self.slots)), thread_name_prefix=f"{config.name}-db"
         )
-        self.completer = Completer(parts.outcomes, self._db)
+        # Claim ahead (WorkerConfig.claim_ahead): a buffer, and finishes off the slot's path;
+        # off, a slot is freed once its finish is recorded (written at once, group commit).
+        self.ahead = config.claim_ahead
+        self.completer = Completer(
+            parts.outcomes,
+            self._db,
+            self._recorded,
+            flush_after=FLUSH_AFTER if self.ahead else 0.0,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
@@ -174,12 +222,15 @@ class SlotRunner:
     # -- from other threads ---------------------------------------------------------------
     def kick(self) -> None:
         """Work may be waiting (a NOTIFY, a recovery, a stop): claim now. Thread-safe."""
-        loop, kick, halt = self._loop, self._kick, self._halt
+        loop, kick, halt, freed = self._loop, self._kick, self._halt, self._freed
         if loop is not None and kick is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
                 loop.call_soon_threadsafe(kick.set)
-                if halt is not None and self.parts.stop.stopped:
+                if halt is not None and freed is not None and self.parts.stop.stopped:
                     loop.call_soon_threadsafe(halt.set)  # parked slots end their wait
+                    # A claim loop waiting for a slot to free (every slot busy, the buffer
+                    # full) looks now: the buffer goes back at once, not when a job ends.
+                    loop.call_soon_threadsafe(freed.set)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -204,14 +255,33 @@ class SlotRunner:
             self.parts.hook("worker_queue_slots", pool.label, 0, pool.slots)
         await self._prepare_providers()
         maintenance = asyncio.create_task(self._maintenance())
+        completer = asyncio.create_task(self.completer.run())
         try:
             await self._claim_loop()
+            await self._hand_back_buffers()  # at once: other workers may run them now
             while self._tasks:  # drain: every job in hand runs to its end
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
+            await self.completer.close()
+            await asyncio.gather(completer, return_exceptions=True)
             maintenance.cancel()
             await asyncio.gather(maintenance, return_exceptions=True)
             await self._close_providers()
+
+    async def _hand_back_buffers(self) -> None:
+        contexts = [ctx for pool in self.pools for ctx, _ in pool.buffer]
+        for pool in self.pools:
+            pool.buffer.clear()
+        if not contexts:
+            return
+        try:
+            released = await self._db(self.parts.outcomes.release, contexts)
+            log.info("claimed jobs handed back at stop", extra=fields(jobs=released))
+        except SQLAlchemyError as exc:  # their leases expire by their ttl
+            report_failure(log, "claimed jobs not handed back; their leases expire", exc)
+        finally:
+            for ctx in contexts:
+                self.parts.in_hand.remove(ctx.job_id)
 
     async def _prepare_providers(self) -> None:
         for provider in self.parts.providers.values():
@@ -259,7 +329,7 @@ class SlotRunner:
             # Cleared before the slots are looked at: a slot freed from here on wakes a wait
             # below (the loop and the jobs' ends share one thread, so nothing comes between).
             self._freed.clear()
-            open_pools = [pool for pool in self.pools if pool.free > 0]
+            open_pools = [pool for pool in self.pools if pool.wanted > 0]
             if not open_pools:
                 await self._freed.wait()
                 continue
@@ -353,21 +423,50 @@ class SlotRunner:
         return "freed" if done else "poll"
 
     async def _claim_into(self, pool: _Pool) -> int:
-        """Claim the free slots of one group (one statement) and start what came."""
-        free = pool.free
-        if free <= 0:
+        """Claim for one group (one statement): its free slots and its fetch-ahead; start
+        what its free slots take, buffer the rest."""
+        wanted = pool.wanted
+        if wanted <= 0:
             return 0
         pool.claimed_at = time.monotonic()
-        leases: list[Lease] = await self._db(self.parts.claim, free, pool.queues)
-        # Between the count and now slots can only have been freed: never more than its own.
+        leases: list[Lease] = await self._db(self.parts.claim, wanted, pool.queues)
+        claimed_at = time.monotonic()
         for lease in leases:
-            self._start(lease, pool)
-        pool.more = len(leases) >= free
+            pool.buffer.append((self.parts.context(lease, self.db), claimed_at))
+        # Between the count and now slots can only have been freed: never more than its own.
+        self._start_buffered(pool)
+        pool.more = len(leases) >= wanted
+        if self.ahead:
+            pool.adapt(len(leases), wanted)
         return len(leases)
 
+    def _start_buffered(self, pool: _Pool) -> None:
+        """Start buffered jobs in the group's free slots, oldest first; one buffered past a
+        third of the ttl goes back to READY instead (its lease was not taken to sit)."""
+        stale = time.monotonic() - self.parts.config.ttl / 3
+        while pool.buffer and pool.free > 0:
+            ctx, claimed_at = pool.buffer.popleft()
+            if claimed_at < stale:
+                self._give_back(ctx)
+                continue
+            self._start(ctx, pool)
+
+    def _give_back(self, ctx: JobContext) -> None:
+        async def give_back() -> None:
+            try:
+                await self._db(self.parts.outcomes.release, [ctx])
+            except SQLAlchemyError as exc:  # its lease expires by its ttl
+                report_failure(log, "a buffered job not handed back; its lease expires", exc)
+            finally:
+                self.parts.in_hand.remove(ctx.job_id)
+
+        task = asyncio.create_task(give_back())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     # -- one job --------------------------------------------------------------------------
-    def _start(self, lease: Lease, pool: _Pool) -> None:
-        ctx = self.parts.context(lease, self.db)
+    def _start(self, ctx: JobContext, pool: _Pool) -> None:
+        pool.started += 1
         self._taken(pool, +1)
         task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
@@ -399,8 +498,10 @@ class SlotRunner:
                 extra=fields(job_id=ctx.job_id, error=repr(exc)[:500]),
             )
         finally:
-            parts.in_hand.remove(ctx.job_id)
+            if ctx.outcome != "done":  # a finish leaves the hands once it is recorded
+                parts.in_hand.remove(ctx.job_id)
             self._taken(pool, -1)
+            self._start_buffered(pool)  # the next job now, no round trip
             self._freed.set()
 
     async def _handle(self, ctx: JobContext) -> Settled:
@@ -463,8 +564,10 @@ class SlotRunner:
             # a wait with ``until`` may come before every timer the worker knows
             await self._db(self.parts.duties.learn_timer)
         if settled.outcome == "done":
-            ctx.outcome = "done"  # the heartbeat leaves it alone from here
-            await self.completer.finish(settled)
+            ctx.outcome = "done"  # renewed by the heartbeat until its finish is recorded
+            recorded = self.completer.submit(settled)
+            if not self.ahead:
+                await recorded  # leases held never exceed the slots (DESIGN.md)
 
     async def _park(self, throttled: ProviderThrottled) -> None:
         """The slot of a job its provider's limit handed back waits before it is freed
@@ -481,3 +584,7 @@ class SlotRunner:
         for task in (parked, halted):
             task.cancel()
         await asyncio.gather(parked, halted, return_exceptions=True)
+
+    def _recorded(self, settled: Settled) -> None:
+        """The completer recorded this job's finish: it leaves the worker's hands."""
+        self.parts.in_hand.remove(settled.ctx.job_id)

@@ -1,0 +1,262 @@
+"""``python -m bench jobs --slots``: one worker's slots against the simplest hand-written loop.
+
+Issue 44's cells, each in one run on the same PostgreSQL, in fresh schemas, alternated:
+
+- **hand loop**: 16 threads of the classic loop on a bare table (claim one row with
+  ``FOR UPDATE SKIP LOCKED`` and commit, mark it done and commit), draining ``--jobs`` rows;
+- **worker, concurrency=16**: one ``Worker(concurrency=16).run()`` with a no-op handler
+  draining ``--jobs`` jobs enqueued before it started (defaults otherwise), and the same
+  with ``claim_ahead=True``;
+- **CPU per job**: this process's CPU (the worker, or the hand loop) plus that of the
+  PostgreSQL backends serving it (``/proc/PID/stat`` of the backends whose
+  ``application_name`` is the cell's), per job;
+- **default concurrency**: the worker with its defaults;
+- **latency**: enqueue -> handler start at ``--rate`` jobs/s for ``--seconds``, 16 slots
+  (p50, p99), with the defaults and with ``claim_ahead``.
+
+The machine is shared: read the ratios inside one run, not the absolutes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.hooks import Hooks
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _url(base: str, schema: str, app: str) -> str:
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
+
+
+def _backend_cpu(admin: sa.Engine, app: str) -> dict[int, float]:
+    with admin.connect() as conn:
+        pids = conn.execute(
+            sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :a"), {"a": app}
+        ).scalars()
+        found: dict[int, float] = {}
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                found[pid] = (int(fields[11]) + int(fields[12])) / TICKS
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+class _Cpu:
+    """This process's CPU and its PostgreSQL backends' (by application_name) over a span."""
+
+    def __init__(self, admin: sa.Engine, app: str) -> None:
+        self.admin, self.app = admin, app
+        self.backends = _backend_cpu(admin, app)
+        self.process = time.process_time()
+
+    def spent(self) -> tuple[float, float]:
+        process = time.process_time() - self.process
+        after = _backend_cpu(self.admin, self.app)
+        server = sum(cpu - self.backends.get(pid, 0.0) for pid, cpu in after.items())
+        return process, server
+
+
+def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str, float]:
+    schema, app = f"bench_hand_{uuid.uuid4().hex[:8]}", f"hand{uuid.uuid4().hex[:6]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        conn.execute(
+            sa.text(
+                f'CREATE TABLE "{schema}".q (id bigserial PRIMARY KEY, state text NOT NULL '
+                "DEFAULT 'ready', payload text)"
+            )
+        )
+        conn.execute(sa.text(f"CREATE INDEX ON \"{schema}\".q (id) WHERE state = 'ready'"))
+        conn.execute(
+            sa.text(f"INSERT INTO \"{schema}\".q (payload) SELECT 'x' FROM generate_series(1, :n)"),
+            {"n": count},
+        )
+        conn.execute(sa.text(f'VACUUM ANALYZE "{schema}".q'))
+    engine = sa.create_engine(_url(base, schema, app), pool_size=threads, max_overflow=0)
+    try:
+        with engine.connect():
+            pass
+        claim = sa.text(
+            "UPDATE q SET state = 'running' WHERE id = (SELECT id FROM q WHERE state = 'ready' "
+            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id"
+        )
+        done = sa.text("UPDATE q SET state = 'done' WHERE id = :id")
+
+        def loop() -> None:
+            with engine.connect() as conn:
+                while True:
+                    with conn.begin():
+                        row = conn.execute(claim).first()
+                    if row is None:
+                        return
+                    with conn.begin():
+                        conn.execute(done, {"id": row[0]})
+
+        workers = [threading.Thread(target=loop) for _ in range(threads)]
+        cpu = _Cpu(admin, app)
+        started = time.perf_counter()
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        elapsed = time.perf_counter() - started
+        process, server = cpu.spent()
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    return {"rate": count / elapsed, "cpu_ms": (process + server) / count * 1000}
+
+
+class _Counting(Hooks):
+    """Hooks: counts finished jobs, and wakes the bench when ``target`` are done."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.done = 0
+        self.reached = threading.Event()
+
+    def worker_job_finished(self, action: str, outcome: str, duration_seconds: float) -> None:
+        self.done += 1
+        if self.done >= self.target:
+            self.reached.set()
+
+
+def worker_drain(admin: sa.Engine, base: str, count: int, **options: Any) -> dict[str, float]:
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
+
+    schema, app = f"bench_slots_{uuid.uuid4().hex[:8]}", f"slots{uuid.uuid4().hex[:6]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    store = Store(_url(base, schema, app))
+    try:
+        for start in range(0, count, 5000):
+            store.enqueue_many(
+                [
+                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    for i in range(start, min(count, start + 5000))
+                ]
+            )
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'VACUUM ANALYZE "{schema}".outbox_jobs'))
+        hooks = _Counting(count)
+        worker = Worker(store, hooks=hooks, **options)
+        worker.register("noop", lambda job: None)
+        runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+        cpu = _Cpu(admin, app)
+        started = time.perf_counter()
+        runner.start()
+        hooks.reached.wait(600)
+        elapsed = time.perf_counter() - started
+        process, server = cpu.spent()
+        worker.stop()
+        runner.join(60)
+        if hooks.done < count:
+            raise RuntimeError(f"worker: {hooks.done} of {count} done")
+    finally:
+        store.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    return {"rate": count / elapsed, "cpu_ms": (process + server) / count * 1000}
+
+
+def latency(admin: sa.Engine, base: str, rate: float, seconds: float, **options: Any) -> str:
+    """Enqueue -> handler start at ``rate`` jobs/s, one worker: p50 and p99 in ms."""
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
+
+    schema, app = f"bench_lat_{uuid.uuid4().hex[:8]}", f"lat{uuid.uuid4().hex[:6]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    store = Store(_url(base, schema, app))
+    waits: list[float] = []
+    try:
+        worker = Worker(store, concurrency=16, **options)
+
+        def started(job: Any) -> None:
+            waits.append(time.time() - float(job.payload["at"]))
+
+        worker.register("noop", started)
+        runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+        runner.start()
+        time.sleep(1.0)  # the worker's first claim and its connections
+        total = int(rate * seconds)
+        begun = time.perf_counter()
+        for i in range(total):
+            due = begun + i / rate
+            pause = due - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            store.enqueue("t", f"noop-{i}", kind="noop", payload={"at": time.time()})
+        deadline = time.monotonic() + 30
+        while len(waits) < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.stop()
+        runner.join(60)
+    finally:
+        store.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    ms = sorted(w * 1000 for w in waits)
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))] if ms else float("nan")
+    return f"p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms ({len(ms)} jobs)"
+
+
+def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) -> None:
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    print(
+        f"slots cell: {count:,} no-op jobs per drain, {rounds} alternated rounds, "
+        f"{os.cpu_count()} cores (shared: other processes run beside it)",
+        flush=True,
+    )
+    cells: list[tuple[str, Callable[[], dict[str, float]]]] = [
+        ("hand loop, 16 threads", lambda: hand_loop(admin, url, count, 16)),
+        ("worker concurrency=16", lambda: worker_drain(admin, url, count, concurrency=16)),
+        (
+            "worker concurrency=16 claim_ahead",
+            lambda: worker_drain(admin, url, count, concurrency=16, claim_ahead=True),
+        ),
+        ("worker defaults", lambda: worker_drain(admin, url, count)),
+    ]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in cells}
+    for round_ in range(rounds):
+        order = cells if round_ % 2 == 0 else list(reversed(cells))
+        for name, cell in order:
+            found = cell()
+            results[name].append(found)
+            print(
+                f"  round {round_ + 1} {name}: {found['rate']:,.0f} jobs/s, "
+                f"CPU {found['cpu_ms']:.3f} ms/job (process + its PostgreSQL backends)",
+                flush=True,
+            )
+    hand = statistics.median(r["rate"] for r in results["hand loop, 16 threads"])
+    for name, found in results.items():
+        rate_ = statistics.median(r["rate"] for r in found)
+        cpu = statistics.median(r["cpu_ms"] for r in found)
+        print(
+            f"{name}: median {rate_:,.0f} jobs/s (x{rate_ / hand:.2f} the hand loop), "
+            f"CPU {cpu:.3f} ms/job",
+            flush=True,
+        )
+    for label, options in (("defaults", {}), ("claim_ahead", {"claim_ahead": True})):
+        print(
+            f"enqueue -> start at {rate:.0f}/s, 16 slots, {label}: "
+            f"{latency(admin, url, rate, seconds, **options)}",
+            flush=True,
+        )
+    admin.dispose()

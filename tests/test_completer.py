@@ -1,0 +1,104 @@
+"""consumer.jobs.completer: finishes batched off the slot's path, with claim ahead on.
+
+A SIGKILL of the worker while its completer holds finishes not yet committed, and jobs in
+its claim-ahead buffer: a real process, killed, and another started. Every job ends DONE;
+no effect is made twice (one effect row per job); every DONE job has its ACCEPTED receipt;
+and no job ran twice under the same epoch (a rerun always took a new lease)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from consumer import Store
+from tests.services import wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = 400
+
+
+def _worker(pg_url: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, OUTBOX_DATABASE_URL=pg_url, OUTBOX_LOG_LEVEL="warning")
+    return subprocess.Popen(
+        [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.completer_app:build"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _count(engine: sa.Engine, sql: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(sql)).scalar_one())
+
+
+def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_new_epoch(
+    pg_url: str,
+) -> None:
+    store = Store(pg_url)
+    engine = store.engine
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE effects (operation_id text, ref text)"))
+        conn.execute(sa.text("CREATE TABLE runs (job_id bigint, epoch bigint)"))
+    store.enqueue_many(
+        [{"tenant": f"t{i % 4}", "action": f"send-{i}", "subject": f"c{i}"} for i in range(JOBS)]
+    )
+    first = _worker(pg_url)
+    try:
+        # Killed mid-drain: some jobs done, others running, finishing or buffered.
+        wait_for(
+            lambda: _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'DONE'") >= 60,
+            "the first worker to finish some jobs",
+            timeout=60,
+        )
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        held = _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED'")
+        second = _worker(pg_url)
+        try:
+            wait_for(
+                lambda: (
+                    _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'DONE'") == JOBS
+                ),
+                "every job DONE after the restart",
+                timeout=120,
+            )
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(60) == 0, second.stderr.read() if second.stderr else ""
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert held > 0  # the kill left leases behind: the second worker took them back
+    # One effect per job, whatever ran twice.
+    assert _count(engine, "SELECT count(*) FROM effects") == JOBS
+    assert _count(engine, "SELECT count(DISTINCT operation_id) FROM effects") == JOBS
+    # Every DONE job has its receipt, ACCEPTED, with the effect's ref.
+    accepted = _count(
+        engine,
+        "SELECT count(*) FROM outbox_operations o JOIN effects e "
+        "ON e.operation_id = o.operation_id WHERE o.state = 'ACCEPTED' AND o.provider_ref = e.ref",
+    )
+    assert accepted == JOBS
+    # No job ran twice under one epoch; the reruns are the jobs the kill left behind.
+    assert (
+        _count(
+            engine,
+            "SELECT count(*) FROM (SELECT job_id, epoch FROM runs "
+            "GROUP BY job_id, epoch HAVING count(*) > 1) twice",
+        )
+        == 0
+    )
+    reruns = _count(engine, "SELECT count(*) - count(DISTINCT job_id) FROM runs")
+    assert reruns <= held
+    store.dispose()
