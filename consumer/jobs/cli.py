@@ -3,7 +3,8 @@
 ```
 outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--threads N]
                                    [--batch-size N]
-                                   [--ttl SECONDS] [--no-listen] [--reconcile-interval SECONDS]
+                                   [--ttl SECONDS] [--no-listen] [--claim-ahead]
+                                   [--reconcile-interval SECONDS]
                                    [--recover-interval SECONDS] [--liveness-ttl SECONDS]
                                    [--liveness-interval SECONDS]
                                    [--queues A,B=N] [--tenant-limit N]
