@@ -9,6 +9,7 @@ holds the driver (every statement goes through it) and the settings.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
@@ -50,6 +51,11 @@ class StoreBase:
     driver: JobDriver
     config: StoreConfig
     rng: random.Random | None = None  # the retry jitter's source when fail() is given none
+    # Wake-ups of this process's running workers on this store (``Runner.run`` adds its
+    # slots' kick): an enqueue in the store's own transaction calls them once committed, so
+    # an idle worker claims at once, not at its next poll (issue 44; other processes need
+    # ``StoreConfig(notify=True)`` and LISTEN).
+    local_wakers: list[Callable[[], None]]
 
     def _clock(self, conn: Connection, now: float | None) -> float:
         return self.driver.clock_read(conn, now)

@@ -162,6 +162,7 @@ class Runner:
         liveness.start()
         slots = SlotRunner(self)
         self._kick = slots.kick
+        self.store.local_wakers.append(slots.kick)  # this process's enqueues wake it
         listener = None
         if self.config.listen:
             listener = threading.Thread(
@@ -172,6 +173,8 @@ class Runner:
             slots.run()
         finally:
             self._kick = None
+            with contextlib.suppress(ValueError):
+                self.store.local_wakers.remove(slots.kick)
             self.stop.stop()
             if listener is not None:
                 listener.join(5)

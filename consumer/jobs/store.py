@@ -210,6 +210,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         if not isinstance(self.config, StoreConfig):
             raise ConfigError("config", "must be a StoreConfig")
         self.driver: JobDriver = driver_for(self.engine, notify=self.config.notify)
+        self.local_wakers = []
         if clock is not None and not callable(clock):
             raise ConfigError("clock", f"must be a callable returning unix seconds, got {clock!r}")
         # ``clock``: unix seconds that replace the database clock wherever a call gives no
@@ -321,7 +322,10 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
     ) -> _T:
         if session is None:
             with self.driver.begin() as conn:
-                return work(conn)
+                done = work(conn)
+            for wake in tuple(self.local_wakers):  # committed: this process's idle workers
+                wake()
+            return done
         if isinstance(session, Session):
             return work(session.connection())
         if isinstance(session, Connection):
