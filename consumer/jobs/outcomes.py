@@ -12,6 +12,7 @@ over comes back as a conflict, job by job).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -176,20 +177,8 @@ class Outcomes:
 
     # -- handing leases back -------------------------------------------------------------
     def release(self, contexts: Sequence[JobContext]) -> int:
-        """Hand back jobs not started (a stop): READY again at once, for any worker."""
-        released = 0
-        for ctx in contexts:
-            try:
-                self.store.release(ctx.lease)
-                released += 1
-            except Conflict:
-                continue  # no longer ours
-        return released
-
-    def hand_back_after_error(self, contexts: Sequence[JobContext]) -> None:
-        """The database went away mid-run: hand back every lease still held, so that the
-        jobs run again now rather than after the lease ttl (this worker is alive: no peer
-        recovers them). A job whose handler already dispatched finds its receipt."""
+        """Hand back jobs not started (a stop): READY again at once, for any worker. Returns
+        how many went back (a job no longer ours is skipped)."""
         released = 0
         for ctx in contexts:
             try:
@@ -197,10 +186,17 @@ class Outcomes:
                 released += 1
             except Conflict:
                 continue  # no longer ours: finished, waiting, failed or taken over
-            except SQLAlchemyError:
-                return  # still unreachable: the leases expire by their ttl
-        if released:
-            log.info("leases handed back after a database error", extra=fields(jobs=released))
+        return released
+
+    def hand_back_after_error(self, contexts: Sequence[JobContext]) -> None:
+        """The database went away mid-run: hand back every lease still held, so that the
+        jobs run again now rather than after the lease ttl (this worker is alive: no peer
+        recovers them). A job whose handler already dispatched finds its receipt. Still
+        unreachable: the leases expire by their ttl."""
+        with contextlib.suppress(SQLAlchemyError):
+            released = self.release(contexts)
+            if released:
+                log.info("leases handed back after a database error", extra=fields(jobs=released))
 
 
 def retry_after(failure: BaseException) -> float | None:
