@@ -25,16 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 JOBS = 400
 
 
-def _worker(pg_url: str) -> subprocess.Popen[str]:
+def _worker(pg_url: str, log: Path) -> subprocess.Popen[str]:
     env = dict(os.environ, OUTBOX_DATABASE_URL=pg_url, OUTBOX_LOG_LEVEL="warning")
-    return subprocess.Popen(
-        [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.completer_app:build"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with log.open("a") as err:  # a file, not a pipe: a full pipe would stall the worker
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.completer_app:build"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
 
 
 def _count(engine: sa.Engine, sql: str) -> int:
@@ -43,8 +44,9 @@ def _count(engine: sa.Engine, sql: str) -> int:
 
 
 def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_new_epoch(
-    pg_url: str,
+    pg_url: str, tmp_path: Path
 ) -> None:
+    log = tmp_path / "workers.log"
     store = Store(pg_url)
     engine = store.engine
     with engine.begin() as conn:
@@ -53,7 +55,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
     store.enqueue_many(
         [{"tenant": f"t{i % 4}", "action": f"send-{i}", "subject": f"c{i}"} for i in range(JOBS)]
     )
-    first = _worker(pg_url)
+    first = _worker(pg_url, log)
     try:
         # Killed mid-drain: some jobs done, others running, finishing or buffered.
         wait_for(
@@ -64,7 +66,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         held = _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED'")
-        second = _worker(pg_url)
+        second = _worker(pg_url, log)
         try:
             wait_for(
                 lambda: (
@@ -75,7 +77,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
             )
         finally:
             second.send_signal(signal.SIGTERM)
-            assert second.wait(60) == 0, second.stderr.read() if second.stderr else ""
+            assert second.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if first.poll() is None:
             first.kill()
