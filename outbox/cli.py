@@ -384,6 +384,7 @@ class Parser(argparse.ArgumentParser):
 # -- MODULE:ATTRIBUTE ---------------------------------------------------------------------------
 
 
+# complexity: one typed UsageError per way a MODULE:ATTRIBUTE target can be wrong
 def load_target(target: str, kind: type, *, example: str = "myapp.module:thing") -> Any:
     """Import ``MODULE:ATTRIBUTE`` (a dotted attribute path) and return the ``kind`` it names,
     calling a zero-argument factory when the attribute is one.
