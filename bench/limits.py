@@ -1,7 +1,12 @@
 """The fleet-wide limits of issue 21, across two worker processes: tenant, rate, Retry-After.
 
 ``python -m bench limits [--tenant-limit 4] [--rate 20] [--latency 0.2] [--jobs 300]
-[--concurrency N] [--parts tenant,rate,retry-after]``
+[--concurrency N] [--parts tenant,rate,retry-after] [--provider http|blocking]``
+
+``--provider blocking`` (issue 37): the workers run ``tests.blocking_app:build`` instead, a
+user's own provider as DESIGN.md shows it (``urllib``, a new connection per call, an
+``Operations`` built apart from the worker, a ``def`` handler; a 429 becomes
+``TransientFailure(retry_after=S)``).
 
 Every part runs its own ``outbox-simulator serve`` (each send takes ``--latency`` seconds
 ± 50 %: 100-300 ms by default), two ``outbox-worker run tests.effects_app:build`` processes
@@ -541,7 +546,10 @@ def main(argv: Sequence[str]) -> int:
         default=",".join(PARTS),
         help=f"which parts to run, comma-separated, of {', '.join(PARTS)}",
     )
+    parser.add_argument("--provider", choices=("http", "blocking"), default="http")
     args = parser.parse_args(argv)
+    global APP
+    APP = "tests.blocking_app:build" if args.provider == "blocking" else APP
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:

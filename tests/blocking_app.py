@@ -10,8 +10,8 @@ The environment chooses: ``MAIL_URL`` (the simulator), ``SIM_TIMEOUT`` (the call
 s), ``WORKER_TTL`` (the lease ttl, 5 s), ``SLOW_DOWN`` (how the provider says "slow down"
 when the simulator answers 429: ``transient``, ``TransientFailure(..., retry_after=S)``,
 the default; ``attribute``, an exception of its own with a ``retry_after`` attribute;
-``unavailable``, ``ProviderUnavailable``). Slots, tenant limits and the database come from
-the command line and its ``OUTBOX_*`` variables.
+``unavailable``, ``ProviderUnavailable``), ``MAIL_RATE`` (its ``rate_limit``). Slots, tenant
+limits and the database come from the command line and its ``OUTBOX_*`` variables.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class PostMail:
     name = "postmail"
     supports_lookup = True
     supports_idempotency = True
+    rate_limit: float | None = None  # calls/s for the fleet (MAIL_RATE)
 
     def __init__(self, url: str, *, timeout: float = 5.0, slow_down: str = "transient") -> None:
         self.url = url
@@ -93,6 +94,8 @@ def build() -> Worker:
         timeout=float(os.environ.get("SIM_TIMEOUT", "5")),
         slow_down=os.environ.get("SLOW_DOWN", "transient"),
     )
+    if os.environ.get("MAIL_RATE"):
+        mail.rate_limit = float(os.environ["MAIL_RATE"])
     operations = Operations(store, {"postmail": mail})
     worker = Worker(
         store,
