@@ -132,6 +132,26 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, outage_errors())
 
 
+_MISCONFIGURED = re.compile(
+    r"failed to resolve host|could not translate host name|name or service not known|"
+    r"nodename nor servname|database \"[^\"]*\" does not exist|role \"[^\"]*\" does not exist|"
+    r"password authentication failed|no password supplied|authentication failed|"
+    r"invalid password|wrongpass|noauth|unknown database|no such file or directory",
+    re.IGNORECASE,
+)
+
+
+def misconfiguration(exc: BaseException) -> str | None:
+    """When ``exc``, met on a process's first connection, says the URL is wrong rather than
+    the service away (an unknown host, no such database or role, a refused password): the
+    first line of its message; else None (an outage to wait out, or something else). A
+    process that never connected once fails fast on these ("is the URL right?"), instead of
+    waiting for ever for a service that will never answer at that address."""
+    text = str(getattr(exc, "orig", None) or exc)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first if _MISCONFIGURED.search(text) else None
+
+
 def outage_service(exc: BaseException) -> str | None:
     """``"database"``, ``"Redis"`` or None: which service an outage concerns, for messages."""
     if not is_outage(exc):
@@ -220,6 +240,7 @@ __all__ = [
     "TRANSIENT_REPLIES",
     "Streak",
     "is_outage",
+    "misconfiguration",
     "outage_errors",
     "outage_service",
     "reply_code",

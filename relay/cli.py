@@ -29,6 +29,7 @@ from outbox.cli import (
     Parser,
     UsageError,
     add_flags,
+    describe_database,
     existing_database_url,
     run_main,
 )
@@ -39,6 +40,7 @@ from outbox.extras import require
 from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
+from outbox.outage import misconfiguration
 from outbox.redis_client import is_cluster_url, redis_client
 from outbox.schema import DEFAULT_TABLE, build_schema, create_schema
 from relay.admin import requeue, status
@@ -364,6 +366,10 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
     )
 
 
+class StartFailed(Exception):
+    """The relay cannot start: a wrong database URL, or --once and no database."""
+
+
 def _fail(message: str, code: int = 1) -> int:
     print(f"{PROG}: {message}", file=sys.stderr)
     return code
@@ -544,18 +550,32 @@ def cmd_run(args: argparse.Namespace) -> int:
         hooks = start_metrics(metrics_port, args.metrics_host, engine=engine, outbox_schema=schema)
     infra = infrastructure_errors()
 
-    # The schema is created if missing; while the database is down, wait and retry.
+    # The schema is created if missing; while the database is down, wait and retry, unless
+    # the first connection says the URL is wrong (that never mends), or --once (one cycle).
     def _create() -> bool:
-        create_schema(engine, schema)
+        try:
+            create_schema(engine, schema)
+        except infra as exc:
+            wrong = misconfiguration(exc)
+            if wrong is not None or args.once:
+                where = describe_database(args)
+                hint = "; is the URL right?" if wrong is not None else ""
+                first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[:1]
+                problem = wrong or (first[0] if first else type(exc).__name__)
+                raise StartFailed(f"cannot use the database at {where}: {problem}{hint}") from None
+            raise
         return True
 
-    done = retry_forever(
-        "creating the outbox schema",
-        _create,
-        stop,
-        infra,
-        Backoff(0.2, 10.0),
-    )
+    try:
+        done = retry_forever(
+            "creating the outbox schema",
+            _create,
+            stop,
+            infra,
+            Backoff(0.2, 10.0),
+        )
+    except StartFailed as failed:
+        return _fail(str(failed))
     if not done:
         return 0
     relay = Relay(engine, publisher, config, hooks=hooks, schema=schema)

@@ -380,3 +380,25 @@ def test_an_outage_is_logged_once_a_minute_and_its_end_once(
     ]
     assert caplog.records[-1].fields == {"failures": 121, "failing_seconds": 121.0}  # type: ignore[attr-defined]
     assert all(r.exc_info is None for r in caplog.records)  # an outage: no traceback
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("url", "once", "says"),
+    [
+        ("postgresql+psycopg://postgres@nosuchhost.invalid/test", False, "is the URL right?"),
+        ("postgresql+psycopg://postgres@127.0.0.1:5432/no_such_db_41", False, "is the URL right?"),
+        ("postgresql+psycopg://no_such_role_41@127.0.0.1:5432/test", True, "is the URL right?"),
+        ("postgresql+psycopg://postgres@127.0.0.1:1/test", True, "Connection refused"),
+    ],
+)
+def test_relay_run_fails_fast_on_a_wrong_url_and_once_on_any(
+    url: str, once: bool, says: str, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in the URL never mends: `run` says so at once instead of retrying for ever
+    (a real outage, connection refused, is still waited out by `run`); `--once` fails on
+    any unreachable database."""
+    argv = ["run", "--database-url", url, "--redis-url", redis_url]
+    assert _cli("relay")([*argv, "--once"] if once else argv) == 1
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
