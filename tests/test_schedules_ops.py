@@ -141,3 +141,13 @@ def test_console_lists_schedules_and_audits_pause_and_resume(db_url: str) -> Non
         ]
     finally:
         store.dispose()
+
+
+def test_run_takes_the_schedule_interval_from_its_flag_or_environment() -> None:
+    from consumer.jobs.cli import _run_config, build_parser
+    from consumer.jobs.config import WorkerConfig
+
+    args = build_parser().parse(["run", "app:worker", "--schedule-interval", "5"])
+    assert _run_config(args, WorkerConfig()).schedule_interval == 5.0
+    args = build_parser().parse(["run", "app:worker"])
+    assert _run_config(args, WorkerConfig(schedule_interval=7)).schedule_interval == 7.0

@@ -5,7 +5,8 @@ outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--thr
                                    [--batch-size N]
                                    [--ttl SECONDS] [--no-listen] [--claim-ahead]
                                    [--reconcile-interval SECONDS]
-                                   [--recover-interval SECONDS] [--liveness-ttl SECONDS]
+                                   [--recover-interval SECONDS] [--schedule-interval SECONDS]
+                                   [--liveness-ttl SECONDS]
                                    [--liveness-interval SECONDS]
                                    [--queues A,B=N] [--tenant-limit N]
                                    [--metrics-port PORT] [--metrics-host HOST]
@@ -49,6 +50,7 @@ concurrency, batch size and ttl when given. Every flag defaults to an ``OUTBOX_*
 environment variable (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``, ``OUTBOX_THREADS``,
 ``OUTBOX_BATCH_SIZE``,
 ``OUTBOX_TTL``, ``OUTBOX_NO_LISTEN``, ``OUTBOX_RECONCILE_INTERVAL``, ``OUTBOX_RECOVER_INTERVAL``,
+``OUTBOX_SCHEDULE_INTERVAL``,
 ``OUTBOX_LIVENESS_TTL``, ``OUTBOX_LIVENESS_INTERVAL``, ``OUTBOX_QUEUES``,
 ``OUTBOX_TENANT_LIMIT``, ``OUTBOX_METRICS_PORT``,
 ``OUTBOX_METRICS_HOST``, ``OUTBOX_LOG_LEVEL``); with no database URL, a SQLite file in the
@@ -159,6 +161,14 @@ def build_parser() -> Parser:
             float,
             "seconds between sweeps of expired leases and due timers",
             shown_default=_worker_default("recover_interval"),
+            metavar="S",
+        ),
+        Flag(
+            "--schedule-interval",
+            float,
+            "the schedules' firing duty runs at each schedule's next slot and at least this "
+            "often (a schedule defined or resumed meanwhile)",
+            shown_default=_worker_default("schedule_interval"),
             metavar="S",
         ),
         Flag(
@@ -347,6 +357,7 @@ _RUN_OPTIONS = (
     "ttl",
     "reconcile_interval",
     "recover_interval",
+    "schedule_interval",
     "liveness_ttl",
     "liveness_interval",
 )
