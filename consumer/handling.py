@@ -111,6 +111,9 @@ class Outcome:
     duplicates: int = 0
     dead: list[Dead] = field(default_factory=list)
     dead_ids: dict[tuple[str, str], int] = field(default_factory=dict)
+    dead_before: set[tuple[str, str]] = field(default_factory=set)
+    """Dead letters recorded by an earlier delivery (a group destroyed and read again from
+    the start): acknowledged, not counted again."""
 
     def ack(self, entry: Entry) -> None:
         self.acks.setdefault(entry.stream, []).append(entry.entry_id)
@@ -127,6 +130,7 @@ class Outcome:
             duplicates=self.duplicates,
             dead=list(self.dead),
             dead_ids=dict(self.dead_ids),
+            dead_before=set(self.dead_before),
         )
 
     @property
@@ -234,6 +238,8 @@ class BatchProcessor:
                 conn = session.connection()
                 self._deduplicate_and_handle(session, conn, events, outcome, failed)
                 if outcome.dead:
+                    keys = [(d.entry.stream, d.entry.entry_id) for d in outcome.dead]
+                    outcome.dead_before = set(self.inbox.dead_letter_ids(conn, self.group, keys))
                     outcome.dead_ids = self.inbox.dead_letter_insert(
                         conn, [self._dead_row(d) for d in outcome.dead]
                     )

@@ -349,10 +349,20 @@ class Inbox:
             clean,
         )
         keys = [(row["stream"], row["entry_id"]) for row in clean]
+        return self.dead_letter_ids(conn, clean[0]["group_name"], keys)
+
+    def dead_letter_ids(
+        self, conn: Connection, group: str, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], int]:
+        """(stream, entry_id) -> record id of the entries of ``keys`` this group has
+        dead-lettered already."""
+        if not keys:
+            return {}
+        table = self.tables.dead_letters
         result = conn.execute(
             select(table.c.stream, table.c.entry_id, table.c.id).where(
-                table.c.group_name == clean[0]["group_name"],
-                tuple_(table.c.stream, table.c.entry_id).in_(keys),
+                table.c.group_name == clip(group, NAME_WIDTH),
+                tuple_(table.c.stream, table.c.entry_id).in_(list(keys)),
             )
         )
         return {(stream, entry_id): ident for stream, entry_id, ident in result}

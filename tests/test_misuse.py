@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from starlette.testclient import TestClient
 
 from outbox import InvalidEvent, Outbox
@@ -402,3 +403,32 @@ def test_relay_run_fails_fast_on_a_wrong_url_and_once_on_any(
     assert _cli("relay")([*argv, "--once"] if once else argv) == 1
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_a_destroyed_group_reading_again_does_not_count_its_dead_letters_twice(
+    sqlite_url: str, redis_client: redis.Redis, stream_prefix: str
+) -> None:
+    from consumer.inbox import build_inbox_schema
+    from outbox.hooks import Hooks
+    from tests.console_support import World
+
+    counted: list[int] = []
+
+    class Counting(Hooks):
+        def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
+            counted.append(count)
+
+    world = World(sqlite_url, redis_client, stream_prefix)
+    world.consumer.hooks = Counting()
+    world.dead_letter(1)
+    assert counted == [1]
+    stream = world.stream_template.format(topic="quote.approved")
+    redis_client.xgroup_destroy(stream, "billing")  # an operator's reset, from the start
+    redis_client.xgroup_create(stream, "billing", id="0")
+    world.failing.add("studio:send-quote-001")
+    world.consume()  # the group is created again at 0: the entry comes again and fails again
+    assert counted == [1]
+    with world.engine.connect() as conn:
+        dl = build_inbox_schema().dead_letters
+        assert conn.execute(sa.select(sa.func.count()).select_from(dl)).scalar_one() == 1
+    world.close()
