@@ -513,9 +513,7 @@ class Consumer:
         if outcome.duplicates:
             self._hook("consumer_duplicate", self.group, outcome.duplicates)
         dead_by_stream: dict[str, int] = {}
-        for dead in outcome.dead:
-            if (dead.entry.stream, dead.entry.entry_id) in outcome.dead_before:
-                continue  # recorded and counted when it was first dead-lettered
+        for dead in outcome.first_dead():  # not those counted when first dead-lettered
             dead_by_stream[dead.entry.stream] = dead_by_stream.get(dead.entry.stream, 0) + 1
         for stream_name, count in dead_by_stream.items():
             self._hook("consumer_dead_lettered", self.group, stream_name, count)

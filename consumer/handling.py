@@ -123,6 +123,12 @@ class Outcome:
         tracing.duplicate(event, group)
         self.ack(entry)
 
+    def first_dead(self) -> list[Dead]:
+        """The dead letters recorded by this batch: those of ``dead_before`` are neither
+        counted nor copied to the dead-letter stream again (the database record stays the
+        durable one; a consumer that died between its commit and the copy loses the copy)."""
+        return [d for d in self.dead if (d.entry.stream, d.entry.entry_id) not in self.dead_before]
+
     def copy(self) -> Outcome:
         return Outcome(
             acks={stream: list(ids) for stream, ids in self.acks.items()},
@@ -256,30 +262,34 @@ class BatchProcessor:
     ) -> None:
         if not events:
             return
-        # The first entry of an identity in the batch is the candidate; later ones in the
-        # same batch wait for its outcome.
-        first: dict[str, Pair] = {}
-        later: list[Pair] = []
+        # Entries of one identity are taken in turn, each judged on its own: the first is
+        # the candidate; a later one is a duplicate only once an inbox row exists (one was
+        # handled, now or before), and runs itself when every earlier one failed or was
+        # set aside, so it is never left pending, delivered again untried, for its twin.
+        waiting: dict[str, list[Pair]] = {}
         for pair in events:
-            if pair[1].identity in first:
-                later.append(pair)
-            else:
-                first[pair[1].identity] = pair
-        self._set_aside_worn(conn, first, outcome)
-        fresh = self._record_in_inbox(conn, first, outcome)
-        failures = self.handle(session, [event for _entry, event in fresh], failed)
-        failed_identities = self._settle(conn, fresh, failures, outcome)
-        for entry, event in later:
-            if event.identity in failed_identities:
-                continue  # its twin failed: stays pending, claimed back and retried later
-            outcome.duplicate(entry, event, self.group)
+            waiting.setdefault(pair[1].identity, []).append(pair)
+        while waiting:
+            first = {identity: pairs.pop(0) for identity, pairs in waiting.items()}
+            unsettled = self._set_aside_worn(conn, first, outcome)
+            fresh = self._record_in_inbox(conn, first, outcome)
+            failures = self.handle(session, [event for _entry, event in fresh], failed)
+            unsettled |= self._settle(conn, fresh, failures, outcome)
+            for identity, pairs in waiting.items():
+                if identity not in unsettled:  # its inbox row exists: the rest are duplicates
+                    for entry, event in pairs:
+                        outcome.duplicate(entry, event, self.group)
+            waiting = {i: pairs for i, pairs in waiting.items() if pairs and i in unsettled}
 
-    def _set_aside_worn(self, conn: Connection, first: dict[str, Pair], outcome: Outcome) -> None:
+    def _set_aside_worn(
+        self, conn: Connection, first: dict[str, Pair], outcome: Outcome
+    ) -> set[str]:
         """Entries delivered too often are suspected of killing their consumers: do not run
-        them again (unless already handled: then they are mere duplicates)."""
+        them again (unless already handled: then they are mere duplicates). Returns the
+        identities dead-lettered so (they have no inbox row)."""
         worn = {i: p for i, p in first.items() if p[1].deliveries > self.config.max_deliveries}
         if not worn:
-            return
+            return set()
         seen = self.inbox.inbox_seen(conn, self.group, list(worn))
         for identity, (entry, event) in worn.items():
             del first[identity]
@@ -291,6 +301,7 @@ class BatchProcessor:
                     f"{self.config.max_deliveries} (its consumers died or failed)"
                 )
                 outcome.dead.append(Dead(entry, q.POISON, error, event))
+        return set(worn) - seen
 
     def _record_in_inbox(
         self, conn: Connection, first: dict[str, Pair], outcome: Outcome

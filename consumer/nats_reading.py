@@ -177,7 +177,7 @@ class NatsReader:
         dead_letter_stream_for: Callable[[str], str],
         group: str,
     ) -> None:
-        for dead in outcome.dead:
+        for dead in outcome.first_dead():  # not copied again when met again
             copy = text_fields(dead.entry.raw)
             copy.update(
                 {

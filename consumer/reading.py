@@ -350,7 +350,7 @@ class StreamReader:
     ) -> None:
         """XADD the dead-letter copies and XACK every settled entry, in one pipeline."""
         pipe = self.redis.pipeline(transaction=False)
-        for dead in outcome.dead:
+        for dead in outcome.first_dead():  # not copied again after an XGROUP DESTROY
             fields_ = text_fields(dead.entry.raw)
             fields_.update(
                 {

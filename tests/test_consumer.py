@@ -665,6 +665,64 @@ def test_replay_reinjects_after_a_fix(
         replay_dead_letter(consumer.inbox, redis_client, 424242)
 
 
+def _settle_all(consumer: Consumer, client: redis.Redis, stream: str) -> None:
+    """Run batches (claiming back at once) until nothing is pending in the group."""
+    wait_for(
+        lambda: (
+            consumer.run_once(block=False) >= 0
+            and client.xpending(stream, "billing")["pending"] == 0
+        ),
+        "nothing pending",
+        timeout=30,
+    )
+
+
+def test_one_identity_three_entries_a_later_one_is_handled_when_the_first_fails(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    """The first entry of an identity fails for good: the second is handled in its own
+    right (not left pending untried and dead-lettered as "its consumers died"), the third
+    is then a duplicate of a handled identity, and so is the first when it comes back."""
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        tx.session.execute(insert(jobs).values(identity=event.identity, event_id=event.id))
+        if event.id == "evt-0":
+            raise ValueError("cannot price quote 17")
+
+    consumer = make(handler=handler, claim_idle_ms=0, max_deliveries=3)
+    for n in range(3):
+        publish(redis_client, stream, "studio:send-quote-017", f"evt-{n}")
+    _settle_all(consumer, redis_client, stream)
+    with consumer.engine.connect() as conn:
+        assert conn.execute(select(jobs.c.event_id)).scalars().all() == ["evt-1"]
+        inbox = consumer.inbox.tables.inbox
+        assert conn.execute(select(inbox.c.event_id)).scalars().all() == ["evt-1"]
+    assert consumer.dead_letters() == []
+
+
+def test_one_identity_three_entries_all_failing_are_each_dead_lettered_for_their_own_error(
+    make: Callable[..., Consumer], redis_client: redis.Redis, stream: str
+) -> None:
+    """Every entry of the identity fails: each is dead-lettered for its own error at its
+    own max_deliveries-th delivery; none is acked as a duplicate of an identity never
+    handled."""
+
+    def handler(event: ConsumedEvent, tx: ConsumerTx) -> None:
+        raise ValueError(f"cannot price {event.id}")
+
+    consumer = make(handler=handler, claim_idle_ms=0, max_deliveries=3)
+    for n in range(3):
+        publish(redis_client, stream, "studio:send-quote-017", f"evt-{n}")
+    _settle_all(consumer, redis_client, stream)
+    records = consumer.dead_letters()
+    assert [(r["event_id"], r["reason"], r["deliveries"], r["error"]) for r in records] == [
+        (f"evt-{n}", "poison", 3, f"ValueError: cannot price evt-{n}") for n in range(3)
+    ]
+    assert len(redis_client.xrange(consumer.dead_letter_stream_for(stream))) == 3
+    assert isinstance(consumer.hooks, RecordingHooks)
+    assert consumer.hooks.total("duplicate") == 0 and consumer.hooks.total("dead") == 3
+
+
 # -- groups, streams, retention ----------------------------------------------------------------
 
 

@@ -428,6 +428,8 @@ def test_a_destroyed_group_reading_again_does_not_count_its_dead_letters_twice(
     world.failing.add("studio:send-quote-001")
     world.consume()  # the group is created again at 0: the entry comes again and fails again
     assert counted == [1]
+    copies = redis_client.xrange(world.consumer.dead_letter_stream_for(stream))
+    assert len(copies) == 1  # nor copied to the dead-letter stream again
     with world.engine.connect() as conn:
         dl = build_inbox_schema().dead_letters
         assert conn.execute(sa.select(sa.func.count()).select_from(dl)).scalar_one() == 1
