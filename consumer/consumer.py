@@ -74,7 +74,7 @@ from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
 from outbox.maintenance import PeriodicVacuum
 from outbox.nats_client import broker_kind
-from outbox.outage import report_failure
+from outbox.outage import Streak, report_failure
 from outbox.redis_client import is_cluster_url, redis_client
 from outbox.validate import check_name
 
@@ -393,16 +393,17 @@ class Consumer:
 
     def _run_batches(self, stopping: Callable[[], bool]) -> None:
         attempt = 0
+        # An outage is a line when it starts, one a minute while it lasts, one when it ends.
+        streak = Streak(log, "consumer batch")
         while not stopping():
             try:
                 self.run_once()
                 attempt = 0
+                streak.succeeded()
             except Exception as exc:
                 delay = self.config.backoff.delay(attempt)
                 attempt += 1
-                report_failure(
-                    log,
-                    "consumer batch failed, retrying",
+                streak.failed(
                     exc,
                     # A refusal of Redis (NOGROUP after a flush, ...) is no bug either.
                     expected=(redislib.RedisError,),

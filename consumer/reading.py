@@ -33,7 +33,7 @@ from consumer.event import text_fields
 from consumer.inbox import MAX_ERROR_CHARS
 from outbox.duty import Duty, Interval
 from outbox.logs import fields
-from outbox.outage import report_failure
+from outbox.outage import Streak, report_failure
 from outbox.redis_client import in_slot_of, slot_of
 
 log = logging.getLogger("outbox.consumer")
@@ -143,15 +143,13 @@ class StreamReader:
     def heartbeat_loop(self, done: threading.Event) -> None:
         """Inside ``Consumer.run()``: keep the key fresh whatever the batch loop is doing (a
         long batch, a database outage), so only a dead process loses it."""
-        failing = False
+        streak = Streak(log, "heartbeat")  # a line at the start, each minute, the end
         while True:
             try:
                 self.beat()
-                failing = False
+                streak.succeeded()
             except Exception as exc:
-                if not failing:  # once per outage, not once per beat
-                    report_failure(log, "heartbeat failed, retrying", exc, group=self.group)
-                failing = True
+                streak.failed(exc, group=self.group)
             if done.wait(self.config.heartbeat_interval_ms / 1000):
                 return
 

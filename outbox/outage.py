@@ -208,18 +208,23 @@ class Streak:
         self._since = 0.0
         self._logged = 0.0
 
-    def failed(self, exc: BaseException, **facts: Any) -> None:
+    def failed(
+        self, exc: BaseException, *, expected: tuple[type[BaseException], ...] = (), **facts: Any
+    ) -> None:
+        """One more failure: logged if it starts the run or a minute went by since the last
+        line (:func:`report_failure`: ``expected`` errors and outages without traceback)."""
         now = self.clock()
         self.failures += 1
         if self.failures == 1:
             self._since = self._logged = now
-            report_failure(self.logger, f"{self.what} failed", exc, **facts)
+            report_failure(self.logger, f"{self.what} failed", exc, expected=expected, **facts)
         elif now - self._logged >= self.every:
             self._logged = now
             report_failure(
                 self.logger,
                 f"{self.what} still failing",
                 exc,
+                expected=expected,
                 failures=self.failures,
                 failing_seconds=round(now - self._since, 1),
                 **facts,

@@ -35,7 +35,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.engine import URL, Engine
@@ -48,7 +48,7 @@ from outbox.duty import Duty, Interval, weakly
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 from outbox.lifecycle import GracefulStop, incarnation_name
 from outbox.logs import fields
-from outbox.outage import is_outage, report_failure, service_errors
+from outbox.outage import Streak, report_failure, service_errors
 from outbox.schema import OutboxSchema, build_schema
 from relay.batch import BatchPublisher
 from relay.config import RelayConfig
@@ -405,8 +405,7 @@ class Relay:
                 started = time.monotonic()
                 try:
                     published = self._step()
-                    if loop.outage_attempt:
-                        log.info("recovered", extra=fields(after_attempts=loop.outage_attempt))
+                    loop.streak.succeeded()  # one line when a run of failures ends
                     loop.outage_attempt = 0
                 except Exception as exc:
                     self._wait_out(exc, loop, event)
@@ -485,11 +484,9 @@ class Relay:
         self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         delay = self.config.outage_backoff.delay(loop.outage_attempt)
-        report_failure(
-            log,
-            "database or Redis unavailable; retrying"
-            if is_outage(exc)
-            else "unexpected error; retrying",
+        # A line when the run of failures starts and one a minute while it lasts (an
+        # outage: no traceback; anything else: with it).
+        loop.streak.failed(
             exc,
             attempt=loop.outage_attempt,
             retry_in_seconds=round(delay, 3),
@@ -601,6 +598,7 @@ class _LoopState:
     published_at_progress: int = 0
     busy_until: float = 0.0  # until then (monotonic), empty cycles keep the short interval
     outage_attempt: int = 0  # turns failed in a row
+    streak: Streak = field(default_factory=lambda: Streak(log, "relay cycle"))
 
 
 class _EitherEvent:
