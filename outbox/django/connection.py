@@ -103,6 +103,14 @@ class _Borrowed:
 
 
 def _dialect_url(alias: str) -> str:
+    """The engine's URL: the database Django's settings name, when they name one another
+    process could open, so ``outbox-consumer run --database-url`` (what ``manage.py
+    outbox_consumer`` passes) is seen to name this engine's database; otherwise the dialect
+    alone. The connections come from the creator, never from this URL."""
+    try:
+        return database_url(alias)
+    except ConfigError:
+        pass
     vendor = connections[alias].vendor
     if vendor == "sqlite":
         return "sqlite://"
