@@ -39,7 +39,9 @@ def test_cli_lists_pauses_resumes_and_removes(
 ) -> None:
     store.schedule_every("digest", cron="0 9 * * 1-5", tenant="studio", action="digest",
                          tz="Europe/Berlin")  # fmt: skip
-    store.schedule_every("tick", cron="* * * * *", tenant="t", action="tick")
+    # Yearly: a next slot moved 5 s back is exactly one passed slot, whatever the time. An
+    # every-minute schedule fired two slots when the test ran within 5 s after a minute began.
+    store.schedule_every("tick", cron="0 0 1 1 *", tenant="t", action="tick")
     _move_back(store, "tick", 5)
     assert len(store.fire_schedules().fired) == 1
     assert main(["schedules", "list", "--database-url", db_url]) == 0
