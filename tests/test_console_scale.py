@@ -10,6 +10,7 @@ Timings are the benchmark's (``python -m bench console``), not asserted here."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,8 @@ BIG = {"outbox_jobs", "outbox_events", "consumer_inbox", "outbox_operations", "o
 
 @pytest.fixture(scope="module")
 def big(pg_admin_engine: sa.Engine) -> Iterator[sa.Engine]:
-    schema = "t_console_scale"
+    # One schema per xdist worker: two workers filling and dropping one fixed name collided.
+    schema = f"t_console_scale_{uuid.uuid4().hex[:8]}"
     with pg_admin_engine.connect() as conn:
         conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
