@@ -29,7 +29,7 @@ from consumer.event import text_fields
 from consumer.reading import Entry
 from outbox.duty import Duty
 from outbox.logs import fields
-from outbox.nats_client import NatsClient, jetstream_name
+from outbox.nats_client import NatsClient, jetstream_name, stream_config
 
 log = logging.getLogger("outbox.consumer")
 
@@ -89,9 +89,10 @@ class NatsReader:
         try:
             await js.stream_info(name)
         except nats.js.errors.NotFoundError:
-            # Nobody has published yet: the stream the relay would create, so the group
-            # exists from the start and the first message is not missed.
-            await js.add_stream(api.StreamConfig(name=name, subjects=[stream]))
+            # Nobody has published yet: the stream the relay would create (its one
+            # definition, marked provisional so that the first relay sets its own limits),
+            # so the group exists from the start and the first message is not missed.
+            await js.add_stream(stream_config(name, [stream], provisional=True))
         durable = durable_name(self.group)
         config = api.ConsumerConfig(
             durable_name=durable,

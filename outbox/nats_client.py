@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from outbox.errors import BrokerUnavailable, ConfigError
@@ -71,6 +72,69 @@ def broker_kind(url: str | None) -> str:
         "broker_url",
         f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
     )
+
+
+DEFAULT_DUPLICATE_WINDOW = 120.0
+"""Seconds JetStream remembers a ``Nats-Msg-Id`` (its own default)."""
+DEFAULT_STREAM_RETENTION = 24 * 3600.0
+"""Seconds of messages a stream keeps (``max_age``), like the outbox's own retention."""
+PROVISIONAL = "outbox stream, created by a consumer before any relay"
+"""The description of a stream a consumer created: the first relay to meet it sets its own
+limits on it (:func:`adopt_config`)."""
+RELAY_STREAM = "outbox stream"
+"""The description of a stream a relay created or adopted."""
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How an outbox stream is kept in JetStream: ``storage`` ``file`` or ``memory``,
+    ``replicas``, ``duplicate_window`` (seconds), ``retention`` (seconds, its ``max_age``;
+    0: until limits), ``maxlen`` (its ``max_msgs``) and ``max_message_bytes`` (its
+    ``max_msg_size``; None: the server's). The defaults are the relay's."""
+
+    storage: str = "file"
+    replicas: int = 1
+    duplicate_window: float = DEFAULT_DUPLICATE_WINDOW
+    retention: float = DEFAULT_STREAM_RETENTION
+    maxlen: int | None = None
+    max_message_bytes: int | None = None
+
+
+def stream_config(
+    name: str,
+    subjects: Sequence[str],
+    settings: StreamSettings | None = None,
+    *,
+    provisional: bool = False,
+) -> Any:
+    """The one definition of an outbox stream (a ``nats.js.api.StreamConfig``): the relay
+    creates its streams with it, and a consumer that comes first creates the stream it reads
+    with it too (``provisional``: the relay's default settings, marked so that the first
+    relay sets its own). So whichever process comes first, the stream is the relay's."""
+    api = nats_module().js.api
+    s = settings or StreamSettings()
+    return api.StreamConfig(
+        name=name,
+        description=PROVISIONAL if provisional else RELAY_STREAM,
+        subjects=list(subjects),
+        storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
+        num_replicas=s.replicas,
+        duplicate_window=s.duplicate_window,
+        max_age=s.retention or None,
+        max_msgs=s.maxlen or None,
+        max_msg_size=s.max_message_bytes or -1,
+    )
+
+
+def adopt_config(found: Any, settings: StreamSettings) -> Any | None:
+    """The configuration a relay with ``settings`` sets on stream config ``found``: None
+    unless a consumer created it (:data:`PROVISIONAL`); else the relay's definition with
+    the stream's own subjects and storage (JetStream cannot change a stream's storage)."""
+    if getattr(found, "description", None) != PROVISIONAL:
+        return None
+    mine = stream_config(found.name, found.subjects or [], settings)
+    mine.storage = found.storage
+    return mine
 
 
 def nats_module() -> Any:
@@ -269,13 +333,20 @@ class NatsClient:
 
 
 __all__ = [
+    "DEFAULT_DUPLICATE_WINDOW",
+    "DEFAULT_STREAM_RETENTION",
     "DEFAULT_TIMEOUT",
     "EXPECTED_STREAM",
     "MSG_ID",
+    "PROVISIONAL",
+    "RELAY_STREAM",
     "NatsClient",
+    "StreamSettings",
+    "adopt_config",
     "broker_kind",
     "event_id_of",
     "is_subject",
     "jetstream_name",
     "nats_module",
+    "stream_config",
 ]

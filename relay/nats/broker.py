@@ -34,6 +34,7 @@ How each guarantee holds here:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
@@ -41,14 +42,20 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.codec import EntryEncoder
 from outbox.errors import ConfigError
+from outbox.logs import fields
 from outbox.nats_client import (
+    DEFAULT_DUPLICATE_WINDOW,
+    DEFAULT_STREAM_RETENTION,
     DEFAULT_TIMEOUT,
     EXPECTED_STREAM,
     MSG_ID,
     NatsClient,
+    StreamSettings,
+    adopt_config,
     event_id_of,
     is_subject,
     jetstream_name,
+    stream_config,
 )
 from outbox.validate import check_number
 from relay.errors import PermanentPublishError, RoutingError
@@ -62,11 +69,7 @@ if TYPE_CHECKING:
     from relay.seam import BrokerCheck
     from relay.store import Store
 
-DEFAULT_DUPLICATE_WINDOW = 120.0
-"""Seconds JetStream remembers a ``Nats-Msg-Id`` (its own default)."""
-DEFAULT_STREAM_RETENTION = 24 * 3600.0
-"""Seconds of messages a stream keeps (``max_age``), like the outbox's own retention."""
-
+log = logging.getLogger("outbox.relay")
 # JetStream error codes (nats-server's errors.json) that retrying may fix: storage or
 # memory limits with discard new, a stream or cluster without quorum right now.
 _TRANSIENT_CODES = {10023, 10047, 10077, 10074, 10008}
@@ -82,8 +85,11 @@ class NatsBroker:
     window; ``storage`` ``file`` (default) or ``memory``; ``replicas`` its replica count (a
     publish is acknowledged once a quorum stored it); ``max_message_bytes`` its
     ``max_msg_size`` (None: the server's ``max_payload``). These apply when the relay
-    creates a stream; an existing stream keeps its own configuration. ``timeout``: seconds
-    a call may take.
+    creates a stream (:func:`outbox.nats_client.stream_config`, the one definition the
+    consumer uses too) and when it meets a stream a consumer created before any relay
+    (:func:`outbox.nats_client.adopt_config`: all but the storage, which JetStream cannot
+    change); a stream another relay created keeps its own configuration. ``timeout``:
+    seconds a call may take.
     """
 
     def __init__(
@@ -123,6 +129,14 @@ class NatsBroker:
         self.storage = storage
         self.replicas = int(replicas)
         self.max_message_bytes = max_message_bytes
+        self.settings = StreamSettings(
+            storage=storage,
+            replicas=self.replicas,
+            duplicate_window=self.duplicate_window,
+            retention=self.stream_retention,
+            maxlen=maxlen,
+            max_message_bytes=max_message_bytes,
+        )
         self.source = source
         self._encoder = EntryEncoder(source)
         self._ready: dict[str, int] = {}  # JetStream stream -> its max_msg_size (-1: none)
@@ -426,6 +440,8 @@ class NatsBroker:
                 f"JetStream stream {name} ends at {info.state.last_seq}, before the "
                 f"receipts' sequence {known}"
             )
+        else:
+            info = self.client.run(lambda js: self._adopt(js, info))
         subjects = list(info.config.subjects or [])
         if subject not in subjects:
             subjects.append(subject)
@@ -439,18 +455,21 @@ class NatsBroker:
         except self.client.nats.js.errors.NotFoundError:
             return None
 
+    async def _adopt(self, js: Any, info: Any) -> Any:
+        """A stream a consumer created before any relay takes this relay's settings."""
+        config = adopt_config(info.config, self.settings)
+        if config is None:
+            return info
+        storage = str(getattr(info.config.storage, "value", info.config.storage))
+        if storage != self.storage:
+            log.warning(
+                "a consumer created the stream with another storage; JetStream keeps it",
+                extra=fields(jetstream_stream=info.config.name, storage=storage),
+            )
+        return await js.update_stream(config)
+
     async def _create(self, js: Any, name: str, subject: str) -> Any:
-        api = self.client.nats.js.api
-        config = api.StreamConfig(
-            name=name,
-            subjects=[subject],
-            storage=api.StorageType.FILE if self.storage == "file" else api.StorageType.MEMORY,
-            num_replicas=self.replicas,
-            duplicate_window=self.duplicate_window,
-            max_age=self.stream_retention or None,
-            max_msgs=self.maxlen or None,
-            max_msg_size=self.max_message_bytes or -1,
-        )
+        config = stream_config(name, [subject], self.settings)
         try:
             await js.add_stream(config)
         except self.client.nats.js.errors.BadRequestError as exc:
