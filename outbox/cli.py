@@ -41,6 +41,14 @@ subcommands set ``func`` (``set_defaults(func=cmd_x)``); its ``main`` is
 Then regenerate the reference page (a test fails while it is stale)::
 
     python -m outbox.cli --markdown > docs/reference/cli.md
+
+Where it lives
+--------------
+
+This module holds the parser (:class:`Parser`), :func:`load_target`, the exit codes and
+:func:`run_main`. The flag declarations (:class:`Flag`, :func:`parse_bool`, the shared
+groups) are :mod:`outbox.cli_flags`, and the reference page is :mod:`outbox.cli_reference`;
+everything public of both is importable from here too, as before the split.
 """
 
 from __future__ import annotations
@@ -55,20 +63,42 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from outbox import lifecycle, tracing
+from outbox.cli_flags import BROKER_URL as BROKER_URL
+from outbox.cli_flags import DATABASE as DATABASE
+from outbox.cli_flags import DATABASE_URL as DATABASE_URL
+from outbox.cli_flags import ENV_PREFIX as ENV_PREFIX
+from outbox.cli_flags import FALSE_WORDS as FALSE_WORDS
+from outbox.cli_flags import LOG_LEVEL as LOG_LEVEL
+from outbox.cli_flags import LOG_LEVELS as LOG_LEVELS
+from outbox.cli_flags import LOGGING as LOGGING
+from outbox.cli_flags import METRICS as METRICS
+from outbox.cli_flags import METRICS_HOST as METRICS_HOST
+from outbox.cli_flags import METRICS_PORT as METRICS_PORT
+from outbox.cli_flags import REDIS as REDIS
+from outbox.cli_flags import REDIS_CLUSTER as REDIS_CLUSTER
+from outbox.cli_flags import REDIS_URL as REDIS_URL
+from outbox.cli_flags import TRUE_WORDS as TRUE_WORDS
+from outbox.cli_flags import Flag as Flag
+from outbox.cli_flags import add_flags as add_flags
+from outbox.cli_flags import declared_flag as declared_flag
+from outbox.cli_flags import declared_flags as declared_flags
+from outbox.cli_flags import describe_default as describe_default
+from outbox.cli_flags import given_as as given_as
+from outbox.cli_flags import log_level as log_level
+from outbox.cli_flags import parse_bool as parse_bool
+from outbox.cli_flags import port as port
+from outbox.cli_flags import resolve_environment as resolve_environment
+from outbox.cli_reference import installed_programs as installed_programs
+from outbox.cli_reference import reference_markdown as reference_markdown
 from outbox.db import default_database_url, describe_url, missing_sqlite_file
-from outbox.errors import ConfigError, OutboxError
+from outbox.errors import OutboxError
 from outbox.extras import MissingExtra
-from outbox.validate import int_problem
 
 log = logging.getLogger("outbox.cli")
-
-ENV_PREFIX = "OUTBOX_"
 
 
 class Exit(enum.IntEnum):
@@ -85,258 +115,7 @@ class UsageError(OutboxError, ValueError):
     that cannot apply): exit 2."""
 
 
-# -- values -------------------------------------------------------------------------------------
-
-TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-
-def parse_bool(raw: str, name: str = "value") -> bool:
-    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case); ConfigError naming ``name``
-    otherwise."""
-    word = raw.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise ConfigError(name, f"{raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
-
-
-_TYPE_WORDS: dict[Any, str] = {int: "an integer", float: "a number"}
-
-
-def _describe_default(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line flag with its ``OUTBOX_*`` environment variable.
-
-    ``type`` parses a string (``int``, ``float``, ``str`` or any function raising
-    ValueError); ``bool`` makes a switch (``--no-listen``) whose variable takes
-    :func:`parse_bool`'s words. ``env`` is derived from the name unless given; ``None`` means
-    no variable. ``shown_default`` is the default as the help tells it, when ``default`` is
-    None because the command decides later (``outbox.db in the working directory``).
-    ``env_negates``: the variable of a switch says the opposite (``--no-lookup`` and
-    ``OUTBOX_SIMULATOR_LOOKUP=0``). ``aliases``: older names of the flag that still work
-    (``--redis-url`` for ``--broker-url``); ``env_fallback``: the variable read when
-    ``env`` is not set (the alias's, ``OUTBOX_REDIS_URL``).
-    """
-
-    name: str
-    type: Callable[[str], Any] = str
-    help: str = ""
-    default: Any = None
-    env: str | None = ""
-    shown_default: str | None = None
-    metavar: str | None = None
-    dest: str | None = None
-    choices: Sequence[str] | None = None
-    env_negates: bool = False
-    aliases: tuple[str, ...] = ()
-    env_fallback: str | None = None
-
-    @property
-    def switch(self) -> bool:
-        return self.type is bool
-
-    @property
-    def env_var(self) -> str | None:
-        if self.env is None:
-            return None
-        if self.env:
-            return self.env
-        return ENV_PREFIX + self.name.lstrip("-").replace("-", "_").upper()
-
-    @property
-    def attribute(self) -> str:
-        return self.dest or self.name.lstrip("-").replace("-", "_")
-
-    def default_text(self) -> str | None:
-        if self.shown_default is not None:
-            return self.shown_default
-        if self.default is None or (self.switch and self.default is False):
-            return None
-        return _describe_default(self.default)
-
-    def full_help(self) -> str:
-        notes = []
-        if self.env_var:
-            value = ("=false" if self.env_negates else "=true") if self.switch else ""
-            notes.append(f"env {self.env_var}{value}")
-        default = self.default_text()
-        if default is not None:
-            notes.append(f"default {default}")
-        text = self.help
-        if notes:
-            text = f"{text} ({'; '.join(notes)})" if text else "; ".join(notes)
-        return text
-
-    def parse(self, raw: str, source: str) -> Any:
-        """``raw`` read from ``source`` (the variable's name), or ConfigError naming it."""
-        if self.switch:
-            return parse_bool(raw, source) != self.env_negates
-        try:
-            return self.type(raw)
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            what = _TYPE_WORDS.get(self.type)
-            problem = f"{raw!r} is not {what}" if what else f"{raw!r}: {exc}"
-            raise ConfigError(source, problem) from None
-
-    def resolve(self, environ: Any = None) -> Any:
-        """The value when the flag was not given: its variable's, else the default."""
-        environ = os.environ if environ is None else environ
-        name = self.env_var
-        raw = environ.get(name) if name else None
-        if (raw is None or raw == "") and self.env_fallback:
-            name = self.env_fallback
-            raw = environ.get(name)
-        if raw is None or raw == "":
-            return self.default
-        value = self.parse(raw, name or self.name)
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(name or self.name, f"{raw!r} is not one of {', '.join(self.choices)}")
-        return value
-
-    def add_to(self, parser: argparse._ActionsContainer) -> None:
-        kwargs: dict[str, Any] = {
-            "dest": self.attribute,
-            "default": _Pending(self),
-            "help": self.full_help().replace("%", "%%"),
-        }
-        if self.switch:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["type"] = self.type
-            if self.metavar:
-                kwargs["metavar"] = self.metavar
-            if self.choices is not None:
-                kwargs["choices"] = self.choices
-        parser.add_argument(self.name, *self.aliases, **kwargs)
-
-
-_Container = TypeVar("_Container", bound=argparse._ActionsContainer)
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """The argparse default of a declared flag: resolved from the environment after parsing
-    (only for the subcommand that was chosen), so a bad variable of another subcommand never
-    gets in the way."""
-
-    flag: Flag = field()
-
-    def __repr__(self) -> str:  # what argparse would print as the default
-        return repr(self.flag.default)
-
-
-def add_flags(parser: _Container, *flags: Flag) -> _Container:
-    """Add each declared flag to ``parser`` (a subcommand's parser, or a group of one: a
-    mutually exclusive ``--since`` / ``--from-seq`` is two declarations too)."""
-    for flag in flags:
-        flag.add_to(parser)
-    return parser
-
-
-_SOURCES = "_flag_sources"
-
-
-def resolve_environment(namespace: argparse.Namespace, environ: Any = None) -> argparse.Namespace:
-    """Replace every flag not given on the command line by its variable's value or default
-    (:func:`given_as` tells which it was)."""
-    environ = os.environ if environ is None else environ
-    sources: dict[str, str] = getattr(namespace, _SOURCES, {})
-    for key, value in list(vars(namespace).items()):
-        if isinstance(value, _Pending):
-            flag = value.flag
-            setattr(namespace, key, flag.resolve(environ))
-            names = (flag.env_var, flag.env_fallback)
-            sources[key] = next((n for n in names if n and environ.get(n)), "")
-    setattr(namespace, _SOURCES, sources)
-    return namespace
-
-
-def given_as(args: argparse.Namespace, flag: Flag) -> str:
-    """How ``flag``'s value was given: its name (the command line), its variable's name
-    (the environment), or "" (the default): for messages about a flag that cannot apply."""
-    sources: dict[str, str] = getattr(args, _SOURCES, {})
-    return sources.get(flag.attribute, flag.name)
-
-
-def declared_flags(parser: argparse.ArgumentParser) -> list[Flag]:
-    """The :class:`Flag` declarations of ``parser`` (for the reference page)."""
-    return [a.default.flag for a in parser._actions if isinstance(a.default, _Pending)]
-
-
-# -- shared groups ------------------------------------------------------------------------------
-
-DATABASE_URL = Flag(
-    "--database-url",
-    help="SQLAlchemy URL (postgresql://... or sqlite:///file.db)",
-    shown_default="the SQLite file outbox.db in the working directory",
-    metavar="URL",
-)
-REDIS_URL = Flag(
-    "--broker-url",
-    help="the broker: redis://host:port/db, rediss://..., or nats://host:port (NATS "
-    "JetStream); --redis-url and OUTBOX_REDIS_URL are its older names",
-    shown_default="an embedded Redis server",
-    metavar="URL",
-    dest="redis_url",
-    aliases=("--redis-url",),
-    env="OUTBOX_BROKER_URL",
-    env_fallback="OUTBOX_REDIS_URL",
-)
-BROKER_URL = REDIS_URL
-REDIS_CLUSTER = Flag(
-    "--redis-cluster",
-    bool,
-    "--broker-url names any node of a Redis Cluster (a redis+cluster:// URL says the same)",
-)
-
-
-def port(raw: str) -> int:
-    """A TCP port from the command line or a variable: ASCII digits, 0 to 65535."""
-    problem = int_problem(raw, minimum=0, maximum=65535)
-    if problem is not None:
-        raise ValueError(problem)
-    return int(raw)
-
-
-_TYPE_WORDS[port] = "a port (0 to 65535)"
-
-
-def log_level(raw: str) -> str:
-    """A log level, in any case: debug, info, warning or error."""
-    level = raw.strip().lower()
-    if level not in LOG_LEVELS:
-        raise ValueError(f"not one of {', '.join(LOG_LEVELS)}")
-    return level
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-METRICS_PORT = Flag(
-    "--metrics-port",
-    port,
-    "serve Prometheus metrics on this port",
-    shown_default="no metrics server",
-    metavar="PORT",
-)
-METRICS_HOST = Flag(
-    "--metrics-host", help="address of the metrics server", default="127.0.0.1", metavar="HOST"
-)
-LOG_LEVEL = Flag(
-    "--log-level", log_level, "debug, info, warning, error", default="info", metavar="LEVEL"
-)
-
-DATABASE: tuple[Flag, ...] = (DATABASE_URL,)
-REDIS: tuple[Flag, ...] = (REDIS_URL, REDIS_CLUSTER)
-METRICS: tuple[Flag, ...] = (METRICS_PORT, METRICS_HOST)
-LOGGING: tuple[Flag, ...] = (LOG_LEVEL,)
+# -- the parser ---------------------------------------------------------------------------------
 
 
 class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]
@@ -577,110 +356,6 @@ def fail(prog: str, message: str, code: int = Exit.FAILURE) -> int:
     """Print ``prog: message`` on stderr and return ``code``."""
     print(f"{prog}: {message}", file=sys.stderr)
     return code
-
-
-# -- the reference page -------------------------------------------------------------------------
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
-    found: list[tuple[str, str, argparse.ArgumentParser]] = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {a.dest: a.help or "" for a in action._choices_actions}
-            for name, sub in action.choices.items():
-                found.append((name, helps.get(name, ""), sub))
-    return found
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _usage(parser: argparse.ArgumentParser) -> str:
-    formatter = argparse.HelpFormatter(parser.prog, width=100)
-    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, "")
-    return " ".join(formatter.format_help().split())
-
-
-# complexity: one row per kind of argparse action (flag, choice, count, store_true) in one table
-def _options_table(parser: argparse.ArgumentParser) -> list[str]:
-    lines = ["| flag | environment | default | what |", "|---|---|---|---|"]
-    for action in parser._actions:
-        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
-            continue
-        name = ", ".join(action.option_strings) or (action.metavar or action.dest)
-        if isinstance(name, tuple):  # pragma: no cover - tuple metavars are not used
-            name = " ".join(name)
-        if action.option_strings and action.nargs != 0:
-            name += f" {action.metavar or action.dest.upper()}"
-        if isinstance(action.default, _Pending):
-            flag = action.default.flag
-            env_var = f"`{flag.env_var}`" if flag.env_var else ""
-            default = flag.default_text() or ""
-            what = flag.help
-        else:
-            env_var = ""
-            shown = action.default
-            default = (
-                ""
-                if shown is None or shown is False or shown is True or shown == argparse.SUPPRESS
-                else _describe_default(shown)
-            )
-            what = action.help or ""
-        what = str(what).replace("%%", "%")
-        lines.append(f"| `{_cell(name)}` | {env_var} | {_cell(default)} | {_cell(what)} |")
-    return lines
-
-
-def reference_markdown(programs: Iterable[tuple[str, argparse.ArgumentParser]]) -> str:
-    """The CLI reference page of ``programs`` (name, parser), from their declarations."""
-    out = [
-        "# Command-line reference",
-        "",
-        "<!-- Generated by `python -m outbox.cli --markdown > docs/reference/cli.md` from the",
-        "     flag declarations (outbox/cli.py); do not edit by hand. -->",
-        "",
-        "Every flag takes its default from the environment variable beside it; a flag given",
-        "on the command line wins. Boolean variables take `1/0`, `true/false`, `yes/no` or",
-        "`on/off` ([Configuration](configuration.md#environment-variables)). Exit status:",
-        "0 success, 1 failure (an unknown id, an unreachable database), 2 bad usage, 130",
-        "interrupted (Ctrl-C). `COMMAND --help` prints the same as this page.",
-        "",
-    ]
-    for prog, parser in programs:
-        out += [f"## {prog}", "", parser.description or "", ""]
-        subs = _subcommands(parser)
-        if not subs:
-            out += ["```", _usage(parser), "```", "", *_options_table(parser), ""]
-        for name, summary, sub in subs:
-            out += [f"### {prog} {name}", "", (sub.description or summary).strip(), ""]
-            out += ["```", _usage(sub), "```", "", *_options_table(sub), ""]
-    return "\n".join(out).rstrip() + "\n"
-
-
-def installed_programs() -> list[tuple[str, argparse.ArgumentParser]]:
-    """The commands of ``[project.scripts]`` (pyproject.toml beside the packages when this is
-    a checkout, the installed distribution's entry points otherwise), each with the parser
-    its module's ``build_parser()`` returns."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    scripts: dict[str, str]
-    if pyproject.is_file():
-        import tomllib
-
-        scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
-    else:  # pragma: no cover - an installed wheel
-        from importlib.metadata import distribution
-
-        scripts = {
-            ep.name: ep.value
-            for ep in distribution("outbox-toolkit").entry_points
-            if ep.group == "console_scripts"
-        }
-    programs = []
-    for prog, value in scripts.items():
-        module = importlib.import_module(value.partition(":")[0])
-        programs.append((prog, module.build_parser()))
-    return programs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

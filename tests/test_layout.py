@@ -143,7 +143,6 @@ OVER_THE_LIMIT: set[str] = {
     "consumer.jobs.operations",
     "consumer.jobs.simulator",
     "consumer.jobs.store",
-    "outbox.cli",
     "outbox.testing.pipeline",
     "relay.cli",
     "relay.demo",
