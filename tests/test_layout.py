@@ -148,7 +148,6 @@ OVER_THE_LIMIT: set[str] = {
     "relay.demo",
     "relay.redis.publisher",
     "relay.relay",
-    "relay.store.postgres",
 }
 
 

@@ -216,3 +216,59 @@ FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.classid::bigint IN (%(c)s, %(m)s)"""
+
+# The statements the store runs by name (``PostgresStore._execute``), with ``{t}`` for the
+# table; relay.store.partitions rewrites some of them for a partitioned table.
+PG_NAMED: dict[str, str] = {
+    "claim": PG_CLAIM,
+    "published": PG_PUBLISHED,
+    "failed": PG_FAILED,
+    "quarantine": PG_QUARANTINE,
+    "release": PG_RELEASE,
+    "retry_now": PG_RETRY_NOW,
+    "mark_orphans": PG_MARK_ORPHANS,
+    "orphans": PG_ORPHANS,
+    "retry_ready": PG_RETRY_READY,
+    "resolve_found": PG_RESOLVE_FOUND,
+    "resolve_missing": PG_RESOLVE_MISSING,
+    "retention": PG_RETENTION,
+    "backlog": PG_BACKLOG,
+}
+
+# Partition ownership: one session-level advisory lock per partition (class: the table's
+# lock class), and one per live relay (class: the member class) so each can count the
+# replicas. A partition is taken with try-lock (never waits) and given back by unlock.
+PG_MEMBER_LOCK = "SELECT pg_advisory_lock(%s, %s)"
+PG_UNLOCK_PARTITIONS = "SELECT pg_advisory_unlock(%s, p) FROM unnest(%s::int[]) p"
+PG_TRY_LOCK_PARTITIONS = (
+    "SELECT p FROM unnest(%s::int[]) p WHERE pg_try_advisory_lock(%s, p) LIMIT %s"
+)
+
+# What the claim floor samples (PG_SNAPSHOT): the sequence behind the table's seq column.
+PG_SERIAL_SEQUENCE = "SELECT pg_get_serial_sequence(%s, 'seq')"
+
+PG_TABLE_SCHEMA = (
+    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = to_regclass(%(q)s)"
+)
+"""The schema the outbox table resolves to on a connection (what its NOTIFY channel names)."""
+
+# The operator's reads, on a pooled connection (``{t}``: the table). republish pages through
+# the published rows in seq order, optionally from a creation time and for one topic.
+PG_PUBLISHED_PAGE = (
+    f"SELECT {PG_RECORD_COLUMNS}, t.stream FROM {{t}} t "
+    "WHERE t.seq > %(after)s AND t.state = 'published'"
+)
+PG_PUBLISHED_PAGE_SINCE = " AND t.created_at >= %(since)s"
+PG_PUBLISHED_PAGE_TOPIC = " AND t.topic = %(topic)s"
+PG_PUBLISHED_PAGE_END = " ORDER BY t.seq LIMIT %(limit)s"
+
+PG_RECEIPT_LATEST = (
+    "SELECT stream, stream_id FROM {t} "
+    "WHERE state = 'published' AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
+)
+
+PG_OLDEST_PUBLISHED_SINCE = (
+    "SELECT min(created_at) FROM {t} "
+    "WHERE state = 'published' AND published_at >= to_timestamp(%(after)s)"
+)

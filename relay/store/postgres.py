@@ -1,5 +1,6 @@
 """The relay store on PostgreSQL: partitions owned through advisory locks, the claim that
-writes the intent, LISTEN/NOTIFY (see :mod:`relay.store`)."""
+writes the intent, LISTEN/NOTIFY (see :mod:`relay.store`). Its SQL, each statement with its
+reason: :mod:`relay.store.pg_statements`."""
 
 from __future__ import annotations
 
@@ -32,22 +33,20 @@ from relay.store.base import (
 )
 from relay.store.partitions import statements_for
 from relay.store.pg_statements import (
-    PG_BACKLOG,
-    PG_CLAIM,
-    PG_FAILED,
     PG_LOCKS,
-    PG_MARK_ORPHANS,
-    PG_ORPHANS,
-    PG_PUBLISHED,
-    PG_QUARANTINE,
-    PG_RECORD_COLUMNS,
-    PG_RELEASE,
-    PG_RESOLVE_FOUND,
-    PG_RESOLVE_MISSING,
-    PG_RETENTION,
-    PG_RETRY_NOW,
-    PG_RETRY_READY,
+    PG_MEMBER_LOCK,
+    PG_NAMED,
+    PG_OLDEST_PUBLISHED_SINCE,
+    PG_PUBLISHED_PAGE,
+    PG_PUBLISHED_PAGE_END,
+    PG_PUBLISHED_PAGE_SINCE,
+    PG_PUBLISHED_PAGE_TOPIC,
+    PG_RECEIPT_LATEST,
+    PG_SERIAL_SEQUENCE,
     PG_SNAPSHOT,
+    PG_TABLE_SCHEMA,
+    PG_TRY_LOCK_PARTITIONS,
+    PG_UNLOCK_PARTITIONS,
 )
 
 log = logging.getLogger("outbox.relay")
@@ -139,37 +138,17 @@ class PostgresStore:
             schema_name = self.schema.schema or (row[0] if row else "public")
             qualified = f"{schema_name}.{self.schema.table_name}"
             t = f'"{schema_name}"."{self.schema.table_name}"'
-            self._sql = {
-                name: sql.replace("{t}", t)
-                for name, sql in {
-                    "claim": PG_CLAIM,
-                    "published": PG_PUBLISHED,
-                    "failed": PG_FAILED,
-                    "quarantine": PG_QUARANTINE,
-                    "release": PG_RELEASE,
-                    "retry_now": PG_RETRY_NOW,
-                    "mark_orphans": PG_MARK_ORPHANS,
-                    "orphans": PG_ORPHANS,
-                    "retry_ready": PG_RETRY_READY,
-                    "resolve_found": PG_RESOLVE_FOUND,
-                    "resolve_missing": PG_RESOLVE_MISSING,
-                    "retention": PG_RETENTION,
-                    "backlog": PG_BACKLOG,
-                }.items()
-            }
+            self._sql = {name: sql.replace("{t}", t) for name, sql in PG_NAMED.items()}
             self._sql = statements_for(conn, t, self._sql)  # relay.store.partitions
             self._sql["table"] = t
             seq_row = conn.execute(
-                "SELECT pg_get_serial_sequence(%s, 'seq')",
-                (f'"{schema_name}"."{self.schema.table_name}"',),
+                PG_SERIAL_SEQUENCE, (f'"{schema_name}"."{self.schema.table_name}"',)
             ).fetchone()
             self._sequence = seq_row[0] if seq_row and seq_row[0] else ""
             self._lock_class = zlib.crc32(f"outbox-relay:{qualified}".encode()) & 0x7FFFFFFF
             self._member_class = (self._lock_class ^ 0x2B5A5A5A) & 0x7FFFFFFF
             if self.member:
-                conn.execute(
-                    "SELECT pg_advisory_lock(%s, %s)", (self._member_class, self._member_id)
-                )
+                conn.execute(PG_MEMBER_LOCK, (self._member_class, self._member_id))
         except BaseException:
             conn.close()
             raise
@@ -234,19 +213,14 @@ class PostgresStore:
             if len(mine) > target:
                 extra = sorted(mine)[target:]
                 before_release()
-                self._conn.execute(
-                    "SELECT pg_advisory_unlock(%s, p) FROM unnest(%s::int[]) p",
-                    (self._lock_class, extra),
-                )
+                self._conn.execute(PG_UNLOCK_PARTITIONS, (self._lock_class, extra))
                 mine -= set(extra)
             elif len(mine) < target:
                 free = [p for p in range(self.partitions) if p not in mine and p not in others]
                 random.shuffle(free)
                 if free:
                     got = self._conn.execute(
-                        "SELECT p FROM unnest(%s::int[]) p "
-                        "WHERE pg_try_advisory_lock(%s, p) LIMIT %s",
-                        (free, self._lock_class, target - len(mine)),
+                        PG_TRY_LOCK_PARTITIONS, (free, self._lock_class, target - len(mine))
                     ).fetchall()
                     taken = {int(r[0]) for r in got}
                     mine |= taken
@@ -471,7 +445,7 @@ class PostgresStore:
                 conn = self._new_connection()
                 # The channel names the schema the table lives in (the trigger uses
                 # TG_TABLE_SCHEMA): other schemas' outboxes do not wake this relay.
-                row = conn.execute(_TABLE_SCHEMA_SQL, {"q": full_table(self.schema)}).fetchone()
+                row = conn.execute(PG_TABLE_SCHEMA, {"q": full_table(self.schema)}).fetchone()
                 table_schema = row[0] if row and row[0] else (self.schema.schema or "public")
                 channel = self.schema.notify_channel(table_schema)
                 conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
@@ -539,11 +513,10 @@ class PostgresStore:
         topic: str | None = None,
     ) -> list[tuple[Record, str | None]]:
         sql = (
-            f"SELECT {PG_RECORD_COLUMNS}, t.stream FROM {full_table(self.schema)} t "
-            "WHERE t.seq > %(after)s AND t.state = 'published'"
-            + ("" if since is None else " AND t.created_at >= %(since)s")
-            + ("" if topic is None else " AND t.topic = %(topic)s")
-            + " ORDER BY t.seq LIMIT %(limit)s"
+            PG_PUBLISHED_PAGE.replace("{t}", full_table(self.schema))
+            + ("" if since is None else PG_PUBLISHED_PAGE_SINCE)
+            + ("" if topic is None else PG_PUBLISHED_PAGE_TOPIC)
+            + PG_PUBLISHED_PAGE_END
         )
         params = {"after": after_seq, "since": since, "topic": topic, "limit": limit}
         with self.engine.connect() as conn:
@@ -553,8 +526,7 @@ class PostgresStore:
     def receipt_latest(self) -> list[tuple[str, str]]:
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(
-                f"SELECT stream, stream_id FROM {full_table(self.schema)} "
-                "WHERE state = 'published' AND stream_id IS NOT NULL ORDER BY seq DESC LIMIT 1000"
+                PG_RECEIPT_LATEST.replace("{t}", full_table(self.schema))
             ).fetchall()
         return highest_receipts(rows)
 
@@ -563,8 +535,7 @@ class PostgresStore:
             return cast(
                 "datetime | None",
                 conn.exec_driver_sql(
-                    f"SELECT min(created_at) FROM {full_table(self.schema)} "
-                    "WHERE state = 'published' AND published_at >= to_timestamp(%(after)s)",
+                    PG_OLDEST_PUBLISHED_SINCE.replace("{t}", full_table(self.schema)),
                     {"after": published_after or 0.0},
                 ).scalar(),
             )
@@ -587,13 +558,6 @@ class PostgresStore:
             all_quarantined,
             ask_for_a_sweep,
         )
-
-
-_TABLE_SCHEMA_SQL = (
-    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-    "WHERE c.oid = to_regclass(%(q)s)"
-)
-"""The schema the outbox table resolves to on a connection (what its NOTIFY channel names)."""
 
 
 def _is_connection_error(exc: BaseException) -> bool:
