@@ -242,16 +242,16 @@ def test_bad_partition_settings_are_config_errors_naming_the_problem(
 
 
 def test_every_relay_statement_rewrite_still_fits_the_plain_statements() -> None:
-    from relay.store import postgres
+    from relay.store import pg_statements
     from relay.store.partitions import _REWRITES, unfit_rewrites
 
     plain = {
-        "claim": postgres.PG_CLAIM,
-        "published": postgres.PG_PUBLISHED,
-        "failed": postgres.PG_FAILED,
-        "quarantine": postgres.PG_QUARANTINE,
-        "resolve_found": postgres.PG_RESOLVE_FOUND,
-        "resolve_missing": postgres.PG_RESOLVE_MISSING,
+        "claim": pg_statements.PG_CLAIM,
+        "published": pg_statements.PG_PUBLISHED,
+        "failed": pg_statements.PG_FAILED,
+        "quarantine": pg_statements.PG_QUARANTINE,
+        "resolve_found": pg_statements.PG_RESOLVE_FOUND,
+        "resolve_missing": pg_statements.PG_RESOLVE_MISSING,
     }
     assert set(plain) == set(_REWRITES)
     assert unfit_rewrites(plain) == []
