@@ -7,10 +7,16 @@ JetStream, alternated so both see the same machine.
   ``outbox-relay run --broker-url URL`` process emptying it, from its first published row
   to the last (process start-up excluded), counted in the table (``state = 'published'``),
   the same way for every broker; ``--rounds`` rounds, Redis and NATS alternated;
-- **commit -> message latency** at ``--rate`` events/s (one event per transaction) for
-  ``--latency-seconds``: the broker's own arrival time (a Redis entry id's milliseconds, a
-  JetStream message's timestamp; one machine, one clock) minus the writer's clock right
-  after its COMMIT returned; p50/p99.
+- **commit -> message latency** at ``--rate`` events/s for ``--latency-seconds``: events
+  written as an application writes them (``@outbox.transactional``, one event per
+  transaction) by ``--writer-processes`` processes of ``--writers`` threads each, on one
+  steady schedule (event ``i`` is due at ``start + i / rate``, whatever came before it);
+  the relay is ``outbox-relay run --broker-url URL --stream TEMPLATE`` with every other
+  option at its default. The latency is the broker's own arrival time (a Redis entry id's
+  milliseconds, a JetStream message's timestamp; one machine, one clock) minus the
+  writer's clock right after its COMMIT returned; p50/p99 per broker and NATS/Redis, over
+  ``--latency-rounds`` rounds with the brokers alternated, with the machine's load
+  average (``os.getloadavg()``) beside each figure. ``--rounds 0`` runs the latency only.
 
 Each variant has its own PostgreSQL schema and stream prefix, removed afterwards.
 """
@@ -22,8 +28,10 @@ import asyncio
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,9 +41,9 @@ import redis
 from bench.relay import (
     DEFAULT_PG,
     DEFAULT_REDIS,
+    KEYS,
     TOPICS,
     Place,
-    offer,
     percentile,
     place,
     preload,
@@ -54,10 +62,90 @@ def published(where: Place) -> int:
         return int(row.fetchone()[0])  # type: ignore[index]
 
 
-def argv_for(where: Place, url: str, batch: int) -> list[str]:
-    argv = relay_argv(where, url, batch)
+def argv_for(where: Place, url: str, batch: int | None) -> list[str]:
+    """``outbox-relay run --broker-url URL`` on ``where``'s schema and streams; ``batch``
+    None leaves ``--batch-size`` at the CLI's default."""
+    argv = relay_argv(where, url, batch or 1)
     argv[argv.index("--redis-url")] = "--broker-url"
+    if batch is None:
+        at = argv.index("--batch-size")
+        del argv[at : at + 2]
     return argv
+
+
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _write(
+    url: str, part: int, parts: int, rate: float, total: int, threads: int, start: float
+) -> tuple[dict[str, float], int]:
+    """One writer process: events ``part, part + parts, ...`` of the schedule, each committed
+    through ``@outbox.transactional`` at its due time (or as soon as a thread is free); the
+    event id -> wall-clock time right after COMMIT, and how many began over 10 ms late."""
+    outbox = Outbox(make_engine(url, pool_size=threads))
+
+    @outbox.transactional
+    def order_placed(tx: Any, i: int) -> str:
+        return tx.emit(
+            TOPICS[i % len(TOPICS)],
+            key=f"key-{i % KEYS}",
+            payload={"n": i, "pad": "p" * 120},
+            tenant="bench",
+        )
+
+    committed: dict[str, float] = {}
+    late = [0]
+    lock = threading.Lock()
+    mine = iter(range(part, total, parts))
+
+    def run() -> None:
+        while True:
+            with lock:
+                i = next(mine, None)
+            if i is None:
+                return
+            due = start + i / rate
+            wait = due - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            elif wait < -0.01:
+                with lock:
+                    late[0] += 1
+            event_id = order_placed(i)
+            at = time.time()
+            with lock:
+                committed[event_id] = at
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    outbox.engine.dispose()
+    return committed, late[0]
+
+
+def offer(args: argparse.Namespace, where: Place) -> tuple[dict[str, float], int, float]:
+    """Commit ``--rate`` events/s for ``--latency-seconds`` from ``--writer-processes``
+    processes on one schedule: event id -> commit time, the count that began late, and the
+    rate achieved (events over the time from the first due time to the last commit)."""
+    parts = args.writer_processes
+    total = int(args.rate * args.latency_seconds)
+    start = time.time() + 2.0  # the processes' start-up is before the schedule
+    committed: dict[str, float] = {}
+    late = 0
+    with ProcessPoolExecutor(parts) as pool:
+        futures = [
+            pool.submit(_write, where.url, p, parts, args.rate, total, args.writers, start)
+            for p in range(parts)
+        ]
+        for future in futures:
+            got, behind = future.result()
+            committed.update(got)
+            late += behind
+    achieved = len(committed) / max(1e-9, max(committed.values()) - start)
+    return committed, late, achieved
 
 
 @contextmanager
@@ -156,9 +244,12 @@ def arrivals_nats(url: str, where: Place) -> dict[str, float]:
     return result
 
 
-def latency(args: argparse.Namespace, r: redis.Redis, kind: str, url: str) -> tuple[float, float]:
+def latency(
+    args: argparse.Namespace, r: redis.Redis, kind: str, url: str
+) -> tuple[float, float, float]:
+    """One round on one broker: p50, p99 (ms) and the rate the writers achieved."""
     with broker_place(args, r, kind, f"lat{kind}") as where:
-        with relay_processes(argv_for(where, url, args.batch_size), 1):
+        with relay_processes(argv_for(where, url, None), 1):
             outbox = Outbox(make_engine(where.url, pool_size=1))
             with outbox.transaction() as tx:
                 tx.emit(TOPICS[0], key="warm-up", payload={})
@@ -168,9 +259,7 @@ def latency(args: argparse.Namespace, r: redis.Redis, kind: str, url: str) -> tu
                     raise SystemExit(f"{kind}: the relay published nothing in 120 s")
                 time.sleep(0.01)
             outbox.engine.dispose()
-            started = time.monotonic()
-            committed = offer(where, args.rate, args.latency_seconds, args.writers)
-            achieved = len(committed) / (time.monotonic() - started)
+            committed, late, achieved = offer(args, where)
             deadline = time.monotonic() + 60
             while published(where) < len(committed) + 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -179,10 +268,38 @@ def latency(args: argparse.Namespace, r: redis.Redis, kind: str, url: str) -> tu
     missing = len(committed) - len(lat)
     p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
     print(
-        f"  {kind:<6} achieved {achieved:,.0f}/s  p50 {p50:6.1f} ms  p99 {p99:6.1f} ms  "
-        f"max {max(lat):6.1f} ms" + (f"  ({missing} not published!)" if missing else "")
+        f"  {kind:<6} achieved {achieved:,.0f}/s ({late} of {len(committed)} began >10 ms "
+        f"late)  p50 {p50:6.1f} ms  p99 {p99:6.1f} ms  max {max(lat):6.1f} ms  [{load()}]"
+        + (f"  ({missing} not published!)" if missing else ""),
+        flush=True,
     )
-    return p50, p99
+    return p50, p99, achieved
+
+
+def latencies(args: argparse.Namespace, r: redis.Redis, urls: dict[str, str]) -> None:
+    print(
+        f"commit -> message latency at {args.rate:,.0f} events/s offered for "
+        f"{args.latency_seconds} s ({args.writer_processes} writer processes x {args.writers} "
+        f"threads, @outbox.transactional, one event per transaction; the relay at its CLI "
+        f"defaults) [{load()}]",
+        flush=True,
+    )
+    figures: dict[str, list[tuple[float, float, float]]] = {"redis": [], "nats": []}
+    for _ in range(args.latency_rounds):
+        for kind in ("redis", "nats"):
+            figures[kind].append(latency(args, r, kind, urls[kind]))
+    p50 = {k: statistics.median(f[0] for f in v) for k, v in figures.items()}
+    p99 = {k: statistics.median(f[1] for f in v) for k, v in figures.items()}
+    rate = {k: statistics.median(f[2] for f in v) for k, v in figures.items()}
+    for kind in ("redis", "nats"):
+        print(
+            f"  median {kind:<6} p50 {p50[kind]:6.1f} ms  p99 {p99[kind]:6.1f} ms  "
+            f"(achieved {rate[kind]:,.0f}/s)"
+        )
+    print(
+        f"  nats/redis: p50 x{p50['nats'] / p50['redis']:.2f}, "
+        f"p99 x{p99['nats'] / p99['redis']:.2f}  [{load()}]"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -191,16 +308,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--redis-url", default=DEFAULT_REDIS)
     parser.add_argument("--nats-url", default=DEFAULT_NATS)
     parser.add_argument("--events", type=int, default=20_000)
-    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=500, help="throughput only")
     parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (0: none)")
     parser.add_argument("--rate", type=float, default=1000)
     parser.add_argument("--latency-seconds", type=float, default=20)
-    parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--writers", type=int, default=4, help="threads per writer process")
+    parser.add_argument("--writer-processes", type=int, default=4)
+    parser.add_argument("--latency-rounds", type=int, default=1)
     parser.add_argument("--skip-latency", action="store_true")
     args = parser.parse_args(argv)
     r = redis.Redis.from_url(args.redis_url)
     urls = {"redis": args.redis_url, "nats": args.nats_url}
-    print(f"relay throughput: {args.events} preloaded events, one relay, batch {args.batch_size}")
+    if args.rounds:
+        print(
+            f"relay throughput: {args.events} preloaded events, one relay, batch "
+            f"{args.batch_size} [{load()}]"
+        )
     rates: dict[str, list[float]] = {"redis": [], "nats": []}
     for _ in range(args.rounds):
         for kind in ("redis", "nats"):
@@ -209,10 +332,6 @@ def main(argv: list[str]) -> int:
         red, nat = statistics.median(rates["redis"]), statistics.median(rates["nats"])
         print(f"  median: redis {red:,.0f}/s, nats {nat:,.0f}/s: nats/redis x{nat / red:.2f}")
     if not args.skip_latency:
-        seconds = args.latency_seconds
-        print(f"commit -> message latency at {args.rate:,.0f} events/s for {seconds} s")
-        figures = {kind: latency(args, r, kind, urls[kind]) for kind in ("redis", "nats")}
-        (r50, r99), (n50, n99) = figures["redis"], figures["nats"]
-        print(f"  nats/redis: p50 x{n50 / r50:.2f}, p99 x{n99 / r99:.2f}")
+        latencies(args, r, urls)
     r.close()
     return 0
