@@ -339,6 +339,12 @@ FAULTS: dict[str, Fault] = {
     )
 }
 
+REDIS_ONLY = frozenset(
+    {"redis-kill-aof", "redis-empty", "redis-empty-auto", "redis-maxmemory", "poison"}
+)
+"""Faults that break the Redis server or rely on it (the poison route is a Redis key of the
+wrong type, the undecodable entries are XADDed): ``--broker redis`` only."""
+
 
 # -- one run -------------------------------------------------------------------------------
 
@@ -380,6 +386,7 @@ class Plan:
     rate: float = 100.0
     env: dict[str, str] = field(default_factory=dict)
     minute: bool = False  # the faults marked "minute" last 60 s instead of ``duration``
+    broker: str = "redis"  # or "nats": the relays and consumers on a private JetStream
 
 
 def _count_at(samples: Sequence[Sample], at: float) -> int:
@@ -606,7 +613,7 @@ def run_matrix(
     """Every fault in turn on ONE loop (its processes start once: a Python process costs a
     second or two of CPU to start, and the books hold for the loop as a whole)."""
     pg = private_postgres()
-    settings = LoopSettings(rate=plan.rate, redis_aof=True, env=dict(plan.env))
+    settings = LoopSettings(rate=plan.rate, redis_aof=True, env=dict(plan.env), broker=plan.broker)
     loop = Loop(pg, "chaos", settings)
     rows: list[Row] = []
     try:
@@ -654,6 +661,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", type=Path, default=None, help="rows as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
     parser.add_argument(
+        "--broker",
+        choices=("redis", "nats"),
+        default="redis",
+        help="the relays' and consumers' broker (nats: a private nats-server -js)",
+    )
+    parser.add_argument(
         "--provider-latency",
         type=float,
         default=0.0,
@@ -664,6 +677,9 @@ def main(argv: Sequence[str]) -> int:
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
         parser.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    redis_only = [n for n in names if n in REDIS_ONLY]
+    if args.broker != "redis" and redis_only:
+        parser.error(f"{redis_only} break Redis or rely on it: --broker redis only")
     plan = Plan(
         args.duration or 20.0,
         args.warmup,
@@ -671,6 +687,7 @@ def main(argv: Sequence[str]) -> int:
         args.settle,
         args.rate,
         minute=args.duration is None,
+        broker=args.broker,
     )
 
     def show(row: Row) -> None:

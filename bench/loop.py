@@ -1,7 +1,9 @@
 """The whole loop as real processes, for the chaos matrix and the end-to-end figures.
 
 ``Loop`` starts, on servers of its own (a private PostgreSQL cluster shared by the runs of
-one session, one database per run; a private ``redis-server`` per run, with AOF when asked):
+one session, one database per run; a private ``redis-server`` per run, with AOF when asked;
+with ``LoopSettings(broker="nats")`` a private ``nats-server -js`` per run is the broker the
+relays and consumers use, the Redis staying for the harness only):
 
 - the provider: ``outbox-simulator serve`` (the connector simulator, effects in SQLite);
 - 2 relays (``outbox-relay run``), 2 consumers (``outbox-consumer run
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # tests.services lives in the checkout, beside bench/
     sys.path.insert(0, str(ROOT))
 
-from tests.services import PrivatePostgres, PrivateRedis  # noqa: E402
+from tests.services import PrivatePostgres, PrivateRedis, free_port, wait_for  # noqa: E402
 
 STREAM = "outbox.quote.approved"
 POISON_STREAM = "outbox.poison.route"
@@ -66,6 +69,7 @@ class LoopSettings:
     consumers: int = 2
     workers: int = 2
     redis_aof: bool = False
+    broker: str = "redis"  # or "nats": a private nats-server -js carries the streams
     rollback: float = 0.10
     duplicates: float = 0.05
     poison: float = 0.0
@@ -203,6 +207,55 @@ class Simulator:
         self.client.close()
 
 
+class PrivateNats:
+    """A ``nats-server -js`` child process on a free port, its store in a directory of its
+    own (file storage), removed at :meth:`close`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.directory = tempfile.mkdtemp(prefix="private-nats-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> PrivateNats:
+        command = [
+            shutil.which("nats-server") or "nats-server",
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-sd",
+            self.directory,
+        ]
+        with open(os.path.join(self.directory, "nats.log"), "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._answers, f"private NATS on port {self.port}", timeout)
+        return self
+
+    def _answers(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {self.process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                return sock.recv(16).startswith(b"INFO")
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 def private_postgres() -> PrivatePostgres:
     """A private cluster for a session of runs (max_connections 200, autovacuum on)."""
     return PrivatePostgres(settings=("autovacuum=on",)).start()
@@ -218,6 +271,9 @@ class Loop:
         self.directory = Path(tempfile.mkdtemp(prefix=f"loop-{name}-"))
         self.url = pg.url.rsplit("/", 1)[0] + f"/{name}"
         self.redis = PrivateRedis(persistent=settings.redis_aof)
+        if settings.broker not in ("redis", "nats"):
+            raise ValueError(f"unknown broker {settings.broker!r}")
+        self.nats = PrivateNats() if settings.broker == "nats" else None
         self.simulator = Simulator(self.directory)
         self.procs: dict[str, list[Proc]] = {"relay": [], "consumer": [], "worker": []}
         self.writers: list[Proc] = []
@@ -237,6 +293,7 @@ class Loop:
             "PYTHONPATH": str(ROOT),
             "OUTBOX_DATABASE_URL": self.url,
             "OUTBOX_REDIS_URL": self.redis.url,
+            **({"OUTBOX_BROKER_URL": self.nats.url} if self.nats is not None else {}),
             "OUTBOX_LOG_LEVEL": "warning",
             "LOOP_PROVIDER_URL": self.simulator.url,
             "LOOP_PROVIDER_TIMEOUT": str(self.settings.provider_timeout),
@@ -248,6 +305,8 @@ class Loop:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}"'))
             conn.execute(text(f'CREATE DATABASE "{self.name}"'))
         self.redis.start()
+        if self.nats is not None:
+            self.nats.start()
         self.simulator.start()
         self.engine = create_engine(self.url, pool_size=2, pool_pre_ping=True)
         self._create_schema()
@@ -289,6 +348,9 @@ class Loop:
         client = self.redis_client()
         try:
             while time.monotonic() < deadline:
+                # One durable consumer per group on JetStream, not one per process.
+                if self.nats is not None and self.nats_group() is not None:
+                    break
                 with contextlib.suppress(Exception):
                     consumers = client.xinfo_consumers(STREAM, GROUP)
                     if len(consumers) >= self.settings.consumers:
@@ -362,6 +424,8 @@ class Loop:
                 proc.stop(10)
         self.simulator.close()
         self.redis.close()
+        if self.nats is not None:
+            self.nats.close()
         if self.engine is not None:
             self.engine.dispose()
         with contextlib.suppress(Exception), self._admin.connect() as conn:
@@ -471,7 +535,53 @@ class Loop:
             "open_jobs": open_jobs,
         }
 
+    def stream_messages(self) -> int | None:
+        """How many messages the broker holds in the quotes' stream (None: no answer)."""
+        if self.nats is None:
+            client = self.redis_client()
+            try:
+                return int(client.xlen(STREAM))
+            except Exception:
+                return None
+            finally:
+                client.close()
+        from outbox.nats_client import NatsClient, jetstream_name
+
+        nats_client = NatsClient(self.nats.url)
+
+        async def info(js: Any) -> Any:
+            return await js.stream_info(jetstream_name(STREAM))
+
+        try:
+            return int(nats_client.run(info).state.messages)
+        except Exception:
+            return None
+        finally:
+            nats_client.close()
+
+    def nats_group(self) -> Any:
+        """The group's durable JetStream consumer's info (None: not there, or no answer)."""
+        from outbox.nats_client import NatsClient, jetstream_name
+
+        assert self.nats is not None
+        client = NatsClient(self.nats.url)
+
+        async def info(js: Any) -> Any:
+            return await js.consumer_info(jetstream_name(STREAM), jetstream_name(GROUP))
+
+        try:
+            return client.run(info)
+        except Exception:
+            return None
+        finally:
+            client.close()
+
     def group_backlog(self) -> tuple[int, int]:
+        if self.nats is not None:
+            found = self.nats_group()
+            if found is None:
+                return -1, -1
+            return int(found.num_ack_pending), int(found.num_pending)
         client = self.redis_client()
         try:
             for group in client.xinfo_groups(STREAM):
@@ -546,6 +656,8 @@ class Loop:
             "outbox": outbox,
             "group_pending": group_pending,
             "group_lag": group_lag,
+            "broker": self.settings.broker,
+            "stream_messages": self.stream_messages(),
             "open_jobs": sum(n for s, n in jobs.items() if s not in ("DONE", "CANCELLED")),
             "receipts": receipts,
             "unknown_receipts": receipts.get("UNKNOWN", 0) + receipts.get("PENDING", 0),
