@@ -146,7 +146,6 @@ OVER_THE_LIMIT: set[str] = {
     "outbox.testing.pipeline",
     "relay.cli",
     "relay.demo",
-    "relay.redis.publisher",
     "relay.relay",
 }
 

@@ -1,7 +1,8 @@
 """The Redis broker (:class:`relay.broker.Broker`): entry format, pipelined XADD, lookups.
 
 The entry format is :mod:`outbox.codec`'s (one flat hash per event, CloudEvents attribute
-names); routing is :mod:`relay.routing`'s; this module sends entries to their streams.
+names); routing is :mod:`relay.routing`'s; trimming by time is :mod:`relay.redis.trim`'s;
+this module sends entries to their streams.
 
 The hot path packs one ``EVAL`` of :data:`PUBLISH_LUA` per batch into one buffer and sends
 it on one connection (one round trip per batch). On a Redis Cluster the same script runs
@@ -12,7 +13,6 @@ once per hash slot of the batch's streams, with its fence and marker keys in tha
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,8 @@ from relay.redis.replies import bulk
 from relay.redis.replies import classify_reply as classify_reply
 from relay.redis.replies import send_fences as send_fences
 from relay.redis.replies import wait_command as wait_command
+from relay.redis.trim import DEFAULT_STREAM_RETENTION as DEFAULT_STREAM_RETENTION
+from relay.redis.trim import StreamTrim as StreamTrim
 from relay.routing import StreamTemplate as StreamTemplate
 from relay.routing import headers_of
 from relay.seam import FencedOut as FencedOut
@@ -49,105 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outbox.relay")
 
-DEFAULT_STREAM_RETENTION = 24 * 3600.0
-"""Seconds of entries a stream keeps (``MINID ~``), like the outbox's own retention."""
-
 INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
 )
-
-
-class StreamTrim:
-    """The MINID each stream is trimmed to: ``XADD ... MINID ~ <id>`` drops entries older
-    than ``retention_seconds`` (Redis clock ids are milliseconds, compared with this host's
-    clock: retention is hours, skew is not), except what a consumer group still needs.
-
-    A group needs its pending entries (delivered, not acknowledged: XPENDING's smallest id)
-    and everything after its last-delivered id. The floor per stream costs one XINFO GROUPS
-    plus one XPENDING per group with pending entries, all pipelined, and is cached for
-    ``floor_ttl`` seconds: a group's floor only moves forward, and within the cache window
-    the retention cutoff moves by seconds out of hours, so nothing it protects can be
-    trimmed meanwhile. (A group created during the window, at ``0`` on a stream holding
-    entries older than the retention, is the exception: it may miss those for up to
-    ``floor_ttl`` seconds; such entries were due for trimming anyway.) Measured with
-    ``python -m bench trim``. ``retention_seconds`` None or 0: no time-based trimming.
-    """
-
-    def __init__(
-        self,
-        client: Any,
-        retention_seconds: float | None,
-        floor_ttl: float = 10.0,
-        clock: Any = time.time,
-    ) -> None:
-        if retention_seconds is not None:
-            check_number("stream_retention", retention_seconds, ConfigError, zero=True)
-        self.client = client
-        self.retention_seconds = float(retention_seconds or 0.0)
-        self.floor_ttl = float(floor_ttl)
-        self.refreshes = 0
-        """Rounds of XINFO GROUPS/XPENDING run (cache misses), for the benchmark."""
-        self._clock = clock
-        self._floors: dict[str, tuple[float, tuple[int, int] | None]] = {}
-
-    def minids(self, streams: Sequence[str]) -> dict[str, str]:
-        """Stream -> MINID for the streams of one batch (empty: no trimming)."""
-        if self.retention_seconds <= 0:
-            return {}
-        now = time.monotonic()
-        due = [s for s in streams if self._floors.get(s, (-1.0, None))[0] <= now]
-        if due:
-            self._refresh(due, now + self.floor_ttl)
-        cutoff = (int((self._clock() - self.retention_seconds) * 1000), 0)
-        out: dict[str, str] = {}
-        for stream in streams:
-            floor = self._floors[stream][1]
-            ms, seq = cutoff if floor is None or cutoff <= floor else floor
-            out[stream] = "0" if ms <= 0 else f"{ms}-{seq}"
-        return out
-
-    # complexity: one branch per trimming mode and stream state (owner: nats, issue 40)
-    def _refresh(self, streams: Sequence[str], until: float) -> None:
-        self.refreshes += 1
-        pipe = self.client.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-        replies = pipe.execute(raise_on_error=False)
-        floors: dict[str, tuple[int, int] | None] = {}
-        pending: list[tuple[str, str]] = []
-        for stream, groups in zip(streams, replies, strict=True):
-            if isinstance(groups, ResponseError):
-                floors[stream] = None  # no such stream yet: no group needs anything
-                continue
-            if isinstance(groups, Exception):
-                raise groups
-            floor: tuple[int, int] | None = None
-            for group in groups:
-                delivered = entry_id_key(_text(group.get("last-delivered-id")))
-                floor = delivered if floor is None else min(floor, delivered)
-                if int(group.get("pending") or 0) > 0:
-                    pending.append((stream, _text(group.get("name"))))
-            floors[stream] = floor
-        if pending:
-            pipe = self.client.pipeline(transaction=False)
-            for stream, name in pending:
-                pipe.xpending(stream, name)
-            for (stream, _name), summary in zip(pending, pipe.execute(), strict=True):
-                oldest = summary.get("min") if isinstance(summary, dict) else None
-                if oldest is not None:
-                    key = entry_id_key(_text(oldest))
-                    current = floors[stream]
-                    floors[stream] = key if current is None else min(current, key)
-        for stream, floor in floors.items():
-            self._floors[stream] = (until, floor)
-        if len(self._floors) > 10_000:
-            self._floors = {s: v for s, v in self._floors.items() if v[0] > time.monotonic()}
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def marker_key(stream_template: str) -> str:
@@ -252,11 +160,11 @@ class RedisStreamPublisher:
 
     ``stream_template`` routes each event (see the module doc); ``stream_retention``
     (seconds, default one day; None or 0: never) trims entries older than that with ``MINID
-    ~``, never one a consumer group still has pending or has not read (:class:`StreamTrim`);
-    ``maxlen`` replaces it with count-based trimming (``MAXLEN ~ n``; it trims history that a
-    reconciliation or a lagging group could need, so keep it far above a few minutes of
-    traffic); ``source`` is the CloudEvents ``source`` attribute; ``partitions`` is the
-    modulus of ``{partition}``.
+    ~``, never one a consumer group still has pending or has not read
+    (:class:`relay.redis.trim.StreamTrim`); ``maxlen`` replaces it with count-based trimming
+    (``MAXLEN ~ n``; it trims history that a reconciliation or a lagging group could need, so
+    keep it far above a few minutes of traffic); ``source`` is the CloudEvents ``source``
+    attribute; ``partitions`` is the modulus of ``{partition}``.
 
     Before each batch the publish script compares the marker key (:func:`marker_key`) with
     :attr:`known_last_id` and refuses the batch when Redis holds less than that
