@@ -11,7 +11,12 @@ What each case proves:
   window has closed, so nothing is published twice;
 - a record the broker refuses is quarantined, and the other keys go on;
 - a stream the broker lost is detected by the relay's health check and published again
-  from the outbox's retention.
+  from the outbox's retention;
+- (moved from tests/test_relay.py, where they named Redis) a rolled-back transaction
+  publishes nothing, a stored payload that is not JSON is quarantined, a late commit is
+  published after it commits and never overtaken by its key's later event, two relays share
+  the partitions and publish everything once in key order, and a relay runs, stops and
+  runs again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -293,3 +299,142 @@ def test_republish_command_on_each_broker(
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert broker_kit.ids(stream) == ids
+
+
+# -- moved from tests/test_relay.py (they named Redis; what they prove is the broker's too) --
+
+
+def published_count(outbox: Outbox) -> int:
+    return sum(1 for r in rows(outbox) if r["state"] == "published")
+
+
+@pytest.mark.parametrize("database", ["pg", "sqlite"])
+def test_a_rolled_back_transaction_publishes_nothing(
+    request: pytest.FixtureRequest, broker_kit: BrokerKit, database: str
+) -> None:
+    outbox = Outbox(str(request.getfixturevalue(f"{database}_url")))
+    outbox.create_schema()
+    with pytest.raises(RuntimeError), outbox.transaction() as tx:
+        tx.emit("quote.approved", key="quote-1", payload={})
+        raise RuntimeError("domain failure")
+    relay = relay_on(outbox, broker_kit.make())
+    assert drain(relay, 3) == 0
+    assert broker_kit.read(broker_kit.stream("quote.approved")) == []
+    relay.store.close()
+    outbox.engine.dispose()
+
+
+def test_a_stored_payload_that_is_not_json_is_quarantined(
+    sqlite_url: str, broker_kit: BrokerKit
+) -> None:
+    outbox = Outbox(sqlite_url)
+    outbox.create_schema()
+    with outbox.engine.begin() as conn:  # a hand-written row, bypassing validation
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_events (event_id, topic, key, key_hash, identity, payload) "
+                "VALUES ('hand-1', 't', 'K', 1, 'hand-1', '{not json')"
+            )
+        )
+    with outbox.transaction() as tx:
+        good = tx.emit("t", key="J", payload={})
+    relay = relay_on(outbox, broker_kit.make())
+    drain(relay, 2)
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id["hand-1"]["state"] == "quarantined"
+    assert "not valid JSON" in by_id["hand-1"]["last_error"]
+    assert broker_kit.ids(broker_kit.stream("t")) == [good]
+    relay.store.close()
+    outbox.engine.dispose()
+
+
+def test_a_late_commit_is_published_after_it_commits_and_not_overtaken(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    relay = relay_on(outbox, broker_kit.make(), sweep_interval=3600.0)
+    stream = broker_kit.stream("t")
+    with outbox.engine.connect() as held:
+        tx = held.begin()
+        late = outbox.emit(held, "t", key="K", payload={"n": 1})  # smaller seq, held open
+        before: list[str] = []
+        # Other keys keep committing and flowing across several relay cycles (long enough
+        # for the claim floor to be sampled and advanced where it safely can).
+        deadline = time.monotonic() + 1.6
+        while time.monotonic() < deadline:
+            with outbox.transaction() as other:
+                before.append(other.emit("t", key=f"o{len(before)}", payload={}))
+            wait_for(
+                lambda: relay.run_once() >= 0 and published_count(outbox) >= len(before),
+                "the other keys' events to flow past the open transaction",
+            )
+        assert late not in broker_kit.ids(stream)
+        tx.commit()
+    with outbox.transaction() as tx2:
+        after = tx2.emit("t", key="K", payload={"n": 2})
+    drain(relay, 4)
+    got = broker_kit.ids(stream)
+    assert late in got and after in got
+    assert got.index(late) < got.index(after)
+    assert sorted(got) == sorted([*before, late, after])
+    relay.store.close()
+
+
+def test_two_relays_share_the_partitions_and_publish_everything_once_in_key_order(
+    pg_url: str, outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    keys = [f"key-{i}" for i in range(20)]
+    expected: dict[str, list[str]] = {k: [] for k in keys}
+    stop = threading.Event()
+    relays = [relay_on(Outbox(pg_url), broker_kit.make(), batch_size=50) for _ in range(2)]
+    threads = [threading.Thread(target=r.run, args=(stop,)) for r in relays]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(
+            lambda: all(r.store.partitions_owned for r in relays),
+            "both relays owning partitions",
+            timeout=20,
+        )
+        for n in range(20):
+            with outbox.transaction() as tx:
+                for k in keys[n % 4 :: 4]:
+                    expected[k].append(tx.emit("t", key=k, payload={"n": n}))
+        total = sum(len(v) for v in expected.values())
+        wait_for(lambda: published_count(outbox) >= total, "every event published", timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    got = broker_kit.read(broker_kit.stream("t"))
+    assert len(got) == total
+    assert len({e["id"] for e in got}) == total
+    for k in keys:
+        assert [e["id"] for e in got if e["subject"] == k] == expected[k]
+    owned = [r.store.partitions_owned for r in relays]
+    assert not (owned[0] & owned[1])
+    assert all(r.stats.published > 0 for r in relays)
+
+
+def test_a_relay_runs_until_stopped_and_runs_again(outbox: Outbox, broker_kit: BrokerKit) -> None:
+    """One lifecycle: ``run()`` returns after ``stop()`` with its batches recorded; the same
+    relay can run again, and a caller's stop event still works."""
+    relay = relay_on(outbox, broker_kit.make())
+    with outbox.transaction() as tx:
+        tx.emit("t", key="k", payload={"n": 1})
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    wait_for(lambda: relay.stats.published >= 1, "the first event published", timeout=20)
+    relay.stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["state"] for r in rows(outbox)] == ["published"]
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,))
+    thread.start()
+    with outbox.transaction() as tx:
+        tx.emit("t", key="k", payload={"n": 2})
+    wait_for(lambda: relay.stats.published >= 2, "the second event published", timeout=20)
+    stop.set()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["state"] for r in rows(outbox)] == ["published", "published"]

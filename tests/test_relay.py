@@ -1,4 +1,5 @@
 """The relay against real PostgreSQL, SQLite and Redis: entries, order, failures, receipts.
+(What holds on every broker is in the broker contract suite, tests/test_brokers.py.)
 
 Contract tests take ``db_url`` (PostgreSQL and SQLite); PostgreSQL-only behaviour (late
 commits under concurrency, partitions shared by replicas) takes ``pg_url``.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -149,17 +149,6 @@ def test_run_once_publishes_committed_events_as_cloudevents(
         assert row["state"] == "published"
         assert row["stream"] == f"{stream_prefix}.quote.approved"
         assert row["stream_id"]
-
-
-def test_rolled_back_transaction_publishes_nothing(
-    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    with pytest.raises(RuntimeError), outbox.transaction() as tx:
-        tx.emit("quote.approved", key="quote-1", payload={})
-        raise RuntimeError("domain failure")
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    assert drain(relay, 3) == 0
-    assert redis_client.exists(f"{stream_prefix}.quote.approved") == 0
 
 
 def test_stream_template_placeholders_and_validation(
@@ -319,28 +308,6 @@ def test_poison_record_quarantined_then_requeued_in_order(
     )
 
 
-def test_malformed_stored_payload_is_quarantined(
-    sqlite_url: str, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    outbox = Outbox(sqlite_url)
-    outbox.create_schema()
-    with outbox.engine.begin() as conn:  # a hand-written row, bypassing validation
-        conn.execute(
-            sa.text(
-                "INSERT INTO outbox_events (event_id, topic, key, key_hash, identity, payload) "
-                "VALUES ('hand-1', 't', 'K', 1, 'hand-1', '{not json')"
-            )
-        )
-    with outbox.transaction() as tx:
-        good = tx.emit("t", key="J", payload={})
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    drain(relay, 2)
-    by_id = {r["event_id"]: r for r in rows(outbox)}
-    assert by_id["hand-1"]["state"] == "quarantined"
-    assert "not valid JSON" in by_id["hand-1"]["last_error"]
-    assert [e["id"] for e in entries(redis_client, f"{stream_prefix}.t")] == [good]
-
-
 # -- intents and reconciliation -------------------------------------------------------------
 
 
@@ -458,79 +425,6 @@ def test_retention_deletes_only_old_published_rows(
 # -- PostgreSQL: late commits, replicas ---------------------------------------------------------
 
 
-def test_late_commit_is_published_after_commit_and_not_overtaken(
-    pg_outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    outbox = pg_outbox
-    relay = make_relay(outbox, redis_client, stream_prefix, sweep_interval=3600.0)
-    stream = f"{stream_prefix}.t"
-    with outbox.engine.connect() as held:
-        tx = held.begin()
-        late = outbox.emit(held, "t", key="K", payload={"n": 1})  # smaller seq, held open
-        before: list[str] = []
-        # Other keys keep committing and flowing across several relay cycles (long enough
-        # for the claim floor to be sampled and advanced where it safely can).
-        deadline = time.monotonic() + 1.6
-        while time.monotonic() < deadline:
-            with outbox.transaction() as other:
-                before.append(other.emit("t", key=f"o{len(before)}", payload={}))
-            wait_for(
-                lambda: relay.run_once() >= 0 and redis_client.xlen(stream) >= len(before),
-                "the other keys' events to flow past the open transaction",
-            )
-        assert late not in [e["id"] for e in entries(redis_client, stream)]
-        tx.commit()
-    with outbox.transaction() as tx2:
-        after = tx2.emit("t", key="K", payload={"n": 2})
-    drain(relay, 4)
-    got = [e["id"] for e in entries(redis_client, stream)]
-    assert late in got and after in got
-    assert got.index(late) < got.index(after)
-    assert sorted(got) == sorted([*before, late, after])
-
-
-def test_replicas_share_partitions_and_publish_everything_once_in_order(
-    pg_url: str, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    outbox = Outbox(pg_url)
-    outbox.create_schema()
-    keys = [f"key-{i}" for i in range(40)]
-    expected: dict[str, list[str]] = {k: [] for k in keys}
-    stop = threading.Event()
-    relays = [
-        make_relay(Outbox(pg_url), redis_client, stream_prefix, batch_size=50) for _ in range(2)
-    ]
-    threads = [threading.Thread(target=r.run, args=(stop,)) for r in relays]
-    for t in threads:
-        t.start()
-    try:
-        # The replicas even out their shares.
-        wait_for(
-            lambda: all(r.store.partitions_owned for r in relays),
-            "both replicas owning",
-            timeout=20,
-        )
-        for n in range(30):
-            with outbox.transaction() as tx:
-                for k in keys[n % 4 :: 4]:
-                    expected[k].append(tx.emit("t", key=k, payload={"n": n}))
-        total = sum(len(v) for v in expected.values())
-        stream = f"{stream_prefix}.t"
-        wait_for(lambda: redis_client.xlen(stream) >= total, "every event published", timeout=30)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
-    got = entries(redis_client, stream)
-    assert len(got) == total
-    assert len({e["id"] for e in got}) == total
-    for k in keys:
-        assert [e["id"] for e in got if e["subject"] == k] == expected[k]
-    owned = [r.store.partitions_owned for r in relays]
-    assert not (owned[0] & owned[1])
-    assert all(r.stats.published > 0 for r in relays)
-
-
 def test_a_fenced_batch_adds_nothing(
     outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
 ) -> None:
@@ -599,33 +493,6 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     got = [e["id"] for e in entries(redis_client, good)]
     assert [i for i in got if i in waiting] == waiting
     assert set(others) <= set(got)
-
-
-def test_run_until_stop_then_run_again(
-    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    """One lifecycle: ``run()`` returns after ``stop()`` with its batches recorded; the same
-    relay can run again, and a caller's stop event still works."""
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    with outbox.transaction() as tx:
-        tx.emit("t", key="k", payload={"n": 1})
-    thread = threading.Thread(target=relay.run)
-    thread.start()
-    wait_for(lambda: relay.stats.published >= 1, "the first event published", timeout=20)
-    relay.stop()
-    thread.join(timeout=20)
-    assert not thread.is_alive()
-    assert [r["state"] for r in rows(outbox)] == ["published"]
-    stop = threading.Event()
-    thread = threading.Thread(target=relay.run, args=(stop,))
-    thread.start()
-    with outbox.transaction() as tx:
-        tx.emit("t", key="k", payload={"n": 2})
-    wait_for(lambda: relay.stats.published >= 2, "the second event published", timeout=20)
-    stop.set()
-    thread.join(timeout=20)
-    assert not thread.is_alive()
-    assert [r["state"] for r in rows(outbox)] == ["published", "published"]
 
 
 def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
