@@ -138,7 +138,6 @@ MAX_MODULE_LINES = 600
 OVER_THE_LIMIT: set[str] = {
     "consumer.jobs.http",
     "consumer.jobs.limits",
-    "consumer.jobs.moves",
     "consumer.jobs.operations",
     "consumer.jobs.simulator",
     "consumer.jobs.store",

@@ -2,21 +2,23 @@
 ``(job, epoch)``) and the operators' (from the states ``TRANSITIONS`` allows).
 
 Part of :class:`consumer.jobs.store.Store` (see its module docstring for the contract).
+:class:`LeaseMoves` holds the holder's moves one job at a time, and ``schedule`` and
+``cancel``, which are the holder's or an operator's; it inherits the batched ones
+(``consumer.jobs.batch_moves``) and the operators' own (``consumer.jobs.operator_moves``).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import ColumnElement, case, func
 from sqlalchemy.engine import Connection
 
-from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.errors import Conflict, JobError, JobNotFound
 from consumer.jobs import replies as talk
-from consumer.jobs.base import StoreBase
+from consumer.jobs.batch_moves import BatchMoves
 from consumer.jobs.checks import (
     NO_TIMER,
     Time,
@@ -29,23 +31,22 @@ from consumer.jobs.checks import (
     valid_ttl,
     valid_version,
 )
-from consumer.jobs.rows import BatchResult, Lease
+from consumer.jobs.operator_moves import OperatorMoves
+from consumer.jobs.rows import Lease
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
     LEASED,
-    NEEDS_ATTENTION,
     READY,
     WAITING,
     WAITING_EXTERNAL,
     WAITING_REVIEW,
     check_transition,
-    sources,
 )
 
 
-class LeaseMoves(StoreBase):
+class LeaseMoves(BatchMoves, OperatorMoves):
     """Renew, finish, release, defer, fail, wait, schedule, cancel, resume, park."""
 
     # -- the lease holder's moves (compare-and-set on (job, epoch)) ----------------------
@@ -80,35 +81,6 @@ class LeaseMoves(StoreBase):
         expires = None if row is None else row.lease_expires_at
         return until if expires is None else max(until, float(expires))
 
-    def renew_batch(
-        self, leases: Iterable[Lease], *, ttl: float = 30, now: Time | None = None
-    ) -> BatchResult:
-        """:meth:`renew` many leases in one statement (a worker's heartbeat: one round trip
-        per beat, not one per job in hand), each fenced on its own epoch. ``done``: renewed;
-        ``conflicts``: leases that were lost (nothing raised); a lease whose row another
-        transaction holds locked at that moment (its finish) is in neither: the next beat
-        renews it if it is still held."""
-        seconds = valid_ttl(ttl)
-        items, by_worker = _by_worker(leases)
-        when = valid_time("now", now)
-        if not items:
-            return BatchResult()
-        renewed: list[int] = []
-        skipped: list[int] = []
-        with self.driver.begin() as conn:
-            clock = self._clock(conn, when)
-            for worker, pairs in by_worker.items():
-                done, busy = self.driver.job_renew_batch(
-                    conn, worker, pairs, clock + seconds, clock
-                )
-                renewed.extend(done)
-                skipped.extend(busy)
-        held, busy_now = set(renewed), set(skipped)
-        return BatchResult(
-            done=sorted(held),
-            conflicts=sorted(x.job_id for x in items if x.job_id not in held | busy_now),
-        )
-
     def finish(
         self,
         job: Any,
@@ -135,32 +107,6 @@ class LeaseMoves(StoreBase):
                 when,
                 consume=talk.watermark(job),
             )
-
-    # complexity: the batch finish's per-lease fencing, replies and cancel requests
-    def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
-        """Finish many leases in one transaction, each fenced on its own epoch. Leases that
-        were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
-        items, by_worker = _by_worker(leases)
-        when = valid_time("now", now)
-        if not items:
-            return BatchResult()
-        done: list[int] = []
-        with self.driver.begin() as conn:
-            for worker, pairs in by_worker.items():
-                # A job with a cancel request ends CANCELLED instead (the same statement).
-                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
-            ended = set(done)
-            seen = [(x.job_id, talk.watermark(x)) for x in items if x.job_id in ended]
-            if any(upto is not None for _, upto in seen):
-                clock = self._clock(conn, when)
-                for job_id, upto in seen:
-                    if upto is not None:
-                        talk.consume(conn, job_id, upto, clock)
-        finished = set(done)
-        return BatchResult(
-            done=sorted(finished),
-            conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
-        )
 
     def release(
         self,
@@ -492,99 +438,6 @@ class LeaseMoves(StoreBase):
         )
         return CANCELLED
 
-    def resume(
-        self,
-        job: Any,
-        action: str | None = None,
-        *,
-        run_after: Time | None = None,
-        reason: str | None = None,
-        now: Time | None = None,
-    ) -> None:
-        """A reply or an operator's decision: WAITING_EXTERNAL, WAITING_REVIEW or
-        NEEDS_ATTENTION -> READY (eligible at ``run_after``, default at once). The failure
-        counters restart, so a fixed job gets its full retry budget again."""
-        when = valid_time("now", now)
-        after = valid_time("run_after", run_after)
-        where, label = job_key(job, action)
-        values = {
-            "run_after": after,
-            "wait_reason": None,
-            "auth_failures": 0,
-            "first_failed_at": None,
-            "attempts": 0,
-        }
-        self._operator_move(
-            where,
-            label,
-            READY,
-            values,
-            "resumed",
-            reason,
-            when,
-            allowed=(WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION),
-        )
-
-    def park(
-        self,
-        job: Any,
-        action: str | None = None,
-        *,
-        reason: str | None = None,
-        now: Time | None = None,
-    ) -> None:
-        """An operator's (or the reconciliation sweep's) READY or WAITING_EXTERNAL ->
-        WAITING_REVIEW: a person must decide before the job runs again."""
-        if reason is not None and not isinstance(reason, str):
-            raise JobError("reason", "must be a string")
-        when = valid_time("now", now)
-        where, label = job_key(job, action)
-        # No wake-up: a READY job's run_after ("not before", a backoff or a call's deadline)
-        # would read as a due timer in WAITING_REVIEW, and recovery would make it READY
-        # again at once, only for the sweep to park it again, for ever.
-        self._operator_move(
-            where,
-            label,
-            WAITING_REVIEW,
-            {"wait_reason": reason, "run_after": None},
-            "waiting_review",
-            reason,
-            when,
-            allowed=(READY, WAITING_EXTERNAL),
-        )
-
-    def _operator_move(
-        self,
-        where: ColumnElement[bool],
-        label: str,
-        target: str,
-        values: dict[str, Any],
-        outcome: str,
-        note: str | None,
-        when: float | None,
-        allowed: tuple[str, ...] | None = None,
-    ) -> None:
-        from_states = tuple(s for s in (allowed or sources(target)) if s != LEASED)
-        with self.driver.begin() as conn:
-            clock = self._clock(conn, when)
-            job_id = self.driver.job_update_from(
-                conn,
-                where,
-                from_states,
-                {**values, "state": target, "updated_at": clock, **NO_TIMER},
-            )
-            if job_id is None:
-                state = self._state(conn, where, label)
-                if state == LEASED and target in (CANCELLED,):
-                    raise Conflict(f"job {label} is leased: only its holder may move it")
-                if state not in from_states:
-                    check_transition(label, state, target)
-                    raise IllegalTransition(label, state, target)
-                raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
-            self._record(conn, job_id, None, None, outcome, note, clock)
-            if target == READY:
-                self.driver.job_ready_notify(conn)
-
     def _move(
         self,
         conn: Connection,
@@ -658,12 +511,6 @@ class LeaseMoves(StoreBase):
             f"(state {row.state}, epoch {row.lease_epoch}, owner {row.lease_owner})"
         )
 
-    def _state(self, conn: Connection, where: ColumnElement[bool], label: str) -> str:
-        state = self.driver.job_state(conn, where)
-        if state is None:
-            raise JobNotFound(f"no job {label}")
-        return str(state)
-
 
 _CANCELLED_END: dict[str, Any] = {
     "state": CANCELLED,
@@ -671,15 +518,3 @@ _CANCELLED_END: dict[str, Any] = {
     "lease_expires_at": None,
     "wait_reason": jobs.c.cancel_reason,
 }
-
-
-def _by_worker(leases: Iterable[Lease]) -> tuple[list[Lease], dict[str, list[tuple[int, int]]]]:
-    """A batch of leases checked (``JobError`` for anything but a Lease), and its (job id,
-    epoch) pairs by the worker holding them: the batch moves fence each on its own epoch."""
-    items = list(leases)
-    by_worker: dict[str, list[tuple[int, int]]] = {}
-    for lease in items:
-        if not isinstance(lease, Lease):
-            raise JobError("leases", f"expected Lease objects, got {type(lease).__name__}")
-        by_worker.setdefault(lease.worker, []).append((lease.job_id, lease.epoch))
-    return items, by_worker
