@@ -57,19 +57,20 @@ reserves a new start). A 429/503 with ``Retry-After`` pauses the provider for ev
 ``max_connections`` (256) bounds the connections kept alive: as many as a worker's slots may
 call at once (the sync client's are spread over clients of ``SHARD`` (16) connections each:
 httpcore scans a pool's connections on every request).
+
+The mapping of answers and transport failures lives in :mod:`consumer.jobs.http_answers`
+(``parse_retry_after`` is importable from here too, as before the split), and the checks of
+the arguments in :mod:`consumer.jobs.http_checks`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import json
-import math
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Mapping
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
@@ -79,20 +80,19 @@ from urllib.request import (  # type: ignore[attr-defined]  # untyped in typeshe
 )
 
 from consumer.errors import (
-    AuthFailure,
     OperationError,
     PermanentFailure,
-    ProviderOutcomeUnknown,
     ProviderTimeout,
     ProviderUnavailable,
 )
+from consumer.jobs.http_answers import lookup_result, lookup_silent, send_result, transport_error
+from consumer.jobs.http_answers import parse_retry_after as parse_retry_after
+from consumer.jobs.http_checks import check_provider_arguments
 from consumer.jobs.limits import StartMissed, send_by
 from consumer.jobs.wire import LostAfterSend, NotSent, WirePool
 from outbox import tracing
 from outbox.display import display_url
-from outbox.errors import ConfigError
 from outbox.extras import optional_module, require
-from outbox.validate import check_number
 
 if TYPE_CHECKING:
     import httpx
@@ -111,30 +111,6 @@ NOT_SENT_STATUSES = frozenset({401, 403, 408, 429, 503})
 MAX_BODY_BYTES = 1 << 20
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date
-    (RFC 9110 10.2.3). None when absent or unreadable; never negative."""
-    if value is None:
-        return None
-    value = value.strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # an HTTP date is GMT by definition
-            when = when.replace(tzinfo=UTC)
-        current = datetime.now(UTC).timestamp() if now is None else now
-        seconds = when.timestamp() - current
-    if not math.isfinite(seconds):
-        return None
-    return max(0.0, seconds)
-
-
 class HttpProvider:
     """A provider reached over HTTP (see the module docstring for the status mapping).
 
@@ -143,7 +119,6 @@ class HttpProvider:
     connections, shared safely by a worker's threads; ``close()`` (or ``with``) releases it.
     """
 
-    # complexity: one check per HttpProvider argument, each naming it (owner: effects)
     def __init__(
         self,
         name: str,
@@ -160,37 +135,19 @@ class HttpProvider:
         max_connections: int = 256,
     ) -> None:
         require("http", "HttpProvider")
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError("name", "must be a non-empty string")
-        _check_url("send_url", send_url)
-        if lookup_url is not None:
-            _check_url("lookup_url", lookup_url)
-            try:
-                lookup_url.format(operation_id="x")
-            except (KeyError, IndexError, ValueError) as exc:
-                raise ConfigError(
-                    "lookup_url", f"must be a template with only {{operation_id}} ({exc!r})"
-                ) from None
-            if "{operation_id}" not in lookup_url:
-                raise ConfigError("lookup_url", "must contain {operation_id}")
-        if idempotency_header is not None:
-            _check_header_name("idempotency_header", idempotency_header)
-        _check_header_name("operation_id_header", operation_id_header)
-        check_number("timeout", timeout, ConfigError)
-        if headers is not None:
-            if not isinstance(headers, Mapping):
-                raise ConfigError("headers", "must be a mapping of header names to values")
-            for key, value in headers.items():
-                _check_header_name("headers", key)
-                if not isinstance(value, str) or "\r" in value or "\n" in value:
-                    raise ConfigError("headers", f"value of {key!r} must be a one-line string")
-        if client is not None and not isinstance(client, httpx.Client):
-            raise ConfigError("client", "must be an httpx.Client (the provider is synchronous)")
-        if not isinstance(ref_field, str) or not ref_field or "" in ref_field.split("."):
-            raise ConfigError("ref_field", "must be a JSON field name or a dotted path")
-        if rate_limit is not None:
-            check_number("rate_limit", rate_limit, ConfigError)  # calls per second
-        check_number("max_connections", max_connections, ConfigError, integer=True)
+        check_provider_arguments(
+            name,
+            send_url,
+            lookup_url=lookup_url,
+            idempotency_header=idempotency_header,
+            timeout=timeout,
+            headers=headers,
+            client=client,
+            ref_field=ref_field,
+            operation_id_header=operation_id_header,
+            rate_limit=rate_limit,
+            max_connections=max_connections,
+        )
 
         self.name = name
         self.send_url = send_url
@@ -265,14 +222,16 @@ class HttpProvider:
     ) -> str:
         """POST the request; return the provider's reference (see the mapping above)."""
         headers, body = self._send_request(request, operation_id, idempotency_key)
-        return self._send_result(*self._exchange("POST", self.send_url, headers, body))
+        answer = self._exchange("POST", self.send_url, headers, body)
+        return send_result(self.name, self.ref_field, *answer)
 
     async def asend(
         self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
     ) -> str:
         """:meth:`send` on ``httpx.AsyncClient`` (``Operations.adispatch`` calls it)."""
         headers, body = self._send_request(request, operation_id, idempotency_key)
-        return self._send_result(*await self._aexchange("POST", self.send_url, headers, body))
+        answer = await self._aexchange("POST", self.send_url, headers, body)
+        return send_result(self.name, self.ref_field, *answer)
 
     def lookup(self, operation_id: str) -> str | None:
         """GET ``lookup_url``: the reference of the effect made for ``operation_id``, or None.
@@ -285,8 +244,8 @@ class HttpProvider:
         try:
             answer = self._exchange("GET", url, self._headers(operation_id), None)
         except ProviderTimeout as exc:  # nothing to be unsure about: a lookup acts on nothing
-            raise self._lookup_silent(exc) from None
-        return self._lookup_result(*answer)
+            raise lookup_silent(self.name, exc) from None
+        return lookup_result(self.name, self.ref_field, *answer)
 
     async def alookup(self, operation_id: str) -> str | None:
         """:meth:`lookup` on ``httpx.AsyncClient``."""
@@ -294,8 +253,8 @@ class HttpProvider:
         try:
             answer = await self._aexchange("GET", url, self._headers(operation_id), None)
         except ProviderTimeout as exc:
-            raise self._lookup_silent(exc) from None
-        return self._lookup_result(*answer)
+            raise lookup_silent(self.name, exc) from None
+        return lookup_result(self.name, self.ref_field, *answer)
 
     def _send_request(
         self, request: Mapping[str, Any], operation_id: str, idempotency_key: str | None
@@ -312,44 +271,10 @@ class HttpProvider:
             headers[self.idempotency_header] = idempotency_key
         return headers, body
 
-    def _send_result(self, status: int, payload: Any, retry_after: float | None) -> str:
-        if 200 <= status < 300:
-            ref = self._ref(payload)
-            if ref is None:
-                raise ProviderOutcomeUnknown(
-                    f"{self.name}: accepted with {status} but no {self.ref_field!r} in the answer",
-                    provider=self.name,
-                    status=status,
-                )
-            return ref
-        raise self._error(status, payload, retry_after, "send")
-
     def _lookup_url(self, operation_id: str) -> str:
         if self.lookup_url is None:
             raise OperationError(f"provider {self.name!r} has no lookup_url")
         return self.lookup_url.format(operation_id=quote(operation_id, safe=""))
-
-    def _lookup_silent(self, exc: ProviderTimeout) -> ProviderUnavailable:
-        return ProviderUnavailable(
-            f"{self.name}: lookup did not answer ({exc})", provider=self.name
-        )
-
-    def _lookup_result(self, status: int, payload: Any, retry_after: float | None) -> str | None:
-        if status == 404:
-            return None
-        if status == 200:
-            ref = self._ref(payload)
-            if ref is None:
-                raise ProviderUnavailable(
-                    f"{self.name}: lookup answered 200 without {self.ref_field!r}",
-                    provider=self.name,
-                    status=status,
-                )
-            return ref
-        error = self._error(status, payload, retry_after, "lookup")
-        if isinstance(error, ProviderOutcomeUnknown):
-            raise ProviderUnavailable(str(error), provider=self.name, status=status)
-        raise error
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -471,33 +396,13 @@ class HttpProvider:
                 provider=self.name,
             ) from None
         except httpx.TransportError as exc:
-            raise self._transport_error(exc, method, url) from None
+            raise transport_error(self.name, self.timeout, exc, method, url) from None
         raw = b"".join(chunks)
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:
             payload = None
         return status, payload, retry_after
-
-    def _transport_error(self, exc: httpx.TransportError, method: str, url: str) -> Exception:
-        """What a transport failure means for the request: sorted by whether it can have left
-        this process (a failure to connect, or to get a pooled connection, happens before any
-        byte is written; everything after may have reached the provider)."""
-        what = f"{self.name}: {method} {display_url(url)}"
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
-            return ProviderUnavailable(
-                f"{what}: not sent ({type(exc).__name__}: {exc})", provider=self.name
-            )
-        if isinstance(exc, httpx.TimeoutException):  # read or write timeout: it may have landed
-            return ProviderTimeout(
-                f"{what}: no answer within {self.timeout:g} s ({type(exc).__name__})",
-                provider=self.name,
-            )
-        # reset, closed mid-answer: it may have landed
-        return ProviderTimeout(
-            f"{what}: connection lost after sending ({type(exc).__name__}: {exc})",
-            provider=self.name,
-        )
 
     def _async_client(self) -> httpx.AsyncClient:
         """The first async client of this event loop (a client's connections belong to the
@@ -631,51 +536,13 @@ class HttpProvider:
                 provider=self.name,
             ) from None
         except httpx.TransportError as exc:
-            raise self._transport_error(exc, method, url) from None
+            raise transport_error(self.name, self.timeout, exc, method, url) from None
         raw = response.content[:MAX_BODY_BYTES]
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:
             payload = None
         return response.status_code, payload, parse_retry_after(response.headers.get("Retry-After"))
-
-    def _ref(self, payload: Any) -> str | None:
-        value = payload
-        for part in self.ref_field.split("."):
-            if not isinstance(value, dict) or part not in value:
-                return None
-            value = value[part]
-        if isinstance(value, bool) or not isinstance(value, str | int):
-            return None
-        ref = str(value)
-        return ref or None
-
-    def _error(self, status: int, payload: Any, retry_after: float | None, what: str) -> Exception:
-        detail = _detail(payload)
-        message = f"{self.name}: {what} answered {status}{detail}"
-        if status in (401, 403):
-            return AuthFailure(message, provider=self.name, status=status, not_sent=True)
-        if status in (408, 429, 503):
-            return ProviderUnavailable(
-                message + (f" (retry after {retry_after:g} s)" if retry_after is not None else ""),
-                provider=self.name,
-                status=status,
-                retry_after=retry_after,
-            )
-        if status == 409:
-            return PermanentFailure(
-                f"{self.name}: {what} answered 409: conflict, the idempotency key was used "
-                f"before with another request{detail}",
-                provider=self.name,
-                status=status,
-            )
-        if status >= 500:
-            return ProviderOutcomeUnknown(
-                message + " (it may have acted)", provider=self.name, status=status
-            )
-        # 400, 422 and the other 4xx (404 wrong URL, 405, 413, ...) and a redirect we do not
-        # follow: the provider rejected this request, sending it again cannot help.
-        return PermanentFailure(message, provider=self.name, status=status)
 
 
 def proxied(url: str) -> bool:
@@ -713,34 +580,3 @@ async def _aclose_all(clients: list[httpx.AsyncClient]) -> None:
 
 class _NoTimeLeft(Exception):
     """Raised from the trace hook: the call's time was spent before anything was sent."""
-
-
-def _detail(payload: Any) -> str:
-    if isinstance(payload, dict):
-        for key in ("error", "message", "detail"):
-            if key in payload:
-                text = payload[key]
-                if isinstance(text, dict):
-                    text = text.get("message", text)
-                return f": {str(text)[:200]}"
-    return ""
-
-
-def _check_url(field: str, url: object) -> None:
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ConfigError(field, f"must be an http:// or https:// URL, not {url!r}")
-    try:
-        httpx.URL(url.replace("{operation_id}", "x"))
-    except (httpx.InvalidURL, ValueError) as exc:
-        raise ConfigError(field, f"is not a valid URL ({exc})") from None
-
-
-def _check_header_name(field: str, name: object) -> None:
-    # RFC 9110 token characters: letters, digits and !#$%&'*+-.^_`|~
-    allowed = set("!#$%&'*+-.^_`|~")
-    if (
-        not isinstance(name, str)
-        or not name
-        or not all(c.isascii() and (c.isalnum() or c in allowed) for c in name)
-    ):
-        raise ConfigError(field, f"{name!r} is not a valid HTTP header name")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from consumer.jobs.http import HttpProvider, parse_retry_after
+from consumer.jobs.http_answers import transport_error
 from consumer.jobs.simulation import Fault, Simulator, SimulatorConfig, wait_before_acting
 from outbox.errors import ConfigError
 from outbox.extras import optional_module
@@ -249,7 +250,7 @@ class _SimulatedHttp(HttpProvider):
                 method, urlsplit(url).path, lowered, body
             )
         except httpx.TransportError as exc:
-            raise self._transport_error(exc, method, url) from None
+            raise transport_error(self.name, self.timeout, exc, method, url) from None
         # Through JSON, as the bytes on a socket would be: the caller gets its own objects.
         payload = json.loads(json.dumps(payload)) if payload is not None else None
         return status, payload, parse_retry_after(answered.get("Retry-After"))
