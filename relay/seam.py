@@ -1,6 +1,6 @@
 """The seam between the relay's loop and a broker: the protocol and its neutral results.
 
-The loop (:mod:`relay.relay`, :mod:`relay.batch`, :mod:`relay.reconcile`,
+The loop (:mod:`relay.relay`, :mod:`relay.loop`, :mod:`relay.batch`, :mod:`relay.reconcile`,
 :mod:`relay.republish`) speaks only to a :class:`Broker` and reads only the neutral results
 below; what a broker does to keep each guarantee is its own business:
 

@@ -143,7 +143,6 @@ OVER_THE_LIMIT: set[str] = {
     "outbox.testing.pipeline",
     "relay.cli",
     "relay.demo",
-    "relay.relay",
 }
 
 
