@@ -139,7 +139,6 @@ OVER_THE_LIMIT: set[str] = {
     "consumer.jobs.limits",
     "consumer.jobs.operations",
     "consumer.jobs.simulator",
-    "consumer.jobs.store",
     "outbox.testing.pipeline",
     "relay.cli",
     "relay.demo",

@@ -1,8 +1,9 @@
 """What every part of the job store shares: its settings and its seam to the database.
 
 ``Store`` (``consumer.jobs.store``) is assembled from parts by concern: enqueue, reads and
-claims in ``store``, the lease holder's and operators' moves in ``consumer.jobs.moves`` (with
-``consumer.jobs.batch_moves`` and ``consumer.jobs.operator_moves``),
+claims in ``store`` (the rows written by ``consumer.jobs.enqueues``), queues in
+``consumer.jobs.queues``, the lease holder's and operators' moves in ``consumer.jobs.moves``
+(with ``consumer.jobs.batch_moves`` and ``consumer.jobs.operator_moves``),
 recovery in ``consumer.jobs.recovery``. Each part derives from :class:`StoreBase`, which
 holds the driver (every statement goes through it) and the settings.
 """

@@ -256,3 +256,38 @@ def claim_filters(config: Any, handlers: Iterable[str]) -> dict[str, Any]:
     """What a worker's claim filters on: its queues, its handlers' names (so it never claims
     a job it has no handler for) and its tenant limits."""
     return {"routes": list(handlers), **tenant_limits(config)}
+
+
+def valid_names(field_name: str, values: Iterable[str] | None) -> list[str] | None:
+    """Queue or handler names as a list (None stays None: no filter)."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        raise JobError(field_name, f"must be a list of names, not one string {values!r}")
+    names = list(values)
+    for name in names:
+        valid_name(field_name, name)
+    return names
+
+
+def valid_limit(field_name: str, value: object) -> int | None:
+    """A tenant limit: a positive integer, or None (no limit)."""
+    if value is None:
+        return None
+    return int(check_number(field_name, value, JobError, integer=True))
+
+
+def valid_limits(values: Mapping[str, int] | None) -> dict[str, int]:
+    """Per-tenant limits (tenant to limit), each checked; None is none."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise JobError("tenant_limits", f"must map tenants to limits, got {values!r}")
+    checked: dict[str, int] = {}
+    for tenant, value in values.items():
+        valid_name("tenant_limits", tenant)
+        limit = valid_limit("tenant_limits", value)
+        if limit is None:
+            raise JobError("tenant_limits", f"{tenant!r}: a limit must be a positive integer")
+        checked[tenant] = limit
+    return checked

@@ -48,19 +48,24 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer.bulk import deferred_writes
-from consumer.errors import Conflict, JobError, JobNotFound
+from consumer.errors import JobError, JobNotFound
 from consumer.jobs.base import StoreConfig
 from consumer.jobs.checks import (
     SPEC_FIELDS,
     Time,
     job_key,
     job_values,
+    valid_limit,
+    valid_limits,
     valid_name,
+    valid_names,
     valid_time,
     valid_ttl,
 )
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
+from consumer.jobs.enqueues import EnqueueBuffer, enqueue_one, enqueue_rows
 from consumer.jobs.moves import LeaseMoves
+from consumer.jobs.queues import QueueMethods
 from consumer.jobs.recovery import Recovery
 from consumer.jobs.replies import (
     Reply,
@@ -118,60 +123,10 @@ __all__ = [
 _T = TypeVar("_T")
 
 
-class _EnqueueBuffer:
-    """Jobs enqueued in one consumer batch Session, written together at its flush
-    (``consumer.bulk``'s deferred writes: one statement per 500 instead of one round trip
-    per job)."""
-
-    def __init__(self, store: Store, session: Session) -> None:
-        self.store = store
-        self.session = session
-        self.rows: list[dict[str, Any]] = []
-        self.results: list[EnqueueResult | None] = []
-        self.start = 0  # index of self.rows[0] in self.results
-
-    def add(self, values: dict[str, Any]) -> DeferredEnqueue:
-        self.rows.append(values)
-        self.results.append(None)
-        return DeferredEnqueue(self, len(self.results) - 1)
-
-    def flush(self, conn: Connection) -> None:
-        rows, start = self.rows, self.start
-        self.rows, self.start = [], len(self.results)
-        # Rows with an explicit ``now`` keep their own timestamp: one statement per run of
-        # rows that share it (usually the whole buffer).
-        index = 0
-        while index < len(rows):
-            end = index + 1
-            while end < len(rows) and _same_stamp(rows[end], rows[index]):
-                end += 1
-            for offset, result in enumerate(self.store._enqueue_many(conn, rows[index:end])):
-                self.results[start + index + offset] = result
-            index = end
-
-    def result(self, index: int) -> EnqueueResult:
-        found = self.results[index]
-        if found is None:
-            writers = deferred_writes(self.session)
-            if writers is None or writers.get(self.store) is not self:
-                raise Conflict("this enqueue was rolled back with its handler's savepoint")
-            self.flush(self.session.connection())
-            found = self.results[index]
-        assert found is not None
-        return found
-
-
-def _same_stamp(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    x, y = a["created_at"], b["created_at"]
-    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-        return x == y
-    return not isinstance(x, (int, float)) and not isinstance(y, (int, float))
-
-
 # -- the store -------------------------------------------------------------------------------
 
 
-class Store(LeaseMoves, Recovery, ScheduleMethods):
+class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
     """The job store on one database (see the module docstring for the contract).
 
     ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long
@@ -279,12 +234,12 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         writers = deferred_writes(session)
         if writers is not None:  # a consumer's batch Session: written with the batch
             buffer = writers.get(self)
-            if not isinstance(buffer, _EnqueueBuffer):
+            if not isinstance(buffer, EnqueueBuffer):
                 assert isinstance(session, Session)
-                buffer = _EnqueueBuffer(self, session)
+                buffer = EnqueueBuffer(self, session)
                 writers[self] = buffer
             return buffer.add(values)
-        return self._in_session(session, lambda conn: self._enqueue(conn, values))
+        return self._in_session(session, lambda conn: enqueue_one(self.driver, conn, values))
 
     def enqueue_many(
         self,
@@ -315,7 +270,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
             rows.append(job_values(**spec, now=now))
         if not rows:
             return []
-        return self._in_session(session, lambda conn: self._enqueue_many(conn, rows))
+        return self._in_session(session, lambda conn: enqueue_rows(self.driver, conn, rows))
 
     def _in_session(
         self, session: Session | Connection | None, work: Callable[[Connection], _T]
@@ -331,37 +286,6 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         if isinstance(session, Connection):
             return work(session)
         raise JobError("session", f"must be a Session or Connection, got {type(session).__name__}")
-
-    def _enqueue(self, conn: Connection, values: dict[str, Any]) -> EnqueueResult:
-        try:
-            job_id, created = self.driver.job_insert(conn, values)
-        except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
-            raise Conflict(str(exc)) from None
-        return EnqueueResult(job_id, not created)
-
-    def _enqueue_many(self, conn: Connection, rows: list[dict[str, Any]]) -> list[EnqueueResult]:
-        # Every row of one call shares its timestamp (``now``, else the database clock read
-        # once), and the batch goes as ONE statement per 500 (the driver). ON CONFLICT DO
-        # NOTHING skips identities that exist and the second of two equal ones in the batch;
-        # RETURNING names the rows that were created.
-        stamp = rows[0]["created_at"]
-        if any(row["created_at"] is not stamp for row in rows):
-            rows = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
-        created, existing = self.driver.job_insert_many(conn, rows)
-        keys = [(row["tenant"], row["action"]) for row in rows]
-        results: list[EnqueueResult] = []
-        seen: set[tuple[str, str]] = set()
-        for key in keys:
-            if key in created and key not in seen:
-                results.append(EnqueueResult(created[key], False))
-            elif key in created:
-                results.append(EnqueueResult(created[key], True))
-            elif key in existing:
-                results.append(EnqueueResult(existing[key], True))
-            else:  # pragma: no cover - the conflicting row vanished (deleted)
-                raise Conflict(f"job {key[0]}/{key[1]} was deleted meanwhile")
-            seen.add(key)
-        return results
 
     # -- reading -------------------------------------------------------------------------
 
@@ -438,76 +362,6 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         with self.driver.connect() as conn:
             return self.driver.job_next_timer(conn)
 
-    # -- queues --------------------------------------------------------------------------
-
-    def depth(self, queue: str | None = None) -> dict[str, QueueDepth]:
-        """READY jobs and the oldest eligible READY job's age per queue (``queue``: that one
-        only, present even when empty), paused queues included. Read from the READY index:
-        O(ready), never the DONE history."""
-        if queue is not None:
-            valid_name("queue", queue)
-        with self.driver.connect() as conn:
-            rows = self.driver.job_depth(conn, queue)
-            paused = self.driver.queue_paused_list(conn)
-        found: dict[str, QueueDepth] = {}
-        for name, ready, age in rows:
-            found[str(name)] = QueueDepth(
-                queue=str(name),
-                ready=int(ready),
-                oldest_ready_age_seconds=max(0.0, float(age)) if age is not None else 0.0,
-                paused=name in paused,
-            )
-        extra = [queue] if queue is not None else sorted(paused)
-        for name in extra:
-            if name not in found and (queue is None or name == queue):
-                found[name] = QueueDepth(name, 0, 0.0, paused=name in paused)
-        return dict(sorted(found.items()))
-
-    def pause_queue(self, queue: str, *, now: Time | None = None) -> bool:
-        """Stop every worker claiming from ``queue`` (jobs in hand run to their end; new jobs
-        are still enqueued). True if it was running. Idempotent."""
-        valid_name("queue", queue)
-        when = valid_time("now", now)
-        with self.driver.begin() as conn:
-            return self.driver.queue_pause(conn, queue, self._clock(conn, when))
-
-    def resume_queue(self, queue: str) -> bool:
-        """Let workers claim from ``queue`` again; True if it was paused. Idempotent."""
-        valid_name("queue", queue)
-        with self.driver.begin() as conn:
-            resumed = self.driver.queue_resume(conn, queue)
-            if resumed:
-                self.driver.job_ready_notify(conn)  # idle workers claim at once
-        return resumed
-
-    def paused_queues(self) -> list[str]:
-        """The paused queues, by name."""
-        with self.driver.connect() as conn:
-            return sorted(self.driver.queue_paused_list(conn))
-
-    def waiting_on_tenant_limit(
-        self,
-        tenant_limit: int | None = None,
-        tenant_limits: Mapping[str, int] | None = None,
-        *,
-        queues: Iterable[str] | None = None,
-    ) -> int:
-        """READY jobs whose tenant is at its limit in their queue (what a claim with these
-        limits skips now). O(leased) plus the READY jobs of the tenants at their limit."""
-        default = _limit("tenant_limit", tenant_limit)
-        limits = _limits(tenant_limits)
-        wanted = _names("queues", queues)
-        if default is None and not limits:
-            return 0
-        waiting = 0
-        with self.driver.connect() as conn:
-            for queue, tenant, leased in self.driver.job_leased_by_tenant(conn):
-                cap = limits.get(tenant, default)
-                if cap is None or leased < cap or (wanted is not None and queue not in wanted):
-                    continue
-                waiting += self.driver.job_ready_count(conn, queue, tenant)
-        return waiting
-
     # -- claiming ------------------------------------------------------------------------
 
     # complexity: the seed example's claim: one check per argument, then one fenced move
@@ -538,7 +392,7 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
         valid_name("worker", worker)
         seconds = valid_ttl(ttl)
         when = valid_time("now", now)
-        default, limits = _limit("tenant_limit", tenant_limit), _limits(tenant_limits)
+        default, limits = valid_limit("tenant_limit", tenant_limit), valid_limits(tenant_limits)
         where, label = job_key(tenant, action)
         with self.driver.begin() as conn:
             row = self.driver.job_lock_for_claim(conn, where)
@@ -650,10 +504,10 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
             "limit": limit,
             "worker": worker,
             "ttl": seconds,
-            "queues": _names("queues", queues),
-            "routes": _names("routes", routes),
-            "tenant_limit": _limit("tenant_limit", tenant_limit),
-            "tenant_limits": _limits(tenant_limits),
+            "queues": valid_names("queues", queues),
+            "routes": valid_names("routes", routes),
+            "tenant_limit": valid_limit("tenant_limit", tenant_limit),
+            "tenant_limits": valid_limits(tenant_limits),
         }
         if params["queues"] == [] or params["routes"] == []:
             return []  # nothing this worker could take
@@ -667,36 +521,3 @@ class Store(LeaseMoves, Recovery, ScheduleMethods):
             with self._cursor_lock:
                 self._cursor = leases[0].tenant
         return leases
-
-
-def _names(field_name: str, values: Iterable[str] | None) -> list[str] | None:
-    """Queue or handler names as a list (None stays None: no filter)."""
-    if values is None:
-        return None
-    if isinstance(values, str):
-        raise JobError(field_name, f"must be a list of names, not one string {values!r}")
-    names = list(values)
-    for name in names:
-        valid_name(field_name, name)
-    return names
-
-
-def _limit(field_name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    return int(check_number(field_name, value, JobError, integer=True))
-
-
-def _limits(values: Mapping[str, int] | None) -> dict[str, int]:
-    if values is None:
-        return {}
-    if not isinstance(values, Mapping):
-        raise JobError("tenant_limits", f"must map tenants to limits, got {values!r}")
-    checked: dict[str, int] = {}
-    for tenant, value in values.items():
-        valid_name("tenant_limits", tenant)
-        limit = _limit("tenant_limits", value)
-        if limit is None:
-            raise JobError("tenant_limits", f"{tenant!r}: a limit must be a positive integer")
-        checked[tenant] = limit
-    return checked
