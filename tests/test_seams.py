@@ -50,6 +50,7 @@ OWN_TRANSACTION = {
         "provider_pause",  # a read on every dispatch, on the DBAPI connection
         "operation_intent",  # the dispatch fast path: one transaction by contract
         "operation_record",  # the same, for the receipt
+        "schema_index_ensure",  # CREATE INDEX CONCURRENTLY runs in no transaction block
     },
     Inbox: {"session", "schema_create", "inbox_purge", "dead_letter_list", "dead_letter_count"},
 }
@@ -93,7 +94,17 @@ def test_the_relay_store_owns_every_transaction() -> None:
 # connection) is named by its verb. A new noun here is a decision, like OWN_TRANSACTION.
 NOUNS = {
     Store: {"outbox", "partition", "partitions", "orphan", "notify", "receipt"},
-    JobDriver: {"job", "queue", "worker", "attempt", "operation", "provider", "clock", "schema"},
+    JobDriver: {
+        "job",
+        "queue",
+        "worker",
+        "attempt",
+        "operation",
+        "provider",
+        "schedule",
+        "clock",
+        "schema",
+    },
     Inbox: {"inbox", "dead_letter", "clock", "schema"},
 }
 LIFECYCLE = {"connect", "close", "begin", "autocommit", "pinned", "session", "name"}

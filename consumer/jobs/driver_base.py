@@ -13,8 +13,9 @@ picks one for an engine.
 
 The statements of one area live in a mixin module of their own, which :class:`JobDriver`
 inherits: ``driver_jobs`` (wake-up, clock, inserts, reads, history rows), ``driver_claims``,
-``driver_queues``, ``driver_leases`` (the lease holder's moves) and ``driver_recovery``
-(expired leases, workers' liveness, due timers).
+``driver_queues``, ``driver_leases`` (the lease holder's moves), ``driver_recovery``
+(expired leases, workers' liveness, due timers), ``driver_fleet`` (the provider limits' row,
+pause and rate reservations), ``driver_schedules`` and ``driver_retention``.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from consumer.jobs.driver_claims import ClaimStatements
+from consumer.jobs.driver_fleet import FleetStatements
 from consumer.jobs.driver_jobs import INSERT_CHUNK as INSERT_CHUNK  # re-exported
 from consumer.jobs.driver_jobs import JobStatements
 from consumer.jobs.driver_jobs import ReadyListener as ReadyListener  # re-exported
 from consumer.jobs.driver_leases import LeaseStatements
 from consumer.jobs.driver_queues import QueueStatements
 from consumer.jobs.driver_recovery import RecoveryStatements
+from consumer.jobs.driver_retention import RetentionStatements
+from consumer.jobs.driver_schedules import ScheduleStatements
 from consumer.jobs.migrations import upgrade_schema
 from consumer.jobs.schema import metadata, operations, provider_limits
 from outbox.dialect import db_epoch, insert_or_ignore
@@ -68,6 +72,9 @@ class JobDriver(
     QueueStatements,
     LeaseStatements,
     RecoveryStatements,
+    FleetStatements,
+    ScheduleStatements,
+    RetentionStatements,
     ABC,
 ):
     """The SQL both databases share; each dialect implements the abstract methods, where

@@ -13,11 +13,14 @@ from typing import Any
 
 from psycopg import sql as psycopg_sql
 from sqlalchemy import (
+    ColumnElement,
+    Index,
     func,
     literal_column,
     text,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.schema import CreateIndex
 
 from consumer.jobs import queries as q
 from consumer.jobs.driver_base import (
@@ -26,6 +29,7 @@ from consumer.jobs.driver_base import (
     ReadyListener,
     check_operation_columns,
 )
+from consumer.jobs.driver_retention import PG_JOB_PURGE
 from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import (
     create_tables,
@@ -288,6 +292,49 @@ class PostgresJobDriver(JobDriver):
         if when is not None:
             params["now"] = when
         return [int(r[0]) for r in conn.execute(q.pg_finish_batch(when is not None), params)]
+
+    # -- provider limits (consumer.jobs.driver_fleet) ---------------------------------------
+
+    def _statement_clock(self) -> ColumnElement[float]:
+        # clock_timestamp(), not now(): now() is the transaction's start, read before a wait
+        # on the row's lock behind another worker's reservation.
+        return func.extract("epoch", func.clock_timestamp())  # type: ignore[return-value]
+
+    def _greatest(self, a: Any, b: Any) -> ColumnElement[float]:
+        return func.greatest(a, b)
+
+    def _commit_unflushed(self, conn: Connection) -> None:
+        # Per transaction: the commit does not wait for the WAL flush.
+        conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
+
+    # -- retention (consumer.jobs.driver_retention) -----------------------------------------
+
+    def clock_epoch(self, conn: Connection) -> float:
+        return float(conn.execute(text(f"SELECT {EPOCH_SQL[POSTGRESQL]}")).scalar_one())
+
+    def schema_index_ensure(self, indexes: Sequence[Index]) -> None:
+        # CONCURRENTLY: writers are not blocked while a large table is indexed. It cannot run
+        # inside a transaction block: an AUTOCOMMIT connection of its own.
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            for index in indexes:
+                found = conn.execute(text("SELECT to_regclass(:n)"), {"n": index.name})
+                if found.scalar() is None:  # CONCURRENTLY waits for every transaction
+                    conn.execute(text(_concurrent_index_sql(conn, index)))
+
+    def job_purge_finished(
+        self, conn: Connection, cutoff: float, limit: int
+    ) -> tuple[int, int, int]:
+        # One statement per batch, a walk of the index whatever the statistics say
+        # (driver_retention.PG_JOB_PURGE has the reasons).
+        row = conn.execute(text(PG_JOB_PURGE), {"cutoff": cutoff, "limit": limit}).one()
+        return int(row[0]), int(row[1]), int(row[2])
+
+
+def _concurrent_index_sql(conn: Connection, index: Index) -> str:
+    """``CREATE INDEX CONCURRENTLY IF NOT EXISTS`` for a metadata Index (PostgreSQL)."""
+    ddl = str(CreateIndex(index, if_not_exists=True).compile(dialect=conn.dialect))
+    return ddl.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1)
 
 
 class _PgReadyListener:

@@ -14,14 +14,23 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
 
+from sqlalchemy import ColumnElement, Index, func, text
 from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
 from consumer.jobs.driver_base import FencedOut, JobDriver, check_operation_columns
+from consumer.jobs.driver_retention import SQLITE_JOB_FINISHED
 from consumer.jobs.record_text import RecordStatements
-from consumer.jobs.schema import JOBS_TABLE, OPERATIONS_TABLE, PROVIDER_LIMITS_TABLE
+from consumer.jobs.schema import (
+    ATTEMPTS_TABLE,
+    DELIVERIES_TABLE,
+    JOBS_TABLE,
+    OPERATIONS_TABLE,
+    PROVIDER_LIMITS_TABLE,
+    REPLIES_TABLE,
+)
 from consumer.jobs.states import LEASED
-from outbox.dialect import EPOCH_SQL, SQLITE
+from outbox.dialect import EPOCH_SQL, SQLITE, db_epoch
 
 _NOW = EPOCH_SQL[SQLITE]
 
@@ -99,6 +108,70 @@ class SqliteJobDriver(JobDriver):
         history = {"pairs": json.dumps(done), "worker": worker, "now": clock}
         conn.execute(q.sqlite_finish_history(), history)
         return [job_id for job_id, _ in done]
+
+    # -- provider limits (consumer.jobs.driver_fleet) ---------------------------------------
+
+    def _statement_clock(self) -> ColumnElement[float]:
+        # The database clock: 'now' is one value per statement, and the write lock is held
+        # from BEGIN IMMEDIATE, so no reservation waits on a row's lock after reading it.
+        return db_epoch()
+
+    def _greatest(self, a: Any, b: Any) -> ColumnElement[float]:
+        # SQLite's two-argument max() is PostgreSQL's greatest(), a scalar function.
+        return func.max(a, b)
+
+    def _commit_unflushed(self, conn: Connection) -> None:
+        """Nothing: SQLite has no per-transaction setting for it (``PRAGMA synchronous`` is
+        the connection's)."""
+
+    # -- retention (consumer.jobs.driver_retention) -----------------------------------------
+
+    def clock_epoch(self, conn: Connection) -> float:
+        return float(conn.execute(text(f"SELECT {_NOW}")).scalar_one())
+
+    def schema_index_ensure(self, indexes: Sequence[Index]) -> None:
+        # No CONCURRENTLY here: a write transaction of its own (the write lock up front).
+        with self.begin() as conn:
+            for index in indexes:
+                index.create(conn, checkfirst=True)
+
+    def job_purge_finished(
+        self, conn: Connection, cutoff: float, limit: int
+    ) -> tuple[int, int, int]:
+        # The transaction holds the write lock (BEGIN IMMEDIATE), so the rows read stay as
+        # they are until the deletes below.
+        ids = [
+            int(row[0])
+            for row in conn.execute(
+                text(SQLITE_JOB_FINISHED + " LIMIT :limit"), {"cutoff": cutoff, "limit": limit}
+            )
+        ]
+        if not ids:
+            return 0, 0, 0
+        params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
+        marks = ", ".join(f":i{n}" for n in range(len(ids)))
+        # Their replies and delivery callbacks go with them (not counted: the job's own).
+        conn.execute(text(f"DELETE FROM {REPLIES_TABLE} WHERE job_id IN ({marks})"), params)
+        conn.execute(
+            text(
+                f"DELETE FROM {DELIVERIES_TABLE} WHERE operation_id IN (SELECT operation_id"
+                f" FROM {OPERATIONS_TABLE} WHERE job_id IN ({marks}))"
+            ),
+            params,
+        )
+        jobs_gone, attempts_gone, operations_gone = (
+            int(
+                conn.execute(
+                    text(f"DELETE FROM {table} WHERE {column} IN ({marks})"), params
+                ).rowcount
+            )
+            for table, column in (
+                (JOBS_TABLE, "id"),
+                (ATTEMPTS_TABLE, "job_id"),
+                (OPERATIONS_TABLE, "job_id"),
+            )
+        )
+        return jobs_gone, attempts_gone, operations_gone
 
     # -- the dispatch path: SQL text on the DBAPI connection ---------------------------------
     # Every dispatch reads the provider's pause, writes its intent and records its receipt.

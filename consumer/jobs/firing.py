@@ -32,13 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sqlalchemy import Integer, bindparam, func, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.checks import Time, job_values, valid_time
 from consumer.jobs.cron import Slot, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
-from consumer.jobs.schema import schedules
 from outbox.logs import fields
 
 __all__ = ["FiredSlot", "FiringResult", "ScheduleDuty", "fire_schedules"]
@@ -83,19 +81,11 @@ def fire_schedules(driver: JobDriver, *, now: Time | None = None, limit: int = 5
     when = valid_time("now", now)
     with driver.begin() as conn:
         clock = driver.clock_read(conn, when)
-        rows = conn.execute(
-            select(schedules)
-            .where(schedules.c.paused_at.is_(None), schedules.c.next_slot <= clock)
-            .order_by(schedules.c.next_slot)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).all()
+        rows = driver.schedule_due_list(conn, clock, limit)
         decisions = [_decide(row, clock) for row in rows]
         fired = _enqueue(driver, conn, decisions, clock)
-        _move(conn, decisions, clock)
-        next_due = conn.execute(
-            select(func.min(schedules.c.next_slot)).where(schedules.c.paused_at.is_(None))
-        ).scalar()
+        _move(driver, conn, decisions, clock)
+        next_due = driver.schedule_next_due(conn)
     missed = {d.row.name: d.given_up for d in decisions if d.given_up}
     for slot in fired:
         log.info(
@@ -108,7 +98,7 @@ def fire_schedules(driver: JobDriver, *, now: Time | None = None, limit: int = 5
         tuple(fired),
         missed,
         clock,
-        None if next_due is None else float(next_due),
+        next_due,
         more=len(rows) >= limit,
     )
 
@@ -178,39 +168,26 @@ def _enqueue(
     return fired
 
 
-def _move(conn: Connection, decisions: list[_Decision], clock: float) -> None:
+def _move(driver: JobDriver, conn: Connection, decisions: list[_Decision], clock: float) -> None:
     """Every decided schedule moves on, in one batched statement (executemany). Filtered on
     the ``next_slot`` read: the rows are locked, so it always matches."""
     if not decisions:
         return
-    statement = (
-        update(schedules)
-        .where(
-            schedules.c.name == bindparam("b_name"), schedules.c.next_slot == bindparam("b_first")
-        )
-        .values(
-            next_slot=bindparam("b_next"),
-            last_slot=bindparam("b_last"),
-            last_job_id=bindparam("b_job"),
-            fired=schedules.c.fired + bindparam("b_fired", type_=Integer),
-            missed=schedules.c.missed + bindparam("b_missed", type_=Integer),
-            updated_at=clock,
-        )
-    )
-    conn.execute(
-        statement,
+    driver.schedule_move_batch(
+        conn,
         [
             {
-                "b_name": d.row.name,
-                "b_first": float(d.row.next_slot),
-                "b_next": d.next_slot,
-                "b_last": d.chosen[-1] if d.chosen else d.row.last_slot,
-                "b_job": d.last_job_id,
-                "b_fired": len(d.chosen),
-                "b_missed": d.given_up,
+                "name": d.row.name,
+                "first": float(d.row.next_slot),
+                "next": d.next_slot,
+                "last": d.chosen[-1] if d.chosen else d.row.last_slot,
+                "job": d.last_job_id,
+                "fired": len(d.chosen),
+                "missed": d.given_up,
             }
             for d in decisions
         ],
+        clock,
     )
 
 

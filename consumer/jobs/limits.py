@@ -93,16 +93,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Double, func, literal, select, update
-from sqlalchemy.engine import Connection
-from sqlalchemy.sql import ColumnElement
-
 from consumer.errors import ProviderThrottled
+from consumer.jobs.fleet import FleetTable
 from consumer.jobs.permits import SCHEDULING, AdaptiveLimit, SchedulingDelay, Waiter
 from consumer.jobs.plan import Runner, Step
-from consumer.jobs.schema import provider_limits
 from consumer.jobs.store import Store
-from outbox.dialect import db_epoch, insert_or_ignore, is_postgresql
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
 
 __all__ = [
@@ -145,30 +140,13 @@ def send_by() -> float | None:
     return _SEND_BY.get()
 
 
-def _statement_clock(conn: Connection) -> ColumnElement[float]:
-    # The time the row is updated, not the transaction's start (PostgreSQL's now()): a
-    # reservation that waited on the row's lock behind another worker's must not start its
-    # call from a clock read before that wait (it would be late, then clump with the next).
-    if is_postgresql(conn.dialect.name):
-        return func.extract("epoch", func.clock_timestamp())  # type: ignore[return-value]
-    return db_epoch()
-
-
-def _greatest(conn: Connection, a: Any, b: Any) -> ColumnElement[float]:
-    # PostgreSQL's greatest(); SQLite's two-argument max() is the same scalar function.
-    name = "greatest" if is_postgresql(conn.dialect.name) else "max"
-    return getattr(func, name)(a, b)  # type: ignore[no-any-return]
-
-
-class FleetLimits:
-    """The fleet-wide side (``outbox_provider_limits``): pauses and rate reservations, every
-    time from the database clock so that every worker agrees."""
+class FleetLimits(FleetTable):
+    """The fleet-wide side (``outbox_provider_limits``, :class:`~consumer.jobs.fleet.FleetTable`:
+    pauses and rate reservations, every time from the database clock so that every worker
+    agrees) and this process's gate of each provider on it."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
-        self._paused: dict[str, tuple[float, float]] = {}  # provider -> (until, local deadline)
-        self._lock = threading.Lock()
-        self._known: set[str] = set()
+        super().__init__(store)
         self._gates: dict[str, ProviderGate] = {}
 
     def gate(
@@ -189,151 +167,6 @@ class FleetLimits:
         """The gate of provider ``name``, if a call to it was made in this process."""
         with self._lock:
             return self._gates.get(name)
-
-    def _ensure(self, provider: str) -> None:
-        # The provider's row, committed before any statement that needs it: known to this
-        # process only once it is visible to every other transaction (a thread that read
-        # it as known while another's insert was not yet committed found no row).
-        if provider in self._known:
-            return
-        with self.store.driver.begin() as conn:
-            conn.execute(
-                insert_or_ignore(provider_limits, ("provider",), conn.dialect.name).values(
-                    provider=provider
-                )
-            )
-        self._known.add(provider)
-
-    def _now(self) -> Any:
-        """The database clock as SQL; a number when the store has a clock of its own
-        (``Store(clock=...)``: a test's time, which pauses must follow too)."""
-        clock = self.store.driver.clock
-        return db_epoch() if clock is None else literal(clock(), Double)
-
-    def _remember_pause(self, provider: str, until: float, clock: float) -> None:
-        with self._lock:
-            self._paused[provider] = (until, time.monotonic() + (until - clock))
-
-    def paused_locally(self, provider: str) -> float | None:
-        """``paused_until`` as this process learnt it, while it lasts (no round trip)."""
-        clock = self.store.driver.clock
-        with self._lock:
-            known = self._paused.get(provider)
-            if known is None:
-                return None
-            if (clock() >= known[0]) if clock is not None else time.monotonic() >= known[1]:
-                del self._paused[provider]
-                return None
-            return known[0]
-
-    def paused_until(self, provider: str) -> float | None:
-        """The end of the provider's pause if it is paused now (database clock), else None."""
-        local = self.paused_locally(provider)
-        if local is not None:
-            return local
-        found = self.store.driver.provider_pause(provider)  # read before every call
-        if found is None or found[0] <= found[1]:
-            return None
-        self._remember_pause(provider, *found)
-        return found[0]
-
-    def pause(self, provider: str, seconds: float) -> float:
-        """Pause the provider for every worker for ``seconds`` from now (a pause already
-        reaching further stays); returns its end (database clock)."""
-        self._ensure(provider)
-        # One statement, its commit not waiting for a WAL flush (a crash loses a pause, no
-        # more): every call whose intent statement starts after this commit is refused, so
-        # the time from the statement to its commit is the time calls may still slip past.
-        with self.store.driver.begin() as conn:
-            fixed = self.store.driver.clock  # a store's own clock (tests) wins
-            now = self._now() if fixed is not None else _statement_clock(conn)
-            if is_postgresql(conn.dialect.name):
-                conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
-            row = conn.execute(
-                update(provider_limits)
-                .where(provider_limits.c.provider == provider)
-                .values(
-                    paused_until=_greatest(
-                        conn, provider_limits.c.paused_until, now + max(0.0, seconds)
-                    ),
-                    pauses=provider_limits.c.pauses + 1,
-                )
-                .returning(provider_limits.c.paused_until, now)
-            ).one()
-        until, clock = float(row[0]), float(row[1])
-        self._remember_pause(provider, until, clock)
-        return until
-
-    def unpause(self, provider: str) -> None:
-        """Lift a provider's pause now (an operator who knows better than its Retry-After).
-        Processes that have seen the pause keep to it until its end (they do not read it
-        again meanwhile); this one forgets it at once."""
-        with self.store.driver.begin() as conn:
-            conn.execute(
-                update(provider_limits)
-                .where(provider_limits.c.provider == provider)
-                .values(paused_until=0.0)
-            )
-        with self._lock:
-            self._paused.pop(provider, None)
-
-    def reserve(self, provider: str, spacing: float, max_wait: float) -> tuple[float, float | None]:
-        """Reserve the provider's next call start: ``(seconds to wait, None)``, or ``(seconds
-        until then, until)`` when the provider is paused or its reservations reach past
-        ``max_wait`` (nothing reserved; try again at ``until``, database clock). One UPDATE
-        when it succeeds."""
-        self._ensure(provider)
-        with self.store.driver.begin() as conn:
-            fixed = self.store.driver.clock  # a store's own clock (tests) wins
-            now = self._now() if fixed is not None else _statement_clock(conn)
-            if is_postgresql(conn.dialect.name):
-                # A reservation is not worth a WAL flush: a crash loses at most a slot, and a
-                # commit that waits on a busy disk would start the call late, out of step.
-                conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
-            row = conn.execute(
-                update(provider_limits)
-                .where(
-                    provider_limits.c.provider == provider,
-                    provider_limits.c.paused_until <= now,
-                    provider_limits.c.next_call_at <= now + max_wait,
-                )
-                .values(next_call_at=_greatest(conn, provider_limits.c.next_call_at, now) + spacing)
-                .returning(provider_limits.c.next_call_at, now)
-            ).first()
-            if row is not None:
-                start = float(row[0]) - spacing
-                return max(0.0, start - float(row[1])), None
-            held = conn.execute(
-                select(
-                    provider_limits.c.paused_until, provider_limits.c.next_call_at, self._now()
-                ).where(provider_limits.c.provider == provider)
-            ).one()
-        paused, booked, clock = float(held[0]), float(held[1]), float(held[2])
-        if paused > clock:
-            self._remember_pause(provider, paused, clock)
-        until = max(paused, booked - max_wait, clock + spacing)
-        return until - clock, until
-
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        """Every provider's row: ``{"paused_for": seconds, "booked_ahead": seconds, "pauses"}``."""
-        with self.store.driver.connect() as conn:
-            rows = conn.execute(
-                select(
-                    provider_limits.c.provider,
-                    provider_limits.c.paused_until,
-                    provider_limits.c.next_call_at,
-                    provider_limits.c.pauses,
-                    db_epoch(),
-                )
-            ).all()
-        return {
-            str(r[0]): {
-                "paused_for": max(0.0, float(r[1]) - float(r[4])),
-                "booked_ahead": max(0.0, float(r[2]) - float(r[4])),
-                "pauses": float(r[3]),
-            }
-            for r in rows
-        }
 
 
 _SHARED: weakref.WeakValueDictionary[tuple[Any, ...], FleetLimits] = weakref.WeakValueDictionary()

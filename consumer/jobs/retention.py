@@ -29,29 +29,28 @@ lengthens one there declares it here too. ``docs/explanation/retention.md`` has 
 
 The job is kept whole rather than as a tombstone: the row IS the unique key that every
 enqueue already honours (no second lookup on the enqueue path), and its history goes with it.
+
+This module decides (what is old, what is safe, what went); the job driver runs the
+statements (``consumer.jobs.driver_retention``, the purge per database in ``driver_pg`` and
+``driver_sqlite``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from consumer.jobs.driver_retention import PG_JOB_PURGE as PG_JOB_PURGE  # re-exported
 from consumer.jobs.schema import (
     ATTEMPTS_TABLE,
-    DELIVERIES_TABLE,
     FINISHED_JOBS_INDEX,
     JOB_OPERATIONS_INDEX,
     JOBS_TABLE,
     OPERATIONS_TABLE,
-    REPLIES_TABLE,
     WORKERS_TABLE,
 )
-from consumer.jobs.states import CANCELLED, DONE, LEASED
 from consumer.jobs.store import Store
-from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE, is_postgresql
 from outbox.errors import ConfigError
 from outbox.retention import (
     DEFAULT_AUDIT_RETENTION,
@@ -163,88 +162,6 @@ class JobRetentionConfig:
         )
 
 
-# SQLite: the batch, oldest first (its planner walks ix_outbox_jobs_finished for it).
-_FINISHED = f"""
-SELECT j.id FROM {JOBS_TABLE} j
-WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
-  AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
-ORDER BY j.updated_at"""
-
-# PostgreSQL: one statement per batch, whose only sensible plan is a walk of the index
-# whatever the statistics say (this server runs without autovacuum). A plain ``ORDER BY
-# updated_at LIMIT n`` is cheap only while the planner believes many rows match; on a
-# never-analyzed table it estimated a few hundred and read all 20,000 due rows through a
-# bitmap scan and a sort, per batch (tests/test_retention.py). So:
-# - ``walk``: a recursive walk of ix_outbox_jobs_finished (the partial index on
-#   (updated_at, id) of DONE/CANCELLED rows), one ``ORDER BY ... LIMIT 1`` probe per row,
-#   each starting after the previous row: every plan of a LIMIT 1 probe stops at one row.
-#   A job with an open receipt (PENDING, UNKNOWN: its effect is not settled) is stepped
-#   over and stays.
-# - ``doomed``: those rows by primary key, locked with SKIP LOCKED (two workers purging at
-#   once take different rows), the open-receipt check repeated under the lock. No state
-#   filter here: DONE and CANCELLED are terminal, and a state filter matches the partial
-#   index's predicate, which let the planner read all 20,000 finished rows through it (a
-#   bitmap scan, 19,000 removed by the id filter) instead of 1,000 primary-key probes.
-# - its attempts and operations go by their job_id indexes (= ANY of an array: an index
-#   probe per id, never a hash join over the table) in the same statement.
-_NEXT_FINISHED = f"""
-        SELECT j.id, j.updated_at FROM {JOBS_TABLE} j
-        WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
-          AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                          WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
-
-PG_JOB_PURGE = f"""
-WITH RECURSIVE walk(id, updated_at, n) AS (
-    (SELECT f.id, f.updated_at, 1 FROM ({_NEXT_FINISHED}
-        ORDER BY j.updated_at, j.id LIMIT 1) f)
-    UNION ALL
-    SELECT nxt.id, nxt.updated_at, w.n + 1 FROM walk w CROSS JOIN LATERAL ({_NEXT_FINISHED}
-          AND (j.updated_at, j.id) > (w.updated_at, w.id)
-        ORDER BY j.updated_at, j.id LIMIT 1) nxt
-    WHERE w.n < :limit),
-doomed AS MATERIALIZED (
-    SELECT j.id FROM {JOBS_TABLE} j
-    WHERE j.id = ANY(ARRAY(SELECT id FROM walk))
-      AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                      WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
-    FOR UPDATE OF j SKIP LOCKED),
-gone_attempts AS (
-    DELETE FROM {ATTEMPTS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1),
-gone_operations AS (
-    DELETE FROM {OPERATIONS_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))
-    RETURNING operation_id),
-gone_replies AS (
-    DELETE FROM {REPLIES_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))),
-gone_deliveries AS (
-    DELETE FROM {DELIVERIES_TABLE}
-    WHERE operation_id = ANY(ARRAY(SELECT operation_id FROM gone_operations))),
-gone_jobs AS (
-    DELETE FROM {JOBS_TABLE} WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING 1)
-SELECT (SELECT count(*) FROM gone_jobs), (SELECT count(*) FROM gone_attempts),
-       (SELECT count(*) FROM gone_operations)"""
-
-# The same rows and their history, counted for --dry-run (the same SQL on SQLite).
-_DUE_JOBS = f"""
-SELECT j.id FROM {JOBS_TABLE} j
-WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
-  AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
-
-JOB_DUE = f"""
-SELECT (SELECT count(*) FROM ({_DUE_JOBS}) d),
-       (SELECT count(*) FROM {ATTEMPTS_TABLE} WHERE job_id IN ({_DUE_JOBS})),
-       (SELECT count(*) FROM {OPERATIONS_TABLE} WHERE job_id IN ({_DUE_JOBS}))"""
-
-# Liveness rows of workers long gone and holding no lease (the liveness tick of a running
-# worker deletes most of them already; this covers a database whose workers all died).
-_GONE_WORKERS = f"""
-SELECT w.name FROM {WORKERS_TABLE} w
-WHERE w.alive_until < :cutoff
-  AND NOT EXISTS (SELECT 1 FROM {JOBS_TABLE} j
-                  WHERE j.state = '{LEASED}' AND j.lease_owner = w.name)"""
-
-
 class _FinishedJobs:
     table = JOBS_TABLE
 
@@ -289,10 +206,6 @@ class JobRetention:
         self.deleted: dict[str, int] = {JOBS_TABLE: 0, ATTEMPTS_TABLE: 0, OPERATIONS_TABLE: 0}
         """Rows this retention deleted so far, per table (jobs with their history)."""
 
-    @property
-    def dialect(self) -> str:
-        return POSTGRESQL if is_postgresql(self.store.engine.dialect.name) else SQLITE
-
     def targets(self) -> list[PurgeTarget]:
         """The tables this retention purges (those whose window is not 0 = forever)."""
         found: list[PurgeTarget] = []
@@ -309,8 +222,7 @@ class JobRetention:
     def _cutoff(self, conn: Connection, age: float, now: float | None) -> float:
         if now is not None:
             return float(now) - age
-        clock = conn.execute(text(f"SELECT {EPOCH_SQL[self.dialect]}")).scalar_one()
-        return float(clock) - age
+        return self.store.driver.clock_epoch(conn) - age
 
     def ensure_indexes(self) -> None:
         """The two indexes retention reads, on a job store created before they existed
@@ -318,18 +230,7 @@ class JobRetention:
         CONCURRENTLY: writers are not blocked while a large table is indexed."""
         if self._indexed:
             return
-        engine = self.store.engine
-        if self.dialect == POSTGRESQL:
-            with engine.connect() as conn:
-                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-                for index in (FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX):
-                    found = conn.execute(text("SELECT to_regclass(:n)"), {"n": index.name})
-                    if found.scalar() is None:  # CONCURRENTLY waits for every transaction
-                        conn.execute(text(_concurrent_index_sql(conn, index)))
-        else:
-            with self.store.driver.begin() as conn:
-                for index in (FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX):
-                    index.create(conn, checkfirst=True)
+        self.store.driver.schema_index_ensure((FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX))
         self._indexed = True
 
     def count_finished(self, *, now: float | None = None) -> int:
@@ -343,8 +244,12 @@ class JobRetention:
         self.ensure_indexes()
         with self.store.driver.connect() as conn:
             cutoff = self._cutoff(conn, self.config.job_retention_seconds, now)
-            row = conn.execute(text(JOB_DUE), {"cutoff": cutoff}).one()
-        return {JOBS_TABLE: int(row[0]), ATTEMPTS_TABLE: int(row[1]), OPERATIONS_TABLE: int(row[2])}
+            jobs_due, attempts_due, operations_due = self.store.driver.job_purge_due(conn, cutoff)
+        return {
+            JOBS_TABLE: jobs_due,
+            ATTEMPTS_TABLE: attempts_due,
+            OPERATIONS_TABLE: operations_due,
+        }
 
     def purge_finished(self, limit: int, *, now: float | None = None) -> int:
         """Delete at most ``limit`` finished jobs past the retention, with their attempts,
@@ -356,43 +261,7 @@ class JobRetention:
         age = self.config.job_retention_seconds
         with self.store.driver.begin() as conn:
             cutoff = self._cutoff(conn, age, now)
-            if self.dialect == POSTGRESQL:
-                row = conn.execute(text(PG_JOB_PURGE), {"cutoff": cutoff, "limit": limit}).one()
-                return self._count(int(row[0]), int(row[1]), int(row[2]))
-            # SQLite: the transaction holds the write lock (BEGIN IMMEDIATE), so the rows
-            # read stay as they are until the deletes below.
-            ids = [
-                int(row[0])
-                for row in conn.execute(
-                    text(_FINISHED + " LIMIT :limit"), {"cutoff": cutoff, "limit": limit}
-                )
-            ]
-            if not ids:
-                return 0
-            params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
-            marks = ", ".join(f":i{n}" for n in range(len(ids)))
-            # Their replies and delivery callbacks go with them (not counted: the job's own).
-            conn.execute(text(f"DELETE FROM {REPLIES_TABLE} WHERE job_id IN ({marks})"), params)
-            conn.execute(
-                text(
-                    f"DELETE FROM {DELIVERIES_TABLE} WHERE operation_id IN (SELECT operation_id"
-                    f" FROM {OPERATIONS_TABLE} WHERE job_id IN ({marks}))"
-                ),
-                params,
-            )
-            gone = [
-                int(
-                    conn.execute(
-                        text(f"DELETE FROM {table} WHERE {column} IN ({marks})"), params
-                    ).rowcount
-                )
-                for table, column in (
-                    (JOBS_TABLE, "id"),
-                    (ATTEMPTS_TABLE, "job_id"),
-                    (OPERATIONS_TABLE, "job_id"),
-                )
-            ]
-            return self._count(*gone)
+            return self._count(*self.store.driver.job_purge_finished(conn, cutoff, limit))
 
     def _count(self, jobs_gone: int, attempts_gone: int, operations_gone: int) -> int:
         self.deleted[JOBS_TABLE] += jobs_gone
@@ -405,8 +274,7 @@ class JobRetention:
     def count_gone_workers(self, *, now: float | None = None) -> int:
         with self.store.driver.connect() as conn:
             cutoff = self._cutoff(conn, self.config.worker_grace_seconds, now)
-            query = f"SELECT count(*) FROM ({_GONE_WORKERS}) g"
-            return int(conn.execute(text(query), {"cutoff": cutoff}).scalar_one())
+            return self.store.driver.worker_gone_count(conn, cutoff)
 
     def purge_gone_workers(self, limit: int, *, now: float | None = None) -> int:
         check_batch("limit", limit)
@@ -414,19 +282,7 @@ class JobRetention:
             return 0
         with self.store.driver.begin() as conn:
             cutoff = self._cutoff(conn, self.config.worker_grace_seconds, now)
-            result = conn.execute(
-                text(f"DELETE FROM {WORKERS_TABLE} WHERE name IN ({_GONE_WORKERS} LIMIT :limit)"),
-                {"cutoff": cutoff, "limit": limit},
-            )
-            return int(result.rowcount)
-
-
-def _concurrent_index_sql(conn: Connection, index: Any) -> str:
-    """``CREATE INDEX CONCURRENTLY IF NOT EXISTS`` for a metadata Index (PostgreSQL)."""
-    from sqlalchemy.schema import CreateIndex
-
-    ddl = str(CreateIndex(index, if_not_exists=True).compile(dialect=conn.dialect))
-    return ddl.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1)
+            return self.store.driver.worker_gone_delete(conn, cutoff, limit)
 
 
 def job_retention_duty(store: Store, config: JobRetentionConfig | None = None) -> RetentionDuty:

@@ -40,19 +40,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import InvalidSchedule, JobError, ScheduleNotFound
 from consumer.jobs.checks import Time, valid_json, valid_time
 from consumer.jobs.cron import Slot, check_cron, check_zone, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
-from consumer.jobs.schema import DEFAULT_QUEUE, jobs, schedules
+from consumer.jobs.schema import DEFAULT_QUEUE
 from outbox.logs import fields
 
 if TYPE_CHECKING:
     from consumer.jobs.firing import FiringResult
-from outbox.dialect import insert_or_ignore
 from outbox.validate import MAX_NAME_LENGTH, check_name, number_problem
 
 __all__ = [
@@ -274,19 +272,18 @@ class ScheduleMethods:
         with self.driver.begin() as conn:
             clock = self.driver.clock_read(conn, when)
             first = schedule.first_slot_after(clock)
-            conn.execute(
-                insert_or_ignore(schedules, ("name",), conn.dialect.name).values(
-                    name=schedule.name,
-                    source=source,
-                    next_slot=first,
-                    created_at=clock,
-                    updated_at=clock,
+            self.driver.schedule_insert(
+                conn,
+                {
+                    "name": schedule.name,
+                    "source": source,
+                    "next_slot": first,
+                    "created_at": clock,
+                    "updated_at": clock,
                     **schedule.values(),
-                )
+                },
             )
-            row = conn.execute(
-                select(schedules).where(schedules.c.name == schedule.name).with_for_update()
-            ).one()
+            row = self.driver.schedule_lock(conn, schedule.name)  # inserted or found: there
             changes = {k: v for k, v in schedule.values().items() if getattr(row, k) != v}
             if row.source != source:
                 changes["source"] = source
@@ -298,21 +295,19 @@ class ScheduleMethods:
                 )
             if changes:
                 changes["updated_at"] = clock
-                conn.execute(
-                    update(schedules).where(schedules.c.name == schedule.name).values(**changes)
-                )
-            return _read_one(conn, schedule.name)
+                self.driver.schedule_update(conn, schedule.name, changes)
+            return _read_one(self.driver, conn, schedule.name)
 
     def schedules(self) -> list[ScheduleInfo]:
         """Every schedule, by name, with its next slot and its last fired slot's job."""
         with self.driver.connect() as conn:
-            return _read_all(conn)
+            return _read_all(self.driver, conn)
 
     def get_schedule(self, name: str) -> ScheduleInfo:
         """One schedule; ``ScheduleNotFound`` if there is none of that name."""
         check_name("name", name, _invalid)
         with self.driver.connect() as conn:
-            return _read_one(conn, name)
+            return _read_one(self.driver, conn, name)
 
     def pause_schedule(self, name: str, *, now: Time | None = None) -> bool:
         """Stop the schedule firing (its jobs already enqueued still run). True if it was
@@ -320,15 +315,9 @@ class ScheduleMethods:
         check_name("name", name, _invalid)
         when = self._schedule_time(now)
         with self.driver.begin() as conn:
-            _locked(conn, name)
+            _locked(self.driver, conn, name)
             clock = self.driver.clock_read(conn, when)
-            paused = conn.execute(
-                update(schedules)
-                .where(schedules.c.name == name, schedules.c.paused_at.is_(None))
-                .values(paused_at=clock, updated_at=clock)
-                .returning(schedules.c.name)
-            ).first()
-        return paused is not None
+            return self.driver.schedule_pause(conn, name, clock)
 
     def resume_schedule(self, name: str, *, now: Time | None = None) -> bool:
         """Let a paused schedule fire again, from its next slot after now (the slots of the
@@ -336,19 +325,19 @@ class ScheduleMethods:
         check_name("name", name, _invalid)
         when = self._schedule_time(now)
         with self.driver.begin() as conn:
-            row = _locked(conn, name)
+            row = _locked(self.driver, conn, name)
             if row.paused_at is None:
                 return False
             clock = self.driver.clock_read(conn, when)
             definition = info_from_row(row, None).schedule
-            conn.execute(
-                update(schedules)
-                .where(schedules.c.name == name)
-                .values(
-                    paused_at=None,
-                    next_slot=max(float(row.next_slot), definition.first_slot_after(clock)),
-                    updated_at=clock,
-                )
+            self.driver.schedule_update(
+                conn,
+                name,
+                {
+                    "paused_at": None,
+                    "next_slot": max(float(row.next_slot), definition.first_slot_after(clock)),
+                    "updated_at": clock,
+                },
             )
         return True
 
@@ -364,31 +353,24 @@ class ScheduleMethods:
         """Delete the schedule (the jobs it made stay). ``ScheduleNotFound`` if unknown."""
         check_name("name", name, _invalid)
         with self.driver.begin() as conn:
-            _locked(conn, name)
-            conn.execute(delete(schedules).where(schedules.c.name == name))
+            _locked(self.driver, conn, name)
+            self.driver.schedule_delete(conn, name)
         return True
 
 
-def _locked(conn: Connection, name: str) -> Any:
-    row = conn.execute(select(schedules).where(schedules.c.name == name).with_for_update()).first()
+def _locked(driver: JobDriver, conn: Connection, name: str) -> Any:
+    row = driver.schedule_lock(conn, name)
     if row is None:
         raise ScheduleNotFound(f"no schedule {name!r}")
     return row
 
 
-def _read_all(conn: Connection, where: Any = None) -> list[ScheduleInfo]:
-    query = (
-        select(schedules, jobs.c.state.label("job_state"))
-        .select_from(schedules.outerjoin(jobs, jobs.c.id == schedules.c.last_job_id))
-        .order_by(schedules.c.name)
-    )
-    if where is not None:
-        query = query.where(where)
-    return [info_from_row(row, row.job_state) for row in conn.execute(query)]
+def _read_all(driver: JobDriver, conn: Connection, name: str | None = None) -> list[ScheduleInfo]:
+    return [info_from_row(row, row.job_state) for row in driver.schedule_list(conn, name)]
 
 
-def _read_one(conn: Connection, name: str) -> ScheduleInfo:
-    found = _read_all(conn, schedules.c.name == name)
+def _read_one(driver: JobDriver, conn: Connection, name: str) -> ScheduleInfo:
+    found = _read_all(driver, conn, name)
     if not found:
         raise ScheduleNotFound(f"no schedule {name!r}")
     return found[0]
