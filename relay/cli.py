@@ -4,7 +4,8 @@ Every flag defaults from an ``OUTBOX_<FLAG>`` environment variable (``--database
 ``OUTBOX_DATABASE_URL``, ``--batch-size`` from ``OUTBOX_BATCH_SIZE``, ...). With no database
 URL the tools use ``outbox.db`` in the working directory; with no Redis URL an embedded
 Redis server (``outbox-redis.db``). Exit status: 0 success, 1 failure, 2 bad usage, 130
-interrupted (Ctrl-C). The flags are declared with :mod:`outbox.cli`.
+interrupted (Ctrl-C). The flags are declared with :mod:`outbox.cli`, in :mod:`relay.flags`;
+connecting to the broker is :mod:`relay.connect`'s.
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ from typing import Any
 
 from outbox.backoff import Backoff, retry_forever
 from outbox.cli import (
-    DATABASE,
     DATABASE_URL,
-    LOGGING,
-    METRICS,
     REDIS,
     Flag,
     Parser,
@@ -41,125 +39,26 @@ from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
 from outbox.outage import misconfiguration
-from outbox.redis_client import is_cluster_url, redis_client
-from outbox.schema import DEFAULT_TABLE, build_schema, create_schema
+from outbox.schema import build_schema, create_schema
 from relay.admin import requeue, status
-from relay.broker import Broker, broker_for, broker_kind
-from relay.config import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_PARTITIONS,
-    DEFAULT_POLL_INTERVAL,
-    DEFAULT_RETENTION_SECONDS,
-    RelayConfig,
+from relay.broker import broker_kind
+from relay.connect import aof_refusal, connect_broker
+from relay.connect import connect_redis as connect_redis
+from relay.connect import uses_cluster as uses_cluster
+from relay.flags import (
+    COMMON,
+    PARTITIONED,
+    RETENTION,
+    RUN_FLAGS,
+    SOURCE,
+    STREAM,
+    STREAM_RETENTION,
 )
+from relay.flags import relay_config as relay_config
 from relay.redis.publisher import DEFAULT_STREAM_RETENTION, StreamTemplate
 
 log = logging.getLogger("outbox.relay")
 PROG = "outbox-relay"
-
-
-# -- flags: one declaration each (outbox.cli), shared by the subcommands that take them ----------
-
-TABLE = Flag("--table", help="outbox table", default=DEFAULT_TABLE)
-SCHEMA = Flag("--schema", help="database schema of the table", shown_default="the search path")
-COMMON = (*DATABASE, TABLE, SCHEMA, *LOGGING)
-STREAM = Flag(
-    "--stream",
-    help="stream name template with {topic}, {tenant}, {partition}",
-    default="outbox.{topic}",
-    metavar="TEMPLATE",
-)
-SOURCE = Flag("--source", help="CloudEvents source", default="outbox")
-STREAM_RETENTION = Flag(
-    "--stream-retention",
-    float,
-    "seconds of entries a stream keeps (XADD MINID ~), never one a consumer group still has "
-    "pending; 0 never trims",
-    default=DEFAULT_STREAM_RETENTION,
-    metavar="SECONDS",
-)
-RETENTION = Flag(
-    "--retention",
-    float,
-    "seconds to keep published rows; 0 keeps them",
-    default=DEFAULT_RETENTION_SECONDS,
-    metavar="SECONDS",
-)
-PARTITIONED = Flag(
-    "--partitioned",
-    help="PostgreSQL: create a new table partitioned on created_at, one partition per hour "
-    "or day; retention then drops whole partitions (an existing plain table is refused, "
-    "never converted)",
-    choices=("hourly", "daily"),
-    metavar="hourly|daily",
-)
-WAIT_TIMEOUT = Flag(
-    "--wait-timeout",
-    float,
-    "seconds WAIT may take before the batch is reconciled instead (with --wait-replicas)",
-    default=1.0,
-    metavar="SECONDS",
-)
-RUN_FLAGS = (
-    *COMMON,
-    *REDIS,
-    Flag(
-        "--wait-replicas",
-        int,
-        "record a receipt only after N replicas have the batch (WAIT N); 0: do not wait",
-        default=0,
-        metavar="N",
-    ),
-    WAIT_TIMEOUT,
-    STREAM,
-    Flag("--batch-size", int, "rows per cycle", default=DEFAULT_BATCH_SIZE, metavar="N"),
-    Flag(
-        "--partitions",
-        int,
-        "key partitions shared by replicas, same on every replica",
-        default=DEFAULT_PARTITIONS,
-        metavar="N",
-    ),
-    *METRICS,
-    Flag(
-        "--poll-interval",
-        float,
-        "seconds before the next claim after a busy cycle (each idle one doubles it)",
-        default=DEFAULT_POLL_INTERVAL,
-        metavar="SECONDS",
-    ),
-    Flag(
-        "--max-poll-interval",
-        float,
-        "idle polling ceiling",
-        shown_default="1 (or --poll-interval if longer)",
-        metavar="SECONDS",
-    ),
-    Flag("--no-listen", bool, "PostgreSQL: poll only, no LISTEN/NOTIFY"),
-    RETENTION,
-    Flag(
-        "--maxlen",
-        int,
-        "approximate MAXLEN per stream, instead of --stream-retention; 0: none",
-        metavar="N",
-    ),
-    STREAM_RETENTION,
-    Flag("--require-aof", bool, "refuse to start unless Redis runs with appendonly yes"),
-    Flag(
-        "--auto-republish",
-        bool,
-        "when Redis lost published entries, republish them without waiting for an operator",
-    ),
-    Flag(
-        "--redis-check-interval",
-        float,
-        "seconds between checks of Redis's persistence and of lost entries",
-        default=60.0,
-        metavar="SECONDS",
-    ),
-    SOURCE,
-    Flag("--once", bool, "run one cycle and exit", env=None),
-)
 
 
 def build_parser() -> Parser:
@@ -305,65 +204,6 @@ def build_parser() -> Parser:
 
     add_metrics_command(sub)
     return parser
-
-
-def uses_cluster(args: argparse.Namespace) -> bool:
-    """``--redis-cluster``, OUTBOX_REDIS_CLUSTER=1 or a ``redis+cluster://`` URL."""
-    return bool(getattr(args, "redis_cluster", False)) or is_cluster_url(args.redis_url)
-
-
-def connect_redis(args: argparse.Namespace, stop: GracefulStop | None = None) -> Any:
-    """The Redis client of ``--redis-url``: a RedisCluster with ``--redis-cluster`` (it reads
-    the slot map at once, so with ``stop`` it waits and retries while the seed is down; None
-    once stopped), a plain client otherwise."""
-    if not uses_cluster(args):
-        return redis_client(args.redis_url)
-    if stop is None:
-        return redis_client(args.redis_url, cluster=True)
-    import redis
-    from redis.exceptions import RedisClusterException
-
-    return retry_forever(
-        "connecting to the Redis Cluster",
-        lambda: redis_client(args.redis_url, cluster=True),
-        stop,
-        (redis.RedisError, RedisClusterException, OSError),
-    )
-
-
-def connect_broker(
-    args: argparse.Namespace, stop: GracefulStop | None = None, **options: Any
-) -> Broker | None:
-    """The broker of ``--broker-url`` (:func:`relay.broker.broker_for`); a Redis Cluster's
-    client is connected first (see :func:`connect_redis`). None once stopped while waiting."""
-    if broker_kind(args.redis_url) == "redis":
-        client = connect_redis(args, stop)
-        if client is None:
-            return None
-        return broker_for(args.redis_url, client=client, **options)
-    if uses_cluster(args):
-        raise UsageError("--redis-cluster applies only to a Redis --broker-url")
-    return broker_for(args.redis_url, **options)
-
-
-def relay_config(args: argparse.Namespace) -> RelayConfig:
-    """Flags and environment into the frozen config (ConfigError names a bad value)."""
-    if not args.wait_replicas and args.wait_timeout != WAIT_TIMEOUT.default:
-        raise UsageError("--wait-timeout applies only with --wait-replicas N (N > 0)")
-    poll = args.poll_interval
-    max_poll = args.max_poll_interval
-    return RelayConfig(
-        batch_size=args.batch_size,
-        partitions=args.partitions,
-        poll_interval=poll,
-        max_poll_interval=max_poll if max_poll is not None else max(1.0, poll),
-        listen=not args.no_listen,
-        retention_seconds=args.retention,
-        redis_check_interval=args.redis_check_interval,
-        auto_republish=bool(args.auto_republish),
-        wait_replicas=args.wait_replicas,
-        wait_timeout=args.wait_timeout,
-    )
 
 
 class StartFailed(Exception):
@@ -539,7 +379,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.require_aof:
         if broker_kind(args.redis_url) != "redis":
             raise UsageError("--require-aof applies to a Redis broker")
-        refusal = _aof_refusal(getattr(publisher, "client", None), stop, args)
+        refusal = aof_refusal(getattr(publisher, "client", None), stop, args)
         if refusal is not None:
             return _fail(refusal)
     hooks: Hooks | None = None
@@ -594,37 +434,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if hooks is not None and hasattr(hooks, "close"):
         hooks.close()
     return 0
-
-
-def _aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> str | None:
-    """Why ``--require-aof`` refuses to start, or None (AOF is on). Waits while Redis is
-    down, as the relay would."""
-    from redis import RedisError
-
-    from relay.redis.health import Persistence, check_persistence
-
-    found: list[Persistence] = []
-
-    def check() -> bool:
-        found.append(check_persistence(client))
-        return True
-
-    if not retry_forever("checking Redis persistence", check, stop, (RedisError, OSError)):
-        return "stopped before Redis answered"
-    report = found[-1]
-    if report.mode == "aof":
-        return None
-    where = describe_url(args.redis_url) if args.redis_url else "the embedded Redis"
-    if report.mode == "unknown":
-        return (
-            f"--require-aof: cannot tell whether Redis at {where} runs with AOF: "
-            f"{report.detail}; drop --require-aof only if your provider guarantees it"
-        )
-    return (
-        f"--require-aof: Redis at {where} runs without AOF (mode {report.mode}: "
-        f"{report.detail}); a crash would lose entries the relay has acknowledged. Set "
-        "appendonly yes (CONFIG SET appendonly yes, and in redis.conf)"
-    )
 
 
 def cmd_republish(args: argparse.Namespace) -> int:

@@ -139,7 +139,6 @@ OVER_THE_LIMIT: set[str] = {
     "consumer.jobs.operations",
     "consumer.jobs.simulator",
     "outbox.testing.pipeline",
-    "relay.cli",
     "relay.demo",
 }
 
