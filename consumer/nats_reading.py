@@ -29,7 +29,7 @@ from consumer.event import text_fields
 from consumer.reading import Entry
 from outbox.duty import Duty
 from outbox.logs import fields
-from outbox.nats_client import NatsClient, jetstream_name, stream_config
+from outbox.nats_client import NatsClient, add_stream, jetstream_name, stream_config
 
 log = logging.getLogger("outbox.consumer")
 
@@ -92,7 +92,8 @@ class NatsReader:
             # Nobody has published yet: the stream the relay would create (its one
             # definition, marked provisional so that the first relay sets its own limits),
             # so the group exists from the start and the first message is not missed.
-            await js.add_stream(stream_config(name, [stream], provisional=True))
+            # A relay that created it meanwhile wins: its stream is read as it is.
+            await add_stream(js, stream_config(name, [stream], provisional=True))
         durable = durable_name(self.group)
         config = api.ConsumerConfig(
             durable_name=durable,

@@ -126,6 +126,22 @@ def stream_config(
     )
 
 
+STREAM_NAME_IN_USE = 10058
+"""JetStream's error code for a stream created with a name another configuration holds: two
+processes created the stream at once (the relay and a consumer), and the other one won."""
+
+
+async def add_stream(js: Any, config: Any) -> Any:
+    """Create the stream ``config`` describes and return its info; when another process
+    created it first (:data:`STREAM_NAME_IN_USE`), the info of that one."""
+    try:
+        await js.add_stream(config)
+    except nats_module().js.errors.BadRequestError as exc:
+        if exc.err_code != STREAM_NAME_IN_USE:
+            raise
+    return await js.stream_info(config.name)
+
+
 def adopt_config(found: Any, settings: StreamSettings) -> Any | None:
     """The configuration a relay with ``settings`` sets on stream config ``found``: None
     unless a consumer created it (:data:`PROVISIONAL`); else the relay's definition with
@@ -340,8 +356,10 @@ __all__ = [
     "MSG_ID",
     "PROVISIONAL",
     "RELAY_STREAM",
+    "STREAM_NAME_IN_USE",
     "NatsClient",
     "StreamSettings",
+    "add_stream",
     "adopt_config",
     "broker_kind",
     "event_id_of",

@@ -13,8 +13,9 @@ import pytest
 
 from consumer import Consumer, ConsumerConfig
 from outbox import Outbox
-from outbox.nats_client import PROVISIONAL, NatsClient, jetstream_name
+from outbox.nats_client import PROVISIONAL, NatsClient, add_stream, jetstream_name, stream_config
 from relay import Relay, RelayConfig
+from relay.nats.broker import NatsBroker
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from broker_support import BrokerKit, nats_kit
@@ -118,3 +119,32 @@ def test_the_first_relay_sets_its_own_settings_on_a_consumers_stream(
         return [i.name for i in infos]
 
     assert on_nats(nats_kit, consumers) == ["billing"]
+
+
+def test_a_stream_created_at_once_by_a_relay_and_a_consumer_is_the_relays(
+    nats_kit: BrokerKit,
+) -> None:
+    """The relay and a consumer both found no stream and both create it: whichever add
+    comes second finds the other's (JetStream: stream name already in use) and goes on with
+    it, the relay setting its own settings on a consumer's; neither fails, and no event is
+    quarantined for it."""
+    broker = nats_kit.make(duplicate_window=30.0)
+    assert isinstance(broker, NatsBroker)
+
+    # The consumer came first: the relay's create meets its stream and adopts it.
+    first = nats_kit.stream("first")
+    provisional = stream_config(jetstream_name(first), [first], provisional=True)
+    on_nats(nats_kit, lambda js: add_stream(js, provisional))
+    info = broker.client.run(lambda js: broker._create(js, jetstream_name(first), first))
+    assert info.config.description != PROVISIONAL
+    assert info.config.duplicate_window == 30.0
+    assert config_of(nats_kit, first)["duplicate_window"] == 30 * 10**9
+
+    # The relay came first: the consumer's create reads the relay's stream as it is.
+    second = nats_kit.stream("second")
+    broker.client.run(lambda js: broker._create(js, jetstream_name(second), second))
+    relays = config_of(nats_kit, second)
+    late = stream_config(jetstream_name(second), [second], provisional=True)
+    found = on_nats(nats_kit, lambda js: add_stream(js, late))
+    assert found.config.description != PROVISIONAL
+    assert config_of(nats_kit, second) == relays

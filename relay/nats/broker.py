@@ -51,6 +51,7 @@ from outbox.nats_client import (
     MSG_ID,
     NatsClient,
     StreamSettings,
+    add_stream,
     adopt_config,
     event_id_of,
     is_subject,
@@ -471,10 +472,10 @@ class NatsBroker:
     async def _create(self, js: Any, name: str, subject: str) -> Any:
         config = stream_config(name, [subject], self.settings)
         try:
-            await js.add_stream(config)
+            info = await add_stream(js, config)  # a consumer's, if one created it meanwhile
         except self.client.nats.js.errors.BadRequestError as exc:
             raise RoutingError(f"JetStream refused the stream {name}: {exc.description}") from exc
-        return await js.stream_info(name)
+        return await self._adopt(js, info)
 
     async def _add_subject(self, js: Any, config: Any, subjects: list[str]) -> None:
         config.subjects = subjects
