@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from consumer.errors import Conflict, JobCancelled
-from consumer.jobs.cancels import is_requested
 from consumer.jobs.cron import Slot
 from consumer.jobs.replies import Reply, unconsumed
 from consumer.jobs.schedules import schedule_slot
@@ -127,7 +126,9 @@ class JobContext:
         Until the worker has told it, each read asks the database (one short read)."""
         if not self._cancelled:
             with self.store.driver.connect() as conn:
-                self._cancelled = is_requested(conn, self.job_id, self.lease.epoch)
+                self._cancelled = self.store.driver.job_cancel_requested(
+                    conn, self.job_id, self.lease.epoch
+                )
         return self._cancelled
 
     @property

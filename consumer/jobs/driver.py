@@ -11,8 +11,8 @@ its own, on the DBAPI connection (docs/contributing.md, "Storage seams").
 Most statements are SQLAlchemy Core that compiles the same on both databases; they live in
 :class:`JobDriver` (``consumer.jobs.driver_base``) and the area mixins it inherits
 (``driver_jobs``, ``driver_claims``, ``driver_queues``, ``driver_leases``,
-``driver_recovery``). What differs lives in its two subclasses, each in a module of its own
-(``driver_pg``, ``driver_sqlite``):
+``driver_recovery``, ``driver_cancels``). What differs lives in its two subclasses, each in a
+module of its own (``driver_pg``, ``driver_sqlite``):
 
 - :class:`PostgresJobDriver`: the fair batch claim and the batch finish as one statement each
   (``consumer.jobs.queries``), ``FOR UPDATE SKIP LOCKED``, DDL serialised by an advisory lock.

@@ -15,7 +15,8 @@ The statements of one area live in a mixin module of their own, which :class:`Jo
 inherits: ``driver_jobs`` (wake-up, clock, inserts, reads, history rows), ``driver_claims``,
 ``driver_queues``, ``driver_leases`` (the lease holder's moves), ``driver_recovery``
 (expired leases, workers' liveness, due timers), ``driver_fleet`` (the provider limits' row,
-pause and rate reservations), ``driver_schedules`` and ``driver_retention``.
+pause and rate reservations), ``driver_schedules``, ``driver_retention`` and
+``driver_cancels`` (cancel requests).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Double, Select, bindparam, select, update
+from sqlalchemy import Double, Select, bindparam, inspect, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
+from consumer.jobs.driver_cancels import CancelStatements
 from consumer.jobs.driver_claims import ClaimStatements
 from consumer.jobs.driver_fleet import FleetStatements
 from consumer.jobs.driver_jobs import INSERT_CHUNK as INSERT_CHUNK  # re-exported
@@ -75,6 +77,7 @@ class JobDriver(
     FleetStatements,
     ScheduleStatements,
     RetentionStatements,
+    CancelStatements,
     ABC,
 ):
     """The SQL both databases share; each dialect implements the abstract methods, where
@@ -146,6 +149,11 @@ class JobDriver(
         """Create the job tables if missing (idempotent), in ``conn``'s transaction."""
         metadata.create_all(conn, checkfirst=True)
         upgrade_schema(conn)
+
+    def schema_has_table(self, conn: Connection, name: str) -> bool:
+        """Whether a table ``name`` exists in this database (``outbox-worker purge``: the
+        consumer's dead letters, when they share the job store's database)."""
+        return bool(inspect(conn).has_table(name))
 
     # -- provider limits (consumer.jobs.limits) -------------------------------------------
 

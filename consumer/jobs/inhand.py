@@ -16,7 +16,6 @@ import time
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from consumer.jobs.cancels import requested_list
 from consumer.jobs.context import JobContext
 from consumer.jobs.store import Store
 from outbox.lifecycle import GracefulStop
@@ -81,7 +80,7 @@ class JobsInHand:
                 return 0
             self._next_watch = now + CANCEL_WATCH
         with self.store.driver.connect() as conn:
-            requested = requested_list(conn, self.name)
+            requested = self.store.driver.job_cancel_requested_list(conn, self.name)
         told = 0
         for job_id in requested:
             with self._lock:

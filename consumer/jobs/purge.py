@@ -33,8 +33,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import inspect
-
 from outbox.cli import Flag, add_flags
 from outbox.retention import (
     DEFAULT_AUDIT_RETENTION,
@@ -149,7 +147,9 @@ def purge_command(args: argparse.Namespace, url: str) -> int:
     try:
         retention = JobRetention(store, config)
         targets = list(retention.targets())
-        if inspect(store.engine).has_table(DEAD_LETTER_TABLE):
+        with store.driver.connect() as conn:
+            dead_letters = store.driver.schema_has_table(conn, DEAD_LETTER_TABLE)
+        if dead_letters:
             targets.append(DeadLetterRetention(inbox_for(store.engine), dead_letters_after))
 
         def count() -> Mapping[str, int]:
