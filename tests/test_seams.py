@@ -104,6 +104,8 @@ NOUNS = {
         "schedule",
         "clock",
         "schema",
+        "reply",
+        "delivery",
     },
     Inbox: {"inbox", "dead_letter", "clock", "schema"},
 }

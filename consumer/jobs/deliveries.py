@@ -28,14 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.replies import record_reply
-from consumer.jobs.schema import db_epoch, deliveries, jobs, operations
-from outbox.dialect import insert_or_ignore
+from consumer.jobs.schema import db_epoch, jobs
 from outbox.validate import MAX_NAME_LENGTH, check_name
 
 __all__ = ["DELIVERY_STATUSES", "DeliveryResult", "apply_pending", "record_delivery"]
@@ -94,23 +92,18 @@ def record_delivery(
     with driver.begin() as conn:
         # The receipt first, locked: a callback racing its receipt's record waits for it.
         receipt = driver.operation_get(conn, operation_id, lock=True)
-        created = conn.execute(
-            insert_or_ignore(deliveries, ("event_id",), conn.dialect.name)
-            .values(
-                event_id=event_id,
-                operation_id=operation_id,
-                status=status,
-                provider_ref=ref,
-                detail=detail,
-                received_at=stamp,
-            )
-            .returning(deliveries.c.event_id)
-        ).first()
+        created = driver.delivery_insert(
+            conn,
+            event_id=event_id,
+            operation_id=operation_id,
+            status=status,
+            provider_ref=ref,
+            detail=detail,
+            received_at=stamp,
+        )
         current = None if receipt is None else receipt.delivery_status
-        if created is None:
-            kept = conn.execute(
-                select(deliveries.c.applied_at).where(deliveries.c.event_id == event_id)
-            ).scalar()
+        if not created:
+            kept = driver.delivery_applied_at(conn, event_id)
             return DeliveryResult(
                 event_id, operation_id, status, True, kept is not None, current, False
             )
@@ -127,13 +120,8 @@ def apply_pending(driver: JobDriver, *, limit: int = 500, now: float | None = No
     applied = 0
     stamp = _stamp(driver, now)
     with driver.begin() as conn:
-        waiting = conn.execute(
-            select(deliveries.c.operation_id)
-            .where(deliveries.c.applied_at.is_(None))
-            .order_by(deliveries.c.received_at)
-            .limit(limit)
-        ).all()
-        for operation_id in dict.fromkeys(str(r[0]) for r in waiting):
+        waiting = driver.delivery_waiting_list(conn, limit)
+        for operation_id in dict.fromkeys(waiting):
             receipt = driver.operation_get(conn, operation_id, lock=True)
             if receipt is None or receipt.state != "ACCEPTED":
                 continue
@@ -162,32 +150,14 @@ def _apply(
     furthest status wins (one more statement when it moves); each bounce is a reply to the
     job. Returns the receipt's status after, and the event ids of the bounces (of every
     callback applied, with ``count``)."""
-    rows = conn.execute(
-        update(deliveries)
-        .where(
-            deliveries.c.operation_id == receipt.operation_id,
-            deliveries.c.applied_at.is_(None),
-        )
-        .values(applied_at=stamp)
-        .returning(
-            deliveries.c.event_id,
-            deliveries.c.status,
-            deliveries.c.provider_ref,
-            deliveries.c.detail,
-            deliveries.c.received_at,
-        )
-    ).all()
+    rows = driver.delivery_apply(conn, receipt.operation_id, stamp)
     before = receipt.delivery_status
     after = before
     for row in rows:
         if after is None or _RANK.get(str(row.status), 0) > _RANK.get(after, 0):
             after = str(row.status)
     if after != before:
-        conn.execute(
-            update(operations)
-            .where(operations.c.operation_id == receipt.operation_id)
-            .values(delivery_status=after, delivery_at=stamp)
-        )
+        driver.operation_delivery_set(conn, receipt.operation_id, after, stamp)
     bounces: set[str] = set()
     for row in sorted(rows, key=lambda r: (float(r.received_at), str(r.event_id))):
         if row.status == BOUNCED and _reply_bounce(driver, conn, receipt, row, when):

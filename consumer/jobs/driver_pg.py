@@ -23,12 +23,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateIndex
 
 from consumer.jobs import queries as q
-from consumer.jobs.driver_base import (
-    READY_CHANNEL_SQL,
-    JobDriver,
-    ReadyListener,
-    check_operation_columns,
-)
+from consumer.jobs.driver_base import READY_CHANNEL_SQL, JobDriver, ReadyListener
+from consumer.jobs.driver_operations import check_operation_columns
 from consumer.jobs.driver_retention import PG_JOB_PURGE
 from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import (

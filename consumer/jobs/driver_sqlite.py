@@ -18,7 +18,8 @@ from sqlalchemy import ColumnElement, Index, func, text
 from sqlalchemy.engine import Connection
 
 from consumer.jobs import queries as q
-from consumer.jobs.driver_base import FencedOut, JobDriver, check_operation_columns
+from consumer.jobs.driver_base import FencedOut, JobDriver
+from consumer.jobs.driver_operations import check_operation_columns
 from consumer.jobs.driver_retention import SQLITE_JOB_FINISHED
 from consumer.jobs.record_text import RecordStatements
 from consumer.jobs.schema import (

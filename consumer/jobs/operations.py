@@ -43,19 +43,20 @@ count and age of UNKNOWN receipts): ``operation_id`` (primary key), ``job_id``,
 FAILED), ``provider_ref``, ``attempts`` (provider calls made), ``last_error``,
 ``call_deadline``, ``settled_by`` / ``settled_reason`` / ``settled_at`` (an operator's or
 the sweep's decision), ``created_at``, ``updated_at`` (unix seconds, database clock).
+
+The parts: the receipt's types and states in ``consumer.jobs.receipts`` (re-exported here),
+the sweep, an operator's settlement and the write of a call's outcome in
+``consumer.jobs.settlement``, the statements in the job driver
+(``consumer.jobs.driver_operations``).
 """
 
 from __future__ import annotations
 
-import getpass
-import hashlib
-import json
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from consumer.errors import (
     Conflict,
@@ -68,7 +69,7 @@ from consumer.errors import (
     ProviderThrottled,
     ProviderTimeout,
 )
-from consumer.jobs import deliveries
+from consumer.jobs import deliveries, settlement
 from consumer.jobs.cancels import is_requested
 from consumer.jobs.checks import valid_time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
@@ -81,17 +82,22 @@ from consumer.jobs.receipts import (
     PENDING,
     RECEIPT_STATES,
     UNKNOWN,
+    Provider,
+    Receipt,
+    ReconcileResult,
     failed_state,
     failure_text,
+    receipt_from_row,
+    request_digest,
     retry_after_of,
 )
-from consumer.jobs.schema import db_epoch, jobs, operations
-from consumer.jobs.states import NEEDS_ATTENTION, READY, WAITING_EXTERNAL, WAITING_REVIEW
+from consumer.jobs.schema import jobs
+from consumer.jobs.settlement import record_outcome
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import NO_HOOKS, Hooks
 from outbox.logs import fields
-from outbox.validate import check_name, check_number
+from outbox.validate import check_number
 
 __all__ = ["ACCEPTED", "FAILED", "NOT_SENT", "PENDING", "RECEIPT_STATES", "UNKNOWN"]
 __all__ += ["OperationInFlight", "Operations", "Provider", "Receipt", "ReconcileResult"]
@@ -101,73 +107,6 @@ log = logging.getLogger("outbox.worker")
 
 
 _MAX_RESTARTS = 3  # a dispatch re-reads its intent when the sweep changed it meanwhile
-
-
-class Provider(Protocol):
-    """What a connector offers. ``send`` returns the provider's reference for the effect
-    and raises ``ProviderTimeout`` when the outcome is unknown, ``PermanentFailure`` when the
-    request is rejected, ``AuthFailure`` or a failure with ``not_sent`` when it did not act.
-    ``lookup`` returns the reference of the effect made for an operation id, or None (only
-    called when ``supports_lookup``). A provider may also declare ``timeout``: the seconds
-    one call may take (``Operations(default_timeout=...)`` otherwise)."""
-
-    name: str
-    supports_lookup: bool
-    supports_idempotency: bool
-
-    def send(
-        self, request: Mapping[str, Any], *, operation_id: str, idempotency_key: str | None
-    ) -> str: ...
-
-    def lookup(self, operation_id: str) -> str | None: ...
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """An operation's receipt. ``reconciled``: an earlier attempt's effect was found (or
-    deduplicated by the idempotency key), not made again."""
-
-    operation_id: str
-    state: str
-    provider_ref: str | None
-    reconciled: bool = False
-    job_id: int | None = None
-    provider: str | None = None
-    attempts: int = 0
-    last_error: str | None = None
-    call_deadline: float | None = None
-    settled_by: str | None = None
-    settled_reason: str | None = None
-    settled_at: float | None = None
-    created_at: float | None = None
-    updated_at: float | None = None
-    delivery_status: str | None = None  # what the provider said later (record_delivery)
-    delivery_at: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ReconcileResult:
-    """What a sweep did: receipts found ACCEPTED or NOT_SENT by lookup, jobs made eligible for
-    an idempotent resend, jobs sent to review (no lookup, no key), receipts skipped (provider
-    not registered here, or its lookup failed)."""
-
-    accepted: int = 0
-    not_sent: int = 0
-    resend: int = 0
-    review: int = 0
-    skipped: int = 0
-
-
-def request_digest(request: Mapping[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of the request (sorted keys, no whitespace)."""
-    try:
-        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise JobError("request", f"is not JSON-serialisable ({exc})") from None
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _positive(field_name: str, value: object) -> float:
@@ -227,7 +166,7 @@ class Operations:
     def receipt(self, operation_id: str) -> Receipt | None:
         with self.store.driver.connect() as conn:
             row = self.store.driver.operation_get(conn, operation_id)
-        return None if row is None else _receipt(row)
+        return None if row is None else receipt_from_row(row)
 
     def receipts(
         self, state: str | Sequence[str] | None = None, *, limit: int = 100
@@ -240,7 +179,7 @@ class Operations:
         check_number("limit", limit, JobError, integer=True)
         with self.store.driver.connect() as conn:
             rows = self.store.driver.operation_list(conn, states=states, limit=limit)
-        return [_receipt(row) for row in rows]
+        return [receipt_from_row(row) for row in rows]
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -336,7 +275,7 @@ class Operations:
             self._hand_back(job, lease, exc)
             raise
         if step == ACCEPTED:
-            return _receipt(row)
+            return receipt_from_row(row)
         if step == FAILED:
             raise PermanentFailure(f"operation {operation_id} was rejected before")
         if step == "in_flight":
@@ -362,7 +301,8 @@ class Operations:
                         raise
                 if found is not None:
                     note = "lookup found the effect of an earlier attempt"
-                    if not self._update(
+                    if not record_outcome(
+                        self.store.driver,
                         operation_id,
                         ACCEPTED,
                         found,
@@ -382,7 +322,8 @@ class Operations:
                     )
                     return Receipt(operation_id, ACCEPTED, found, reconciled=True)
             elif not connector.supports_idempotency:
-                self._update(
+                record_outcome(
+                    self.store.driver,
                     operation_id,
                     UNKNOWN,
                     None,
@@ -408,7 +349,7 @@ class Operations:
                 ref = yield gate.call(ticket, send, progress)  # at the reserved start
         except ProviderThrottled as exc:
             # The reserved start was missed and no other was to be had: not sent.
-            self._update(operation_id, NOT_SENT, None, str(exc)[:2000])
+            record_outcome(self.store.driver, operation_id, NOT_SENT, None, str(exc)[:2000])
             self._hand_back(job, lease, exc)
             raise
         except Exception as exc:
@@ -419,12 +360,20 @@ class Operations:
             if retry_after is not None:
                 gate.pause(retry_after)  # first: the fleet's next calls wait from now
             ticket.timed_out = isinstance(exc, ProviderTimeout)
-            self._update(operation_id, failed_state(exc), None, failure_text(exc))
+            record_outcome(
+                self.store.driver, operation_id, failed_state(exc), None, failure_text(exc)
+            )
             raise
         if not isinstance(ref, str) or not ref:
-            self._update(operation_id, UNKNOWN, None, f"provider returned no reference: {ref!r}")
+            record_outcome(
+                self.store.driver,
+                operation_id,
+                UNKNOWN,
+                None,
+                f"provider returned no reference: {ref!r}",
+            )
             raise ProviderTimeout(f"operation {operation_id}: the provider returned no reference")
-        self._update(operation_id, ACCEPTED, ref, None)
+        record_outcome(self.store.driver, operation_id, ACCEPTED, ref, None)
         return Receipt(operation_id, ACCEPTED, ref, reconciled=resend and key is not None)
 
     # -- what the provider says later (consumer.jobs.deliveries) ----------------------------
@@ -454,86 +403,15 @@ class Operations:
 
     # -- the sweep and the operator's path --------------------------------------------------
 
-    # complexity: the reconcile rules per receipt state (owner: effects, issue 37)
     def reconcile(self, *, limit: int = 100, now: float | None = None) -> ReconcileResult:
         """Settle PENDING and UNKNOWN receipts whose call deadline passed, without claiming
         their jobs: by lookup where the provider has one (found: ACCEPTED; not found:
         NOT_SENT), and move their jobs on: a waiting job whose receipt is settled becomes
         READY (its handler then finds the receipt, or sends once); with only an idempotency
         key the job becomes READY to resend under the key; with neither it goes to
-        WAITING_REVIEW for an operator. A job leased to a live worker is left to it."""
-        check_number("limit", limit, JobError, integer=True)
-        driver = self.store.driver
-        with driver.connect() as conn:
-            clock = driver.clock_read(conn, now)
-            rows = driver.operation_list(
-                conn, states=(PENDING, UNKNOWN), due_before=clock, limit=limit
-            )
-        counts = dict.fromkeys(("accepted", "not_sent", "resend", "review", "skipped"), 0)
-        for row in tracing.each_reconciliation(rows, self._trace_contexts):  # a span each
-            connector = self.providers.get(row.provider)
-            if connector is None:
-                counts["skipped"] += 1
-                continue
-            job_id = int(row.job_id)
-            if connector.supports_lookup:
-                # At the provider's pace: a sweep's lookups pass its limits like any call.
-                gate = self.gate(connector)
-                try:
-                    ticket = gate.enter()
-                except ProviderThrottled:
-                    counts["skipped"] += 1
-                    continue
-                lookup = provider_step(connector, "lookup", row.operation_id)
-                try:
-                    found = gate.call(ticket, lookup).sync()  # at its reserved start
-                except ProviderThrottled:
-                    gate.leave(ticket)
-                    counts["skipped"] += 1
-                    continue
-                except Exception as exc:
-                    timed_out = isinstance(exc, ProviderTimeout)
-                    gate.leave(ticket, timed_out=timed_out, retry_after=retry_after_of(exc))
-                    log.warning(
-                        "receipt lookup failed",
-                        extra=fields(operation_id=row.operation_id, error=repr(exc)[:500]),
-                    )
-                    counts["skipped"] += 1
-                    continue
-                gate.leave(ticket)
-                state = ACCEPTED if found is not None else NOT_SENT
-                note = "lookup found the effect" if found else "lookup: no effect by the deadline"
-                if self._update(
-                    row.operation_id,
-                    state,
-                    found,
-                    None if found else note,
-                    if_attempts=int(row.attempts),
-                    if_states=(PENDING, UNKNOWN),
-                    settled=("reconciler", note),
-                ):
-                    counts["accepted" if found else "not_sent"] += 1
-                    self._wake(job_id, f"operation {row.operation_id} reconciled: {state}")
-            elif connector.supports_idempotency:
-                if self._wake(job_id, f"operation {row.operation_id}: resend under its key"):
-                    counts["resend"] += 1
-            else:
-                if row.state == PENDING:
-                    self._update(
-                        row.operation_id,
-                        UNKNOWN,
-                        None,
-                        "cannot reconcile: no lookup, no idempotency key",
-                        if_attempts=int(row.attempts),
-                        if_states=(PENDING,),
-                    )
-                if self._park(job_id, f"operation {row.operation_id} outcome unknown; settle it"):
-                    counts["review"] += 1
-        result = ReconcileResult(**counts)
-        deliveries.apply_pending(self.store.driver, now=now)  # callbacks before their receipt
-        if any(counts.values()):
-            log.info("receipts reconciled", extra=fields(**counts))
-        return result
+        WAITING_REVIEW for an operator. A job leased to a live worker is left to it
+        (``consumer.jobs.settlement.sweep``)."""
+        return settlement.sweep(self.store, self.providers, self.gate, limit=limit, now=now)
 
     def settle(
         self,
@@ -551,50 +429,9 @@ class Operations:
         happen (NOT_SENT; the job becomes READY and sends once). ``reason`` and ``by`` (default:
         the OS user) are kept with the time. Refused (``OperationError``) for an unknown
         operation, an ACCEPTED receipt, and a call that may still be in flight."""
-        if (accepted is None) == (not not_sent):
-            raise JobError("accepted", "give exactly one of accepted=REF or not_sent=True")
-        if accepted is not None:
-            check_name("accepted", accepted, JobError)
-        if reason is not None and not isinstance(reason, str):
-            raise JobError("reason", "must be a string")
-        who = by if by is not None else _os_user()
-        check_name("by", who, JobError)
-        driver = self.store.driver
-        state = ACCEPTED if accepted is not None else NOT_SENT
-        with driver.begin() as conn:
-            row = driver.operation_get(conn, operation_id, lock=True)
-            if row is None:
-                raise OperationError(f"no operation {operation_id!r}")
-            if row.state == ACCEPTED:
-                raise OperationError(
-                    f"operation {operation_id} is ACCEPTED already "
-                    f"(ref {row.provider_ref}): refusing to settle it again"
-                )
-            clock = driver.clock_read(conn, None)
-            if row.state == PENDING and row.call_deadline is not None and row.call_deadline > clock:
-                raise OperationError(
-                    f"operation {operation_id}: a call may be in flight for another "
-                    f"{row.call_deadline - clock:.1f} s; settle it after its deadline"
-                )
-            driver.operation_update(
-                conn,
-                operation_id,
-                {
-                    "state": state,
-                    "provider_ref": accepted,
-                    "settled_by": who,
-                    "settled_reason": reason,
-                    "settled_at": clock,
-                    "updated_at": clock,
-                },
-            )
-            settled = driver.operation_get(conn, operation_id)
-        log.info(
-            "operation settled",
-            extra=fields(operation_id=operation_id, state=state, by=who, reason=reason),
+        return settlement.settle(
+            self.store, operation_id, accepted=accepted, not_sent=not_sent, reason=reason, by=by
         )
-        self._wake(int(row.job_id), f"operation {operation_id} settled {state} by {who}")
-        return _receipt(settled)
 
     # -- storage ----------------------------------------------------------------------------
 
@@ -665,57 +502,12 @@ class Operations:
     def _start(
         self, conn: Any, lease: Lease, operation_id: str, deadline: float, attempts: int | None
     ) -> bool:
+        """Count the call and set its deadline, and extend the lease to that deadline."""
         driver = self.store.driver
-        started = driver.operation_update(
-            conn,
-            operation_id,
-            {
-                "state": PENDING,
-                "attempts": operations.c.attempts + 1,
-                "call_deadline": deadline,
-                "last_error": None,
-                "updated_at": db_epoch(),
-            },
-            if_states=(PENDING, UNKNOWN, NOT_SENT),
-            if_attempts=attempts,
-        )
+        started = driver.operation_call_start(conn, operation_id, deadline, attempts)
         if started:
             driver.job_lease_extend(conn, lease.job_id, lease.worker, lease.epoch, deadline)
         return started
-
-    def _update(
-        self,
-        operation_id: str,
-        state: str,
-        ref: str | None,
-        error: str | None,
-        *,
-        if_attempts: int | None = None,
-        if_states: Sequence[str] = (),
-        settled: tuple[str, str] | None = None,
-    ) -> bool:
-        # The receipt is recorded whatever happened to the lease meanwhile: it is a fact
-        # about the provider, and losing it would cost a reconciliation later. An ACCEPTED
-        # receipt never changes again. Its commit does not wait for the WAL flush
-        # (durable=False): only a database crash in the next moments could lose it, which
-        # leaves the receipt as a worker killed after the call leaves it (PENDING past its
-        # deadline: reconciled), and it saves a flush per call. An operator's settlement
-        # (``settled``) waits for its flush, as every action of theirs does.
-        tracing.receipt_state(state)  # on the dispatch's or the reconciliation's span
-        values: dict[str, Any] = {"state": state, "provider_ref": ref, "last_error": error}
-        stamp: tuple[str, ...] = ("updated_at",)
-        if settled is not None:
-            values.update(settled_by=settled[0], settled_reason=settled[1])
-            stamp += ("settled_at",)
-        return self.store.driver.operation_record(  # one statement: one round trip
-            operation_id,
-            values,
-            stamp=stamp,
-            unless_states=(ACCEPTED,),
-            if_states=if_states,
-            if_attempts=if_attempts,
-            durable=settled is not None,
-        )
 
     def _hand_back(self, job: Any, lease: Lease, exc: ProviderThrottled) -> None:
         """READY again when the provider may be called, without counting a failure."""
@@ -723,70 +515,3 @@ class Operations:
             job.defer(exc.until, str(exc))
         else:
             self.store.defer(lease, until=exc.until, reason=str(exc))
-
-    def _trace_contexts(self, job_ids: Sequence[int]) -> dict[int, str | None]:
-        """The jobs' trace contexts (``outbox.tracing``: only asked for while recording)."""
-        from sqlalchemy import select
-
-        query = select(jobs.c.id, jobs.c.trace_context).where(jobs.c.id.in_(list(job_ids)))
-        with self.store.driver.connect() as conn:
-            return {int(job_id): context for job_id, context in conn.execute(query)}
-
-    def _wake(self, job_id: int, reason: str) -> bool:
-        """Make a waiting job READY (its receipt was settled); True if it moved."""
-        try:
-            state = self.store.get(job_id).state
-            if state not in (WAITING_REVIEW, WAITING_EXTERNAL, NEEDS_ATTENTION):
-                return state == READY
-            self.store.resume(job_id, reason=reason)
-        except (LookupError, Conflict, OperationError) as exc:
-            log.info("job not moved", extra=fields(job_id=job_id, error=str(exc)))
-            return False
-        except Exception as exc:  # IllegalTransition: it moved meanwhile
-            log.info("job not moved", extra=fields(job_id=job_id, error=repr(exc)))
-            return False
-        return True
-
-    def _park(self, job_id: int, reason: str) -> bool:
-        """Send a READY job whose receipt nobody can settle to WAITING_REVIEW."""
-        try:
-            state = self.store.get(job_id).state
-            if state == WAITING_REVIEW:
-                return False
-            if state != READY:
-                return False
-            self.store.park(job_id, reason=reason)
-        except Exception as exc:  # it moved meanwhile (claimed, cancelled)
-            log.info("job not parked", extra=fields(job_id=job_id, error=repr(exc)))
-            return False
-        return True
-
-
-def _os_user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no user name in this environment
-        return "unknown"
-
-
-def _receipt(row: Any) -> Receipt:
-    def number(value: Any) -> float | None:
-        return None if value is None else float(value)
-
-    return Receipt(
-        operation_id=row.operation_id,
-        state=row.state,
-        provider_ref=row.provider_ref,
-        job_id=int(row.job_id),
-        provider=row.provider,
-        attempts=int(row.attempts),
-        last_error=row.last_error,
-        call_deadline=number(row.call_deadline),
-        settled_by=row.settled_by,
-        settled_reason=row.settled_reason,
-        settled_at=number(row.settled_at),
-        created_at=number(row.created_at),
-        updated_at=number(row.updated_at),
-        delivery_status=row.delivery_status,
-        delivery_at=number(row.delivery_at),
-    )

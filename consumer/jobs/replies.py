@@ -32,16 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, select, update
+from sqlalchemy import ColumnElement
 from sqlalchemy.engine import Connection, Engine
 
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.checks import NO_TIMER, job_key, valid_json, valid_time
 from consumer.jobs.driver import JobDriver, driver_for
 from consumer.jobs.rows import Lease
-from consumer.jobs.schema import jobs, replies
 from consumer.jobs.states import READY, WAITING_EXTERNAL
-from outbox.dialect import insert_or_ignore
 from outbox.validate import MAX_NAME_LENGTH, check_name
 
 __all__ = ["MAX_REPLY_BYTES", "Reply", "ReplyResult", "consume", "record_reply", "unconsumed"]
@@ -97,27 +95,21 @@ def record_reply(
     when: float | None,
 ) -> ReplyResult:
     """Record a reply in ``conn``'s transaction (module docstring); validated already."""
-    row = conn.execute(
-        select(jobs.c.id, jobs.c.state, jobs.c.replies_received).where(where).with_for_update()
-    ).first()
+    row = driver.reply_job_lock(conn, where)
     if row is None:
         raise JobNotFound(f"no job {label}")
     job_id, state = int(row.id), str(row.state)
     clock = driver.clock_read(conn, when)
     seq = int(row.replies_received) + 1  # the row is locked: no other reply takes this number
-    inserted = conn.execute(
-        insert_or_ignore(replies, ("job_id", "reply_id"), conn.dialect.name)
-        .values(
-            job_id=job_id,
-            seq=seq,
-            reply_id=reply_id,
-            payload=payload,
-            source=source,
-            received_at=clock,
-        )
-        .returning(replies.c.id)
-    ).first()
-    if inserted is None:
+    if not driver.reply_insert(
+        conn,
+        job_id=job_id,
+        seq=seq,
+        reply_id=reply_id,
+        payload=payload,
+        source=source,
+        received_at=clock,
+    ):
         return ReplyResult(job_id, reply_id, duplicate=True, resumed=False, state=state)
     values: dict[str, Any] = {"replies_received": seq}
     resumed = state == WAITING_EXTERNAL
@@ -133,7 +125,7 @@ def record_reply(
             **NO_TIMER,
         )
     # Filtered on the state read: under the row lock it cannot have changed.
-    conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.state == state).values(**values))
+    driver.reply_job_count(conn, job_id, state, values)
     note = f"reply {reply_id}" + (f" from {source}" if source else "")
     if resumed:
         note += f": {WAITING_EXTERNAL} -> {READY}"
@@ -157,11 +149,8 @@ def reply_in(
     job store's driver for its engine (made once per engine)."""
     check_reply(payload, reply_id, source)
     where, label = job_key(job, action)
-    driver = _drivers.get(conn.engine)
-    if driver is None:
-        driver = _drivers.setdefault(conn.engine, driver_for(conn.engine))
     return record_reply(
-        driver,
+        driver_of(conn),
         conn,
         where,
         label,
@@ -175,6 +164,15 @@ def reply_in(
 _drivers: weakref.WeakKeyDictionary[Engine, JobDriver] = weakref.WeakKeyDictionary()
 
 
+def driver_of(conn: Connection) -> JobDriver:
+    """The job store's driver for ``conn``'s engine (made once per engine): the statements
+    of the functions below that are given only a connection of the caller's."""
+    driver = _drivers.get(conn.engine)
+    if driver is None:
+        driver = _drivers.setdefault(conn.engine, driver_for(conn.engine))
+    return driver
+
+
 def state_after(state: str) -> str:
     return READY if state == WAITING_EXTERNAL else state
 
@@ -183,14 +181,8 @@ def unconsumed(conn: Connection, lease: Lease) -> list[Reply]:
     """The replies a run of ``lease`` sees (module docstring), oldest first."""
     if lease.replies_received <= lease.replies_consumed:
         return []
-    rows = conn.execute(
-        select(replies)
-        .where(
-            replies.c.job_id == lease.job_id,
-            replies.c.seq > lease.replies_consumed,
-            replies.c.seq <= lease.replies_received,
-        )
-        .order_by(replies.c.seq)
+    rows = driver_of(conn).reply_unconsumed(
+        conn, lease.job_id, lease.replies_consumed, lease.replies_received
     )
     return [reply_from_row(r) for r in rows]
 
@@ -199,13 +191,7 @@ def listed(conn: Connection, job_ids: Sequence[int], limit: int = 100) -> list[A
     """The replies of some jobs, oldest first (the console's trace)."""
     if not job_ids:
         return []
-    query = (
-        select(replies)
-        .where(replies.c.job_id.in_(list(job_ids)))
-        .order_by(replies.c.job_id, replies.c.seq)
-        .limit(limit)
-    )
-    return list(conn.execute(query))
+    return list(driver_of(conn).reply_list(conn, job_ids, limit))
 
 
 def watermark(job: object) -> int | None:
@@ -218,16 +204,7 @@ def watermark(job: object) -> int | None:
 def consume(conn: Connection, job_id: int, upto: int, clock: Any) -> None:
     """Mark the job's replies up to ``seq`` ``upto`` consumed (a run that saw them ended
     well), in the caller's transaction, after its fenced move."""
-    conn.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id, jobs.c.replies_consumed < upto)
-        .values(replies_consumed=upto)
-    )
-    conn.execute(
-        update(replies)
-        .where(replies.c.job_id == job_id, replies.c.seq <= upto, replies.c.consumed_at.is_(None))
-        .values(consumed_at=clock)
-    )
+    driver_of(conn).reply_consume(conn, job_id, upto, clock)
 
 
 def reply_from_row(row: Any) -> Reply:
