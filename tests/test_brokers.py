@@ -13,7 +13,8 @@ What each case proves:
 - a stream the broker lost is detected by the relay's health check and published again
   from the outbox's retention;
 - (moved from tests/test_relay.py, where they named Redis) a rolled-back transaction
-  publishes nothing, a stored payload that is not JSON is quarantined, a late commit is
+  publishes nothing, a refused record holds back its key until it is fixed and requeued, a
+  stored payload that is not JSON is quarantined, a late commit is
   published after it commits and never overtaken by its key's later event, two relays share
   the partitions and publish everything once in key order, and a relay runs, stops and
   runs again.
@@ -181,6 +182,66 @@ def refuse(kit: BrokerKit, stream: str) -> None:
         client.set(stream, "not a stream")
     finally:
         client.close()
+
+
+def cure(kit: BrokerKit, stream: str) -> None:
+    """Undo :func:`refuse`: the stream takes the entries again."""
+    if kit.name == "nats":
+        from broker_support import _nats_run
+
+        from outbox.nats_client import jetstream_name
+
+        _nats_run(lambda js: js.delete_stream(jetstream_name(stream)))
+        return
+    client = kit._redis()
+    try:
+        client.delete(stream)
+    finally:
+        client.close()
+
+
+def test_a_refused_record_holds_back_its_key_and_after_the_fix_goes_out_first(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) The broker refuses a record: it is quarantined, the
+    later event of its key waits (in another stream), other keys go on. The operator fixes
+    the stream and requeues it: both go out, in order, and the status says so."""
+    from relay import requeue, status
+
+    poisoned = broker_kit.stream("poison")
+    refuse(broker_kit, poisoned)
+    with outbox.transaction() as tx:
+        p1 = tx.emit("poison", key="K", payload={"n": 1, "pad": "x" * 200})
+        other = tx.emit("fine", key="other", payload={})
+    relay = relay_on(outbox, broker_kit.make())
+    relay.run_once()
+    with outbox.transaction() as tx:
+        k2 = tx.emit("fine", key="K", payload={"n": 2})  # same key, healthy stream: waits
+        other2 = tx.emit("fine", key="other", payload={})
+    drain(relay, 3)
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[p1]["state"] == "quarantined"
+    reason = "bytes" if broker_kit.name == "nats" else "WRONGTYPE"  # the broker's own words
+    assert reason in by_id[p1]["last_error"]
+    assert by_id[k2]["state"] == "pending"
+    assert by_id[other]["state"] == by_id[other2]["state"] == "published"
+    report = status(outbox.engine, outbox.schema)
+    assert report["quarantined"] == 1 and report["pending"] == 1
+    assert report["topics"]["poison"]["quarantined"] == 1
+    assert report["topics"]["poison"]["max_attempts"] == 1
+    # The fix, then requeue: both go out, in order.
+    cure(broker_kit, poisoned)
+    result = requeue(outbox.engine, outbox.schema, [p1, "no-such-id"])
+    assert result.requeued == [p1] and result.unknown == ["no-such-id"]
+    wait_for(
+        lambda: drain(relay, 1) >= 0 and all(r["state"] == "published" for r in rows(outbox)),
+        "the requeued record and its key's later event published",
+        timeout=30,
+    )
+    assert broker_kit.ids(poisoned) == [p1]
+    fine = broker_kit.ids(broker_kit.stream("fine"))
+    assert fine.index(k2) > fine.index(other)
+    relay.store.close()
 
 
 def test_a_lost_stream_is_detected_and_published_again(

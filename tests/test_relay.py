@@ -28,7 +28,6 @@ from relay import (
     Relay,
     RelayConfig,
     requeue,
-    status,
 )
 from tests.services import wait_for
 
@@ -268,44 +267,6 @@ def test_failure_of_one_stream_holds_back_the_key_in_other_streams(
     assert by_id[first]["state"] == "quarantined"
     assert by_id[second]["state"] == "pending" and by_id[second]["claimed_by"] is None
     assert [e["id"] for e in entries(redis_client, f"{prefix}.good")] == [other]
-
-
-def test_poison_record_quarantined_then_requeued_in_order(
-    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    poison_stream = f"{stream_prefix}.poison"
-    redis_client.set(poison_stream, "not a stream")  # XADD gets WRONGTYPE
-    with outbox.transaction() as tx:
-        p1 = tx.emit("poison", key="K", payload={"n": 1})
-        other = tx.emit("fine", key="other", payload={})
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    relay.run_once()
-    with outbox.transaction() as tx:
-        k2 = tx.emit("fine", key="K", payload={"n": 2})  # same key, healthy stream: waits
-        other2 = tx.emit("fine", key="other", payload={})
-    drain(relay, 3)
-    by_id = {r["event_id"]: r for r in rows(outbox)}
-    assert by_id[p1]["state"] == "quarantined"
-    assert "WRONGTYPE" in by_id[p1]["last_error"]
-    assert by_id[k2]["state"] == "pending"
-    assert by_id[other]["state"] == by_id[other2]["state"] == "published"
-    report = status(outbox.engine, outbox.schema)
-    assert report["quarantined"] == 1 and report["pending"] == 1
-    assert report["topics"]["poison"]["quarantined"] == 1
-    assert report["topics"]["poison"]["max_attempts"] == 1
-    # The fix, then requeue: both go out, in order.
-    redis_client.delete(poison_stream)
-    result = requeue(outbox.engine, outbox.schema, [p1, "no-such-id"])
-    assert result.requeued == [p1] and result.unknown == ["no-such-id"]
-    drain(relay, 5)
-    assert [e["id"] for e in entries(redis_client, poison_stream)] == [p1]
-    fine = [e["id"] for e in entries(redis_client, f"{stream_prefix}.fine")]
-    assert fine.index(k2) > fine.index(other)
-    published = {r["event_id"]: r for r in rows(outbox)}
-    assert published[p1]["state"] == published[k2]["state"] == "published"
-    assert int(published[p1]["stream_id"].split("-")[0]) <= int(
-        published[k2]["stream_id"].split("-")[0]
-    )
 
 
 # -- intents and reconciliation -------------------------------------------------------------

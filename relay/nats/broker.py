@@ -179,8 +179,19 @@ class NatsBroker:
                 f"{stream!r} is not a NATS subject (dot-separated tokens, no spaces, * or >)"
             )
         body = json.dumps(self.entry(record), separators=(",", ":")).encode()
+        name = jetstream_name(stream)
+        if name not in self._ready and name not in self.known:
+            # A stream met for the first time: its own limit first (an operator may have
+            # made it); a refusal of the stream itself is publish's to report.
+            self._ensure(name, stream)
         limit = self._limit_for(stream)
         size = len(body) + len(MSG_ID) + len(record.event_id) + 16  # the header block
+        if size > limit and name in self._ready:
+            # The stream's limit as read before: an operator may have raised it (or removed
+            # the stream) since, then requeued what it refused. Read it again.
+            del self._ready[name]
+            self._ensure(name, stream)
+            limit = self._limit_for(stream)
         if size > limit:
             raise PermanentPublishError(
                 f"the message is {size} bytes, over the {limit} bytes NATS accepts for {stream}"
