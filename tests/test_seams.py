@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 
 from consumer.inbox import Inbox, PostgresInbox, SqliteInbox, build_inbox_schema, inbox_for
@@ -359,6 +359,49 @@ def test_driver_intent_reads_the_providers_pause(driver: JobDriver) -> None:
         assert driver.job_get(conn, jobs.c.id == job_id).lease_expires_at == before
     # A pause in the past binds nobody.
     assert driver.operation_intent(operation_id="op1", provider="q", **kw) == "created"
+
+
+def test_driver_reserves_provider_starts_in_turn_and_a_pause_stops_them(
+    driver: JobDriver,
+) -> None:
+    with driver.begin() as conn:
+        driver.provider_insert(conn, "p")
+        driver.provider_insert(conn, "p")  # exists: nothing changes
+    with driver.begin() as conn:
+        first = driver.provider_start_reserve(conn, "p", 1.0, 10.0)
+    with driver.begin() as conn:
+        second = driver.provider_start_reserve(conn, "p", 1.0, 10.0)
+    assert first is not None and second is not None
+    assert second[0] == pytest.approx(first[0] + 1.0)  # the next start, one spacing on
+    with driver.begin() as conn:
+        until, clock = driver.provider_pause_extend(conn, "p", 30.0)
+    assert until == pytest.approx(clock + 30.0, abs=1.0)
+    with driver.begin() as conn:
+        assert driver.provider_start_reserve(conn, "p", 1.0, 10.0) is None  # paused
+        paused, booked, now = driver.provider_limits_get(conn, "p")
+    assert (paused, booked) == (until, second[0]) and paused > now
+    with driver.begin() as conn:
+        driver.provider_pause_lift(conn, "p")
+    with driver.connect() as conn:
+        (row,) = driver.provider_limits_list(conn)
+    assert (row[0], row[1], row[3]) == ("p", 0.0, 1)
+
+
+def test_driver_purges_finished_jobs_oldest_first_in_batches(driver: JobDriver) -> None:
+    from consumer.jobs.schema import FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX
+
+    driver.schema_index_ensure((FINISHED_JOBS_INDEX, JOB_OPERATIONS_INDEX))  # idempotent
+    with driver.begin() as conn:
+        ids = [driver.job_insert(conn, job_values(f"t{n}", "a"))[0] for n in range(3)]
+        for n, job_id in enumerate(ids):
+            driver.attempt_insert(conn, job_id, None, None, "DONE", None, 1.0)
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(state=DONE, updated_at=n))
+        assert driver.job_purge_due(conn, 1.5) == (2, 2, 0)  # updated at 0 and 1
+        assert driver.job_purge_finished(conn, 1.5, 1) == (1, 1, 0)  # the oldest
+        assert driver.job_purge_finished(conn, 1.5, 10) == (1, 1, 0)
+        assert driver.job_purge_finished(conn, 1.5, 10) == (0, 0, 0)
+        assert driver.job_state(conn, jobs.c.id == ids[2]) == DONE  # not old enough
+        assert driver.clock_epoch(conn) > 10**9
 
 
 # -- the consumer's inbox -----------------------------------------------------------------
