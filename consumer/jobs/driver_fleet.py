@@ -3,7 +3,7 @@ the provider's row, its pause and its rate reservations, every time from the dat
 so that every worker agrees. ``consumer.jobs.limits`` decides (when to pause, what a
 reservation means); these run its statements. A mixin of
 :class:`consumer.jobs.driver.JobDriver`; the pause read on every dispatch
-(``provider_pause``) stays with the dispatch path's statements.
+(``provider_pause``, on a connection of its own) stays in ``driver_base``.
 """
 
 from __future__ import annotations
