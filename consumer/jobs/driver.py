@@ -9,10 +9,10 @@ and keeps the contract; a :class:`JobDriver` runs the SQL. Methods are named nou
 its own, on the DBAPI connection (docs/contributing.md, "Storage seams").
 
 Most statements are SQLAlchemy Core that compiles the same on both databases; they live in
-:class:`JobDriver` (``consumer.jobs.driver_base``) and the area mixins it inherits
-(``driver_jobs``, ``driver_claims``, ``driver_queues``, ``driver_leases``,
-``driver_recovery``, ``driver_cancels``). What differs lives in its two subclasses, each in a
-module of its own (``driver_pg``, ``driver_sqlite``):
+:class:`JobDriver` (``consumer.jobs.driver_base``) and the area mixins it inherits, one
+module ``consumer.jobs.driver_<area>`` per area (``driver_base``'s docstring lists them). What
+differs lives in its two subclasses, each in a module of its own (``driver_pg``,
+``driver_sqlite``):
 
 - :class:`PostgresJobDriver`: the fair batch claim and the batch finish as one statement each
   (``consumer.jobs.queries``), ``FOR UPDATE SKIP LOCKED``, DDL serialised by an advisory lock.

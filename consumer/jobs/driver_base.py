@@ -42,6 +42,9 @@ from consumer.jobs.driver_jobs import JobStatements
 from consumer.jobs.driver_jobs import ReadyListener as ReadyListener  # re-exported
 from consumer.jobs.driver_leases import LeaseStatements
 from consumer.jobs.driver_operations import OperationStatements
+from consumer.jobs.driver_operations import (  # re-exported: driver_base's name before
+    check_operation_columns as check_operation_columns,
+)
 from consumer.jobs.driver_queues import QueueStatements
 from consumer.jobs.driver_recovery import RecoveryStatements
 from consumer.jobs.driver_replies import ReplyStatements
