@@ -220,7 +220,7 @@ class PrivateNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> PrivateNats:
+    def start(self, timeout: float = 60.0) -> PrivateNats:
         command = [
             shutil.which("nats-server") or "nats-server",
             "-js",

@@ -127,7 +127,7 @@ class PrivateRedis:
             command += ["--appendonly", "no"]
         return command
 
-    def start(self, timeout: float = 15.0) -> PrivateRedis:
+    def start(self, timeout: float = 60.0) -> PrivateRedis:
         if self.process is not None and self.process.poll() is None:
             return self
         self.process = subprocess.Popen(

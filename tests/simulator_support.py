@@ -73,7 +73,7 @@ class SimulatorProcess:
             cmd.append("--no-lookup")
         return cmd
 
-    def start(self, timeout: float = 15.0) -> SimulatorProcess:
+    def start(self, timeout: float = 60.0) -> SimulatorProcess:
         env = dict(os.environ, **(self.env or {}))
         self.proc = subprocess.Popen(
             self.command(),

@@ -57,7 +57,7 @@ def send(
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "consumer.jobs.simulator", *args],

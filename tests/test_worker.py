@@ -396,7 +396,7 @@ def test_an_idle_worker_wakes_on_notify_not_on_its_poll(pg_url: str) -> None:
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     runner.start()
     try:
-        wait_for(lambda: _listening(store.engine), "the worker to LISTEN", timeout=30)
+        wait_for(lambda: _listening(store.engine), "the worker to LISTEN", timeout=60)
         other.enqueue("t", "noop-1")
         wait_for(lambda: store.get("t", "noop-1").state == DONE, "noop-1 done", timeout=60)
         job_id = other.enqueue("t", "review-1").job_id
