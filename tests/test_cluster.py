@@ -537,7 +537,7 @@ def test_master_killed_mid_load_with_wait_replicas_loses_nothing(
         wait_for(
             lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
             "the relays to start publishing",
-            timeout=30,
+            timeout=60,  # relay processes starting on a loaded machine
             interval=0.1,
             diagnose=procs.tail,
         )
@@ -583,7 +583,7 @@ def test_slot_migrated_under_load_loses_nothing_and_duplicates_nothing(
         wait_for(
             lambda: client.exists(stream) and client.xlen(stream) > 500,
             "the relays to start publishing",
-            timeout=30,
+            timeout=60,  # relay processes starting on a loaded machine
             interval=0.1,
             diagnose=procs.tail,
         )
@@ -822,7 +822,7 @@ def test_master_restarted_empty_without_wait_replicas_is_detected_and_republishe
         wait_for(
             lambda: client.exists(victim_stream) and client.xlen(victim_stream) > 500,
             "the relays to start publishing",
-            timeout=30,
+            timeout=60,  # relay processes starting on a loaded machine
             interval=0.1,
             diagnose=procs.tail,
         )
