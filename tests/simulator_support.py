@@ -148,7 +148,7 @@ class SimulatorProcess:
         self.client.close()
         self.client = httpx.Client(timeout=10.0)
         # The port is free again as soon as the old process is gone.
-        wait_for(self.start, "the simulator to start again", 10, 0.1, ignore=(RuntimeError,))
+        wait_for(self.start, "the simulator to start again", 60, 0.1, ignore=(RuntimeError,))
 
     def close(self) -> None:
         try:

@@ -166,7 +166,7 @@ def test_sigterm_drains_and_exits_zero(
             tx.emit_many(
                 [{"topic": "t", "key": f"k{i % 50}", "payload": {"i": i}} for i in range(2000)]
             )
-        wait_for(lambda: target_client.xlen(stream) > 0, "publishing to start", timeout=30)
+        wait_for(lambda: target_client.xlen(stream) > 0, "publishing to start", timeout=60)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
     finally:
