@@ -16,18 +16,20 @@ What each case proves:
   publishes nothing, a refused record holds back its key until it is fixed and requeued, a
   stored payload that is not JSON is quarantined, a late commit is
   published after it commits and never overtaken by its key's later event, two relays share
-  the partitions and publish everything once in key order, and a relay runs, stops and
-  runs again.
+  the partitions and publish everything once in key order, a relay runs, stops and runs
+  again, and a relay its user dropped lets go of its partitions at once.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -499,3 +501,24 @@ def test_a_relay_runs_until_stopped_and_runs_again(outbox: Outbox, broker_kit: B
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert [r["state"] for r in rows(outbox)] == ["published", "published"]
+
+
+def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """A relay holds nothing that points back at it (its duties and helpers call it through
+    weak references), so dropping it frees it at once, with its partitions: a new relay in
+    the same process publishes on its first cycle, whether or not the cyclic garbage
+    collector has run (it is off here)."""
+    gc.disable()
+    try:
+        first = relay_on(outbox, broker_kit.make())
+        first.run_once()
+        gone = weakref.ref(first)
+        del first
+        assert gone() is None
+        with outbox.transaction() as tx:
+            tx.emit("t", key="k", payload={"n": 1})
+        assert relay_on(outbox, broker_kit.make()).run_once() == 1
+    finally:
+        gc.enable()
