@@ -21,184 +21,48 @@ after it claimed a job (``after_claim``), after it persisted an operation intent
 the provider is called (``after_intent``), or after the provider accepted and before the
 receipt is written (``after_accepted``). Nothing after the point runs; :meth:`Pipeline.
 restart` starts new processes, and the database and the provider keep what happened.
+
+The pipeline's parts live beside it: :mod:`outbox.testing.services` opens the database and
+the Redis it runs on, :mod:`outbox.testing.drain` is :meth:`Pipeline.drain` with its
+:class:`DrainResult`, and :mod:`outbox.testing.asserts` the assertions; this module keeps
+its public names (``Pipeline``, ``DrainResult``, ``DrainError``, ``Killed``,
+``KILL_POINTS``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
 import random
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from dataclasses import dataclass, replace
 from typing import Any
-
-import redis
-import sqlalchemy as sa
-from sqlalchemy import event
-from sqlalchemy.engine import Engine, make_url
 
 from consumer import Consumer, ConsumerConfig, Operations, Store, Worker, WorkerConfig
 from consumer.jobs.operations import Provider
 from consumer.jobs.retention import JobRetentionConfig
 from outbox.core import Outbox
-from outbox.db import make_engine
 from outbox.errors import ConfigError
-from outbox.hooks import Hooks, call_hook
+from outbox.hooks import Hooks
 from outbox.testing.asserts import Assertions
 from outbox.testing.clock import Clock
+from outbox.testing.drain import DEFAULT_MAX_CYCLES as DEFAULT_MAX_CYCLES
+from outbox.testing.drain import (
+    KILL_POINTS,
+    CountingHooks,
+    DrainError,
+    Draining,
+    DrainResult,
+    Killed,
+)
 from outbox.testing.fake import FakeProvider
+from outbox.testing.services import open_database, open_redis
 from relay.config import RelayConfig
 from relay.redis.publisher import RedisStreamPublisher
 from relay.relay import Relay
-
-KILL_POINTS = ("after_claim", "after_intent", "after_accepted")
-"""Where :meth:`Pipeline.kill_at` can stop a worker (module docstring)."""
-
-DEFAULT_MAX_CYCLES = 200
-
-
-def _no_fsync(dbapi_connection: Any, _record: Any) -> None:
-    """The test's own SQLite file (in its temp dir, gone after it) is not fsynced at its WAL
-    checkpoints: nothing a test observes depends on surviving a power cut, and the syncs were
-    a tenth of a big drain(). Transactions, locks and WAL mode are production's."""
-    dbapi_connection.execute("PRAGMA synchronous=OFF")
-
-
-class Killed(BaseException):
-    """Raised at a kill point: a BaseException, so no ``except Exception`` of the code under
-    test records anything after it, as after a SIGKILL. ``drain()`` catches it."""
-
-    def __init__(self, point: str, where: str) -> None:
-        super().__init__(f"killed {point} ({where})")
-        self.point = point
-        self.where = where
-
-
-class DrainError(AssertionError):
-    """``drain()`` kept finding work after ``max_cycles`` cycles (a job retried at once for
-    ever, a handler that enqueues without end); the message says what was still moving."""
-
-
-@dataclass(frozen=True)
-class DrainResult:
-    """What one :meth:`Pipeline.drain` did, and the state it left.
-
-    Counts over the drain: ``published`` (events the relay put in the streams), ``handled``
-    (events the consumers' handlers ran for: new identities), ``duplicates`` (entries whose
-    identity the inbox had already seen, skipped), ``dead_lettered``, ``jobs_run`` (jobs the
-    workers ran, whatever the outcome) with ``outcomes`` (per outcome: ``done``,
-    ``failed_ready``, ``waiting_external``, ...), ``recovered`` (expired leases taken back and
-    timers fired), ``effects`` (effects the fake providers made) and ``reconciled`` (provider
-    calls settled from an earlier attempt's effect: a lookup that found it, a replay under the
-    idempotency key). State after it: ``jobs`` and ``receipts`` by state (states with none
-    left out). ``killed``: the kill point that stopped it, or None.
-    """
-
-    cycles: int = 0
-    published: int = 0
-    handled: int = 0
-    duplicates: int = 0
-    dead_lettered: int = 0
-    jobs_run: int = 0
-    outcomes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    recovered: int = 0
-    effects: int = 0
-    reconciled: int = 0
-    jobs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    receipts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    killed: str | None = None
-    failures: tuple[str, ...] = ()
-    """Each consumer handler failure of the drain, as one line: group, entry, the error,
-    and whether it will be retried or was dead-lettered."""
-
-    def __str__(self) -> str:
-        parts = [
-            f"{self.cycles} cycles",
-            f"published {self.published}",
-            f"handled {self.handled}",
-            f"duplicates {self.duplicates}",
-            f"jobs run {self.jobs_run}",
-            f"effects {self.effects}",
-            f"jobs {dict(self.jobs)}",
-            f"receipts {dict(self.receipts)}",
-        ]
-        if self.dead_lettered:
-            parts.append(f"dead-lettered {self.dead_lettered}")
-        if self.killed:
-            parts.append(f"killed {self.killed}")
-        text = "drain: " + ", ".join(parts)
-        if self.failures:
-            text += "\nhandler failures:\n" + "\n".join(f"  {f}" for f in self.failures)
-        return text
-
-
-class _Failures(logging.Handler):
-    """Collects the consumers' "handler failed" log lines while a drain runs: a failing
-    handler is then in the drain's result and in assertion messages, not only in a log
-    record's extra fields."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if not message.startswith("handler failed"):
-            return
-        facts = getattr(record, "fields", {}) or {}
-        then = message.removeprefix("handler failed, ")
-        self.lines.append(
-            f"group {facts.get('group')!s}, entry {facts.get('entry_id')!s} of "
-            f"{facts.get('stream')!s}: {facts.get('error')!s} ({then})"
-        )
-
-
-class _Counting(Hooks):
-    """Counts what the pipeline reports, and passes every hook on to the user's own."""
-
-    def __init__(self, counts: Counter[str], inner: Hooks | None) -> None:
-        self.counts = counts
-        self.inner = inner
-
-    def _pass(self, name: str, *args: Any, **facts: Any) -> None:
-        if self.inner is not None:
-            call_hook(self.inner, name, *args, **facts)
-
-    def consumer_handled(self, group: str, stream: str, count: int) -> None:
-        self.counts["handled"] += count
-        self._pass("consumer_handled", group, stream, count)
-
-    def consumer_duplicate(self, group: str, count: int) -> None:
-        self.counts["duplicates"] += count
-        self._pass("consumer_duplicate", group, count)
-
-    def consumer_dead_lettered(self, group: str, stream: str, count: int) -> None:
-        self.counts["dead_lettered"] += count
-        self._pass("consumer_dead_lettered", group, stream, count)
-
-    def worker_job_finished(
-        self, action: str, outcome: str, duration_seconds: float, **facts: Any
-    ) -> None:
-        self.counts["outcome:" + outcome] += 1
-        self._pass("worker_job_finished", action, outcome, duration_seconds, **facts)
-
-
-def _forwarder(name: str) -> Callable[..., None]:
-    def forward(self: _Counting, *args: Any, **facts: Any) -> None:
-        self._pass(name, *args, **facts)
-
-    forward.__name__ = name
-    return forward
-
-
-for _name in dir(Hooks):
-    if not _name.startswith("_") and _name not in _Counting.__dict__:
-        setattr(_Counting, _name, _forwarder(_name))
 
 
 class _Watched:
@@ -249,7 +113,7 @@ class _WorkerSpec:
     default_timeout: float
 
 
-class Pipeline(Assertions):
+class Pipeline(Draining, Assertions):
     """The real pipeline for one test (module docstring).
 
     ``directory``: where the embedded default keeps its SQLite file and Redis data (the
@@ -282,11 +146,13 @@ class Pipeline(Assertions):
         self.random = random.Random(seed)
         self.token = uuid.uuid4().hex[:10]
         self._closers: list[Callable[[], None]] = []
-        self._schema: str | None = None
-        self._admin: Engine | None = None
         try:
-            self.engine = self._open_database(database_url)
-            self.redis, self.prefix = self._open_redis(redis_url)
+            self.engine, self.database_url = open_database(
+                database_url, directory=self.directory, token=self.token, closers=self._closers
+            )
+            self.redis, self.prefix = open_redis(
+                redis_url, directory=self.directory, token=self.token, closers=self._closers
+            )
             self.stream_template = self.prefix + stream
             self.outbox = Outbox(self.engine)
             self.outbox.create_schema()
@@ -311,59 +177,7 @@ class Pipeline(Assertions):
         self._closed = False
         self._relay_offset = 0.0  # how much of the clock's advance the relay's rows have seen
 
-    # -- where it runs ----------------------------------------------------------------------
-
-    def _open_database(self, url: str | None) -> Engine:
-        own_file = None
-        if url is None:
-            assert self.directory is not None
-            url = own_file = "sqlite:///" + os.path.join(self.directory, "outbox.db")
-        parsed = make_url(url)
-        if parsed.get_backend_name() != "postgresql":
-            engine = make_engine(parsed)
-            if url == own_file:
-                event.listen(engine, "connect", _no_fsync)
-            self._closers.append(engine.dispose)
-            self.database_url = parsed.render_as_string(hide_password=False)
-            return engine
-        schema = f"outbox_test_{self.token}"
-        admin = sa.create_engine(parsed, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-        self._schema, self._admin = schema, admin
-        self._closers.append(self._drop_schema)
-        own = parsed.update_query_dict({"options": f"-csearch_path={schema}"})
-        self.database_url = own.render_as_string(hide_password=False)
-        engine = make_engine(own, pool_size=5, max_overflow=5)
-        self._closers.append(engine.dispose)
-        return engine
-
-    def _drop_schema(self) -> None:
-        assert self._admin is not None and self._schema is not None
-        with self._admin.connect() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{self._schema}" CASCADE'))
-        self._admin.dispose()
-
-    def _open_redis(self, url: str | None) -> tuple[redis.Redis, str]:
-        if url is None:
-            from outbox.embedded_redis import embedded_server
-
-            assert self.directory is not None
-            server = embedded_server(os.path.join(self.directory, "redis.db"))
-            self._closers.append(server.release)
-            return server.client(), ""  # a server of the test's own: production's names
-        client = redis.Redis.from_url(url)
-        client.ping()
-        prefix = f"outbox-test-{self.token}."
-
-        def clean() -> None:
-            keys = list(client.scan_iter(match=f"*{prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
-            client.close()
-
-        self._closers.append(clean)
-        return client, prefix
+    # -- where it runs (outbox.testing.services) --------------------------------------------
 
     def close(self) -> None:
         """Stop the workers' threads, drop the schema (PostgreSQL), delete the stream keys
@@ -457,7 +271,7 @@ class Pipeline(Assertions):
         return made
 
     def _make_consumer(self, spec: _ConsumerSpec) -> Consumer:
-        hooks = _Counting(self.counts, spec.hooks)
+        hooks = CountingHooks(self.counts, spec.hooks)
         if spec.users is not None:
             # The public copy (what the CLI's flags do): the same handlers, our database,
             # Redis, config and hooks; the streams under the pipeline's prefix.
@@ -532,7 +346,7 @@ class Pipeline(Assertions):
         made = Worker(
             self.store,
             config=config,
-            hooks=_Counting(self.counts, spec.hooks),
+            hooks=CountingHooks(self.counts, spec.hooks),
             providers={name: _Watched(p, self) for name, p in spec.providers.items()},
             default_timeout=spec.default_timeout,
         )
@@ -618,111 +432,6 @@ class Pipeline(Assertions):
         self._dead = False
 
     # -- drain ------------------------------------------------------------------------------
-
-    def drain(self, *, max_cycles: int = DEFAULT_MAX_CYCLES) -> DrainResult:
-        """Run relay -> consumers -> recovery and reconciliation -> workers, cycle after
-        cycle, until a cycle moves nothing; return what happened (:class:`DrainResult`).
-        Raises :class:`DrainError` when work still moves after ``max_cycles`` cycles."""
-        if self._dead:
-            raise ConfigError("pipeline", "it was killed: call restart() first")
-        before = Counter(self.counts)
-        effects_before = sum(len(f.effects) for f in self.fakes)
-        reconciled_before = len(self._all_reconciled())
-        totals: Counter[str] = Counter()
-        killed: str | None = None
-        cycles = 0
-        last: Counter[str] = Counter()
-        caught = _Failures()
-        consumer_log = logging.getLogger("outbox.consumer")
-        consumer_log.addHandler(caught)
-        try:
-            while True:
-                if cycles >= max_cycles:
-                    raise DrainError(
-                        f"drain(): still moving after {max_cycles} cycles; the last one: "
-                        f"{dict(last)}; jobs {self._nonzero(self.store.counts())}"
-                    )
-                cycles += 1
-                last = Counter()
-                try:
-                    self._cycle(last)
-                finally:  # a kill mid-cycle keeps what the cycle did before it
-                    totals.update(last)
-                if not any(last.values()):
-                    break
-        except Killed as kill:
-            killed = kill.point
-            self._dead = True
-            for worker in self.workers:
-                worker.stop()
-        finally:
-            consumer_log.removeHandler(caught)
-            self.failures.extend(caught.lines)
-        counted = self.counts - before
-        return DrainResult(
-            cycles=cycles,
-            published=totals["published"],
-            handled=counted["handled"],
-            duplicates=counted["duplicates"],
-            dead_lettered=counted["dead_lettered"],
-            jobs_run=totals["jobs_run"],
-            outcomes=MappingProxyType(
-                {k.split(":", 1)[1]: v for k, v in sorted(counted.items()) if k[:8] == "outcome:"}
-            ),
-            recovered=totals["recovered"],
-            effects=sum(len(f.effects) for f in self.fakes) - effects_before,
-            reconciled=len(self._all_reconciled()) - reconciled_before,
-            jobs=MappingProxyType(self._nonzero(self.store.counts())),
-            receipts=MappingProxyType(self.receipt_counts()),
-            killed=killed,
-            failures=tuple(caught.lines),
-        )
-
-    def _cycle(self, moved: Counter[str]) -> None:
-        self._age_relay_rows()
-        while (published := self.relay.run_once(now=self.clock())) > 0:
-            moved["published"] += published
-        for consumer in self.consumers:
-            while (acked := consumer.run_once(block=False, now=self.clock())) > 0:
-                moved["acknowledged"] += acked
-        recovery = self.store.recover()
-        moved["recovered"] += recovery.requeued + recovery.woken + recovery.needs_attention
-        for worker in self.workers:
-            operations = worker.operations
-            if operations is not None:
-                swept = operations.reconcile()
-                moved["swept"] += swept.accepted + swept.not_sent + swept.resend + swept.review
-        for worker in self.workers:
-            moved["jobs_run"] += worker.run_once(now=self.clock())
-
-    def _age_relay_rows(self) -> None:
-        """Carry the clock's advance into the times the database stamped on pending outbox
-        rows: a publish's backoff (``available_at``) and an intent's age (``claimed_at``).
-        The relay compares them with the database's clock, which does not move with the
-        test's; moving them back by what the test advanced since the last cycle is the same
-        as moving that clock forward (the pipeline's clock is real time plus the advance), so
-        a retry or a reconciliation comes due when the test's time passes it."""
-        delta = self.clock.offset - self._relay_offset
-        if delta <= 0:
-            return
-        self._relay_offset = self.clock.offset
-        table = self.engine.dialect.identifier_preparer.format_table(self.outbox.table)
-        if self.engine.dialect.name == "postgresql":
-            back, now = "{} - make_interval(secs => :delta)", "now()"
-        else:
-            back = "strftime('%Y-%m-%d %H:%M:%f', {}, '-' || :delta || ' seconds')"
-            now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
-        with self.engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"UPDATE {table} SET available_at = {back.format('available_at')}, "
-                    f"claimed_at = {back.format('claimed_at')} "
-                    "WHERE state = 'pending' "
-                    f"AND (attempts > 0 OR claimed_at IS NOT NULL OR available_at > {now})"
-                ),
-                {"delta": delta},
-            )
-
     def assert_reconciled(self, identity: str) -> Any:
         """The receipt of ``identity``'s job (its action, or ``tenant:action``) is ACCEPTED
         with the reference of its one effect, settled from that effect (a lookup that found
@@ -746,16 +455,6 @@ class Pipeline(Assertions):
                 f"{identity!r} not reconciled: " + "; ".join(problems) + f"\nreceipts:\n{shown}"
             )
         return rows[0]
-
-    def _all_reconciled(self) -> set[str]:
-        found = set(self._reconciled)
-        for fake in self.fakes:
-            found.update(fake.replays)
-        return found
-
-    @staticmethod
-    def _nonzero(counts: Mapping[str, int]) -> dict[str, int]:
-        return {state: n for state, n in counts.items() if n}
 
 
 __all__ = ["KILL_POINTS", "DrainError", "DrainResult", "Killed", "Pipeline"]
