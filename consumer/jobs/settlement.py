@@ -140,13 +140,8 @@ def settle(
     reason: str | None = None,
     by: str | None = None,
 ) -> Receipt:
-    """An operator's decision on an operation whose outcome the system cannot know.
-
-    ``accepted=REF``: it happened (ACCEPTED with that reference; the job, made READY if it
-    waits, finds the receipt and finishes without a resend). ``not_sent=True``: it did not
-    happen (NOT_SENT; the job becomes READY and sends once). ``reason`` and ``by`` (default:
-    the OS user) are kept with the time. Refused (``OperationError``) for an unknown
-    operation, an ACCEPTED receipt, and a call that may still be in flight."""
+    """:meth:`consumer.jobs.operations.Operations.settle`, whose docstring is the contract:
+    an operator's decision on an operation whose outcome the system cannot know."""
     if (accepted is None) == (not not_sent):
         raise JobError("accepted", "give exactly one of accepted=REF or not_sent=True")
     if accepted is not None:
