@@ -16,28 +16,6 @@
 An intent written before the request keeps its receipt, whatever it becomes: a cancel cannot
 recall an email. The trace says so when a CANCELLED job holds an ACCEPTED receipt.
 
-The statements are the job driver's (``consumer.jobs.driver_cancels``); the two functions
-here keep the names callers imported before, and run the same statements.
+The statements are the job driver's (``consumer.jobs.driver_cancels``); this module holds
+the contract only.
 """
-
-from __future__ import annotations
-
-from sqlalchemy.engine import Connection
-
-from consumer.jobs.driver_cancels import CancelStatements
-
-__all__ = ["is_requested", "requested_list"]
-
-_STATEMENTS = CancelStatements()  # stateless: the statements need no engine of their own
-
-
-def requested_list(conn: Connection, worker: str) -> list[int]:
-    """The jobs ``worker`` holds that have a cancel request
-    (``JobDriver.job_cancel_requested_list``)."""
-    return _STATEMENTS.job_cancel_requested_list(conn, worker)
-
-
-def is_requested(conn: Connection, job_id: int, epoch: int) -> bool:
-    """Whether the job, still LEASED at ``epoch``, has a cancel request
-    (``JobDriver.job_cancel_requested``)."""
-    return _STATEMENTS.job_cancel_requested(conn, job_id, epoch)

@@ -70,7 +70,6 @@ from consumer.errors import (
     ProviderTimeout,
 )
 from consumer.jobs import deliveries, settlement
-from consumer.jobs.cancels import is_requested
 from consumer.jobs.checks import valid_time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
@@ -476,7 +475,7 @@ class Operations:
                 )
             if row.state in (ACCEPTED, FAILED):
                 return str(row.state), row
-            if is_requested(conn, lease.job_id, lease.epoch):  # no new call once cancelled
+            if driver.job_cancel_requested(conn, lease.job_id, lease.epoch):  # none once cancelled
                 raise JobCancelled(f"job #{lease.job_id} was cancelled: {operation_id} not sent")
             if row.state in (PENDING, UNKNOWN):
                 if row.call_deadline is not None and row.call_deadline > clock:
