@@ -17,13 +17,15 @@ What each case proves:
   stored payload that is not JSON is quarantined, a late commit is
   published after it commits and never overtaken by its key's later event, two relays share
   the partitions and publish everything once in key order, a relay runs, stops and runs
-  again, and a relay its user dropped lets go of its partitions at once.
+  again, a relay its user dropped lets go of its partitions at once, and an event requeued
+  below the claim floor goes out on the next cycle.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -522,3 +524,53 @@ def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
         assert relay_on(outbox, broker_kit.make()).run_once() == 1
     finally:
         gc.enable()
+
+
+@pytest.fixture(params=["pg", "sqlite"])
+def any_outbox(request: pytest.FixtureRequest) -> Iterator[Outbox]:
+    """An outbox on PostgreSQL (which claims above a floor) and on SQLite (without one)."""
+    o = Outbox(str(request.getfixturevalue(f"{request.param}_url")))
+    o.create_schema()
+    yield o
+    o.engine.dispose()
+
+
+def test_a_requeued_event_below_the_claim_floor_goes_out_on_the_next_cycle(
+    any_outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) A relay driven by ``run_once`` (a user's own loop,
+    ``outbox.testing``) never LISTENs for the sweep a requeue asks for. Once the claim floor
+    has passed the quarantined row, only a sweep reaches it: the cycle that finds nothing to
+    claim checks for rows whose backoff is over or that were requeued, and sweeps at once,
+    not after ``sweep_interval``."""
+    from relay import requeue
+
+    outbox = any_outbox
+    poison_stream = broker_kit.stream("poison")
+    refuse(broker_kit, poison_stream)
+    with outbox.transaction() as tx:
+        poisoned = tx.emit("poison", key="P", payload={"pad": "x" * 200})
+    relay = relay_on(outbox, broker_kit.make())
+    drain(relay, 2)
+    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "quarantined"
+    # Later events until the claim floor (PostgreSQL's; SQLite claims without one) has
+    # passed the quarantined row: from then on only a sweep reaches it.
+    seq = {r["event_id"]: r for r in rows(outbox)}[poisoned]["seq"]
+    written = 0
+
+    def floor_passed() -> bool:
+        nonlocal written
+        with outbox.transaction() as tx:
+            tx.emit("fine", key=f"k{written}", payload={"n": written})
+        written += 1
+        drain(relay, 2)
+        return getattr(relay.store, "_low", math.inf) > seq
+
+    wait_for(floor_passed, "the claim floor to pass the quarantined row", timeout=30)
+    cure(broker_kit, poison_stream)
+    assert requeue(outbox.engine, outbox.schema, [poisoned]).requeued == [poisoned]
+    while relay.run_once():
+        pass
+    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "published"
+    assert broker_kit.ids(poison_stream) == [poisoned]
+    relay.store.close()

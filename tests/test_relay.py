@@ -8,7 +8,6 @@ commits under concurrency, partitions shared by replicas) takes ``pg_url``.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -452,42 +451,6 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     got = [e["id"] for e in entries(redis_client, good)]
     assert [i for i in got if i in waiting] == waiting
     assert set(others) <= set(got)
-
-
-def test_a_requeued_event_below_the_claim_floor_goes_out_on_the_next_cycle(
-    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    """A relay driven by ``run_once`` (a user's own loop, ``outbox.testing``) never LISTENs
-    for the sweep a requeue asks for. Once the claim floor has passed the quarantined row,
-    only a sweep reaches it: the cycle that finds nothing to claim checks for rows whose
-    backoff is over or that were requeued, and sweeps at once, not after ``sweep_interval``."""
-    poison_stream = f"{stream_prefix}.poison"
-    redis_client.set(poison_stream, "not a stream")
-    with outbox.transaction() as tx:
-        poisoned = tx.emit("poison", key="P", payload={})
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    drain(relay, 2)
-    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "quarantined"
-    # Later events until the claim floor (PostgreSQL's; SQLite claims without one) has
-    # passed the quarantined row: from then on only a sweep reaches it.
-    seq = {r["event_id"]: r for r in rows(outbox)}[poisoned]["seq"]
-    written = 0
-
-    def floor_passed() -> bool:
-        nonlocal written
-        with outbox.transaction() as tx:
-            tx.emit("fine", key=f"k{written}", payload={"n": written})
-        written += 1
-        drain(relay, 2)
-        return getattr(relay.store, "_low", math.inf) > seq
-
-    wait_for(floor_passed, "the claim floor to pass the quarantined row", timeout=30)
-    redis_client.delete(poison_stream)
-    assert requeue(outbox.engine, outbox.schema, [poisoned]).requeued == [poisoned]
-    while relay.run_once():
-        pass
-    assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "published"
-    assert [e["id"] for e in entries(redis_client, poison_stream)] == [poisoned]
 
 
 def test_retention_that_falls_behind_runs_again_at_once(
