@@ -124,6 +124,8 @@ def _nats_read(stream: str) -> list[dict[str, str]]:
         except NotFoundError:
             return []
         out: list[dict[str, str]] = []
+        if not info.state.messages:  # a new stream's first_seq is 0, which get_msg refuses
+            return out
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             try:
                 msg = await js.get_msg(name, seq)

@@ -17,8 +17,10 @@ What each case proves:
   stored payload that is not JSON is quarantined, a late commit is
   published after it commits and never overtaken by its key's later event, two relays share
   the partitions and publish everything once in key order, a relay runs, stops and runs
-  again, a relay its user dropped lets go of its partitions at once, and an event requeued
-  below the claim floor goes out on the next cycle.
+  again, a relay its user dropped lets go of its partitions at once, an event requeued
+  below the claim floor goes out on the next cycle, and a transient refusal backs off and
+  holds back only its key (a test double of the seam refuses; the real broker carries
+  every entry that goes out).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from outbox.backoff import Backoff
 from relay import Relay, RelayConfig
 from relay.broker import Broker, broker_for, broker_kind
 from relay.errors import ConfigError
+from relay.seam import HeldBack, TransientError
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from broker_support import BrokerKit, broker_kit, nats_kit
@@ -77,7 +80,8 @@ def rows(outbox: Outbox) -> list[dict[str, Any]]:
     with outbox.engine.connect() as conn:
         result = conn.execute(
             sa.text(
-                "SELECT seq, event_id, key, state, last_error, stream, stream_id "
+                "SELECT seq, event_id, key, state, attempts, last_error, claimed_by, stream, "
+                "stream_id "
                 "FROM outbox_events ORDER BY seq"
             )
         )
@@ -573,4 +577,70 @@ def test_a_requeued_event_below_the_claim_floor_goes_out_on_the_next_cycle(
         pass
     assert {r["event_id"]: r for r in rows(outbox)}[poisoned]["state"] == "published"
     assert broker_kit.ids(poison_stream) == [poisoned]
+    relay.store.close()
+
+
+class RefuseWrites:
+    """A test double at the :class:`relay.broker.Broker` seam: while ``refusing``, the
+    broker refuses every entry as a transient failure (what Redis says at maxmemory: the
+    real reply is tested on Redis in tests/test_relay.py), and a later entry of a key whose
+    entry failed is held back, as the seam asks; otherwise the real broker carries every
+    entry. It replaces ``publish`` on the real broker, so all else is the broker's own."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.refusing = True
+        self.real = broker.publish
+        broker.publish = self.publish  # type: ignore[method-assign]
+
+    def publish(self, prepared: Any, fence: str | None = None, **options: Any) -> Any:
+        if not self.refusing:
+            return self.real(prepared, fence, **options)
+        failed: set[str] = set()
+        results: list[str | Exception] = []
+        for entry in prepared:
+            key = entry.record.key
+            if key in failed:
+                results.append(HeldBack("an earlier event of this key failed in this batch"))
+            else:
+                failed.add(key)
+                results.append(TransientError("OOM: the test's broker refuses writes"))
+        return results
+
+
+def test_transient_failure_backs_off_and_holds_back_only_its_key(
+    any_outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) The broker refuses writes for a while (transient):
+    every record of the batch counts an attempt and backs off; once it accepts writes again
+    each key's events go out in order, and the failures did not block a key written
+    afterwards."""
+    outbox = any_outbox
+    with outbox.transaction() as tx:
+        a1 = tx.emit("t", key="A", payload=1)
+        a2 = tx.emit("t", key="A", payload=2)
+    broker = broker_kit.make()
+    refusal = RefuseWrites(broker)
+    relay = relay_on(outbox, broker, record_backoff=Backoff(0.4, 0.4))
+    assert relay.run_once() == 0
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[a1]["attempts"] == 1 and by_id[a1]["state"] == "pending"
+    assert "OOM" in by_id[a1]["last_error"]
+    assert by_id[a2]["attempts"] == 0  # held back behind a1, not attempted
+    assert broker_kit.ids(broker_kit.stream("t")) == []
+    refusal.refusing = False
+    with outbox.transaction() as tx:
+        b1 = tx.emit("t", key="B", payload=1)
+        a3 = tx.emit("t", key="A", payload=3)
+    relay.run_once()  # B flows whether or not a1's (jittered) backoff is over
+    first = broker_kit.ids(broker_kit.stream("t"))
+    assert b1 in first
+    assert [i for i in first if i != b1] == [a1, a2, a3][: len(first) - 1]
+    wait_for(
+        lambda: relay.run_once() >= 0 and len(broker_kit.ids(broker_kit.stream("t"))) >= 4,
+        "the four events in the stream",
+        timeout=10,
+    )
+    got = broker_kit.ids(broker_kit.stream("t"))
+    assert sorted(got) == sorted([b1, a1, a2, a3])
+    assert [i for i in got if i != b1] == [a1, a2, a3]
     relay.store.close()

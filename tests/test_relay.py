@@ -182,43 +182,6 @@ def refuse_writes(client: redis.Redis) -> None:
     client.config_set("maxmemory-policy", "noeviction")
 
 
-def test_transient_failure_backs_off_and_holds_back_only_its_key(
-    outbox: Outbox, stream_prefix: str
-) -> None:
-    """Redis out of memory (a real OOM reply from a private server): every record of the
-    batch counts an attempt and backs off; once Redis accepts writes again each key's events
-    go out in order, and the failures did not block a key written afterwards."""
-    with PrivateRedis() as server:
-        client = redis.Redis.from_url(server.url)
-        with outbox.transaction() as tx:
-            a1 = tx.emit("t", key="A", payload=1)
-            a2 = tx.emit("t", key="A", payload=2)
-        refuse_writes(client)
-        relay = make_relay(outbox, client, stream_prefix, record_backoff=Backoff(0.4, 0.4))
-        assert relay.run_once() == 0
-        by_id = {r["event_id"]: r for r in rows(outbox)}
-        assert by_id[a1]["attempts"] == 1 and by_id[a1]["state"] == "pending"
-        assert "OOM" in by_id[a1]["last_error"]
-        assert by_id[a2]["attempts"] == 0  # held back behind a1, not attempted
-        client.config_set("maxmemory", 0)
-        with outbox.transaction() as tx:
-            b1 = tx.emit("t", key="B", payload=1)
-            a3 = tx.emit("t", key="A", payload=3)
-        relay.run_once()  # B flows whether or not a1's (jittered) backoff is over
-        first = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
-        assert b1 in first
-        assert [i for i in first if i != b1] == [a1, a2, a3][: len(first) - 1]
-        wait_for(
-            lambda: relay.run_once() >= 0 and client.xlen(f"{stream_prefix}.t") >= 4,
-            "the four events in the stream",
-            timeout=10,
-        )
-        got = [e["id"] for e in entries(client, f"{stream_prefix}.t")]
-        assert sorted(got) == sorted([b1, a1, a2, a3])
-        assert [i for i in got if i != b1] == [a1, a2, a3]
-        client.close()
-
-
 def test_records_refused_at_maxmemory_retry_at_once_when_redis_accepts_again(
     outbox: Outbox, stream_prefix: str
 ) -> None:
