@@ -20,7 +20,8 @@ What each case proves:
   again, a relay its user dropped lets go of its partitions at once, an event requeued
   below the claim floor goes out on the next cycle, and a transient refusal backs off and
   holds back only its key (a test double of the seam refuses; the real broker carries
-  every entry that goes out).
+  every entry that goes out), a refused stream holds back its key's events in other
+  streams, and the rows held behind a key are all swept once it recovers.
 """
 
 from __future__ import annotations
@@ -643,4 +644,86 @@ def test_transient_failure_backs_off_and_holds_back_only_its_key(
     got = broker_kit.ids(broker_kit.stream("t"))
     assert sorted(got) == sorted([b1, a1, a2, a3])
     assert [i for i in got if i != b1] == [a1, a2, a3]
+    relay.store.close()
+
+
+def one_slot(kit: BrokerKit) -> tuple[str, Any]:
+    """A template that puts all of a test's streams in one slot on a cluster (a hash tag on
+    the prefix, as the README advises for a key written to several topics), and the stream
+    name of a topic under it. Elsewhere the kit's own template."""
+    template = kit.template if kit.name == "nats" else "{{" + kit.prefix + "}}.{topic}"
+
+    def stream(topic: str) -> str:
+        return template.replace("{{", "{").replace("}}", "}").replace("{topic}", topic)
+
+    return template, stream
+
+
+def test_failure_of_one_stream_holds_back_the_key_in_other_streams(
+    any_outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) One key's events go to two streams; the first is
+    refused permanently in the same batch: the second is held back (pending), not published
+    out of order. On a cluster the hold-back spans the streams of one slot (one script): the
+    template's hash tag puts both streams there."""
+    outbox = any_outbox
+    template, stream = one_slot(broker_kit)
+    refuse(broker_kit, stream("bad"))
+    with outbox.transaction() as tx:
+        first = tx.emit("bad", key="K", payload={"pad": "x" * 200})
+        second = tx.emit("good", key="K", payload=2)
+        other = tx.emit("good", key="L", payload=3)
+    relay = relay_on(outbox, broker_kit.make(stream_template=template))
+    relay.run_once()
+    by_id = {r["event_id"]: r for r in rows(outbox)}
+    assert by_id[first]["state"] == "quarantined"
+    assert by_id[second]["state"] == "pending" and by_id[second]["claimed_by"] is None
+    assert broker_kit.ids(stream("good")) == [other]
+    relay.store.close()
+
+
+def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
+    outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) Many rows wait behind one key while others flow
+    past them (the claim floor moves beyond); once the key recovers, the sweep walks back
+    over all of them, batch after batch, in order. (Both streams in one slot on a cluster:
+    the hash tag.)"""
+    from relay import requeue
+
+    template, stream = one_slot(broker_kit)
+    bad, good = stream("bad"), stream("good")
+    refuse(broker_kit, bad)
+    with outbox.transaction() as tx:
+        head = tx.emit("bad", key="K", payload={"pad": "x" * 200})
+        waiting = [tx.emit("good", key="K", payload=n) for n in range(1, 12)]
+    relay = relay_on(
+        outbox,
+        broker_kit.make(stream_template=template),
+        batch_size=3,
+        sweep_interval=3600.0,
+    )
+    deadline = time.monotonic() + 1.5
+    others: list[str] = []
+    while time.monotonic() < deadline:  # other keys flow; the floor passes K's rows
+        with outbox.transaction() as tx:
+            others.append(tx.emit("good", key=f"o{len(others)}", payload={}))
+        wait_for(
+            lambda: relay.run_once() >= 0 and len(broker_kit.ids(good)) >= len(others),
+            "the other keys' events to flow past K's",
+        )
+    drain(relay, 20)
+    assert not set(waiting) & set(broker_kit.ids(good))
+    cure(broker_kit, bad)
+    requeue(outbox.engine, outbox.schema, [head])
+    wait_for(
+        lambda: relay.run_once() >= 0 and set(waiting) <= set(broker_kit.ids(good)),
+        "K's waiting rows published",
+        timeout=20,
+        interval=0.01,
+    )
+    got = broker_kit.ids(good)
+    assert [i for i in got if i in waiting] == waiting
+    assert set(others) <= set(got)
+    assert broker_kit.ids(bad) == [head]
     relay.store.close()

@@ -24,7 +24,6 @@ from relay import (
     RedisStreamPublisher,
     Relay,
     RelayConfig,
-    requeue,
 )
 from tests.services import wait_for
 
@@ -88,13 +87,6 @@ def redis_client(target: RedisTarget) -> Iterator[Any]:
 @pytest.fixture
 def outbox(db_url: str) -> Outbox:
     o = Outbox(db_url)
-    o.create_schema()
-    return o
-
-
-@pytest.fixture
-def pg_outbox(pg_url: str) -> Outbox:
-    o = Outbox(pg_url)
     o.create_schema()
     return o
 
@@ -206,27 +198,6 @@ def test_records_refused_at_maxmemory_retry_at_once_when_redis_accepts_again(
         assert published == 3 and sorted(got) == sorted([b1, a1, a2])
         assert [i for i in got if i != b1] == [a1, a2]
         client.close()
-
-
-def test_failure_of_one_stream_holds_back_the_key_in_other_streams(
-    outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    """One key's events go to two streams; the first fails permanently (WRONGTYPE) in the
-    same batch: the second is held back (pending), not published out of order. On a cluster
-    the hold-back spans the streams of one slot (one script): the template's hash tag puts
-    both streams there, as the README advises for a key written to several topics."""
-    prefix = "{" + stream_prefix + "}"  # the streams' names; in the template: {{...}}
-    redis_client.set(f"{prefix}.bad", "x")
-    with outbox.transaction() as tx:
-        first = tx.emit("bad", key="K", payload=1)
-        second = tx.emit("good", key="K", payload=2)
-        other = tx.emit("good", key="L", payload=3)
-    relay = make_relay(outbox, redis_client, "{" + prefix + "}")
-    relay.run_once()
-    by_id = {r["event_id"]: r for r in rows(outbox)}
-    assert by_id[first]["state"] == "quarantined"
-    assert by_id[second]["state"] == "pending" and by_id[second]["claimed_by"] is None
-    assert [e["id"] for e in entries(redis_client, f"{prefix}.good")] == [other]
 
 
 # -- intents and reconciliation -------------------------------------------------------------
@@ -372,48 +343,6 @@ def test_a_fenced_batch_adds_nothing(
     finally:
         redis_client.delete(key)
         zombie.store.close()
-
-
-def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
-    pg_outbox: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
-    """Many rows wait behind one key while others flow past them (the claim floor moves
-    beyond); once the key recovers, the sweep walks back over all of them, batch after
-    batch, in order. (Both streams in one slot on a cluster: the hash tag.)"""
-    outbox = pg_outbox
-    stream_prefix = "{" + stream_prefix + "}"  # the streams' names; in the template: {{...}}
-    redis_client.set(f"{stream_prefix}.bad", "x")
-    with outbox.transaction() as tx:
-        head = tx.emit("bad", key="K", payload=0)
-        waiting = [tx.emit("good", key="K", payload=n) for n in range(1, 12)]
-    relay = make_relay(
-        outbox, redis_client, "{" + stream_prefix + "}", batch_size=3, sweep_interval=3600.0
-    )
-    deadline = time.monotonic() + 1.5
-    others = []
-    good = f"{stream_prefix}.good"
-    while time.monotonic() < deadline:  # other keys flow; the floor passes K's rows
-        with outbox.transaction() as tx:
-            others.append(tx.emit("good", key=f"o{len(others)}", payload={}))
-        wait_for(
-            lambda: relay.run_once() >= 0 and redis_client.xlen(good) >= len(others),
-            "the other keys' events to flow past K's",
-        )
-    drain(relay, 20)
-    assert not set(waiting) & {e["id"] for e in entries(redis_client, good)}
-    redis_client.delete(f"{stream_prefix}.bad")
-    requeue(outbox.engine, outbox.schema, [head])
-    wait_for(
-        lambda: (
-            relay.run_once() >= 0 and set(waiting) <= {e["id"] for e in entries(redis_client, good)}
-        ),
-        "K's waiting rows published",
-        timeout=20,
-        interval=0.01,
-    )
-    got = [e["id"] for e in entries(redis_client, good)]
-    assert [i for i in got if i in waiting] == waiting
-    assert set(others) <= set(got)
 
 
 def test_retention_that_falls_behind_runs_again_at_once(
