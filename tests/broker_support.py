@@ -177,7 +177,8 @@ def kit_for(request: pytest.FixtureRequest, kind: str, prefix: str) -> Iterator[
         kit.cleanup()
 
 
-@pytest.fixture(params=["redis", "cluster", "nats"])
+# The cluster case costs a six-node cluster per module: whole suite (CI) only, not the fast tier.
+@pytest.fixture(params=["redis", pytest.param("cluster", marks=pytest.mark.slow), "nats"])
 def broker_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[BrokerKit]:
     """Parametrise a guarantee test over every broker."""
     yield from kit_for(request, str(request.param), stream_prefix)

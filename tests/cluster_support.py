@@ -474,7 +474,9 @@ def target_for(
         client.close()
 
 
-@pytest.fixture(params=["single", "cluster"])
+# The cluster case runs in the whole suite (CI), not in the fast tier: the cluster costs seconds
+# to start on each xdist worker.
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.slow)])
 def redis_target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
     """Parametrise a guarantee test over one Redis server and a Redis Cluster."""
     yield from target_for(request, str(request.param), stream_prefix)

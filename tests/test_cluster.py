@@ -45,6 +45,10 @@ from relay.redis.publisher import (
 )
 from relay.relay import Relay, fence_key
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from cluster_support import PrivateCluster
     from services import PrivateRedis, wait_for

@@ -19,6 +19,10 @@ from outbox.console.app import Console
 from outbox.console.schema import create_audit_table
 from tests.console_support import World
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 TOKEN = "fuzz-token-" + "x" * 20
 MAX_EXAMPLES = {"bearer": 20, "anonymous": 5}
 """Examples per operation (the anonymous run checks only that nothing gets in or breaks)."""

@@ -104,7 +104,9 @@ def drain(consumer: Consumer) -> int:
     return total
 
 
-@pytest.fixture(params=["single", "cluster"])
+# The cluster case runs in the whole suite (CI), not in the fast tier: the cluster costs seconds
+# to start on each xdist worker.
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.slow)])
 def target(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[RedisTarget]:
     """Where this module's tests read: every test that talks to Redis runs on the shared
     Redis and on the session's Redis Cluster (issue 13: the same tests on both)."""

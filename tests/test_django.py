@@ -25,6 +25,10 @@ from consumer import Store
 from outbox import Outbox
 from tests.services import wait_for
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "django_quotes"
 
 

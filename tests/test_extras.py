@@ -18,6 +18,10 @@ import pytest
 
 from outbox.extras import EXTRAS, MissingExtra, optional_module, require
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 ALL_EXTRA_MODULES = sorted({module for modules in EXTRAS.values() for module in modules})

@@ -34,6 +34,10 @@ from outbox.testing import FakeProvider
 from tests.services import free_port, wait_for
 from tests.simulator_support import SimulatorProcess
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 SECRET = "s3cret-shared-with-the-sender"
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -45,6 +45,10 @@ from relay.partitions import PartitionUpkeep
 from relay.republish import republish
 from relay.store import store_for
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from services import wait_for
     from test_relay import fast_config as config

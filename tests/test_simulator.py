@@ -19,6 +19,10 @@ from consumer.jobs.simulator import main as simulator_main
 from tests.services import free_port
 from tests.simulator_support import ROOT, SimulatorProcess
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:

@@ -15,6 +15,10 @@ import sqlalchemy as sa
 from consumer.jobs.schema import attempts, jobs
 from consumer.jobs.store import Store
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 
 def _bulk_enqueue(store: Store, tenant: str, count: int, prefix: str = "job") -> None:
     # Seeding only: one executemany instead of `count` enqueue round trips.

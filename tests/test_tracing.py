@@ -38,6 +38,10 @@ from tests.services import wait_for
 from tests.simulator_support import SimulatorProcess
 from tests.tracing_support import Spans, attributes, ids, parent_id, spans, traceparent_ids
 
+# The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
+# clusters or servers, and run in the whole suite (CI) only.
+pytestmark = pytest.mark.slow
+
 __all__ = ["spans"]  # the fixture, imported for this module
 
 ROOT = Path(__file__).resolve().parent.parent
