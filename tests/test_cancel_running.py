@@ -96,9 +96,11 @@ def test_a_call_in_flight_is_not_cut_and_keeps_its_receipt(store: Store) -> None
     gate = Gate()
     worker = Worker(store, providers={"mail": gate}, poll_interval=0.05)
     after: list[str] = []
+    running_ctx: list[JobContext] = []
 
     @worker.handler("send")
     async def send(job: JobContext) -> None:
+        running_ctx.append(job)
         await job.adispatch("email", "mail", {"to": "ann"})
         after.append("returned")
         await asyncio.sleep(60)  # cancelled here, after the receipt is recorded
@@ -109,8 +111,10 @@ def test_a_call_in_flight_is_not_cut_and_keeps_its_receipt(store: Store) -> None
     try:
         assert gate.calling.wait(60)
         store.cancel(job, reason="too late")
-        time.sleep(0.6)  # the worker has seen the request (it waits for the call)
-        assert state(store, job) == LEASED
+        (ctx,) = running_ctx
+        # The worker has told the run of the request (it waits for the call to return):
+        wait_for(lambda: ctx.cancel_requested, "the worker to see the cancel request", timeout=60)
+        assert state(store, job) == LEASED and after == []
         gate.open.set()
         wait_for(lambda: state(store, job) == CANCELLED, "the job to end CANCELLED", timeout=60)
     finally:

@@ -319,9 +319,9 @@ def test_a_dispatch_that_finds_its_effect_by_lookup_says_it_reconciled(
     """The next attempt's own dispatch (not the sweep) finds the earlier effect: the
     receipt is settled_by the reconciler, and the worker's log says so."""
     import logging
-    import time
 
     from consumer import Operations, ProviderTimeout, Store
+    from outbox.testing import Clock
 
     class Mail:
         name, supports_lookup, supports_idempotency, timeout = "mail", True, False, 0.2
@@ -334,7 +334,8 @@ def test_a_dispatch_that_finds_its_effect_by_lookup_says_it_reconciled(
         def lookup(self, operation_id: str) -> str | None:
             return self.sent.get(operation_id)
 
-    store = Store(sqlite_url)
+    clock = Clock()
+    store = Store(sqlite_url, clock=clock)
     store.create_schema()
     ops = Operations(store, {"mail": Mail()})
     store.enqueue("studio", "send-quote-17")
@@ -342,7 +343,7 @@ def test_a_dispatch_that_finds_its_effect_by_lookup_says_it_reconciled(
     assert lease is not None
     with pytest.raises(ProviderTimeout):
         ops.dispatch(lease, "email", "mail", {"to": "ann"})
-    time.sleep(0.3)  # the call's deadline (its timeout) passes
+    clock.advance(0.3)  # the call's deadline (its timeout, 0.2 s) passes
     with caplog.at_level(logging.INFO, logger="outbox"):
         receipt = ops.dispatch(lease, "email", "mail", {"to": "ann"})
     assert receipt.state == "ACCEPTED" and receipt.reconciled
