@@ -338,7 +338,9 @@ class PrivateCluster:
         src, dst = source.client(), target.client()
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.port])
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port])
-        time.sleep(pause)  # writers and readers run into the half-moved slot meanwhile
+        # The scenario itself, not a wait: the slot stays half-moved for ``pause`` seconds
+        # under load, and writers and readers run into it (TRYAGAIN/ASK) meanwhile.
+        time.sleep(pause)
         moved = 0
         while True:
             keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)

@@ -107,7 +107,7 @@ def build_routed() -> Worker:
             with open(os.environ["JOBS_EFFECTS_FILE"], "a") as fh:
                 fh.write(f"{os.getpid()} {name} {job.lease.queue} {job.action} {leased}\n")
             if pause:
-                time.sleep(pause)
+                time.sleep(pause)  # the scenario: the handler's work, its jobs overlap meanwhile
             if hold is not None and job.lease.queue == hold:
                 # Until the test releases it, reporting progress (the lease stays renewed).
                 wait_for(

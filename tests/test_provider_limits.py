@@ -313,7 +313,7 @@ def test_jobs_wait_for_a_permit_in_turn_and_are_never_handed_back() -> None:
 
         ticket = made.enter(progressed)
         order.append(i)
-        time.sleep(0.05)
+        time.sleep(0.05)  # the scenario: the call takes a while, the others line up meanwhile
         made.leave(ticket)
 
     first = threading.Thread(target=one, args=(0,))

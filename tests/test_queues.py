@@ -409,7 +409,7 @@ def test_a_running_worker_keeps_each_queue_within_its_slots(db_url: str) -> None
         with lock:
             running[queue] += 1
             most[queue] = max(most[queue], running[queue])
-        time.sleep(0.02)
+        time.sleep(0.02)  # the scenario: the handler's work, other jobs overlap it meanwhile
         with lock:
             running[queue] -= 1
 

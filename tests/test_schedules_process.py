@@ -174,7 +174,7 @@ def test_every_worker_killed_across_slots(store: Store, db_url: str, missed: str
         wait_for(lambda: _decided(store) >= 3, timeout=90, what="three slots decided")
         fleet.kill()  # SIGKILL every worker: nobody fires now
         down = _decided(store)
-        time.sleep(6)  # six slots fall while every worker is down
+        time.sleep(6)  # the scenario, not a wait: the outage, six slots fall while all are down
         assert _decided(store) == down
         fleet.start(2)  # two come back at once: the first decides, once
         wait_for(lambda: _alive(store) == 2, timeout=90, what="two workers back")
