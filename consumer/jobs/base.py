@@ -61,15 +61,3 @@ class StoreBase:
 
     def _clock(self, conn: Connection, now: float | None) -> float:
         return self.driver.clock_read(conn, now)
-
-    def _record(
-        self,
-        conn: Connection,
-        job_id: int,
-        epoch: int | None,
-        worker: str | None,
-        outcome: str,
-        error: str | None,
-        clock: float,
-    ) -> None:
-        self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, error, clock)

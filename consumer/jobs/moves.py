@@ -310,7 +310,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
                 )
                 if job_id is not None:
                     note = "a reply came during the run"
-                    self._record(conn, job_id, None, None, "resumed", note, clock)
+                    self.driver.attempt_insert(conn, job_id, None, None, "resumed", note, clock)
                     self.driver.job_ready_notify(conn)
 
     def schedule(
@@ -431,7 +431,9 @@ class LeaseMoves(BatchMoves, OperatorMoves):
                 },
             )
             if requested is not None:
-                self._record(conn, requested, None, None, "cancel_requested", reason, clock)
+                self.driver.attempt_insert(
+                    conn, requested, None, None, "cancel_requested", reason, clock
+                )
                 return LEASED
         self._operator_move(
             where, label, CANCELLED, {"wait_reason": reason}, "cancelled", reason, when
@@ -469,13 +471,13 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             )
             if ended is not None:
                 note = f"cancel requested; the run ended {outcome}"
-                self._record(conn, ended, epoch, worker, "cancelled", note, clock)
+                self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
                 return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
             moved.update(NO_TIMER)
         job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
-        self._record(conn, job_id, epoch, worker, outcome, note, clock)
+        self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume
             talk.consume(conn, job_id, consume, clock)
         return target

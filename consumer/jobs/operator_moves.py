@@ -119,7 +119,7 @@ class OperatorMoves(StoreBase):
                     check_transition(label, state, target)
                     raise IllegalTransition(label, state, target)
                 raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
-            self._record(conn, job_id, None, None, outcome, note, clock)
+            self.driver.attempt_insert(conn, job_id, None, None, outcome, note, clock)
             if target == READY:
                 self.driver.job_ready_notify(conn)
 

@@ -52,7 +52,9 @@ class Recovery(StoreBase):
                     {"state": READY, "wait_reason": None, "updated_at": clock},
                 )
                 if hit is not None:
-                    self._record(conn, waiting.id, None, None, "timer_fired", None, clock)
+                    self.driver.attempt_insert(
+                        conn, waiting.id, None, None, "timer_fired", None, clock
+                    )
                     woken += 1
             if requeued or woken:
                 self.driver.job_ready_notify(conn)
@@ -111,7 +113,9 @@ class Recovery(StoreBase):
                 )
             if not taken:
                 continue
-            self._record(conn, row.id, epoch, row.lease_owner, "expired", reason, clock)
+            self.driver.attempt_insert(
+                conn, row.id, epoch, row.lease_owner, "expired", reason, clock
+            )
             if target == READY:
                 requeued += 1
             else:

@@ -424,7 +424,7 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
             if not leased:  # pragma: no cover - the row lock makes this unreachable
                 return None
             if takeover:
-                self._record(
+                self.driver.attempt_insert(
                     conn,
                     row.id,
                     int(row.lease_epoch),
