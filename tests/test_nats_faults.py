@@ -10,7 +10,6 @@ tests/test_relay_faults.py; here, reading JetStream.
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import re
 import socket
@@ -30,7 +29,6 @@ try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
     from services import wait_for
     from test_relay_faults import (
         TOPICS,
-        Entry,
         RelayProcs,
         WriterFactory,
         assert_clean,
@@ -38,8 +36,10 @@ try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
         create_domain,
         judge,
         make_keys,
+        message_count,
         open_intents,
         pending_count,
+        read_jetstream,
         relays,
         writers_factory,
     )
@@ -48,7 +48,6 @@ except ImportError:  # pragma: no cover
     from tests.services import wait_for
     from tests.test_relay_faults import (
         TOPICS,
-        Entry,
         RelayProcs,
         WriterFactory,
         assert_clean,
@@ -56,8 +55,10 @@ except ImportError:  # pragma: no cover
         create_domain,
         judge,
         make_keys,
+        message_count,
         open_intents,
         pending_count,
+        read_jetstream,
         relays,
         writers_factory,  # noqa: F401
     )
@@ -67,73 +68,6 @@ from outbox.nats_client import jetstream_name
 pytestmark = pytest.mark.slow
 
 DUPLICATE_WINDOW = 0.5
-
-
-def read_jetstream(kit: BrokerKit) -> list[Entry]:
-    """Every message of the test's streams, stream by stream in sequence order."""
-    streams = [kit.stream(topic) for topic in TOPICS]
-
-    async def read(js: Any) -> list[Entry]:
-        from nats.errors import TimeoutError as NatsTimeout
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-        from nats.js.errors import FetchTimeoutError, NotFoundError
-
-        out: list[Entry] = []
-        for stream in streams:
-            name = jetstream_name(stream)
-            try:
-                info = await js.stream_info(name)
-            except NotFoundError:
-                continue
-            if not info.state.messages:
-                continue
-            sub = await js.pull_subscribe(
-                stream,
-                stream=name,
-                config=ConsumerConfig(
-                    ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True
-                ),
-            )
-            seen = 0
-            try:
-                while seen < info.state.messages:
-                    try:
-                        msgs = await sub.fetch(1000, timeout=2.0)
-                    except (FetchTimeoutError, NatsTimeout, TimeoutError):
-                        break
-                    for msg in msgs:
-                        seen += 1
-                        fields = json.loads(msg.data)
-                        data = json.loads(fields["data"])
-                        out.append(
-                            Entry(
-                                stream,
-                                str(msg.metadata.sequence.stream),
-                                fields["id"],
-                                fields["subject"],
-                                data["version"],
-                            )
-                        )
-            finally:
-                await sub.unsubscribe()
-        return out
-
-    result: list[Entry] = _nats_run(read, timeout=120.0)
-    return result
-
-
-def message_count(kit: BrokerKit) -> int:
-    async def count(js: Any) -> int:
-        from nats.js.errors import NotFoundError
-
-        total = 0
-        for topic in TOPICS:
-            with contextlib.suppress(NotFoundError):
-                total += (await js.stream_info(jetstream_name(kit.stream(topic)))).state.messages
-        return total
-
-    result: int = _nats_run(count)
-    return result
 
 
 def create_streams(kit: BrokerKit) -> None:

@@ -10,9 +10,12 @@ What they prove (DESIGN.md guarantees 2, 3 and 4, and the issue's fault list):
   lost and the same relay process recovers by itself;
 - SIGTERM under load: exit code 0 and no intent left without its receipt.
 
-The kill tests and the SIGTERM test run on one Redis and on a Redis Cluster (``redis_target``,
-issue 13; smaller sizes on the cluster, the same checks). The Redis and PostgreSQL restarts
-restart a private single server; ``test_cluster.py`` kills cluster masters.
+The kill tests run on one Redis and on a Redis Cluster (``redis_target``, issue 13; smaller
+sizes on the cluster, the same checks); the SIGTERM test is a broker contract case
+(``broker_kit``, issue 40: Redis, Redis Cluster and NATS JetStream, the relays started with
+``--broker-url``; tests/test_nats_faults.py is the kill test on NATS). The Redis and
+PostgreSQL restarts restart a private single server; ``test_cluster.py`` kills cluster
+masters.
 
 The domain is the one guarantee 4 speaks of: a writer transaction locks the aggregate row of
 its key (``UPDATE aggregates SET version = version + 1 ... RETURNING version``) and emits an
@@ -28,6 +31,7 @@ ids seen more than once (duplicates), events the writers saw committed but the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -51,11 +55,14 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import Outbox
 from outbox.db import make_engine
+from outbox.nats_client import jetstream_name
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
+    from broker_support import BrokerKit, _nats_run, broker_kit
     from cluster_support import RedisTarget
     from services import PrivatePostgres, PrivateRedis, wait_for
 except ImportError:  # pragma: no cover - if tests/ becomes a package
+    from tests.broker_support import BrokerKit, _nats_run, broker_kit  # noqa: F401
     from tests.cluster_support import RedisTarget
     from tests.services import PrivatePostgres, PrivateRedis, wait_for
 
@@ -242,7 +249,7 @@ def _takes_connections(engine: sa.Engine) -> bool:
 
 
 def relay_command(
-    database_url: str, redis_url: str, template: str, batch_size: int, *extra: str
+    database_url: str, broker_url: str, template: str, batch_size: int, *extra: str
 ) -> list[str]:
     return [
         sys.executable,
@@ -251,8 +258,8 @@ def relay_command(
         "run",
         "--database-url",
         database_url,
-        "--redis-url",
-        redis_url,
+        "--broker-url",
+        broker_url,
         "--stream",
         template,
         "--batch-size",
@@ -390,6 +397,99 @@ def read_streams(client: redis.Redis, prefix: str) -> list[Entry]:
                 break
             start = "(" + page[-1][0].decode()
     return entries
+
+
+def read_jetstream(kit: BrokerKit) -> list[Entry]:
+    """Every message of the test's JetStream streams, stream by stream in sequence order
+    (the entry id is the stream sequence: the relay's receipt on NATS)."""
+    streams = [kit.stream(topic) for topic in TOPICS]
+
+    async def read(js: Any) -> list[Entry]:
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import FetchTimeoutError, NotFoundError
+
+        out: list[Entry] = []
+        for stream in streams:
+            name = jetstream_name(stream)
+            try:
+                info = await js.stream_info(name)
+            except NotFoundError:
+                continue
+            if not info.state.messages:
+                continue
+            sub = await js.pull_subscribe(
+                stream,
+                stream=name,
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True
+                ),
+            )
+            seen = 0
+            try:
+                while seen < info.state.messages:
+                    try:
+                        msgs = await sub.fetch(1000, timeout=2.0)
+                    except (FetchTimeoutError, NatsTimeout, TimeoutError):
+                        break
+                    for msg in msgs:
+                        seen += 1
+                        fields = json.loads(msg.data)
+                        data = json.loads(fields["data"])
+                        out.append(
+                            Entry(
+                                stream,
+                                str(msg.metadata.sequence.stream),
+                                fields["id"],
+                                fields["subject"],
+                                data["version"],
+                            )
+                        )
+            finally:
+                await sub.unsubscribe()
+        return out
+
+    result: list[Entry] = _nats_run(read, timeout=120.0)
+    return result
+
+
+def message_count(kit: BrokerKit) -> int:
+    """How many messages the test's JetStream streams hold."""
+
+    async def count(js: Any) -> int:
+        from nats.js.errors import NotFoundError
+
+        total = 0
+        for topic in TOPICS:
+            with contextlib.suppress(NotFoundError):
+                total += (await js.stream_info(jetstream_name(kit.stream(topic)))).state.messages
+        return total
+
+    result: int = _nats_run(count)
+    return result
+
+
+def broker_entries(kit: BrokerKit) -> list[Entry]:
+    """The test's entries on any broker, with their receipts (:func:`read_streams` on Redis,
+    :func:`read_jetstream` on NATS)."""
+    if kit.name == "nats":
+        return read_jetstream(kit)
+    client = kit._redis()
+    try:
+        return read_streams(client, kit.prefix)
+    finally:
+        client.close()
+
+
+def broker_count(kit: BrokerKit) -> int:
+    """How many entries the test's streams hold on any broker (-1: the broker is down)."""
+    if kit.name == "nats":
+        return message_count(kit)
+    client = kit._redis()
+    try:
+        return _xlen(client, kit.prefix)
+    finally:
+        client.close()
 
 
 def committed_versions(url: str) -> dict[str, int]:
@@ -878,25 +978,24 @@ def test_postgres_restart_mid_run_loses_nothing_and_relay_recovers(
 
 def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
     pg_url: str,
-    redis_target: RedisTarget,
-    stream_prefix: str,
+    broker_kit: BrokerKit,
     tmp_path: Path,
     writers_factory: WriterFactory,
 ) -> None:
-    """SIGTERM while a relay is busy: exit 0, every claim receipted or released; on one
-    Redis and on a Redis Cluster (``redis_target``)."""
+    """SIGTERM while a relay is busy: exit 0, every claim receipted or released, every
+    receipt the entry's own id (a Redis entry id, a JetStream sequence); on one Redis, a
+    Redis Cluster and NATS JetStream (``broker_kit``: ``outbox-relay run --broker-url``)."""
     keys = make_keys(200)
     create_domain(pg_url, keys)
     engine = make_engine(pg_url, pool_size=2)
     # A backlog bigger than the relay drains in the time we give it, so SIGTERM lands mid-run.
     writers_factory(pg_url, keys, 20_000, threads=4, per_tx=50).join(120)
-    template = redis_target.hash_tagged(f"{stream_prefix}.{{topic}}")
-    command = relay_command(pg_url, redis_target.url, template, 100, *redis_target.extra_args)
-    redis_client = redis_target.connect()
+    extra = ["--redis-cluster"] if broker_kit.cluster else []
+    command = relay_command(pg_url, broker_kit.url, broker_kit.template, 100, *extra)
     with relays(command, tmp_path) as procs:
         relay = procs.spawn()
         wait_for(
-            lambda: _xlen(redis_client, stream_prefix) > 300,
+            lambda: broker_count(broker_kit) > 300,
             "the relay to publish",
             timeout=60,
             interval=0.1,
@@ -904,7 +1003,7 @@ def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
         )
         relay.send_signal(signal.SIGTERM)
         code = relay.wait(30)
-        published_at_stop = _xlen(redis_client, stream_prefix)
+        published_at_stop = broker_count(broker_kit)
         assert code == 0, f"exit code {code} after SIGTERM\n{procs.tail()}"
     with engine.connect() as conn:
         open_intent = conn.execute(
@@ -921,18 +1020,21 @@ def test_sigterm_under_load_exits_zero_and_leaves_no_intent_without_receipt(
         pending = conn.execute(
             sa.text(f"SELECT count(*) FROM {TABLE} WHERE state = 'pending'")
         ).scalar_one()
-    entries = read_streams(redis_client, stream_prefix)
-    print(f"\nSIGTERM: {published_at_stop} published, {pending} still pending at exit")
+    entries = broker_entries(broker_kit)
+    print(
+        f"\nSIGTERM ({broker_kit.name}): {published_at_stop} published, "
+        f"{pending} still pending at exit"
+    )
     assert pending > 0, "the relay drained everything before SIGTERM: the test proves nothing"
     assert open_intent == 0, f"{open_intent} rows claimed without a receipt after SIGTERM"
     # Every entry in the stream is receipted with its own entry id, and nothing receipted is
     # missing from the stream.
     in_stream = {e.event_id: e.entry_id for e in entries}
     assert len(in_stream) == len(entries), "duplicate entries after SIGTERM"
+    assert len(entries) == published_at_stop
     wrong = {k: (v, in_stream.get(k)) for k, v in receipts.items() if in_stream.get(k) != v}
     assert not wrong, (
         f"{len(wrong)} receipts disagree with the stream, e.g. {list(wrong.items())[:3]}"
     )
     assert set(in_stream) == set(receipts)
     engine.dispose()
-    redis_client.close()
