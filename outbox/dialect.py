@@ -8,7 +8,7 @@ table names. Nothing outside the storage seams asks which database it runs on.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -80,6 +80,21 @@ def insert_or_ignore(table: Table, conflict: Sequence[Any], dialect_name: str) -
     is a result (no row inserted, learn it with RETURNING), never an exception."""
     insert = postgresql.insert if dialect_name == POSTGRESQL else sqlite.insert
     return insert(table).on_conflict_do_nothing(index_elements=list(conflict))
+
+
+def insert_new(
+    conn: Connection,
+    table: Table,
+    conflict: Sequence[Any],
+    values: Mapping[str, Any],
+    returning: Any,
+) -> Any:
+    """Insert one row unless it conflicts on ``conflict`` (:func:`insert_or_ignore`), in
+    ``conn``'s transaction: the new row's ``returning`` column(s), or None when the row
+    existed (RETURNING is how a caller learns it: SQLAlchemy 2.1 reports rowcount -1 for
+    Core inserts)."""
+    stmt = insert_or_ignore(table, conflict, conn.dialect.name).values(**values)
+    return conn.execute(stmt.returning(returning)).first()
 
 
 def quoted_table(table: str, schema: str | None = None) -> str:

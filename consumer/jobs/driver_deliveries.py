@@ -1,10 +1,6 @@
 """The job driver's statements for delivery callbacks (``consumer.jobs.deliveries``
-decides): :class:`DeliveryStatements`, a mixin of :class:`consumer.jobs.driver_base.JobDriver`.
-
-Each method runs in the caller's transaction (its open ``conn`` first). The statements are
-SQLAlchemy Core that compiles alike on both databases; the insert's ``ON CONFLICT DO
-NOTHING`` is built for ``conn``'s dialect (``outbox.dialect.insert_or_ignore``), as the
-driver's other inserts are.
+decides): :class:`DeliveryStatements`, a mixin of :class:`consumer.jobs.driver_base.JobDriver`,
+SQLAlchemy Core in the caller's transaction (its open ``conn`` first) on both databases.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.schema import deliveries, operations
-from outbox.dialect import insert_or_ignore
+from outbox.dialect import insert_new
 
 __all__ = ["DeliveryStatements"]
 
@@ -37,19 +33,17 @@ class DeliveryStatements:
     ) -> bool:
         """Keep a callback unless its ``event_id`` was kept before: True if inserted.
         ``received_at`` is a number or the database clock as an expression."""
-        created = conn.execute(
-            insert_or_ignore(deliveries, ("event_id",), conn.dialect.name)
-            .values(
-                event_id=event_id,
-                operation_id=operation_id,
-                status=status,
-                provider_ref=provider_ref,
-                detail=detail,
-                received_at=received_at,
-            )
-            .returning(deliveries.c.event_id)
-        ).first()
-        return created is not None
+        values = {
+            "event_id": event_id,
+            "operation_id": operation_id,
+            "status": status,
+            "provider_ref": provider_ref,
+            "detail": detail,
+            "received_at": received_at,
+        }
+        return (
+            insert_new(conn, deliveries, ("event_id",), values, deliveries.c.event_id) is not None
+        )
 
     def delivery_applied_at(self, conn: Connection, event_id: str) -> Any:
         """When a kept callback was applied (None: it waits)."""

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 
 from consumer.jobs.receipts import NOT_SENT, PENDING, UNKNOWN
 from consumer.jobs.schema import jobs, operations
-from outbox.dialect import db_epoch, insert_or_ignore
+from outbox.dialect import db_epoch, insert_new
 
 __all__ = ["OperationStatements", "check_operation_columns"]
 
@@ -30,11 +30,9 @@ class OperationStatements(ABC):
     def operation_insert(self, conn: Connection, values: Mapping[str, Any]) -> float | None:
         """Insert an intent unless its operation id exists: the call deadline it was created
         with, or None when it existed."""
-        created = conn.execute(
-            insert_or_ignore(operations, ("operation_id",), conn.dialect.name)
-            .values(**values)
-            .returning(operations.c.call_deadline)
-        ).first()
+        created = insert_new(
+            conn, operations, ("operation_id",), values, operations.c.call_deadline
+        )
         return None if created is None else float(created[0])
 
     @abstractmethod

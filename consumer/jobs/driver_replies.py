@@ -1,10 +1,6 @@
 """The job driver's statements for replies to jobs (``consumer.jobs.replies`` decides):
-:class:`ReplyStatements`, a mixin of :class:`consumer.jobs.driver_base.JobDriver`.
-
-Each method runs in the caller's transaction (its open ``conn`` first). The statements are
-SQLAlchemy Core that compiles alike on both databases; the insert's ``ON CONFLICT DO
-NOTHING`` is built for ``conn``'s dialect (``outbox.dialect.insert_or_ignore``), as the
-driver's other inserts are.
+:class:`ReplyStatements`, a mixin of :class:`consumer.jobs.driver_base.JobDriver`, SQLAlchemy
+Core in the caller's transaction (its open ``conn`` first) on both databases.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.schema import jobs, replies
-from outbox.dialect import insert_or_ignore
+from outbox.dialect import insert_new
 
 __all__ = ["ReplyStatements"]
 
@@ -43,19 +39,15 @@ class ReplyStatements:
         received_at: float,
     ) -> bool:
         """Insert a reply unless the job has one with that ``reply_id``: True if inserted."""
-        inserted = conn.execute(
-            insert_or_ignore(replies, ("job_id", "reply_id"), conn.dialect.name)
-            .values(
-                job_id=job_id,
-                seq=seq,
-                reply_id=reply_id,
-                payload=payload,
-                source=source,
-                received_at=received_at,
-            )
-            .returning(replies.c.id)
-        ).first()
-        return inserted is not None
+        values = {
+            "job_id": job_id,
+            "seq": seq,
+            "reply_id": reply_id,
+            "payload": payload,
+            "source": source,
+            "received_at": received_at,
+        }
+        return insert_new(conn, replies, ("job_id", "reply_id"), values, replies.c.id) is not None
 
     def reply_job_count(
         self, conn: Connection, job_id: int, state: str, values: Mapping[str, Any]
