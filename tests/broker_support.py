@@ -67,6 +67,16 @@ class BrokerKit:
     def ids(self, stream: str) -> list[str]:
         return [e["id"] for e in self.read(stream)]
 
+    def length(self, stream: str) -> int:
+        """How many entries ``stream`` holds (0: no such stream), without reading them."""
+        if self.name == "nats":
+            return _nats_length(stream)
+        client = self._redis()
+        try:
+            return int(client.xlen(stream))
+        finally:
+            client.close()
+
     def lose(self, stream: str) -> None:
         """The broker loses ``stream``: on NATS the JetStream stream is deleted; on Redis
         every key of this test goes (the stream and the relay's markers and fences: what a
@@ -136,6 +146,20 @@ def _nats_read(stream: str) -> list[dict[str, str]]:
         return out
 
     result: list[dict[str, str]] = _nats_run(read, timeout=60.0)
+    return result
+
+
+def _nats_length(stream: str) -> int:
+    async def length(js: Any) -> int:
+        from nats.js.errors import NotFoundError
+
+        try:
+            info = await js.stream_info(jetstream_name(stream))
+        except NotFoundError:
+            return 0
+        return int(info.state.messages)
+
+    result: int = _nats_run(length)
     return result
 
 

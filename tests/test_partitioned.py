@@ -13,6 +13,9 @@ What they prove:
   is pending or quarantined; the stream and the receipts of what went are untouched;
   ``purge --dry-run`` lists the partitions that would go; no DELETE runs;
 - reconciliation of unreceipted intents and ``republish`` work across partitions;
+- the publishing across boundaries and the reconciliation and republish cases are broker
+  contract cases (``broker_kit``, issue 40): Redis, Redis Cluster and NATS JetStream, the
+  broker side only through the :class:`relay.broker.Broker` seam;
 - a relay SIGKILLed and restarted on a partitioned table loses and duplicates nothing.
 """
 
@@ -41,20 +44,25 @@ from outbox.errors import ConfigError
 from outbox.schema import PG_STORAGE_PARAMETERS
 from outbox.tablestats import table_stats
 from relay import RedisStreamPublisher, Relay
+from relay.broker import Broker
 from relay.partitions import PartitionUpkeep
+from relay.records import Record
 from relay.republish import republish
 from relay.store import store_for
+from relay.store.pg_statements import PG_RECORD_COLUMNS
 
 # The fast tier (`pytest -m "not slow"`) stays under 2 minutes: these start processes,
 # clusters or servers, and run in the whole suite (CI) only.
 pytestmark = pytest.mark.slow
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
+    from broker_support import BrokerKit, broker_kit
     from services import wait_for
     from test_relay import fast_config as config
     from test_relay_cli import cli as relay_cli
     from test_relay_faults import pending_count
 except ImportError:  # pragma: no cover
+    from tests.broker_support import BrokerKit, broker_kit  # noqa: F401
     from tests.services import wait_for
     from tests.test_relay import fast_config as config
     from tests.test_relay_cli import cli as relay_cli
@@ -102,6 +110,17 @@ def stream_events(client: redis.Redis, stream: str) -> list[tuple[str, str]]:
 
 def make_relay(outbox: Outbox, client: redis.Redis, prefix: str, **overrides: Any) -> Relay:
     return Relay(outbox, RedisStreamPublisher(client, f"{prefix}.{{topic}}"), config(**overrides))
+
+
+def relay_on(outbox: Outbox, broker: Broker, **overrides: Any) -> Relay:
+    return Relay(outbox, broker, config(**overrides))
+
+
+def record_of(outbox: Outbox, event_id: str) -> Record:
+    """The row of ``event_id`` as the relay claims it (what it hands its broker)."""
+    with outbox.engine.connect() as conn:
+        sql = f"SELECT {PG_RECORD_COLUMNS} FROM {TABLE} t WHERE t.event_id = :e"
+        return Record(*conn.execute(sa.text(sql), {"e": event_id}).one())
 
 
 def drain_until(relay: Relay, condition: Any, what: str, timeout: float = 30.0) -> None:
@@ -262,12 +281,12 @@ def test_every_relay_statement_rewrite_still_fits_the_plain_statements() -> None
 
 
 def test_events_across_partition_boundaries_are_published_once_in_key_order(
-    pg_url: str, redis_client: redis.Redis, stream_prefix: str
+    pg_url: str, broker_kit: BrokerKit
 ) -> None:
     outbox = Outbox(pg_url)
     outbox.create_schema(partitioned=1)  # one-second partitions: boundaries every second
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    stream = f"{stream_prefix}.t"
+    relay = relay_on(outbox, broker_kit.make())
+    stream = broker_kit.stream("t")
     written: list[tuple[str, str]] = []
     # A transaction begun now and committed last: its rows are stamped with its start, so
     # they land in an earlier partition than rows committed before it (the claim floor).
@@ -278,7 +297,7 @@ def test_events_across_partition_boundaries_are_published_once_in_key_order(
         def cycle() -> bool:
             relay.run_once()
             relay.partition_duty.maybe_run()  # what ``run`` does after each cycle
-            return bool(redis_client.xlen(stream) >= len(written))
+            return broker_kit.length(stream) >= len(written)
 
         def spanned() -> int:
             # In a transaction of its own, closed before the relay's upkeep runs: a read of
@@ -302,9 +321,9 @@ def test_events_across_partition_boundaries_are_published_once_in_key_order(
     with outbox.transaction() as tx:
         after = tx.emit("t", key="late", payload={"n": 1})
     written.append((after, "late"))
-    drain_until(relay, lambda: redis_client.xlen(stream) >= len(written), "every event")
+    drain_until(relay, lambda: broker_kit.length(stream) >= len(written), "every event")
     relay.run_once()
-    got = stream_events(redis_client, stream)
+    got = [(e["id"], e["subject"]) for e in broker_kit.read(stream)]
     assert Counter(e for e, _k in got) == Counter(e for e, _k in written)  # once each
     per_key_got: dict[str, list[str]] = defaultdict(list)
     for event_id, key in got:
@@ -317,6 +336,7 @@ def test_events_across_partition_boundaries_are_published_once_in_key_order(
     assert len(set(where.values())) >= 3
     assert f"{TABLE}_default" not in where.values()  # upkeep kept partitions ahead
     assert where[late] != where[after]  # the late commit sits in an earlier partition
+    relay.store.close()
 
 
 def test_old_partitions_drop_only_when_all_published_and_the_stream_is_untouched(
@@ -373,19 +393,21 @@ def test_old_partitions_drop_only_when_all_published_and_the_stream_is_untouched
     relay.store.close()
 
 
-def test_reconcile_and_republish_across_partitions(
-    hourly: Outbox, redis_client: redis.Redis, stream_prefix: str
-) -> None:
+def test_reconcile_and_republish_across_partitions(hourly: Outbox, broker_kit: BrokerKit) -> None:
+    """A relay died holding intents in two partitions, after one of them reached the
+    broker: the next relay finds that one in the stream (not published twice) and publishes
+    the other; after the broker lost the stream, ``republish`` sends all three again, in
+    ``seq`` order across the partitions."""
     outbox = hourly
     hour_partitions(outbox, 3)
-    stream = f"{stream_prefix}.t"
+    stream = broker_kit.stream("t")
     with outbox.transaction() as tx:
         sent = tx.emit("t", key="A", payload={"n": 1})
         unsent = tx.emit("t", key="B", payload={"n": 1})
         later = tx.emit("t", key="A", payload={"n": 2})
     move_back(outbox, [sent], 2)
     move_back(outbox, [unsent], 1)
-    # A relay "died" after claiming both and XADDing one: its intents, and the entry it sent.
+    # A relay "died" after claiming both and publishing one: its intents, and what it sent.
     with outbox.engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -394,24 +416,23 @@ def test_reconcile_and_republish_across_partitions(
             ),
             {"a": sent, "b": unsent},
         )
-    redis_client.xadd(stream, {"id": sent, "type": "t", "subject": "A"})
-    relay = make_relay(outbox, redis_client, stream_prefix)
-    drain_until(relay, lambda: redis_client.xlen(stream) >= 3, "the three events")
-    got = [e for e, _s in stream_events(redis_client, stream)]
+    dead = broker_kit.make()
+    [receipt] = dead.publish([dead.prepare(record_of(outbox, sent))])
+    assert isinstance(receipt, str), receipt
+    dead.close()
+    relay = relay_on(outbox, broker_kit.make())
+    drain_until(relay, lambda: broker_kit.length(stream) >= 3, "the three events")
+    got = broker_kit.ids(stream)
     assert sorted(got) == sorted([sent, unsent, later])  # nothing twice
     assert got.index(sent) < got.index(later)
     assert relay.stats.reconciled_found == 1 and relay.stats.reconciled_missing == 1
     relay.store.close()
 
-    redis_client.delete(stream)  # what a flush would do
-    result = republish(
-        store_for(outbox.engine, outbox.schema),
-        RedisStreamPublisher(redis_client, f"{stream_prefix}.{{topic}}"),
-        from_seq=0,
-    )
+    broker_kit.lose(stream)  # what a flush would do
+    assert broker_kit.ids(stream) == []
+    result = republish(store_for(outbox.engine, outbox.schema), broker_kit.make(), from_seq=0)
     assert result.republished == 3 and not result.failed
-    again = [e for e, _s in stream_events(redis_client, stream)]
-    assert again == [sent, unsent, later]  # seq order, across the partitions
+    assert broker_kit.ids(stream) == [sent, unsent, later]  # seq order, across the partitions
 
 
 # -- a relay killed on a partitioned table ---------------------------------------------------
