@@ -105,8 +105,6 @@ SHARD = 16
 
 USER_AGENT = "outbox-toolkit HttpProvider"
 
-#: Statuses after which the provider certainly did not act on the request.
-NOT_SENT_STATUSES = frozenset({401, 403, 408, 429, 503})
 #: The largest answer body read (a reference is small; a provider sending megabytes is broken).
 MAX_BODY_BYTES = 1 << 20
 
