@@ -6,6 +6,8 @@ adding it to that fixture; every case here must then pass on it.
 What each case proves:
 
 - committed events reach their streams once, each key's in commit order, with receipts;
+- (moved from tests/test_relay.py) the entries are CloudEvents: the same attributes on
+  every broker, what a NATS consumer is handed included (body, ``Nats-Msg-Id``, subject);
 - an intent without a receipt (a relay that died between the publish and the receipt) is
   reconciled by finding the event in the stream, also once the broker's own duplicate
   window has closed, so nothing is published twice;
@@ -36,6 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -125,6 +128,100 @@ def test_committed_events_are_published_once_in_key_order(
     assert all(r["state"] == "published" and r["stream_id"] for r in published)
     assert {r["stream"] for r in published} == {broker_kit.stream("t")}
     relay.store.close()
+
+
+def nats_delivered(stream: str) -> list[Any]:
+    """The messages of ``stream`` as a JetStream consumer is handed them (a pull
+    subscription on the subject, from the start): each with its subject, headers, body and
+    stream sequence."""
+    from broker_support import _nats_run
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from outbox.nats_client import jetstream_name
+
+    async def fetch(js: Any) -> list[Any]:
+        info = await js.stream_info(jetstream_name(stream))
+        sub = await js.pull_subscribe(
+            stream,
+            stream=jetstream_name(stream),
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
+        )
+        out: list[Any] = []
+        try:
+            while len(out) < info.state.messages:
+                out += await sub.fetch(info.state.messages - len(out), timeout=10.0)
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    result: list[Any] = _nats_run(fetch, timeout=30.0)
+    return result
+
+
+def test_entries_are_cloudevents_with_their_receipts(
+    any_outbox: Outbox, broker_kit: BrokerKit
+) -> None:
+    """(Moved from tests/test_relay.py.) What a reader of the broker sees, in CloudEvents
+    attribute names (docs/reference/stream-format.md): a flat hash of strings per event (on
+    NATS, the message body as one JSON object of them, ``Nats-Msg-Id`` the event id, on
+    the stream name as its subject), the extensions only when set, and each row's receipt
+    naming its entry (a Redis entry id, a JetStream sequence)."""
+    outbox = any_outbox
+    with outbox.transaction() as tx:
+        first = tx.emit(
+            "quote.approved",
+            key="quote-017",
+            payload={"total": 120, "lines": [1, 2]},
+            tenant="studio",
+            identity="studio:send-quote-017",
+            headers={"traceparent": "00-4bf92f3577b34da6-00f067aa0ba902b7-01", "origin": "web"},
+        )
+        second = tx.emit("quote.approved", key="quote-018", payload={"total": 5})
+    relay = relay_on(outbox, broker_kit.make())
+    assert relay.run_once() == 2
+    assert relay.run_once() == 0
+    relay.store.close()
+    stream = broker_kit.stream("quote.approved")
+    got = broker_kit.read(stream)
+    assert [e["id"] for e in got] == [first, second]
+    assert all(isinstance(v, str) for e in got for v in e.values())  # a flat hash of strings
+    e = got[0]
+    assert e["specversion"] == "1.0"
+    assert e["source"] == "outbox"
+    assert e["type"] == "quote.approved"
+    assert e["subject"] == "quote-017"
+    assert e["partitionkey"] == "quote-017"
+    assert e["datacontenttype"] == "application/json"
+    assert json.loads(e["data"]) == {"total": 120, "lines": [1, 2]}
+    assert e["tenant"] == "studio"
+    assert e["identity"] == "studio:send-quote-017"
+    assert e["traceparent"] == "00-4bf92f3577b34da6-00f067aa0ba902b7-01"
+    assert e["header.origin"] == "web"
+    stamp = datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
+    assert abs(stamp.timestamp() - time.time()) < 60
+    assert "tenant" not in got[1] and "traceparent" not in got[1]
+    assert got[1]["identity"] == second
+    receipts = {r["event_id"]: r for r in rows(outbox)}
+    for r in receipts.values():
+        assert r["state"] == "published"
+        assert r["stream"] == stream
+    if broker_kit.name == "nats":
+        delivered = nats_delivered(stream)
+        assert [json.loads(m.data) for m in delivered] == got
+        for m in delivered:
+            event_id = json.loads(m.data)["id"]
+            assert m.subject == stream
+            assert m.headers["Nats-Msg-Id"] == event_id
+            assert receipts[event_id]["stream_id"] == str(m.metadata.sequence.stream)
+    else:
+        client = broker_kit._redis()
+        try:
+            by_entry = {i.decode(): f[b"id"].decode() for i, f in client.xrange(stream)}
+        finally:
+            client.close()
+        assert {v: k for k, v in by_entry.items()} == {
+            event_id: r["stream_id"] for event_id, r in receipts.items()
+        }
 
 
 def test_an_intent_without_a_receipt_is_found_in_the_stream_past_the_duplicate_window(
