@@ -67,7 +67,7 @@ class BatchMoves(StoreBase):
                 clock = self._clock(conn, when)
                 for job_id, upto in seen:
                     if upto is not None:
-                        talk.consume(conn, job_id, upto, clock)
+                        talk.consume(self.driver, conn, job_id, upto, clock)
         finished = set(done)
         return BatchResult(
             done=sorted(finished),

@@ -116,7 +116,7 @@ class JobContext:
                 self._replies = []
             else:
                 with self.store.driver.connect() as conn:
-                    self._replies = unconsumed(conn, self.lease)
+                    self._replies = unconsumed(self.store.driver, conn, self.lease)
         return list(self._replies)
 
     @property

@@ -479,7 +479,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
         self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume
-            talk.consume(conn, job_id, consume, clock)
+            talk.consume(self.driver, conn, job_id, consume, clock)
         return target
 
     def _cas(

@@ -27,13 +27,12 @@ so the reply is never left behind a wait.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import ColumnElement
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.checks import NO_TIMER, job_key, valid_json, valid_time
@@ -145,12 +144,12 @@ def reply_in(
     source: str | None,
     now: Any,
 ) -> ReplyResult:
-    """:func:`record_reply` on a connection of the caller's (``ConsumerTx.reply``), with the
-    job store's driver for its engine (made once per engine)."""
+    """:func:`record_reply` on a connection of the caller's (``ConsumerTx.reply``: there is no
+    job store there), with a job driver for its engine (a light object, made per reply)."""
     check_reply(payload, reply_id, source)
     where, label = job_key(job, action)
     return record_reply(
-        driver_of(conn),
+        driver_for(conn.engine),
         conn,
         where,
         label,
@@ -161,37 +160,27 @@ def reply_in(
     )
 
 
-_drivers: weakref.WeakKeyDictionary[Engine, JobDriver] = weakref.WeakKeyDictionary()
-
-
-def driver_of(conn: Connection) -> JobDriver:
-    """The job store's driver for ``conn``'s engine (made once per engine): the statements
-    of the functions below that are given only a connection of the caller's."""
-    driver = _drivers.get(conn.engine)
-    if driver is None:
-        driver = _drivers.setdefault(conn.engine, driver_for(conn.engine))
-    return driver
-
-
 def state_after(state: str) -> str:
     return READY if state == WAITING_EXTERNAL else state
 
 
-def unconsumed(conn: Connection, lease: Lease) -> list[Reply]:
+def unconsumed(driver: JobDriver, conn: Connection, lease: Lease) -> list[Reply]:
     """The replies a run of ``lease`` sees (module docstring), oldest first."""
     if lease.replies_received <= lease.replies_consumed:
         return []
-    rows = driver_of(conn).reply_unconsumed(
+    rows = driver.reply_unconsumed(
         conn, lease.job_id, lease.replies_consumed, lease.replies_received
     )
     return [reply_from_row(r) for r in rows]
 
 
-def listed(conn: Connection, job_ids: Sequence[int], limit: int = 100) -> list[Any]:
+def listed(
+    driver: JobDriver, conn: Connection, job_ids: Sequence[int], limit: int = 100
+) -> list[Any]:
     """The replies of some jobs, oldest first (the console's trace)."""
     if not job_ids:
         return []
-    return list(driver_of(conn).reply_list(conn, job_ids, limit))
+    return list(driver.reply_list(conn, job_ids, limit))
 
 
 def watermark(job: object) -> int | None:
@@ -201,10 +190,10 @@ def watermark(job: object) -> int | None:
     return None
 
 
-def consume(conn: Connection, job_id: int, upto: int, clock: Any) -> None:
+def consume(driver: JobDriver, conn: Connection, job_id: int, upto: int, clock: Any) -> None:
     """Mark the job's replies up to ``seq`` ``upto`` consumed (a run that saw them ended
     well), in the caller's transaction, after its fenced move."""
-    driver_of(conn).reply_consume(conn, job_id, upto, clock)
+    driver.reply_consume(conn, job_id, upto, clock)
 
 
 def reply_from_row(row: Any) -> Reply:

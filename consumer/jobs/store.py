@@ -337,7 +337,9 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
         """Every reply the job received, consumed or not, oldest first."""
         job_id = self.get(job, action).id
         with self.driver.connect() as conn:
-            return [reply_from_row(row) for row in listed(conn, [job_id], limit=10_000)]
+            return [
+                reply_from_row(row) for row in listed(self.driver, conn, [job_id], limit=10_000)
+            ]
 
     def history(self, job: Any, action: str | None = None) -> list[Attempt]:
         """The job's attempt history, oldest first."""
