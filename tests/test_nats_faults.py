@@ -130,6 +130,7 @@ class AckDelayProxy:
                 if replies:
                     wait = self.held_until - time.monotonic()
                     if wait > 0:
+                        # The fault itself, not a wait: the server's replies are late.
                         time.sleep(wait)
                 dst.sendall(chunk)
         except OSError:
@@ -235,6 +236,8 @@ def test_zero_duplicates_and_zero_lost_across_100_sigkills_on_nats(
                 diagnose=procs.tail,
             )
             at_intent += caught
+            # The scenario, not a wait: the kill lands anywhere in the next 100 ms, between
+            # the stored message and its late acknowledgement, or after the receipt.
             time.sleep(rng.uniform(0, 0.1))
             lives.append(time.monotonic() - procs.born[proc.pid])
             procs.kill(proc)
