@@ -305,6 +305,7 @@ def test_jobs_wait_for_a_permit_in_turn_and_are_never_handed_back() -> None:
     order: list[int] = []
     progress = [0]
     lock = threading.Lock()
+    lined_up = threading.Event()
 
     def one(i: int) -> None:
         def progressed() -> None:
@@ -313,19 +314,23 @@ def test_jobs_wait_for_a_permit_in_turn_and_are_never_handed_back() -> None:
 
         ticket = made.enter(progressed)
         order.append(i)
-        time.sleep(0.05)  # the scenario: the call takes a while, the others line up meanwhile
+        if i == 0:  # the first call lasts until the five others are in line behind it
+            assert lined_up.wait(60)
         made.leave(ticket)
 
     first = threading.Thread(target=one, args=(0,))
     first.start()
-    wait_for(lambda: made.permits.in_flight == 1, "the first call")
+    wait_for(lambda: made.permits.in_flight == 1, "the first call", timeout=60)
     threads = []
     for i in range(1, 6):
         threads.append(threading.Thread(target=one, args=(i,)))
         threads[-1].start()
-        wait_for(lambda i=i: made.permits.waiting == i or len(order) > 1, "in line")
+        wait_for(lambda i=i: made.permits.waiting == i, f"{i} in line", timeout=60)
+    assert order == [0]  # nobody passed the call in flight
+    lined_up.set()
     for thread in [first, *threads]:
-        thread.join(30)
+        thread.join(60)
+        assert not thread.is_alive()
     assert sorted(order) == list(range(6))
     assert progress[0] >= 5  # each waiting job said so (the heartbeat renews its lease)
 
