@@ -50,6 +50,7 @@ from sqlalchemy.orm import Session
 from consumer.bulk import deferred_writes
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.base import StoreConfig
+from consumer.jobs.batch_moves import leases_by_worker
 from consumer.jobs.checks import (
     SPEC_FIELDS,
     Time,
@@ -492,16 +493,67 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
           holding no lease. Race-safe on PostgreSQL (a per-tenant advisory lock and a count
           taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
         """
+        params = self._claim_params(
+            worker, limit, ttl, now, queues, routes, tenant_limit, tenant_limits
+        )
+        if params is None:
+            return []  # nothing this worker could take
+        with self.driver.begin() as conn:
+            return self._claim_in(conn, params)
+
+    def finish_and_claim(
+        self,
+        leases: Iterable[Lease],
+        worker: str,
+        limit: int,
+        ttl: float = 30,
+        *,
+        now: Time | None = None,
+        queues: Iterable[str] | None = None,
+        routes: Iterable[str] | None = None,
+        tenant_limit: int | None = None,
+        tenant_limits: Mapping[str, int] | None = None,
+    ) -> tuple[BatchResult, list[Lease]]:
+        """:meth:`finish_batch` of ``leases`` and :meth:`claim_batch` of up to ``limit``
+        jobs for ``worker`` (the same filters) in **one** transaction: the slots a worker's
+        finished jobs free take their next jobs in the commit that frees them, one round
+        trip and one commit instead of two each (issue 44). The finished jobs end and the
+        new leases begin in the same commit, so a worker that asks for at most the slots
+        these finishes free never holds more leases than it has slots. Fencing is
+        :meth:`finish_batch`'s: a lost lease is in the result's ``conflicts``."""
+        items, by_worker = leases_by_worker(leases)
+        when = valid_time("now", now)
+        params = (  # a limit of 0: the finish alone (a stop)
+            None
+            if limit == 0 and not isinstance(limit, bool)
+            else self._claim_params(
+                worker, limit, ttl, now, queues, routes, tenant_limit, tenant_limits
+            )
+        )
+        with self.driver.begin() as conn:
+            result = self.finish_in(conn, items, by_worker, when) if items else BatchResult()
+            claimed = self._claim_in(conn, params) if params is not None else []
+        return result, claimed
+
+    def _claim_params(
+        self,
+        worker: str,
+        limit: int,
+        ttl: float,
+        now: Time | None,
+        queues: Iterable[str] | None,
+        routes: Iterable[str] | None,
+        tenant_limit: int | None,
+        tenant_limits: Mapping[str, int] | None,
+    ) -> dict[str, Any] | None:
+        """A batch claim's checked parameters; None when the filters leave nothing."""
         valid_name("worker", worker)
         check_number("limit", limit, JobError, integer=True)
         seconds = valid_ttl(ttl)
         when = valid_time("now", now)
         if when is None and self.driver.clock is not None:
             when = self.driver.clock()
-        with self._cursor_lock:
-            cursor = self._cursor
         params: dict[str, Any] = {
-            "cursor": cursor,
             "max_tenants": self.config.max_tenants_scanned,
             "limit": limit,
             "worker": worker,
@@ -512,11 +564,16 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
             "tenant_limits": valid_limits(tenant_limits),
         }
         if params["queues"] == [] or params["routes"] == []:
-            return []  # nothing this worker could take
+            return None
         if when is not None:
             params["now"] = when
-        with self.driver.begin() as conn:
-            rows = self.driver.job_claim_batch(conn, params, when is not None)
+        return params
+
+    def _claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Lease]:
+        """The batch claim in the caller's transaction, from the fairness cursor on."""
+        with self._cursor_lock:
+            cursor = self._cursor
+        rows = self.driver.job_claim_batch(conn, {**params, "cursor": cursor}, "now" in params)
         leases = [lease_from_row(row) for row in rows]
         leases.sort(key=lambda lease: (lease.tenant <= cursor, lease.tenant, lease.job_id))
         if leases:
