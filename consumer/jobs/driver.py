@@ -26,12 +26,12 @@ modules of ``consumer.jobs`` reach the database only through ``Store.driver``.
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from consumer.jobs.driver_base import INSERT_CHUNK, READY_CHANNEL_SQL, JobDriver, ReadyListener
-from consumer.jobs.driver_pg import PostgresJobDriver
+from consumer.jobs.driver_pg import PostgresJobDriver, no_jit
 from consumer.jobs.driver_sqlite import SqliteJobDriver
 from outbox.db import configure_sqlite, make_engine, normalise_url
 from outbox.dialect import is_postgresql
@@ -62,7 +62,12 @@ def engine_for(url: str | URL | None) -> Engine:
     parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         return _memory_engine()
-    return make_engine(parsed)
+    engine = make_engine(parsed)
+    if is_postgresql(engine.dialect.name):
+        # The store's own engine (the user's engine is left alone): no JIT on its sessions,
+        # so a claim needs no SET LOCAL of its own (``PostgresJobDriver.job_claim_batch``).
+        event.listen(engine, "connect", no_jit)
+    return engine
 
 
 def _memory_engine() -> Engine:

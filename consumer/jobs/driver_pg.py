@@ -15,6 +15,7 @@ from psycopg import sql as psycopg_sql
 from sqlalchemy import (
     ColumnElement,
     Index,
+    event,
     func,
     literal_column,
     text,
@@ -37,11 +38,25 @@ from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, insert_or_ignore
 
 
+def no_jit(dbapi_connection: Any, _record: Any) -> None:
+    """A ``connect`` listener for the store's own engine (``consumer.jobs.driver.engine_for``):
+    ``jit = off`` for the session, once per connection, instead of a ``SET LOCAL`` round trip
+    in every claim's transaction (``queries.PG_CLAIM_SETTINGS`` has the reason)."""
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute("SET jit = off")
+    dbapi_connection.commit()
+
+
 class PostgresJobDriver(JobDriver):
     """PostgreSQL: one statement per batch claim and batch finish, SKIP LOCKED, advisory DDL
     lock."""
 
     name = "postgresql"
+
+    @cached_property
+    def _jit_off(self) -> bool:
+        """The engine's sessions run without JIT already (the store built the engine)."""
+        return event.contains(self.engine, "connect", no_jit)
 
     def schema_create(self, conn: Connection) -> None:
         # Serialised (CREATE TABLE IF NOT EXISTS races between processes starting together),
@@ -270,11 +285,12 @@ class PostgresJobDriver(JobDriver):
             bound["queues"] = json.dumps(list(queues))
         if routes is not None:
             bound["route_names"] = list(routes)
-            bound["route_patterns"] = q.route_patterns(list(routes))
+            bound["route_patterns"] = q.route_patterns(tuple(routes))
         if limited:
             bound["tenant_limit"] = limit
             bound["tenant_limits"] = json.dumps(dict(limits))
-        conn.exec_driver_sql(q.PG_CLAIM_SETTINGS)  # no JIT for this transaction (its reason)
+        if not self._jit_off:  # the user's own engine: no JIT for this transaction (its reason)
+            conn.exec_driver_sql(q.PG_CLAIM_SETTINGS)
         return conn.execute(statement, bound).all()
 
     def job_finish_batch(

@@ -139,7 +139,8 @@ def route_filter(dialect: str, alias: str = "j") -> str:
                                     IN ({separators})))))"""
 
 
-def route_patterns(names: list[str]) -> list[str]:
+@lru_cache(maxsize=64)
+def route_patterns(names: tuple[str, ...]) -> list[str]:
     """PostgreSQL LIKE patterns (backslash escapes) matching an action that starts with a
     handler's name followed by a separator (``send-quote-%``, ``send-quote:%``, ...,
     ``send-quote\\_%``); ``%``, ``_`` and the backslash in a name match only themselves."""
