@@ -128,6 +128,8 @@ def call_hook(hooks: Hooks, name: str, *args: Any, **facts: Any) -> None:
     Keyword ``facts`` a hook does not declare are left out: an observer written before a hook
     gained them (``worker_job_finished(self, action, outcome, duration_seconds)``) keeps
     working."""
+    if _inert(type(hooks), name) and name not in getattr(hooks, "__dict__", ()):
+        return  # the base class's no-op: nothing to look up or call (a worker's hot path)
     try:
         method = getattr(hooks, name)
         if facts:
@@ -140,6 +142,17 @@ def call_hook(hooks: Hooks, name: str, *args: Any, **facts: Any) -> None:
 
 
 _KEYWORDS: dict[tuple[type, str], frozenset[str] | None] = {}
+_INERT: dict[tuple[type, str], bool] = {}
+
+
+def _inert(cls: type, name: str) -> bool:
+    """``cls`` keeps :class:`Hooks`' own no-op for the hook ``name`` (once per class)."""
+    key = (cls, name)
+    found = _INERT.get(key)
+    if found is None:
+        base = getattr(Hooks, name, None)
+        found = _INERT[key] = base is not None and getattr(cls, name, None) is base
+    return found
 
 
 def _accepted_keywords(cls: type, name: str, method: Any) -> frozenset[str] | None:

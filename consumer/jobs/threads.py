@@ -68,6 +68,7 @@ class ThreadGate:
         self.size = self.most if fixed else min(self.most, 2 * self.least)
         self.running = 0
         self._ratios: deque[float] = deque(maxlen=SAMPLES)
+        self._learned = 0
         self._turn: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -110,8 +111,9 @@ class ThreadGate:
         if self.fixed or wall <= 0:
             return
         self._ratios.append(max(0.0, wall - cpu) / max(cpu, 1e-4))
-        if len(self._ratios) < 10:
-            return
+        self._learned += 1
+        if len(self._ratios) < 10 or self._learned % 8:
+            return  # resized every 8th job: the median of SAMPLES moves slowly anyway
         ratio = sorted(self._ratios)[len(self._ratios) // 2]
         self.size = max(self.least, min(self.most, round(self.cpus * (1 + ratio))))
         self._wake()
