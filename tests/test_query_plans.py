@@ -410,11 +410,23 @@ def test_depth_reads_the_ready_jobs_not_the_history(
     assert all(age >= 1400 for _, _, age in rows)  # the oldest READY job of each queue
 
 
-def test_claims_run_without_jit_on_the_stores_engine_and_on_a_users(pg_url: str) -> None:
-    """The store's own engine turns JIT off once per session, so its claims send no SET LOCAL
-    (one round trip less per claim, issue 44); a store on the user's engine leaves the
-    user's sessions alone and turns it off in each claim's transaction."""
+def test_claims_and_finishes_are_one_round_trip_on_the_stores_engine(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's own engine turns JIT off once per session, so a claim is one statement
+    that commits on its own: no SET LOCAL, no BEGIN, no COMMIT (issue 44); so is a finish of
+    one worker's leases. A store on the user's engine leaves the user's sessions alone and
+    claims in a transaction that turns JIT off for itself."""
+    from psycopg import _connection_base
+
     from consumer.jobs.store import Store
+
+    commands: list[bytes] = []
+    exec_command = _connection_base.BaseConnection._exec_command
+
+    def spy(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        commands.append(bytes(command) if isinstance(command, bytes) else str(command).encode())
+        return exec_command(self, command, *args, **kwargs)
 
     own = Store(pg_url)
     user_engine = make_engine(pg_url)
@@ -425,15 +437,21 @@ def test_claims_run_without_jit_on_the_stores_engine_and_on_a_users(pg_url: str)
             engine, "before_cursor_execute", lambda c, cur, stmt, *rest: sent.append(stmt)
         )
     try:
+        own.enqueue_many([{"tenant": "t", "action": f"a-{i}"} for i in range(3)])
         with own.engine.connect() as conn:
             assert conn.exec_driver_sql("SHOW jit").scalar() == "off"
-        own.claim_batch("w", 1)
-        assert job_queries.PG_CLAIM_SETTINGS not in sent
+        monkeypatch.setattr(_connection_base.BaseConnection, "_exec_command", spy)
+        leases = own.claim_batch("w", 3)
+        assert own.finish_batch(leases).done == sorted(lease.job_id for lease in leases)
+        assert commands == [] and job_queries.PG_CLAIM_SETTINGS not in sent
         with user_engine.connect() as conn:
             assert conn.exec_driver_sql("SHOW jit").scalar() == "on"
+        commands.clear()
         users.claim_batch("w", 1)
         assert job_queries.PG_CLAIM_SETTINGS in sent
+        assert commands[0] == b"BEGIN" and b"COMMIT" in commands
     finally:
+        monkeypatch.undo()
         own.dispose()
         users.dispose()
         user_engine.dispose()

@@ -8,7 +8,6 @@ default), it never leases more jobs than it has slots."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -75,49 +74,4 @@ def test_claim_ahead_drains_a_backlog_with_every_job_once(pg_url: str) -> None:
         worker.stop()
         runner.join(60)
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 300
-    store.dispose()
-
-
-def test_a_freed_slot_takes_its_next_job_in_its_finishs_transaction(pg_url: str) -> None:
-    """Without claim ahead (the default), the finishes that free slots claim the next jobs in
-    their own transaction (issue 44): most jobs are leased that way rather than by a claim of
-    their own, every job runs once, and the worker never holds more leases than slots."""
-    store = Store(pg_url)
-    store.enqueue_many([{"tenant": f"t{i % 3}", "action": f"noop-{i}"} for i in range(200)])
-    calls = {"claim_batch": 0, "refill": 0}
-    claim_batch, finish_and_claim = store.claim_batch, store.finish_and_claim
-
-    def counted_claim(*args: object, **kwargs: object) -> list[Any]:
-        found = claim_batch(*args, **kwargs)  # type: ignore[arg-type]
-        calls["claim_batch"] += len(found)
-        return found
-
-    def counted_refill(*args: object, **kwargs: object) -> Any:
-        result, claimed = finish_and_claim(*args, **kwargs)  # type: ignore[arg-type]
-        calls["refill"] += len(claimed)
-        return result, claimed
-
-    store.claim_batch = counted_claim  # type: ignore[method-assign]
-    store.finish_and_claim = counted_refill  # type: ignore[method-assign]
-    seen: list[int] = []
-    leased: list[int] = []
-    worker = Worker(store, concurrency=4)
-
-    @worker.handler("noop")
-    def noop(job: Any) -> None:
-        seen.append(job.job_id)
-        if len(seen) % 10 == 0:  # the worker's leases, read while it holds them
-            leased.append(_states(store).get("LEASED", 0))
-
-    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    runner.start()
-    try:
-        wait_for(lambda: _states(store).get("DONE", 0) == 200, "every job DONE", timeout=120)
-    finally:
-        worker.stop()
-        runner.join(60)
-    assert sorted(seen) == sorted(set(seen)) and len(seen) == 200
-    assert calls["claim_batch"] + calls["refill"] == 200
-    assert calls["refill"] > calls["claim_batch"], calls
-    assert leased and max(leased) <= 4
     store.dispose()

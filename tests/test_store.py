@@ -141,49 +141,6 @@ def test_finish_batch_fences_each_lease_on_its_own_epoch(store: Store) -> None:
     assert store.finish_batch([again], now=111).done == [again.job_id]
 
 
-def test_finish_and_claim_ends_and_leases_in_one_transaction(store: Store) -> None:
-    """A worker's freed slots take their next jobs in the commit that frees them (issue 44):
-    the finish is fenced as ``finish_batch``'s (a stale lease is a conflict, left as it is),
-    and the claim takes at most ``limit`` jobs with new epochs, for the worker."""
-    for n in range(1, 6):
-        store.enqueue("studio", f"send-quote-{n}")
-    first = store.claim_batch("worker-a", 2, ttl=60, now=100)
-    good, stale = first
-    store.release(stale, now=101)
-    [taken] = store.claim_batch("worker-b", 1, ttl=60, now=102)  # stale's job, a new epoch
-    assert taken.job_id == stale.job_id
-    result, claimed = store.finish_and_claim([good, stale], "worker-a", 2, ttl=60, now=110)
-    assert (result.done, result.conflicts) == ([good.job_id], [stale.job_id])
-    assert len(claimed) == 2
-    assert {lease.job_id for lease in claimed}.isdisjoint({good.job_id, stale.job_id})
-    assert all((c.worker, c.epoch, c.expires_at) == ("worker-a", 1, 170.0) for c in claimed)
-    assert store.get(good.job_id).state == DONE
-    assert store.get(stale.job_id).state == LEASED  # worker-b's, untouched
-    assert [a.outcome for a in store.history(good.job_id)] == ["done"]
-    # Nothing to finish and nothing to claim are both fine.
-    assert store.finish_and_claim([], "worker-a", 0, ttl=60, now=111)[1] == []
-
-
-def test_finish_and_claim_is_one_transaction(store: Store, monkeypatch: Any) -> None:
-    """When the claim fails, the finish is rolled back with it: the finished job is still
-    LEASED under its epoch (the worker writes the finish again alone)."""
-    store.enqueue("studio", "send-quote-1")
-    store.enqueue("studio", "send-quote-2")
-    [lease] = store.claim_batch("worker-a", 1, ttl=60, now=100)
-
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise sa.exc.OperationalError("claim", {}, Exception("the server went away"))
-
-    monkeypatch.setattr(store.driver, "job_claim_batch", broken)
-    with pytest.raises(sa.exc.OperationalError):
-        store.finish_and_claim([lease], "worker-a", 1, ttl=60, now=110)
-    assert store.get(lease.job_id).state == LEASED
-    assert store.history(lease.job_id) == []
-    monkeypatch.undo()
-    result, claimed = store.finish_and_claim([lease], "worker-a", 1, ttl=60, now=111)
-    assert result.done == [lease.job_id] and len(claimed) == 1
-
-
 def test_enqueue_joins_the_callers_transaction(db_url: str) -> None:
     engine = make_engine(db_url)
     store = Store(engine)

@@ -45,10 +45,7 @@ InExecutor = Callable[..., Awaitable[Any]]
 class Completer:
     """Batches finishes on the slots' event loop. ``in_executor(fn, *args)`` runs a
     statement off the loop; ``on_recorded(settled)`` is called for each job once its finish
-    is recorded (or refused, or failed): the job leaves the worker's hands then.
-    ``finish(batch)``, when given, writes a batch instead of ``Outcomes.finish`` (the slot
-    runner's finish that claims the freed slots' next jobs in the same transaction); it
-    raises what the finish raised, for the hand-back below."""
+    is recorded (or refused, or failed): the job leaves the worker's hands then."""
 
     def __init__(
         self,
@@ -58,12 +55,8 @@ class Completer:
         *,
         flush_size: int = FLUSH_SIZE,
         flush_after: float = FLUSH_AFTER,
-        finish: Callable[[Sequence[Settled]], Awaitable[Any]] | None = None,
     ) -> None:
         self.outcomes = outcomes
-        # How a batch is written (on the loop; it runs its statements in the executor):
-        # ``Outcomes.finish``, or the slots' finish that claims their next jobs with it.
-        self.finish = finish if finish is not None else self._finish
         self.in_executor = in_executor
         self.on_recorded = on_recorded
         self.flush_size = flush_size
@@ -116,12 +109,9 @@ class Completer:
         self._full.set()
         await self._idle.wait()
 
-    async def _finish(self, batch: Sequence[Settled]) -> None:
-        await self.in_executor(self.outcomes.finish, batch)
-
     async def _flush(self, batch: Sequence[Settled]) -> None:
         try:
-            await self.finish(batch)
+            await self.in_executor(self.outcomes.finish, batch)
         except SQLAlchemyError as exc:
             # The database went away: hand the leases back so the jobs run again now (their
             # handlers ran: a dispatch finds its receipt). Unreachable still: their leases

@@ -145,6 +145,11 @@ class JobDriver(
         with self.begin() as conn:
             yield conn
 
+    def job_claim_scope(self) -> AbstractContextManager[Connection]:
+        """Where a batch claim runs alone (``Store.claim_batch``): a short transaction here
+        (SQLite's claim is several statements under its write lock)."""
+        return self.begin()
+
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection for reads."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import cached_property, partial
 from typing import Any
 
@@ -268,6 +268,11 @@ class PostgresJobDriver(JobDriver):
         # lock, which sees every lease committed by the claims that held it before.
         conn.execute(text(q.PG_TENANT_LOCK_SQL), {"queue": queue, "tenant": tenant})
         return super().job_tenant_leased(conn, queue, tenant, cap)
+
+    def job_claim_scope(self) -> AbstractContextManager[Connection]:
+        # One statement on the store's own engine (no SET LOCAL: its sessions run without
+        # JIT): it commits on its own, one round trip instead of BEGIN, claim and COMMIT.
+        return self.autocommit() if self._jit_off else self.begin()
 
     def job_claim_batch(
         self, conn: Connection, params: dict[str, Any], now_given: bool

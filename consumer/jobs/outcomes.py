@@ -165,22 +165,7 @@ class Outcomes:
         for settled in done:
             settled.ctx.outcome = "done"  # the heartbeat leaves it alone from here
         result = self.store.finish_batch([settled.ctx.lease for settled in done])
-        return self._report(done, set(result.conflicts))
-
-    def finish_and_claim(
-        self, done: Sequence[Settled], worker: str, limit: int, ttl: float, filters: Any
-    ) -> tuple[set[int], list[Lease]]:
-        """:meth:`finish` and, in the same transaction, a claim of up to ``limit`` jobs for
-        the slots these finishes free (``Store.finish_and_claim``; ``filters``: the claim's
-        keyword filters). Returns the refused job ids and the new leases."""
-        for settled in done:
-            settled.ctx.outcome = "done"
-        result, claimed = self.store.finish_and_claim(
-            [settled.ctx.lease for settled in done], worker, limit, ttl, **filters
-        )
-        return self._report(done, set(result.conflicts)), claimed
-
-    def _report(self, done: Sequence[Settled], lost: set[int]) -> set[int]:
+        lost = set(result.conflicts)
         now = time.monotonic()
         for settled in done:
             end = "conflict" if settled.ctx.job_id in lost else "done"

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -97,17 +97,6 @@ class Runner:
         limits."""
         filters = {**self._filters, "queues": queues}
         return self.store.claim_batch(self.config.name, free, self.config.ttl, now=now, **filters)
-
-    def finish_and_claim(
-        self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
-    ) -> list[Lease]:
-        """Finish ``done`` and claim at most ``free`` jobs (the slots these finishes free) in
-        one transaction (``Outcomes.finish_and_claim``), with :meth:`claim`'s filters."""
-        filters = {**self._filters, "queues": queues}
-        _, claimed = self.outcomes.finish_and_claim(
-            done, self.config.name, free, self.config.ttl, filters
-        )
-        return claimed
 
     def context(self, lease: Lease, executor: Any = None) -> JobContext:
         """The handler's view of a claimed job, held (and heartbeaten) from here."""

@@ -29,19 +29,16 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
   beside the jobs. The buffer is bounded by the group's slots and a fetch-ahead that adapts
   to the work (it doubles while claims come back full, halves when one comes back short,
   and is 0 when idle), and never holds more than the group starts within
-  ``pools.BUFFER_SECONDS`` at its measured rate. Buffered jobs hold real, fenced leases whose
+  ``BUFFER_SECONDS`` at its measured rate. Buffered jobs hold real, fenced leases whose
   clock started at their claim; the heartbeat renews them like any job waiting on the
   worker, and one left in the buffer longer than a third of the ttl goes back to READY.
   On a stop (SIGTERM) the buffer is handed back at once.
 - **Finishes off the slot's path** (with claim ahead). A job whose handler returned is
   handed to the completer (``consumer.jobs.completer``), which writes finishes in batches;
   its slot is free at once. Without claim ahead, the slot waits for its finish's commit
-  (written at once, with whatever else is finishing: group commit), and with one group of
-  slots that same transaction claims as many jobs as it frees slots
-  (``Store.finish_and_claim``): a freed slot starts its next job with no claim of its own,
-  no round trip and no ``CLAIM_SPACING``, and the leases held never exceed the slots. With
-  it, the jobs a worker holds leases for are at most its slots (running), plus its buffer,
-  plus the finishes not yet committed (``consumer.jobs.completer``: what a crash takes back).
+  (written at once, with whatever else is finishing: group commit). With it, the jobs a
+  worker holds leases for are at most its slots (running), plus its buffer, plus the
+  finishes not yet committed (``consumer.jobs.completer``: what a crash takes back).
 - Slots per queue (``WorkerConfig.slot_pools``, ``consumer.jobs.config``): each group of
   slots (a queue with slots of its own; the queues that share the rest) is claimed with its
   own statement, of that group's free slots and its queues only, so a queue's jobs never
@@ -61,8 +58,10 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -76,7 +75,6 @@ from consumer.jobs.inhand import JobsInHand
 from consumer.jobs.limits import shared_limits
 from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
-from consumer.jobs.pools import SlotPool
 from consumer.jobs.store import Lease, Store
 from consumer.jobs.threads import ThreadGate, timed
 from outbox import tracing
@@ -94,6 +92,7 @@ __all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 log = logging.getLogger("outbox.worker")
 
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
+BUFFER_SECONDS = 0.5  # a buffer holds at most what its group starts in this long
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
 BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
@@ -123,13 +122,54 @@ class SlotParts(Protocol):
 
     def claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
 
-    def finish_and_claim(
-        self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
-    ) -> list[Lease]: ...
-
     def context(self, lease: Lease, executor: Any = None) -> JobContext: ...
 
     def hook(self, name: str, *args: Any, **facts: Any) -> None: ...
+
+
+@dataclass
+class _Pool:
+    """One group of slots (``QueueSlots``) as the runner keeps it: how many are busy, and
+    whether its last claim filled its free slots (there may be more of its jobs)."""
+
+    queues: tuple[str, ...] | None
+    slots: int
+    own: bool  # the slots of one queue (not those its other queues share)
+    busy: int = 0
+    more: bool = True
+    claimed_at: float = 0.0  # monotonic time of its last claim
+    # Claimed jobs waiting for a slot (claim ahead), oldest first, with their claim time.
+    buffer: deque[tuple[JobContext, float]] = field(default_factory=deque)
+    ahead: int = 0  # the fetch-ahead: how many buffered jobs the next claim aims for
+    started: int = 0  # jobs started, for the rate that bounds the buffer
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.busy
+
+    @property
+    def wanted(self) -> int:
+        """How many jobs a claim now would take: the free slots, plus the fetch-ahead
+        not yet in the buffer."""
+        return self.free + self.ahead - len(self.buffer)
+
+    def adapt(self, claimed: int, asked: int) -> None:
+        """A claim came back with ``claimed`` of ``asked``: more work waits (full) or not."""
+        if claimed >= asked:
+            self.ahead = min(self.slots, max(1, self.ahead * 2), self._safe())
+        else:
+            self.ahead //= 2
+
+    def _safe(self) -> int:
+        """What this group starts in BUFFER_SECONDS at its rate so far (at least 1)."""
+        elapsed = max(time.monotonic() - self.since, 1e-3)
+        return max(1, int(self.started / elapsed * BUFFER_SECONDS))
+
+    @property
+    def label(self) -> str:
+        """The group as the ``worker_queue_slots`` hook names it: its own queue, or ``*``."""
+        return self.queues[0] if self.queues is not None and self.own else "*"
 
 
 class SlotRunner:
@@ -142,7 +182,7 @@ class SlotRunner:
         groups: tuple[QueueSlots, ...] = config.slot_pools()
         own = config.queue_slots
         self.pools = [
-            SlotPool(g.queues, g.slots, g.queues is not None and g.queues[0] in own) for g in groups
+            _Pool(g.queues, g.slots, g.queues is not None and g.queues[0] in own) for g in groups
         ]
         self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
@@ -160,15 +200,11 @@ class SlotRunner:
         # Claim ahead (WorkerConfig.claim_ahead): a buffer, and finishes off the slot's path;
         # off, a slot is freed once its finish is recorded (written at once, group commit).
         self.ahead = config.claim_ahead
-        # Without it, and with one group of slots, a batch of finishes claims the next jobs
-        # of the slots it frees in its own transaction (:meth:`_finish_and_refill`).
-        refill = not self.ahead and len(self.pools) == 1
         self.completer = Completer(
             parts.outcomes,
             self._db,
             self._recorded,
             flush_after=FLUSH_AFTER if self.ahead else 0.0,
-            finish=self._finish_and_refill if refill else None,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
@@ -302,7 +338,7 @@ class SlotRunner:
             if targets:
                 await self._claim_round(targets)
 
-    async def _targets(self, open_pools: list[SlotPool]) -> list[SlotPool]:
+    async def _targets(self, open_pools: list[_Pool]) -> list[_Pool]:
         """The groups to claim for now, after waiting if none is due (empty: look again).
         Due: a group whose last claim filled its free slots, or one not claimed for a poll
         interval (another group's steady claims must not keep it from its poll)."""
@@ -333,7 +369,7 @@ class SlotRunner:
         limit = self.parts.duties.sleep_limit()
         return pause if limit is None else min(pause, limit)
 
-    async def _claim_round(self, targets: list[SlotPool]) -> None:
+    async def _claim_round(self, targets: list[_Pool]) -> None:
         """One claim per target group, together; spaced from the last while jobs run."""
         spacing = CLAIM_SPACING - (time.monotonic() - self._last_claim)
         if self.busy and spacing > 0:
@@ -387,7 +423,7 @@ class SlotRunner:
             return "kick"
         return "freed" if done else "poll"
 
-    async def _claim_into(self, pool: SlotPool) -> int:
+    async def _claim_into(self, pool: _Pool) -> int:
         """Claim for one group (one statement): its free slots and its fetch-ahead; start
         what its free slots take, buffer the rest."""
         wanted = pool.wanted
@@ -395,7 +431,9 @@ class SlotRunner:
             return 0
         pool.claimed_at = time.monotonic()
         leases: list[Lease] = await self._db(self.parts.claim, wanted, pool.queues)
-        self._buffer(pool, leases)
+        claimed_at = time.monotonic()
+        for lease in leases:
+            pool.buffer.append((self.parts.context(lease, self.db), claimed_at))
         # Between the count and now slots can only have been freed: never more than its own.
         self._start_buffered(pool)
         pool.more = len(leases) >= wanted
@@ -403,42 +441,7 @@ class SlotRunner:
             pool.adapt(len(leases), wanted)
         return len(leases)
 
-    def _buffer(self, pool: SlotPool, leases: list[Lease]) -> None:
-        claimed_at = time.monotonic()
-        for lease in leases:
-            pool.buffer.append((self.parts.context(lease, self.db), claimed_at))
-
-    async def _finish_and_refill(self, batch: Sequence[Settled]) -> None:
-        """The completer's batch without claim ahead (one group of slots): the finishes
-        and a claim of as many jobs, for the slots they free, in one transaction
-        (``Store.finish_and_claim``). The new jobs are buffered before those slots free (the
-        completer resolves their finishes after this returns), so each freed slot starts
-        its next job at once, with no claim of its own. The leases held stay within the
-        slots: the finished jobs end in the commit that leases the new ones.
-
-        A stop claims nothing. A failed transaction is written again as the finish alone
-        (what that raises goes to the completer's hand-back); had its commit gone through
-        unseen, the jobs it leased are not in hand and go back when their ttl expires."""
-        pool = self.pools[0]
-        wanted = 0 if self.parts.stop.stopped else len(batch)
-        if wanted:
-            pool.claimed_at = time.monotonic()
-            try:
-                leases = await self._db(self.parts.finish_and_claim, batch, wanted, pool.queues)
-            except SQLAlchemyError as exc:
-                log.debug("finish and claim failed; finishing alone", extra=fields(error=repr(exc)))
-            else:
-                self._buffer(pool, leases)
-                self._start_buffered(pool)  # slots already free (an idle one) start now
-                pool.more = len(leases) >= wanted
-                if leases:
-                    self._busy_until = time.monotonic() + BUSY_WINDOW
-                    self._empty = 0
-                self.parts.hook("worker_cycle_ok", time.time())
-                return
-        await self._db(self.parts.outcomes.finish, batch)
-
-    def _start_buffered(self, pool: SlotPool) -> None:
+    def _start_buffered(self, pool: _Pool) -> None:
         """Start buffered jobs in the group's free slots, oldest first; one buffered past a
         third of the ttl goes back to READY instead (its lease was not taken to sit)."""
         stale = time.monotonic() - self.parts.config.ttl / 3
@@ -463,20 +466,20 @@ class SlotRunner:
         task.add_done_callback(self._tasks.discard)
 
     # -- one job --------------------------------------------------------------------------
-    def _start(self, ctx: JobContext, pool: SlotPool) -> None:
+    def _start(self, ctx: JobContext, pool: _Pool) -> None:
         pool.started += 1
         self._taken(pool, +1)
         task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _taken(self, pool: SlotPool, change: int) -> None:
+    def _taken(self, pool: _Pool, change: int) -> None:
         self.busy += change
         pool.busy += change
         self.parts.hook("worker_slots", self.busy, self.slots)
         self.parts.hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
 
-    async def _run(self, ctx: JobContext, pool: SlotPool) -> None:
+    async def _run(self, ctx: JobContext, pool: _Pool) -> None:
         parts = self.parts
         assert self._loop is not None and self._freed is not None
         try:
@@ -531,12 +534,11 @@ class SlotRunner:
         return settled
 
     def _is_async(self, handler: Callable[..., Any]) -> bool:
-        """:func:`is_async_handler`, once per handler (the inspection is not free)."""
+        """:func:`is_async_handler`, inspected once per handler, not per job."""
         try:
+            if handler not in self._async_handlers:
+                self._async_handlers[handler] = is_async_handler(handler)
             return self._async_handlers[handler]
-        except KeyError:
-            found = self._async_handlers[handler] = is_async_handler(handler)
-            return found
         except TypeError:  # an unhashable callable object
             return is_async_handler(handler)
 

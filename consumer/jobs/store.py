@@ -50,7 +50,6 @@ from sqlalchemy.orm import Session
 from consumer.bulk import deferred_writes
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.base import StoreConfig
-from consumer.jobs.batch_moves import leases_by_worker
 from consumer.jobs.checks import (
     SPEC_FIELDS,
     Time,
@@ -498,42 +497,8 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
         )
         if params is None:
             return []  # nothing this worker could take
-        with self.driver.begin() as conn:
+        with self.driver.job_claim_scope() as conn:
             return self._claim_in(conn, params)
-
-    def finish_and_claim(
-        self,
-        leases: Iterable[Lease],
-        worker: str,
-        limit: int,
-        ttl: float = 30,
-        *,
-        now: Time | None = None,
-        queues: Iterable[str] | None = None,
-        routes: Iterable[str] | None = None,
-        tenant_limit: int | None = None,
-        tenant_limits: Mapping[str, int] | None = None,
-    ) -> tuple[BatchResult, list[Lease]]:
-        """:meth:`finish_batch` of ``leases`` and :meth:`claim_batch` of up to ``limit``
-        jobs for ``worker`` (the same filters) in **one** transaction: the slots a worker's
-        finished jobs free take their next jobs in the commit that frees them, one round
-        trip and one commit instead of two each (issue 44). The finished jobs end and the
-        new leases begin in the same commit, so a worker that asks for at most the slots
-        these finishes free never holds more leases than it has slots. Fencing is
-        :meth:`finish_batch`'s: a lost lease is in the result's ``conflicts``."""
-        items, by_worker = leases_by_worker(leases)
-        when = valid_time("now", now)
-        params = (  # a limit of 0: the finish alone (a stop)
-            None
-            if limit == 0 and not isinstance(limit, bool)
-            else self._claim_params(
-                worker, limit, ttl, now, queues, routes, tenant_limit, tenant_limits
-            )
-        )
-        with self.driver.begin() as conn:
-            result = self.finish_in(conn, items, by_worker, when) if items else BatchResult()
-            claimed = self._claim_in(conn, params) if params is not None else []
-        return result, claimed
 
     def _claim_params(
         self,
