@@ -51,6 +51,7 @@ OWN_TRANSACTION = {
         "operation_intent",  # the dispatch fast path: one transaction by contract
         "operation_record",  # the same, for the receipt
         "schema_index_ensure",  # CREATE INDEX CONCURRENTLY runs in no transaction block
+        "job_claim_scope",  # where a claim runs alone: PostgreSQL's commits on its own
     },
     Inbox: {"session", "schema_create", "inbox_purge", "dead_letter_list", "dead_letter_count"},
 }
