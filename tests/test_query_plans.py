@@ -414,8 +414,8 @@ def test_claims_and_finishes_are_one_round_trip_on_the_stores_engine(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store's own engine turns JIT off once per session, so a claim is one statement
-    that commits on its own: no SET LOCAL, no BEGIN, no COMMIT (issue 44); so is a finish of
-    one worker's leases. A store on the user's engine leaves the user's sessions alone and
+    that commits on its own: no SET LOCAL, no BEGIN, no COMMIT (issue 44); so are a finish of
+    one worker's leases and an enqueue outside the caller's transaction. A store on the user's engine leaves the user's sessions alone and
     claims in a transaction that turns JIT off for itself."""
     from psycopg import _connection_base
 
@@ -443,6 +443,8 @@ def test_claims_and_finishes_are_one_round_trip_on_the_stores_engine(
         monkeypatch.setattr(_connection_base.BaseConnection, "_exec_command", spy)
         leases = own.claim_batch("w", 3)
         assert own.finish_batch(leases).done == sorted(lease.job_id for lease in leases)
+        assert own.enqueue("t", "b").duplicate is False
+        assert own.enqueue("t", "b").duplicate is True  # found after its insert skipped it
         assert commands == [] and job_queries.PG_CLAIM_SETTINGS not in sent
         with user_engine.connect() as conn:
             assert conn.exec_driver_sql("SHOW jit").scalar() == "on"
