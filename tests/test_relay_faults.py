@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -469,27 +469,28 @@ def message_count(kit: BrokerKit) -> int:
     return result
 
 
+T = TypeVar("T")
+
+
+def _on_broker(kit: BrokerKit, on_nats: Callable[[BrokerKit], T], on_redis: Callable[..., T]) -> T:
+    if kit.name == "nats":
+        return on_nats(kit)
+    client = kit._redis()
+    try:
+        return on_redis(client, kit.prefix)
+    finally:
+        client.close()
+
+
 def broker_entries(kit: BrokerKit) -> list[Entry]:
     """The test's entries on any broker, with their receipts (:func:`read_streams` on Redis,
     :func:`read_jetstream` on NATS)."""
-    if kit.name == "nats":
-        return read_jetstream(kit)
-    client = kit._redis()
-    try:
-        return read_streams(client, kit.prefix)
-    finally:
-        client.close()
+    return _on_broker(kit, read_jetstream, read_streams)
 
 
 def broker_count(kit: BrokerKit) -> int:
     """How many entries the test's streams hold on any broker (-1: the broker is down)."""
-    if kit.name == "nats":
-        return message_count(kit)
-    client = kit._redis()
-    try:
-        return _xlen(client, kit.prefix)
-    finally:
-        client.close()
+    return _on_broker(kit, message_count, _xlen)
 
 
 def committed_versions(url: str) -> dict[str, int]:
