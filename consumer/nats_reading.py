@@ -29,7 +29,13 @@ from consumer.event import text_fields
 from consumer.reading import Entry
 from outbox.duty import Duty
 from outbox.logs import fields
-from outbox.nats_client import NatsClient, add_stream, jetstream_name, stream_config
+from outbox.nats_client import (
+    NatsClient,
+    add_stream,
+    dead_letter_stream_config,
+    jetstream_name,
+    stream_config,
+)
 
 log = logging.getLogger("outbox.consumer")
 
@@ -179,6 +185,7 @@ class NatsReader:
         dead_letter_stream_for: Callable[[str], str],
         group: str,
     ) -> None:
+        nats_errors = self.client.nats.js.errors
         for dead in outcome.first_dead():  # not copied again when met again
             copy = text_fields(dead.entry.raw)
             copy.update(
@@ -195,15 +202,27 @@ class NatsReader:
                 }
             )
             subject = dead_letter_stream_for(dead.entry.stream)
-            await self._dead_letter_stream(js, subject)
-            await js.publish(subject, json.dumps(copy).encode(), stream=jetstream_name(subject))
+            await self._dead_letter_stream(js, subject, dead.entry.stream)
+            try:
+                await js.publish(subject, json.dumps(copy).encode(), stream=jetstream_name(subject))
+            except nats_errors.ServiceUnavailableError:
+                raise  # no JetStream to answer now: the batch is acknowledged again later
+            except nats_errors.APIError as exc:
+                # A refusal (the dead-letter stream full, discard=new): the database record
+                # is the durable one; say so loudly and go on, as on Redis.
+                log.error(
+                    "dead-letter copy refused",
+                    extra=fields(group=group, stream=subject, error=str(exc)),
+                )
         for stream, ids in outcome.acks.items():
             for entry_id in ids:
                 msg = self._held.pop((stream, entry_id), None)
                 if msg is not None:
                     await msg.ack()
 
-    async def _dead_letter_stream(self, js: Any, subject: str) -> None:
+    async def _dead_letter_stream(self, js: Any, subject: str, stream: str) -> None:
+        """Create the dead-letter stream of ``subject`` unless it exists: its own definition
+        (:func:`outbox.nats_client.dead_letter_stream_config`), as replicated as ``stream``."""
         if subject in self._dl_ready:
             return
         nats = self.client.nats
@@ -211,7 +230,12 @@ class NatsReader:
         try:
             await js.stream_info(name)
         except nats.js.errors.NotFoundError:
-            await js.add_stream(nats.js.api.StreamConfig(name=name, subjects=[subject]))
+            try:
+                source = await js.stream_info(jetstream_name(stream))
+                replicas = source.config.num_replicas or 1
+            except nats.js.errors.NotFoundError:
+                replicas = 1  # the stream was deleted since this batch was read
+            await add_stream(js, dead_letter_stream_config(name, [subject], replicas=replicas))
         self._dl_ready.add(subject)
 
     def dead_letter_name(self, name: str, stream: str) -> str:

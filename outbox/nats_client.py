@@ -126,6 +126,37 @@ def stream_config(
     )
 
 
+DEAD_LETTERS = "outbox dead letters"
+"""The description of a dead-letter stream (:func:`dead_letter_stream_config`)."""
+DEAD_LETTER_MAX_BYTES = 1 << 30
+"""Bytes a dead-letter stream holds (1 GiB) before JetStream refuses the next copy."""
+DEAD_LETTER_MAX_MSGS = 1_000_000
+"""Dead letters a dead-letter stream holds before JetStream refuses the next copy."""
+
+
+def dead_letter_stream_config(name: str, subjects: Sequence[str], *, replicas: int = 1) -> Any:
+    """The one definition of a dead-letter stream (a ``nats.js.api.StreamConfig``), which the
+    consumer creates on its first dead letter of a stream. Unlike an outbox stream it never
+    drops a dead letter by itself: file storage (``replicas`` as its outbox stream's), no
+    ``max_age`` (a dead letter waits for someone, as its database record does), and
+    :data:`DEAD_LETTER_MAX_BYTES` / :data:`DEAD_LETTER_MAX_MSGS` with ``discard=new``, so a
+    full stream refuses the next copy (the consumer logs it as an error) rather than drop the
+    oldest one. No ``max_msg_size`` (a copy carries the error text on top of the event)."""
+    api = nats_module().js.api
+    return api.StreamConfig(
+        name=name,
+        description=DEAD_LETTERS,
+        subjects=list(subjects),
+        storage=api.StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DEFAULT_DUPLICATE_WINDOW,
+        max_bytes=DEAD_LETTER_MAX_BYTES,
+        max_msgs=DEAD_LETTER_MAX_MSGS,
+        discard=api.DiscardPolicy.NEW,
+        max_msg_size=-1,
+    )
+
+
 STREAM_NAME_IN_USE = 10058
 """JetStream's error code for a stream created with a name another configuration holds: two
 processes created the stream at once (the relay and a consumer), and the other one won."""
@@ -349,6 +380,9 @@ class NatsClient:
 
 
 __all__ = [
+    "DEAD_LETTERS",
+    "DEAD_LETTER_MAX_BYTES",
+    "DEAD_LETTER_MAX_MSGS",
     "DEFAULT_DUPLICATE_WINDOW",
     "DEFAULT_STREAM_RETENTION",
     "DEFAULT_TIMEOUT",
@@ -362,6 +396,7 @@ __all__ = [
     "add_stream",
     "adopt_config",
     "broker_kind",
+    "dead_letter_stream_config",
     "event_id_of",
     "is_subject",
     "jetstream_name",

@@ -18,7 +18,13 @@ import pytest
 
 from consumer import Consumer, ConsumerConfig
 from outbox import Outbox
-from outbox.nats_client import NatsClient
+from outbox.nats_client import (
+    DEAD_LETTER_MAX_BYTES,
+    DEAD_LETTER_MAX_MSGS,
+    DEAD_LETTERS,
+    NatsClient,
+    jetstream_name,
+)
 from relay import Relay, RelayConfig
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
@@ -160,3 +166,45 @@ def test_a_failing_handler_is_redelivered_then_dead_lettered(
         lambda: consumer.run_once() >= 0 and poison in handled, "the replayed event", timeout=30
     )
     assert handled == [good, poison]
+
+
+def test_the_dead_letter_stream_has_its_own_limits_and_never_drops_a_dead_letter(
+    outbox: Outbox, pg_url: str, nats_kit: BrokerKit
+) -> None:
+    """The consumer creates the dead-letter stream with its own definition, not the
+    server's defaults: file storage, no max age, bounded bytes and count with discard=new
+    (a full stream refuses a copy rather than drop the oldest one)."""
+    with outbox.transaction() as tx:
+        poison = tx.emit("t", key="p", payload={})
+    publish(outbox, nats_kit)
+    consumer = consumer_for(pg_url, nats_kit, max_deliveries=1)
+
+    @consumer.handler("t")
+    def handle(event: Any, tx: Any) -> None:
+        raise RuntimeError("always fails")
+
+    wait_for(
+        lambda: consumer.run_once() >= 0 and bool(consumer.dead_letters()),
+        "the poison event dead-lettered",
+        timeout=60,
+    )
+    subject = nats_kit.stream("t") + ".dead-letter"
+    assert [c["id"] for c in nats_kit.read(subject)] == [poison]
+
+    async def info(js: Any) -> Any:
+        return await js.stream_info(jetstream_name(subject))
+
+    client = NatsClient(nats_kit.url)
+    try:
+        found = client.run(info).config
+    finally:
+        client.close()
+    api = client.nats.js.api
+    assert found.description == DEAD_LETTERS
+    assert found.subjects == [subject]
+    assert found.storage == api.StorageType.FILE
+    assert found.discard == api.DiscardPolicy.NEW
+    assert found.max_bytes == DEAD_LETTER_MAX_BYTES
+    assert found.max_msgs == DEAD_LETTER_MAX_MSGS
+    assert not found.max_age  # kept until someone removes them, as their database records
+    consumer.stop()
