@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import threading
@@ -34,12 +35,14 @@ _SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
 _STREAM_NAME_BAD = re.compile(r"[\s.*>/\\]")
 
 
+@functools.lru_cache(maxsize=4096)  # a relay asks for the same few names per message
 def jetstream_name(stream: str) -> str:
     """The JetStream stream that holds outbox stream ``stream`` (a name cannot hold ``.``,
     ``*``, ``>``, slashes or spaces: each becomes ``_``)."""
     return _STREAM_NAME_BAD.sub("_", stream)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_subject(name: str) -> bool:
     """Whether ``name`` can be a NATS subject to publish to (dot-separated non-empty tokens
     without spaces or wildcards)."""
@@ -195,6 +198,26 @@ def nats_module() -> Any:
     return nats
 
 
+class _Batch:
+    """The acknowledgements of one :meth:`NatsClient.publish_many` call: one future for the
+    batch, resolved with every reply in order once the last one came (not a future each)."""
+
+    __slots__ = ("done", "left", "replies")
+
+    def __init__(self, done: asyncio.Future[list[dict[str, Any]]], size: int) -> None:
+        self.done = done
+        self.left = size
+        self.replies: list[Any] = [None] * size
+
+    def answer(self, index: int, reply: Any) -> None:
+        if self.done.done() or self.replies[index] is not None:
+            return
+        self.replies[index] = reply
+        self.left -= 1
+        if self.left == 0:
+            self.done.set_result(self.replies)
+
+
 class NatsClient:
     """One NATS connection driven from other threads (see the module docstring)."""
 
@@ -213,7 +236,7 @@ class NatsClient:
         self._nc: Any = None
         self._js: Any = None
         self._lock = threading.Lock()
-        self._replies: dict[str, asyncio.Future[Any]] = {}
+        self._replies: dict[str, tuple[_Batch, int]] = {}  # reply token -> its batch, index
         self._reply_prefix = ""
         self._token = 0
 
@@ -275,16 +298,18 @@ class NatsClient:
         return self._js
 
     async def _on_reply(self, msg: Any) -> None:
-        future = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
-        if future is None or future.done():
+        found = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if found is None:
             return
+        batch, index = found
         if msg.headers and msg.headers.get("Status") == "503":
-            future.set_result({"error": {"code": 503, "description": "no responders"}})
-            return
-        try:
-            future.set_result(json.loads(msg.data))
-        except ValueError as exc:
-            future.set_result({"error": {"code": 500, "description": f"bad reply: {exc}"}})
+            reply: Any = {"error": {"code": 503, "description": "no responders"}}
+        else:
+            try:  # a str, not bytes: json.loads would detect the encoding of each reply
+                reply = json.loads(msg.data.decode())
+            except ValueError as exc:  # UnicodeDecodeError is one too
+                reply = {"error": {"code": 500, "description": f"bad reply: {exc}"}}
+        batch.answer(index, reply)
 
     async def publish_many(
         self, messages: Sequence[tuple[str, bytes, dict[str, str]]]
@@ -295,31 +320,31 @@ class NatsClient:
         ``{"error": {"code": 503}}``). (nats-py's ``publish_async`` leaves a future
         unresolved when the server refuses a message, so the relay keeps its own.)"""
         assert self._nc is not None
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = []
+        if not messages:
+            return []
+        batch = _Batch(asyncio.get_running_loop().create_future(), len(messages))
+        tokens: list[str] = []
+        publish, prefix, replies = self._nc.publish, self._reply_prefix + ".", self._replies
         try:
-            for subject, body, headers in messages:
+            for index, (subject, body, headers) in enumerate(messages):
                 self._token += 1
                 token = str(self._token)
-                future: asyncio.Future[Any] = loop.create_future()
-                self._replies[token] = future
-                futures.append(future)
-                await self._nc.publish(
-                    subject, body, reply=f"{self._reply_prefix}.{token}", headers=headers
-                )
+                replies[token] = (batch, index)
+                tokens.append(token)
+                await publish(subject, body, reply=prefix + token, headers=headers)
             await self._nc.flush(timeout=self.timeout)
-            return list(await asyncio.gather(*futures))
+            return await batch.done
         finally:
-            for future in futures:
-                if not future.done():
-                    future.cancel()
-            self._replies = {t: f for t, f in self._replies.items() if not f.done()}
+            if not batch.done.done():
+                batch.done.cancel()
+            for token in tokens:  # the replies that never came
+                replies.pop(token, None)
 
     async def _close(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
-        for future in self._replies.values():
-            if not future.done():
-                future.cancel()
+        for batch, _ in self._replies.values():
+            if not batch.done.done():
+                batch.done.cancel()
         self._replies = {}
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):  # already gone: nothing to release

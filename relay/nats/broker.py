@@ -75,6 +75,8 @@ log = logging.getLogger("outbox.relay")
 # memory limits with discard new, a stream or cluster without quorum right now.
 _TRANSIENT_CODES = {10023, 10047, 10077, 10074, 10008}
 _NOT_FOUND = 10059  # stream not found
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+"""``json.dumps(..., separators=(",", ":"))`` without building an encoder per message."""
 
 
 class NatsBroker:
@@ -178,7 +180,7 @@ class NatsBroker:
             raise RoutingError(
                 f"{stream!r} is not a NATS subject (dot-separated tokens, no spaces, * or >)"
             )
-        body = json.dumps(self.entry(record), separators=(",", ":")).encode()
+        body = _encode(self.entry(record)).encode()
         name = jetstream_name(stream)
         if name not in self._ready and name not in self.known:
             # A stream met for the first time: its own limit first (an operator may have
