@@ -205,11 +205,12 @@ class NatsReader:
             await self._dead_letter_stream(js, subject, dead.entry.stream)
             try:
                 await js.publish(subject, json.dumps(copy).encode(), stream=jetstream_name(subject))
-            except nats_errors.ServiceUnavailableError:
-                raise  # no JetStream to answer now: the batch is acknowledged again later
             except nats_errors.APIError as exc:
-                # A refusal (the dead-letter stream full, discard=new): the database record
-                # is the durable one; say so loudly and go on, as on Redis.
+                if not exc.err_code:
+                    raise  # no JetStream answered: the batch is acknowledged again later
+                # JetStream refused it (the dead-letter stream full with discard=new, a 503
+                # that stays until an operator acts): the database record is the durable
+                # one; say so loudly and go on, as on Redis.
                 log.error(
                     "dead-letter copy refused",
                     extra=fields(group=group, stream=subject, error=str(exc)),

@@ -208,3 +208,50 @@ def test_the_dead_letter_stream_has_its_own_limits_and_never_drops_a_dead_letter
     assert found.max_msgs == DEAD_LETTER_MAX_MSGS
     assert not found.max_age  # kept until someone removes them, as their database records
     consumer.stop()
+
+
+def test_a_full_dead_letter_stream_refuses_the_copy_loudly_and_the_entry_is_settled(
+    outbox: Outbox, pg_url: str, nats_kit: BrokerKit, caplog: pytest.LogCaptureFixture
+) -> None:
+    """discard=new: a full dead-letter stream refuses the next copy instead of dropping the
+    oldest dead letter; the consumer logs the refusal as an error and settles the entry
+    (its database record is the durable one), as on Redis, instead of retrying forever."""
+    subject = nats_kit.stream("t") + ".dead-letter"
+
+    async def full(js: Any) -> None:
+        api = client.nats.js.api
+        config = api.StreamConfig(
+            name=jetstream_name(subject),
+            subjects=[subject],
+            max_msgs=1,
+            discard=api.DiscardPolicy.NEW,
+        )
+        await js.add_stream(config)
+        await js.publish(subject, b'{"id": "older"}')
+
+    client = NatsClient(nats_kit.url)
+    try:
+        client.run(full)
+    finally:
+        client.close()
+    with outbox.transaction() as tx:
+        poison = tx.emit("t", key="p", payload={})
+    publish(outbox, nats_kit)
+    consumer = consumer_for(pg_url, nats_kit, max_deliveries=1)
+
+    @consumer.handler("t")
+    def handle(event: Any, tx: Any) -> None:
+        raise RuntimeError("always fails")
+
+    with caplog.at_level("ERROR", logger="outbox.consumer"):
+        wait_for(
+            lambda: consumer.run_once() >= 0 and bool(consumer.dead_letters()),
+            "the poison event dead-lettered",
+            timeout=60,
+        )
+        assert consumer.run_once(block=False) == 0
+    assert [r["event_id"] for r in consumer.dead_letters()] == [poison]
+    assert [c["id"] for c in nats_kit.read(subject)] == ["older"]  # the older one kept
+    assert any(r.getMessage() == "dead-letter copy refused" for r in caplog.records)
+    assert consumer.reader.lag(nats_kit.stream("t")) == (0, 0)  # settled, not retried
+    consumer.stop()
