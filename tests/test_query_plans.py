@@ -415,8 +415,9 @@ def test_claims_and_finishes_are_one_round_trip_on_the_stores_engine(
 ) -> None:
     """The store's own engine turns JIT off once per session, so a claim is one statement
     that commits on its own: no SET LOCAL, no BEGIN, no COMMIT (issue 44); so are a finish of
-    one worker's leases and an enqueue outside the caller's transaction. A store on the user's engine leaves the user's sessions alone and
-    claims in a transaction that turns JIT off for itself."""
+    one worker's leases and an enqueue outside the caller's transaction. A store on the
+    user's engine leaves the user's sessions alone and claims in a transaction that turns
+    JIT off for itself."""
     from psycopg import _connection_base
 
     from consumer.jobs.store import Store
