@@ -395,6 +395,7 @@ def test_a_lost_stream_is_detected_and_published_again(
     relay.store.close()
 
 
+@pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 @pytest.mark.parametrize("how", ["--broker-url", "OUTBOX_BROKER_URL", "--redis-url"])
 def test_the_relay_command_takes_the_broker_url(
     outbox: Outbox, pg_url: str, broker_kit: BrokerKit, how: str
@@ -468,6 +469,7 @@ def test_a_batch_after_the_loss_is_held_until_the_loss_is_reported(
     relay.store.close()
 
 
+@pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 def test_republish_command_on_each_broker(
     outbox: Outbox, pg_url: str, broker_kit: BrokerKit
 ) -> None:

@@ -37,6 +37,10 @@ from outbox.cli import (
 from outbox.errors import ConfigError
 from tests.services import wait_for
 
+# Every test here starts processes of its own: the slow tier (the fast one stays under 2
+# minutes on a 2-core machine).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE_PG = "postgresql://nobody@127.0.0.1:1/none"
 

@@ -19,6 +19,10 @@ import pytest
 from tests.embedded_support import embedded_servers_in
 from tests.services import wait_for
 
+# Every test here starts processes of its own: the slow tier (the fast one stays under 2
+# minutes on a 2-core machine).
+pytestmark = pytest.mark.slow
+
 USER = textwrap.dedent(
     """
     import sys

@@ -577,25 +577,28 @@ BAD_EVENTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("field", "override"), BAD_EVENTS)
-def test_bad_input_raises_invalid_event_naming_the_field(
-    outbox: Writer, field: str, override: dict[str, Any]
-) -> None:
-    arguments: dict[str, Any] = {"topic": "quote.approved", "key": "quote-017", "payload": {}}
-    arguments.update(override)
-    topic = arguments.pop("topic")
-    with outbox.transaction() as tx:
-        tx.execute(APPROVE)
-        with pytest.raises(InvalidEvent) as info:
-            tx.emit(topic, **arguments)
-        assert info.value.field == field
-        assert field in str(info.value)
-        assert isinstance(info.value, ValueError)
-        # Documented: validation happens before anything is written, so the transaction
-        # is still usable and the caller decides whether to commit.
-        tx.emit("quote.approved", key="quote-017", payload={"after": "error"})
+def test_bad_input_raises_invalid_event_naming_the_field(outbox: Writer) -> None:
+    """Every bad event of BAD_EVENTS is refused naming its field, before anything is written:
+    the transaction is still usable and the caller decides whether to commit. One outbox for
+    all of them (a schema per case made this one test an eighth of the fast tier)."""
+    for field, override in BAD_EVENTS:
+        arguments: dict[str, Any] = {"topic": "quote.approved", "key": "quote-017", "payload": {}}
+        arguments.update(override)
+        topic = arguments.pop("topic")
+        case = f"{field}: {override!r}"[:120]
+        with outbox.transaction() as tx:
+            tx.execute(APPROVE)
+            try:
+                tx.emit(topic, **arguments)
+            except InvalidEvent as error:
+                assert error.field == field, case
+                assert field in str(error), case
+                assert isinstance(error, ValueError), case
+            else:
+                pytest.fail(f"accepted: {case}")
+            tx.emit("quote.approved", key="quote-017", payload={"after": "error"})
     assert quote_state(outbox) == "approved"
-    assert [row.payload for row in events(outbox)] == [{"after": "error"}]
+    assert [row.payload for row in events(outbox)] == [{"after": "error"}] * len(BAD_EVENTS)
 
 
 def test_a_topic_of_exactly_200_characters_is_accepted(outbox: Writer) -> None:

@@ -296,6 +296,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[byte
     )
 
 
+@pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 def test_cli_runs_a_worker_and_exits_zero_on_sigterm(db_url: str, tmp_path: Path) -> None:
     store = Store(db_url)
     for i in range(12):

@@ -177,6 +177,7 @@ def test_liveness_settings_are_validated(options: dict[str, object], field: str)
     assert (cfg.liveness_ttl, cfg.liveness_interval) == (3.0, 1.0)
 
 
+@pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 def test_cli_liveness_flags_and_environment(tmp_path: Path) -> None:
     from consumer.jobs import cli
 
