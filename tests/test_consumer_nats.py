@@ -168,12 +168,9 @@ def test_a_failing_handler_is_redelivered_then_dead_lettered(
     assert handled == [good, poison]
 
 
-def test_the_dead_letter_stream_has_its_own_limits_and_never_drops_a_dead_letter(
-    outbox: Outbox, pg_url: str, nats_kit: BrokerKit
-) -> None:
-    """The consumer creates the dead-letter stream with its own definition, not the
-    server's defaults: file storage, no max age, bounded bytes and count with discard=new
-    (a full stream refuses a copy rather than drop the oldest one)."""
+def _dead_letter_one(outbox: Outbox, pg_url: str, nats_kit: BrokerKit) -> tuple[str, Any]:
+    """One event whose handler always fails, consumed until it is dead-lettered: its id and
+    the consumer (``max_deliveries=1``), for the caller to stop."""
     with outbox.transaction() as tx:
         poison = tx.emit("t", key="p", payload={})
     publish(outbox, nats_kit)
@@ -188,6 +185,16 @@ def test_the_dead_letter_stream_has_its_own_limits_and_never_drops_a_dead_letter
         "the poison event dead-lettered",
         timeout=60,
     )
+    return poison, consumer
+
+
+def test_the_dead_letter_stream_has_its_own_limits_and_never_drops_a_dead_letter(
+    outbox: Outbox, pg_url: str, nats_kit: BrokerKit
+) -> None:
+    """The consumer creates the dead-letter stream with its own definition, not the
+    server's defaults: file storage, no max age, bounded bytes and count with discard=new
+    (a full stream refuses a copy rather than drop the oldest one)."""
+    poison, consumer = _dead_letter_one(outbox, pg_url, nats_kit)
     subject = nats_kit.stream("t") + ".dead-letter"
     assert [c["id"] for c in nats_kit.read(subject)] == [poison]
 
@@ -234,21 +241,8 @@ def test_a_full_dead_letter_stream_refuses_the_copy_loudly_and_the_entry_is_sett
         client.run(full)
     finally:
         client.close()
-    with outbox.transaction() as tx:
-        poison = tx.emit("t", key="p", payload={})
-    publish(outbox, nats_kit)
-    consumer = consumer_for(pg_url, nats_kit, max_deliveries=1)
-
-    @consumer.handler("t")
-    def handle(event: Any, tx: Any) -> None:
-        raise RuntimeError("always fails")
-
     with caplog.at_level("ERROR", logger="outbox.consumer"):
-        wait_for(
-            lambda: consumer.run_once() >= 0 and bool(consumer.dead_letters()),
-            "the poison event dead-lettered",
-            timeout=60,
-        )
+        poison, consumer = _dead_letter_one(outbox, pg_url, nats_kit)
         assert consumer.run_once(block=False) == 0
     assert [r["event_id"] for r in consumer.dead_letters()] == [poison]
     assert [c["id"] for c in nats_kit.read(subject)] == ["older"]  # the older one kept
