@@ -164,7 +164,9 @@ PG_CLAIM_SETTINGS = "SET LOCAL jit = off"
 planner costs the claim (a loose scan, then a lateral walk per tenant) past
 ``jit_above_cost``, and JIT compilation then took ~270 ms per claim of 100 jobs whose
 execution takes a few ms (tests/test_query_plans.py). The claim is OLTP: it never gains from
-JIT. One extra short statement per claim, rather than a setting on the user's engine."""
+JIT. On the store's own engine its sessions run without JIT already
+(``driver_pg.no_jit``, set once per connection) and the claim sends nothing; on a user's
+engine this is one extra short statement per claim, rather than a setting on their sessions."""
 
 
 @lru_cache(maxsize=32)
