@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 from consumer import Store, Worker
 from consumer.errors import PermanentFailure
@@ -27,10 +28,12 @@ from consumer.jobs.context import JobContext
 from consumer.jobs.schedules import Schedule
 
 
-def schedule_clock() -> float:
-    base = float(os.environ["SCHED_BASE"])
-    real0 = float(os.environ["SCHED_REAL0"])
-    speed = float(os.environ.get("SCHED_SPEED", "60"))
+def schedule_clock(env: Mapping[str, str] = os.environ) -> float:
+    """The schedules' clock from ``env`` (this process's environment; a test passes the one
+    it gave its workers)."""
+    base = float(env["SCHED_BASE"])
+    real0 = float(env["SCHED_REAL0"])
+    speed = float(env.get("SCHED_SPEED", "60"))
     return base + (time.time() - real0) * speed
 
 

@@ -461,7 +461,7 @@ def test_a_sigkilled_relay_on_a_partitioned_table_loses_and_duplicates_nothing(
                     key = f"k{n % 11}"
                     written.append((tx.emit("t", key=key, payload={"n": n}), key))
                     n += 1
-            time.sleep(0.01)
+            stop.wait(0.01)  # a steady writer, ended by the stop at once
 
     writer = threading.Thread(target=write)
     writer.start()

@@ -32,6 +32,7 @@ from consumer.jobs.cron import slot_text
 from consumer.jobs.schema import jobs, workers
 from consumer.jobs.states import DONE, READY
 from consumer.jobs.store import Store
+from tests.schedule_app import schedule_clock
 from tests.services import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,10 @@ class Fleet:
             **env,
         }
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    def schedule_now(self) -> float:
+        """The schedules' clock of this fleet's processes (``tests.schedule_app``)."""
+        return schedule_clock(self.env)
 
     def start(self, n: int = 2) -> None:
         for _ in range(n):
@@ -174,7 +179,9 @@ def test_every_worker_killed_across_slots(store: Store, db_url: str, missed: str
         wait_for(lambda: _decided(store) >= 3, timeout=90, what="three slots decided")
         fleet.kill()  # SIGKILL every worker: nobody fires now
         down = _decided(store)
-        time.sleep(6)  # the scenario, not a wait: the outage, six slots fall while all are down
+        # The outage: six slots fall on the shared schedule clock while every worker is down.
+        due = store.get_schedule("tick").next_slot.timestamp() + 5 * 60
+        wait_for(lambda: fleet.schedule_now() > due, timeout=60, what="six slots fallen")
         assert _decided(store) == down
         fleet.start(2)  # two come back at once: the first decides, once
         wait_for(lambda: _alive(store) == 2, timeout=90, what="two workers back")
