@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy.engine import Connection
-
 from consumer.errors import JobError
 from consumer.jobs import replies as talk
 from consumer.jobs.base import StoreBase
@@ -50,6 +48,7 @@ class BatchMoves(StoreBase):
             conflicts=sorted(x.job_id for x in items if x.job_id not in held | busy_now),
         )
 
+    # complexity: the batch finish's per-lease fencing, replies and cancel requests
     def finish_batch(self, leases: Iterable[Lease], *, now: Time | None = None) -> BatchResult:
         """Finish many leases in one transaction, each fenced on its own epoch. Leases that
         were lost are returned in ``conflicts`` (nothing raised): the caller decides."""
@@ -60,32 +59,22 @@ class BatchMoves(StoreBase):
         # One worker's leases with no replies to consume: one statement, which commits on
         # its own (PostgreSQL: no BEGIN and COMMIT round trips).
         alone = len(by_worker) == 1 and all(talk.watermark(x) is None for x in items)
-        with self.driver.autocommit() if alone else self.driver.begin() as conn:
-            return self.finish_in(conn, items, by_worker, when)
-
-    def finish_in(
-        self,
-        conn: Connection,
-        items: list[Lease],
-        by_worker: dict[str, list[tuple[int, int]]],
-        when: float | None,
-    ) -> BatchResult:
-        """:meth:`finish_batch`'s statements, in the caller's transaction ``conn`` (with
-        :func:`leases_by_worker`'s ``items`` and ``by_worker``)."""
         done: list[int] = []
-        for worker, pairs in by_worker.items():
-            # A job with a cancel request ends CANCELLED instead (the same statement).
-            done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
-        ended = set(done)
-        seen = [(x.job_id, talk.watermark(x)) for x in items if x.job_id in ended]
-        if any(upto is not None for _, upto in seen):
-            clock = self._clock(conn, when)
-            for job_id, upto in seen:
-                if upto is not None:
-                    talk.consume(self.driver, conn, job_id, upto, clock)
+        with self.driver.autocommit() if alone else self.driver.begin() as conn:
+            for worker, pairs in by_worker.items():
+                # A job with a cancel request ends CANCELLED instead (the same statement).
+                done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
+            ended = set(done)
+            seen = [(x.job_id, talk.watermark(x)) for x in items if x.job_id in ended]
+            if any(upto is not None for _, upto in seen):
+                clock = self._clock(conn, when)
+                for job_id, upto in seen:
+                    if upto is not None:
+                        talk.consume(self.driver, conn, job_id, upto, clock)
+        finished = set(done)
         return BatchResult(
-            done=sorted(ended),
-            conflicts=sorted(x.job_id for x in items if x.job_id not in ended),
+            done=sorted(finished),
+            conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
         )
 
 

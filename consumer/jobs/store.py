@@ -241,10 +241,9 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
             return buffer.add(values)
         # Alone, the insert commits on its own (PostgreSQL: one round trip, not three); a
         # duplicate's look-up after it is a read of the committed row.
-        work: Callable[[Connection], EnqueueResult] = lambda conn: enqueue_one(  # noqa: E731
-            self.driver, conn, values
+        return self._in_session(
+            session, lambda conn: enqueue_one(self.driver, conn, values), alone=True
         )
-        return self._in_session(session, work, alone=True)
 
     def enqueue_many(
         self,
@@ -503,33 +502,16 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
           holding no lease. Race-safe on PostgreSQL (a per-tenant advisory lock and a count
           taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
         """
-        params = self._claim_params(
-            worker, limit, ttl, now, queues, routes, tenant_limit, tenant_limits
-        )
-        if params is None:
-            return []  # nothing this worker could take
-        with self.driver.job_claim_scope() as conn:
-            return self._claim_in(conn, params)
-
-    def _claim_params(
-        self,
-        worker: str,
-        limit: int,
-        ttl: float,
-        now: Time | None,
-        queues: Iterable[str] | None,
-        routes: Iterable[str] | None,
-        tenant_limit: int | None,
-        tenant_limits: Mapping[str, int] | None,
-    ) -> dict[str, Any] | None:
-        """A batch claim's checked parameters; None when the filters leave nothing."""
         valid_name("worker", worker)
         check_number("limit", limit, JobError, integer=True)
         seconds = valid_ttl(ttl)
         when = valid_time("now", now)
         if when is None and self.driver.clock is not None:
             when = self.driver.clock()
+        with self._cursor_lock:
+            cursor = self._cursor
         params: dict[str, Any] = {
+            "cursor": cursor,
             "max_tenants": self.config.max_tenants_scanned,
             "limit": limit,
             "worker": worker,
@@ -540,16 +522,11 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
             "tenant_limits": valid_limits(tenant_limits),
         }
         if params["queues"] == [] or params["routes"] == []:
-            return None
+            return []  # nothing this worker could take
         if when is not None:
             params["now"] = when
-        return params
-
-    def _claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Lease]:
-        """The batch claim in the caller's transaction, from the fairness cursor on."""
-        with self._cursor_lock:
-            cursor = self._cursor
-        rows = self.driver.job_claim_batch(conn, {**params, "cursor": cursor}, "now" in params)
+        with self.driver.job_claim_scope() as conn:
+            rows = self.driver.job_claim_batch(conn, params, when is not None)
         leases = [lease_from_row(row) for row in rows]
         leases.sort(key=lambda lease: (lease.tenant <= cursor, lease.tenant, lease.job_id))
         if leases:
