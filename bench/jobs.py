@@ -18,6 +18,9 @@ default concurrency, and enqueue -> handler start at ``--rate`` jobs/s.
 ``--steady SECONDS``: ours only, at the first ``--concurrency`` level: the claim rate per
 10-s window while a producer keeps ``--steady-backlog`` jobs READY (does it decay as
 finished jobs leave dead tuples behind?).
+
+``--slots --hold SECONDS [--steady-backlog 4000] [--claim-ahead]``: one ``Worker.run()`` at
+``concurrency=16`` while a producer process keeps the backlog READY, per 10-s window.
 """
 
 from __future__ import annotations
@@ -258,7 +261,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="--slots: alternated rounds")
     parser.add_argument("--rate", type=float, default=200.0, help="--slots: latency cell's jobs/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="--slots: latency cell's run")
+    parser.add_argument(
+        "--hold",
+        type=float,
+        metavar="SECONDS",
+        help="--slots: only the held-backlog cell, one worker at concurrency=16 for SECONDS "
+        "while a producer process keeps --steady-backlog jobs READY",
+    )
+    parser.add_argument("--claim-ahead", action="store_true", help="--hold: with claim ahead")
     args = parser.parse_args(argv)
+    if args.slots and args.hold:
+        from bench.jobs_slots import held_backlog
+
+        options = {"claim_ahead": True} if args.claim_ahead else {}
+        held_backlog(args.database_url, args.hold, args.steady_backlog, **options)
+        return 0
     if args.slots:
         from bench.jobs_slots import run_cells
 

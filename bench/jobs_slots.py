@@ -14,7 +14,9 @@ Issue 44's cells, each in one run on the same PostgreSQL, in fresh schemas, alte
 - **latency**: enqueue -> handler start at ``--rate`` jobs/s for ``--seconds``, 16 slots
   (p50, p99), with the defaults and with ``claim_ahead``.
 
-The machine is shared: read the ratios inside one run, not the absolutes.
+The tables are read as a user's are: written through the public API (the worker's) or one
+INSERT (the hand loop's), with no ANALYZE or VACUUM of the bench's own; autovacuum runs as
+it would. The machine is shared: read the ratios inside one run, not the absolutes.
 """
 
 from __future__ import annotations
@@ -85,7 +87,6 @@ def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str
             sa.text(f"INSERT INTO \"{schema}\".q (payload) SELECT 'x' FROM generate_series(1, :n)"),
             {"n": count},
         )
-        conn.execute(sa.text(f'VACUUM ANALYZE "{schema}".q'))
     engine = sa.create_engine(_url(base, schema, app), pool_size=threads, max_overflow=0)
     try:
         with engine.connect():
@@ -152,8 +153,6 @@ def worker_drain(admin: sa.Engine, base: str, count: int, **options: Any) -> dic
                     for i in range(start, min(count, start + 5000))
                 ]
             )
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'VACUUM ANALYZE "{schema}".outbox_jobs'))
         hooks = _Counting(count)
         worker = Worker(store, hooks=hooks, **options)
         worker.register("noop", lambda job: None)
@@ -260,3 +259,103 @@ def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) ->
             flush=True,
         )
     admin.dispose()
+
+
+def _produce(url: str, backlog: int, stop: Any, made: Any) -> None:
+    """The held backlog's producer, in a process of its own (as the third-party harness
+    runs it): ``Store.enqueue_many`` of 500 whenever fewer than ``backlog`` jobs are READY."""
+    from consumer.jobs.store import Store
+
+    producer = Store(url)
+    counter = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
+    ready = sa.text("SELECT count(*) FROM outbox_jobs WHERE state = 'READY'")
+    try:
+        while not stop.is_set():
+            with counter.connect() as conn:
+                waiting = int(conn.execute(ready).scalar_one())
+            if waiting >= backlog:
+                stop.wait(0.02)
+                continue
+            first = made.value
+            producer.enqueue_many(
+                [
+                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    for i in range(first, first + 500)
+                ]
+            )
+            made.value = first + 500
+    finally:
+        producer.dispose()
+        counter.dispose()
+
+
+def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None:
+    """One ``Worker(concurrency=16).run()`` for ``seconds`` while a producer process keeps
+    about ``backlog`` jobs READY (the third-party harness's shape: 16 in flight, a backlog
+    held at 4,000): jobs/s per 10-s window, and the dead tuples the churn leaves."""
+    import multiprocessing
+
+    from consumer.jobs.store import Store
+    from consumer.jobs.worker import Worker
+
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    schema, app = f"bench_held_{uuid.uuid4().hex[:8]}", f"held{uuid.uuid4().hex[:6]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    cell_url = _url(url, schema, app)
+    store = Store(cell_url)  # creates the tables before the producer writes
+    spawn = multiprocessing.get_context("spawn")
+    stop, made = spawn.Event(), spawn.Value("q", 0)
+    producer = spawn.Process(target=_produce, args=(cell_url, backlog, stop, made))
+    hooks = _Counting(10**12)
+    worker = Worker(store, hooks=hooks, concurrency=16, **options)
+    worker.register("noop", lambda job: None)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    print(
+        f"held backlog: {seconds:.0f} s, one worker, concurrency=16 {options or ''}, a producer "
+        f"process keeping about {backlog:,} READY",
+        flush=True,
+    )
+    print("  window   jobs/s   READY   dead tuples", flush=True)
+    rates: list[float] = []
+    try:
+        producer.start()
+        while made.value < backlog:  # the backlog is there before the worker starts
+            time.sleep(0.05)
+        runner.start()
+        started, last = time.monotonic(), 0
+        while time.monotonic() - started < seconds:
+            time.sleep(10.0)
+            done = hooks.done
+            rates.append((done - last) / 10.0)
+            last = done
+            with admin.connect() as conn:
+                ready, dead = conn.execute(
+                    sa.text(
+                        f'SELECT (SELECT count(*) FROM "{schema}".outbox_jobs '
+                        "WHERE state = 'READY'), (SELECT n_dead_tup FROM pg_stat_user_tables "
+                        "WHERE schemaname = :s AND relname = 'outbox_jobs')"
+                    ),
+                    {"s": schema},
+                ).one()
+            print(
+                f"  {len(rates) * 10:>4} s  {rates[-1]:>7,.0f}  {ready:>6,}  {dead:>11,}",
+                flush=True,
+            )
+    finally:
+        stop.set()
+        worker.stop()
+        if runner.is_alive():
+            runner.join(60)
+        if producer.pid is not None:
+            producer.join(60)
+        store.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+    if rates:
+        print(
+            f"held backlog: median {statistics.median(rates):,.0f} jobs/s over {len(rates)} "
+            f"windows (first {rates[0]:,.0f}, last {rates[-1]:,.0f})",
+            flush=True,
+        )
