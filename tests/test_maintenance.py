@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from consumer.inbox import INBOX_TABLE, build_inbox_schema, create_inbox_schema
+from consumer.jobs.duties import VACUUM_CATCH_UP
 from consumer.jobs.schema import HOT_TABLES, JOBS_TABLE
 from consumer.jobs.schema import create_schema as create_job_schema
 from consumer.jobs.store import Store
@@ -26,7 +27,7 @@ from outbox.maintenance import (
     psycopg_connector,
     quoted_table,
 )
-from tests.services import PrivatePostgres
+from tests.services import PrivatePostgres, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +164,60 @@ def test_the_consumer_vacuums_its_inbox_when_autovacuum_is_off(pg_url: str, redi
         assert after[INBOX_TABLE] == before[INBOX_TABLE] + 1  # the shared server: autovacuum off
     finally:
         engine.dispose()
+
+
+def dead_tuples(engine: sa.Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT n_dead_tup FROM pg_stat_user_tables "
+                    "WHERE schemaname = current_schema() AND relname = :t"
+                ),
+                {"t": table},
+            ).scalar_one()
+        )
+
+
+def test_the_worker_vacuums_a_job_table_autovacuum_has_not_come_to_yet() -> None:
+    """Issue 44: autovacuum visits a database once per naptime (a minute by default; an hour
+    here, so it never comes during the test). The worker looks every VACUUM_CATCH_UP seconds
+    and vacuums a hot table whose dead tuples are past the table's own threshold (5,000), and
+    leaves one below it alone."""
+    with PrivatePostgres(settings=["autovacuum=on", "autovacuum_naptime=3600"]) as pg:
+        engine = make_engine(pg.url)
+        try:
+            store = Store(engine)
+            store.enqueue_many([{"tenant": "t", "action": f"a-{i}"} for i in range(6000)])
+            worker = Worker(store)
+            assert worker.vacuum is not None and worker.vacuum.catch_up == VACUUM_CATCH_UP
+            tables = tuple(HOT_TABLES)
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"UPDATE {JOBS_TABLE} SET state = 'DONE' WHERE id <= 4000"))
+            with engine.begin() as conn:
+                conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+            wait_for(lambda: dead_tuples(engine, JOBS_TABLE) >= 4000, "the dead tuples counted")
+            before = vacuum_counts(engine, tables)
+            assert worker.vacuum.run_catch_up() == {}  # 4,000 dead: below the threshold
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"UPDATE {JOBS_TABLE} SET state = 'DONE' WHERE id > 4000"))
+            with engine.begin() as conn:
+                conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+            wait_for(lambda: dead_tuples(engine, JOBS_TABLE) >= 6000, "the dead tuples counted")
+            catching_up = PeriodicVacuum(
+                psycopg_connector(engine),
+                [quoted_table(t) for t in tables],
+                interval=3600,
+                catch_up=0.001,
+            )
+            # A look is due within a millisecond; the interval's vacuum is an hour away.
+            wait_for(catching_up.maybe_start, "a catch-up look started")
+            catching_up.join(60)
+            after = vacuum_counts(engine, tables)
+            assert after[JOBS_TABLE] == before[JOBS_TABLE] + 1
+            assert {t: after[t] for t in tables if t != JOBS_TABLE} == {
+                t: before[t] for t in tables if t != JOBS_TABLE
+            }
+            assert dead_tuples(engine, JOBS_TABLE) < 6000
+        finally:
+            engine.dispose()

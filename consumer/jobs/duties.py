@@ -8,7 +8,10 @@
   expired go back to READY at once (``Store.worker_beat``). From a thread of its own while
   the worker runs, so a long handler never makes it look dead.
 - ``vacuum``: the job tables, when the server runs without autovacuum
-  (``WorkerConfig.vacuum_interval``; ``outbox.maintenance.PeriodicVacuum``).
+  (``WorkerConfig.vacuum_interval``; ``outbox.maintenance.PeriodicVacuum``), and, every
+  ``VACUUM_CATCH_UP`` seconds, those past their autovacuum threshold that no vacuum has come
+  to yet (autovacuum visits a database once a minute by default; a worker at full speed
+  leaves tens of thousands of dead rows meanwhile). ``vacuum_interval=0`` turns both off.
 - ``retention``: finished jobs with their history and receipts, and gone workers' liveness
   rows (``WorkerConfig.retention``; ``consumer.jobs.retention``).
 - ``firing``: the schedules whose slot fell enqueue their slots' jobs, once fleet-wide
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
 __all__ = ["WorkerDuties"]
 
 log = logging.getLogger("outbox.worker")
+
+VACUUM_CATCH_UP = 5.0  # seconds between two looks for a job table autovacuum has left behind
 
 
 class WorkerDuties:
@@ -93,6 +98,7 @@ class WorkerDuties:
             [quoted_table(t) for t in HOT_TABLES],
             interval=config.vacuum_interval,
             what="job tables",
+            catch_up=VACUUM_CATCH_UP,
         )
         self.retention: RetentionDuty = job_retention_duty(store, config.retention)
         self.firing = ScheduleDuty(store, max_wait=config.schedule_interval)
