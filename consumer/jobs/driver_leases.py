@@ -15,6 +15,14 @@ from sqlalchemy.engine import Connection
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import LEASED
 
+LEASED_BY_KEY = jobs.c.state.concat("") == LEASED
+"""``state = 'LEASED'`` for a batch of leases found by primary key, written so that no partial
+index on LEASED rows matches it: every job passes through LEASED, so between two vacuums
+those indexes fill with entries of finished jobs that the statistics do not show, and a
+batch fenced on ``state = 'LEASED'`` was planned as a scan of them (issue 44: 1,494 buffers
+for a renewal of 15 leases after 20,000 finished jobs, 50 by key;
+``queries.pg_finish_batch`` has the same fence in SQL)."""
+
 
 class LeaseStatements(ABC):
     """The lease holder's moves: fenced update, extend, renew, lock, batch finish."""
@@ -82,7 +90,7 @@ class LeaseStatements(ABC):
                 jobs.c.id.in_(sorted(locked)),
                 wanted,
                 jobs.c.lease_owner == worker,
-                jobs.c.state == LEASED,
+                LEASED_BY_KEY,
             )
             .values(lease_expires_at=extended, updated_at=clock)
             .returning(jobs.c.id)
