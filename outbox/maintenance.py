@@ -107,11 +107,19 @@ def vacuum_unless_autovacuum(connect: Callable[[], Any], tables: Sequence[str]) 
     connection in autocommit mode (VACUUM cannot run inside a transaction); it is closed
     afterwards. ``SKIP_LOCKED``: a table another vacuum (another replica's) holds is skipped,
     not waited for."""
+    return _vacuum_where(connect, tables, lambda conn, table: not autovacuum_runs(conn, table))
+
+
+def _vacuum_where(
+    connect: Callable[[], Any], tables: Sequence[str], wanted: Callable[[Any, str], bool]
+) -> dict[str, float]:
+    """VACUUM (SKIP_LOCKED) each table ``wanted(conn, table)`` asks for, on one connection
+    of ``connect``'s, closed afterwards; table -> seconds it took."""
     done: dict[str, float] = {}
     conn = connect()
     try:
         for table in tables:
-            if autovacuum_runs(conn, table):
+            if not wanted(conn, table):
                 continue
             started = time.monotonic()
             conn.execute(f"VACUUM (SKIP_LOCKED) {table}")
@@ -144,19 +152,12 @@ def vacuum_past_threshold(connect: Callable[[], Any], tables: Sequence[str]) -> 
     """VACUUM each table whose dead tuples are past its autovacuum threshold (autovacuum
     would vacuum it now, at its next visit); return table -> seconds it took. ``connect``
     and ``SKIP_LOCKED`` as in :func:`vacuum_unless_autovacuum`."""
-    done: dict[str, float] = {}
-    conn = connect()
-    try:
-        for table in tables:
-            row = conn.execute(_PAST_THRESHOLD, {"t": table}).fetchone()
-            if not (row and row[0]):
-                continue
-            started = time.monotonic()
-            conn.execute(f"VACUUM (SKIP_LOCKED) {table}")
-            done[table] = time.monotonic() - started
-    finally:
-        conn.close()
-    return done
+
+    def past(conn: Any, table: str) -> bool:
+        row = conn.execute(_PAST_THRESHOLD, {"t": table}).fetchone()
+        return bool(row and row[0])
+
+    return _vacuum_where(connect, tables, past)
 
 
 def psycopg_connector(engine: Engine) -> Callable[[], Any]:

@@ -71,10 +71,9 @@ class BatchMoves(StoreBase):
                 for job_id, upto in seen:
                     if upto is not None:
                         talk.consume(self.driver, conn, job_id, upto, clock)
-        finished = set(done)
         return BatchResult(
-            done=sorted(finished),
-            conflicts=sorted(x.job_id for x in items if x.job_id not in finished),
+            done=sorted(ended),
+            conflicts=sorted(x.job_id for x in items if x.job_id not in ended),
         )
 
 
