@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import threading
 import time
+import types
 import uuid
 from typing import Any
 
@@ -88,6 +89,40 @@ def run_ours(url: str, count: int, concurrency: int, batch_size: int, tag: str) 
     return count / elapsed
 
 
+def keep_ready(url: str, backlog: int, stop: Any, made: Any, *, chunk: int, pause: float) -> None:
+    """A producer through the public API: ``Store.enqueue_many`` of ``chunk`` no-op jobs
+    whenever fewer than ``backlog`` are READY, else a ``pause``, until ``stop`` (an Event,
+    threading's or multiprocessing's) is set; ``made.value`` counts the jobs enqueued (a
+    shared ``Value`` when it runs in a process of its own). Module-level, so that a spawned
+    process can run it (``bench/jobs_slots.py``'s held backlog)."""
+    from consumer.jobs.store import Store
+
+    producer = Store(url)
+    # The READY count from the partial READY index (Store.counts() groups the whole table,
+    # which grows by every finished job: after a few minutes the producer's own count
+    # starved the workers and the bench measured the producer, not the claim).
+    counter = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
+    ready = sa.text("SELECT count(*) FROM outbox_jobs WHERE state = 'READY'")
+    try:
+        while not stop.is_set():
+            with counter.connect() as conn:
+                waiting = int(conn.execute(ready).scalar_one())
+            if waiting >= backlog:
+                stop.wait(pause)
+                continue
+            first = made.value
+            producer.enqueue_many(
+                [
+                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    for i in range(first, first + chunk)
+                ]
+            )
+            made.value = first + chunk
+    finally:
+        producer.dispose()
+        counter.dispose()
+
+
 def steady(url: str, seconds: float, concurrency: int, batch_size: int, backlog: int) -> None:
     """Workers claim and finish no-op jobs for ``seconds`` while a producer keeps about
     ``backlog`` READY jobs waiting (``enqueue_many``, 1,000 per call), so the workers are
@@ -102,31 +137,10 @@ def steady(url: str, seconds: float, concurrency: int, batch_size: int, backlog:
     worker.register("noop", lambda job: None)
     stop = threading.Event()
     done = [0] * concurrency
-    made = [0]
+    made = types.SimpleNamespace(value=0)
 
     def produce() -> None:
-        producer = Store(url)
-        # The READY count from the partial READY index (Store.counts() groups the whole
-        # table, which grows by every finished job: after a few minutes the producer's own
-        # count starved the workers and the bench measured the producer, not the claim).
-        counter = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
-        ready_sql = sa.text("SELECT count(*) FROM outbox_jobs WHERE state = 'READY'")
-        while not stop.is_set():
-            with counter.connect() as conn:
-                ready = int(conn.execute(ready_sql).scalar_one())
-            if ready >= backlog:
-                stop.wait(0.05)
-                continue
-            first = made[0]
-            producer.enqueue_many(
-                [
-                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
-                    for i in range(first, first + 1000)
-                ]
-            )
-            made[0] = first + 1000
-        producer.dispose()
-        counter.dispose()
+        keep_ready(url, backlog, stop, made, chunk=1000, pause=0.05)
 
     def loop(index: int) -> None:
         while not stop.is_set():

@@ -261,40 +261,13 @@ def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) ->
     admin.dispose()
 
 
-def _produce(url: str, backlog: int, stop: Any, made: Any) -> None:
-    """The held backlog's producer, in a process of its own (as the third-party harness
-    runs it): ``Store.enqueue_many`` of 500 whenever fewer than ``backlog`` jobs are READY."""
-    from consumer.jobs.store import Store
-
-    producer = Store(url)
-    counter = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
-    ready = sa.text("SELECT count(*) FROM outbox_jobs WHERE state = 'READY'")
-    try:
-        while not stop.is_set():
-            with counter.connect() as conn:
-                waiting = int(conn.execute(ready).scalar_one())
-            if waiting >= backlog:
-                stop.wait(0.02)
-                continue
-            first = made.value
-            producer.enqueue_many(
-                [
-                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
-                    for i in range(first, first + 500)
-                ]
-            )
-            made.value = first + 500
-    finally:
-        producer.dispose()
-        counter.dispose()
-
-
 def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None:
     """One ``Worker(concurrency=16).run()`` for ``seconds`` while a producer process keeps
     about ``backlog`` jobs READY (the third-party harness's shape: 16 in flight, a backlog
     held at 4,000): jobs/s per 10-s window, and the dead tuples the churn leaves."""
     import multiprocessing
 
+    from bench.jobs import keep_ready
     from consumer.jobs.store import Store
     from consumer.jobs.worker import Worker
 
@@ -306,7 +279,12 @@ def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None
     store = Store(cell_url)  # creates the tables before the producer writes
     spawn = multiprocessing.get_context("spawn")
     stop, made = spawn.Event(), spawn.Value("q", 0)
-    producer = spawn.Process(target=_produce, args=(cell_url, backlog, stop, made))
+    # In a process of its own, as the third-party harness runs it.
+    producer = spawn.Process(
+        target=keep_ready,
+        args=(cell_url, backlog, stop, made),
+        kwargs={"chunk": 500, "pause": 0.02},
+    )
     hooks = _Counting(10**12)
     worker = Worker(store, hooks=hooks, concurrency=16, **options)
     worker.register("noop", lambda job: None)
