@@ -247,32 +247,44 @@ class PeriodicVacuum:
     def run_catch_up(self) -> dict[str, float] | None:
         """Vacuum now, in the calling thread, the tables autovacuum would vacuum but has not
         come to yet; what :func:`vacuum_past_threshold` returned, or None if it failed."""
-        try:
-            done = vacuum_past_threshold(self.connect, self.tables)
-        except Exception as exc:
-            report_failure(log, f"vacuum of the {self.what} failed; looking again later", exc)
-            return None
-        if done:
-            log.debug(
-                f"vacuumed the {self.what} (past their threshold before autovacuum came)",
-                extra=fields(seconds={t: round(s, 3) for t, s in done.items()}),
-            )
-        return done
+        return self._vacuum(
+            vacuum_past_threshold,
+            "looking again later",
+            "past their threshold before autovacuum came",
+            logging.DEBUG,
+        )
 
     def run_once(self) -> dict[str, float] | None:
         """Vacuum now, in the calling thread; what :func:`vacuum_unless_autovacuum`
         returned, or None if it failed (logged)."""
+        done = self._vacuum(
+            vacuum_unless_autovacuum,
+            "again at the next interval",
+            "autovacuum is off",
+            logging.INFO,
+        )
+        if done is not None:
+            self.last_result = done
+        return done
+
+    def _vacuum(
+        self,
+        vacuum: Callable[[Callable[[], Any], Sequence[str]], dict[str, float]],
+        then: str,
+        why: str,
+        level: int,
+    ) -> dict[str, float] | None:
+        """One of the two rules' vacuums: what it returned, or None if it failed (logged,
+        with what comes ``then``); the tables vacuumed logged at ``level``, with ``why``."""
         try:
-            done = vacuum_unless_autovacuum(self.connect, self.tables)
+            done = vacuum(self.connect, self.tables)
         except Exception as exc:
-            report_failure(
-                log, f"vacuum of the {self.what} failed; again at the next interval", exc
-            )
+            report_failure(log, f"vacuum of the {self.what} failed; {then}", exc)
             return None
-        self.last_result = done
         if done:
-            log.info(
-                f"vacuumed the {self.what} (autovacuum is off)",
+            log.log(
+                level,
+                f"vacuumed the {self.what} ({why})",
                 extra=fields(seconds={t: round(s, 3) for t, s in done.items()}),
             )
         return done

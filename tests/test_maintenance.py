@@ -179,6 +179,16 @@ def dead_tuples(engine: sa.Engine, table: str) -> int:
         )
 
 
+def finish_by_hand(engine: sa.Engine, where: str, *, dead: int) -> None:
+    """Mark the jobs ``where`` DONE (each leaves a dead tuple), then wait until the server's
+    counts show ``dead`` dead tuples in all."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {JOBS_TABLE} SET state = 'DONE' WHERE {where}"))
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+    wait_for(lambda: dead_tuples(engine, JOBS_TABLE) >= dead, "the dead tuples counted")
+
+
 def test_the_worker_vacuums_a_job_table_autovacuum_has_not_come_to_yet() -> None:
     """Issue 44: autovacuum visits a database once per naptime (a minute by default; an hour
     here, so it never comes during the test). The worker looks every VACUUM_CATCH_UP seconds
@@ -192,18 +202,10 @@ def test_the_worker_vacuums_a_job_table_autovacuum_has_not_come_to_yet() -> None
             worker = Worker(store)
             assert worker.vacuum is not None and worker.vacuum.catch_up == VACUUM_CATCH_UP
             tables = tuple(HOT_TABLES)
-            with engine.begin() as conn:
-                conn.execute(sa.text(f"UPDATE {JOBS_TABLE} SET state = 'DONE' WHERE id <= 4000"))
-            with engine.begin() as conn:
-                conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
-            wait_for(lambda: dead_tuples(engine, JOBS_TABLE) >= 4000, "the dead tuples counted")
+            finish_by_hand(engine, "id <= 4000", dead=4000)
             before = vacuum_counts(engine, tables)
             assert worker.vacuum.run_catch_up() == {}  # 4,000 dead: below the threshold
-            with engine.begin() as conn:
-                conn.execute(sa.text(f"UPDATE {JOBS_TABLE} SET state = 'DONE' WHERE id > 4000"))
-            with engine.begin() as conn:
-                conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
-            wait_for(lambda: dead_tuples(engine, JOBS_TABLE) >= 6000, "the dead tuples counted")
+            finish_by_hand(engine, "id > 4000", dead=6000)
             catching_up = PeriodicVacuum(
                 psycopg_connector(engine),
                 [quoted_table(t) for t in tables],
