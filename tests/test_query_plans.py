@@ -514,6 +514,43 @@ def test_the_batch_finish_reads_its_leases_by_key_after_churn(
 
 
 @pytest.mark.slow  # 20,000 jobs leased and finished by hand for EXPLAIN ANALYZE (~2 s)
+def test_a_claim_that_finishes_reads_its_leases_by_key_after_churn(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """The claim that also writes its slots' finishes (``pg_claim_batch(finishing=True)``,
+    the worker's default path): the finish's part finds the 15 leases by primary key after
+    the same churn, never through the LEASED indexes' dead entries."""
+    leases = _churned(conn)
+    conn.execute(
+        "INSERT INTO outbox_jobs (tenant, action, created_at, updated_at) "
+        "SELECT 't', 'next-' || g, 0, 0 FROM generate_series(1, 15) g"
+    )
+    params = {
+        "ids": ",".join(str(job_id) for job_id, _ in leases),
+        "epochs": ",".join(str(epoch) for _, epoch in leases),
+        "worker": "w",
+        "cursor": "",
+        "max_tenants": 100,
+        "limit": 15,
+        "ttl": 30.0,
+    }
+    statement = job_queries.pg_claim_batch(False, finishing=True)
+    # The first scan after the churn marks the dead index entries it meets (any statement
+    # pays that once); measured after it, like the apart statements below.
+    _explain(conn, *_compiled(statement, params))
+    plan = _explain(conn, *_compiled(statement, params))
+    assert plan["Plan"]["Actual Rows"] == 30, _describe(plan)  # 15 finished, 15 claimed
+    used = indexes(plan, "outbox_jobs")
+    assert "outbox_jobs_pkey" in used, _describe(plan)
+    assert not used & {"ix_outbox_jobs_leased", "ix_outbox_jobs_leased_tenant"}, _describe(plan)
+    # No dearer than the claim and the finish apart (the READY index's dead entries of the
+    # churn are the claim's own cost, which the worker's catch-up vacuum bounds).
+    apart = buffers(_explain(conn, *_compiled(job_queries.pg_claim_batch(False), params)))
+    apart += buffers(_explain(conn, *_compiled(job_queries.pg_finish_batch(False), params)))
+    assert buffers(plan) <= apart + 40, f"{buffers(plan)} buffers, {apart} apart"
+
+
+@pytest.mark.slow  # 20,000 jobs leased and finished by hand for EXPLAIN ANALYZE (~2 s)
 def test_the_heartbeats_renewal_reads_its_leases_by_key_after_churn(
     conn: psycopg.Connection[Any], pg_url: str
 ) -> None:

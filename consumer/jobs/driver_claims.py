@@ -20,6 +20,9 @@ from consumer.jobs.states import LEASED
 class ClaimStatements(ABC):
     """Claims: lock and lease one job, count a tenant's leases, the batch claim."""
 
+    job_claim_finishes = False
+    """``job_claim_batch`` also finishes ``params["finishing"]`` (``Store.finish_and_claim``)."""
+
     def job_lock_for_claim(self, conn: Connection, where: ColumnElement[bool]) -> Any:
         """Lock one job row (PostgreSQL; SQLite holds its write lock already) so a claim's
         check and move are one step."""
@@ -83,4 +86,6 @@ class ClaimStatements(ABC):
         when ``now_given``); the filters ``queues`` (names, or None: every queue), ``routes``
         (handler names, or None: every job) and the tenant limit ``tenant_limit`` (None: no
         default limit) with its overrides ``tenant_limits`` (tenant to limit). Paused queues
-        are never claimed from."""
+        are never claimed from. Where :attr:`job_claim_finishes`, ``finishing`` ((job id,
+        epoch) pairs of ``worker``'s leases) are finished by the same statement, each coming
+        back as a row with its ``id`` and a NULL ``lease_epoch``."""

@@ -52,6 +52,7 @@ class PostgresJobDriver(JobDriver):
     lock."""
 
     name = "postgresql"
+    job_claim_finishes = True  # queries.pg_claim_batch(finishing=True)
 
     @cached_property
     def _jit_off(self) -> bool:
@@ -280,10 +281,17 @@ class PostgresJobDriver(JobDriver):
         queues, routes = params.get("queues"), params.get("routes")
         limit, limits = params.get("tenant_limit"), params.get("tenant_limits") or {}
         limited = limit is not None or bool(limits)
+        finishing = params.get("finishing")
         statement = q.pg_claim_batch(
-            now_given, all_queues=queues is None, routed=routes is not None, limited=limited
+            now_given,
+            all_queues=queues is None,
+            routed=routes is not None,
+            limited=limited,
+            finishing=finishing is not None,
         )
         bound = {k: params[k] for k in ("cursor", "max_tenants", "limit", "worker", "ttl")}
+        if finishing is not None:
+            bound.update(_finish_pairs(finishing))
         if now_given:
             bound["now"] = params["now"]
         if queues is not None:
@@ -301,11 +309,7 @@ class PostgresJobDriver(JobDriver):
     def job_finish_batch(
         self, conn: Connection, worker: str, leases: Sequence[tuple[int, int]], when: float | None
     ) -> list[int]:
-        params: dict[str, Any] = {
-            "ids": ",".join(str(job_id) for job_id, _ in leases),
-            "epochs": ",".join(str(epoch) for _, epoch in leases),
-            "worker": worker,
-        }
+        params: dict[str, Any] = {**_finish_pairs(leases), "worker": worker}
         if when is not None:
             params["now"] = when
         return [int(r[0]) for r in conn.execute(q.pg_finish_batch(when is not None), params)]
@@ -379,3 +383,11 @@ class _PgReadyListener:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _finish_pairs(leases: Sequence[tuple[int, int]]) -> dict[str, str]:
+    """(job id, epoch) pairs as a batch finish binds them (``queries.pg_finish_batch``)."""
+    return {
+        "ids": ",".join(str(job_id) for job_id, _ in leases),
+        "epochs": ",".join(str(epoch) for _, epoch in leases),
+    }

@@ -169,9 +169,14 @@ JIT. On the store's own engine its sessions run without JIT already
 engine this is one extra short statement per claim, rather than a setting on their sessions."""
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def pg_claim_batch(
-    now_given: bool, *, all_queues: bool = True, routed: bool = False, limited: bool = False
+    now_given: bool,
+    *,
+    all_queues: bool = True,
+    routed: bool = False,
+    limited: bool = False,
+    finishing: bool = False,
 ) -> TextualSelect:
     """Claim up to :limit READY rows in one statement (one short transaction).
 
@@ -187,6 +192,15 @@ def pg_claim_batch(
     :data:`PG_TENANT_ROOM_SQL`, computed once per tenant (a CTE with a volatile function is
     never inlined), so at most the limit of its jobs are LEASED at once in the queue, counted
     over every worker; a tenant at its limit gets no rows, its jobs stay READY with no lease.
+
+    ``finishing``: the same statement also finishes the worker's leases in ``:ids`` and
+    ``:epochs`` (:func:`pg_finish_batch`'s fenced UPDATE and history rows), so the slots
+    those jobs held are claimed again in the same commit: one round trip for a freed slot's
+    finish and its next job, and never more leases than slots at any moment. The rows read
+    by the claim are READY and those finished LEASED: the two UPDATEs never touch one row.
+    Each finished job comes back as a row of its own, after the leases: its ``id``, with
+    every other column NULL (a claimed row always has its ``lease_epoch``). A tenant's room
+    (``limited``) is counted before the finishes, so it errs on the side of the limit.
 
     Why this shape holds whatever the planner statistics say (issue 10): every scan of
     outbox_jobs is an ``ORDER BY ... LIMIT`` whose equalities on the index's leading columns
@@ -234,11 +248,12 @@ picked AS (
     ORDER BY t.wrapped, t.tenant, t.queue
     LIMIT :limit
 )
+{_FINISHING.format(now=now) if finishing else ""}
 UPDATE {JOBS_TABLE} AS j
 SET state = '{LEASED}', lease_owner = :worker, lease_epoch = j.lease_epoch + 1,
     lease_expires_at = {now} + :ttl, attempts = j.attempts + 1, updated_at = {now}
 FROM picked WHERE j.id = picked.id
-RETURNING {_returning("j.")}
+RETURNING {_returning("j.")}{_FINISHED if finishing else ""}
 """
     )
 
@@ -332,6 +347,40 @@ _OUTCOME = f"CASE WHEN state = '{CANCELLED}' THEN 'cancelled' ELSE 'done' END"
 _NOTE = f"CASE WHEN state = '{CANCELLED}' THEN 'cancel requested; the run ended done' END"
 
 
+# The batch finish (pg_finish_batch, and a claim that finishes: pg_claim_batch's finishing):
+# its input, the fenced UPDATE, and the history rows of the jobs it ended. ``{now}`` is
+# filled in by the caller.
+_FINISH_CTES = f"""input AS (
+    SELECT * FROM unnest(string_to_array(:ids, ',')::bigint[],
+                         string_to_array(:epochs, ',')::bigint[]) AS i(id, epoch)
+),
+done AS (
+    UPDATE {JOBS_TABLE} AS f
+    SET state = {_DONE_OR_CANCELLED}, wait_reason = {_CANCEL_REASON},
+        lease_owner = NULL, lease_expires_at = NULL, updated_at = {{now}},
+        timer_scheduled_for = NULL, timer_reason = NULL, timer_subject_version = NULL,
+        timer_cancellation_condition = NULL
+    FROM input i
+    WHERE f.id = i.id AND f.lease_epoch = i.epoch AND f.lease_owner = :worker
+      AND f.state || '' = '{LEASED}'
+    RETURNING f.id, i.epoch, f.state
+)"""
+_FINISH_HISTORY = f"""INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
+SELECT id, epoch, :worker, {_OUTCOME}, {_NOTE}, {{now}} FROM done
+RETURNING job_id"""
+_FINISHING = f""",
+{_FINISH_CTES},
+ended AS (
+{_FINISH_HISTORY}
+),
+claimed AS ("""
+_FINISHED = f"""
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT job_id, {", ".join(["NULL"] * (len(LEASE_COLUMNS) - 1))} FROM ended"""
+
+
 @lru_cache(maxsize=4)
 def pg_finish_batch(now_given: bool) -> TextClause:
     """Finish many leases of one worker in one statement, each fenced on its own epoch.
@@ -353,28 +402,7 @@ def pg_finish_batch(now_given: bool) -> TextClause:
     until autovacuum came (tests/test_query_plans.py).
     """
     now = ":now" if now_given else EPOCH_SQL[POSTGRESQL]
-    return text(
-        f"""
-WITH input AS (
-    SELECT * FROM unnest(string_to_array(:ids, ',')::bigint[],
-                         string_to_array(:epochs, ',')::bigint[]) AS i(id, epoch)
-),
-done AS (
-    UPDATE {JOBS_TABLE} AS j
-    SET state = {_DONE_OR_CANCELLED}, wait_reason = {_CANCEL_REASON},
-        lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
-        timer_scheduled_for = NULL, timer_reason = NULL, timer_subject_version = NULL,
-        timer_cancellation_condition = NULL
-    FROM input i
-    WHERE j.id = i.id AND j.lease_epoch = i.epoch AND j.lease_owner = :worker
-      AND j.state || '' = '{LEASED}'
-    RETURNING j.id, i.epoch, j.state
-)
-INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
-SELECT id, epoch, :worker, {_OUTCOME}, {_NOTE}, {now} FROM done
-RETURNING job_id
-"""
-    )
+    return text(f"WITH {_FINISH_CTES.format(now=now)}\n{_FINISH_HISTORY.format(now=now)}")
 
 
 @lru_cache(maxsize=1)

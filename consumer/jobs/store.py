@@ -58,10 +58,10 @@ from consumer.jobs.checks import (
     valid_limit,
     valid_limits,
     valid_name,
-    valid_names,
     valid_time,
     valid_ttl,
 )
+from consumer.jobs.claims import BatchClaims
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.enqueues import EnqueueBuffer, enqueue_one, enqueue_rows
 from consumer.jobs.moves import LeaseMoves
@@ -86,7 +86,6 @@ from consumer.jobs.rows import (
     RecoveryResult,
     Timer,
     job_from_row,
-    lease_from_row,
 )
 from consumer.jobs.schedules import ScheduleMethods
 from consumer.jobs.schema import DEFAULT_QUEUE
@@ -100,7 +99,6 @@ from consumer.jobs.states import (
     WAITING_REVIEW,
 )
 from outbox.errors import ConfigError
-from outbox.validate import check_number
 
 __all__ = [
     "Attempt",
@@ -126,7 +124,7 @@ _T = TypeVar("_T")
 # -- the store -------------------------------------------------------------------------------
 
 
-class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
+class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
     """The job store on one database (see the module docstring for the contract).
 
     ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long
@@ -446,90 +444,3 @@ class Store(LeaseMoves, QueueMethods, Recovery, ScheduleMethods):
                     clock,
                 )
             return new_epoch
-
-    def claim_next(
-        self,
-        worker: str,
-        ttl: float = 30,
-        *,
-        now: Time | None = None,
-        queues: Iterable[str] | None = None,
-        routes: Iterable[str] | None = None,
-        tenant_limit: int | None = None,
-        tenant_limits: Mapping[str, int] | None = None,
-    ) -> Lease | None:
-        """Claim one eligible job, fairly across tenants (see the module docstring), with
-        :meth:`claim_batch`'s filters."""
-        leases = self.claim_batch(
-            worker,
-            1,
-            ttl,
-            now=now,
-            queues=queues,
-            routes=routes,
-            tenant_limit=tenant_limit,
-            tenant_limits=tenant_limits,
-        )
-        return leases[0] if leases else None
-
-    def claim_batch(
-        self,
-        worker: str,
-        limit: int,
-        ttl: float = 30,
-        *,
-        now: Time | None = None,
-        queues: Iterable[str] | None = None,
-        routes: Iterable[str] | None = None,
-        tenant_limit: int | None = None,
-        tenant_limits: Mapping[str, int] | None = None,
-    ) -> list[Lease]:
-        """Claim up to ``limit`` eligible jobs in one short transaction, round robin over
-        tenants within each queue; each gets its own epoch. PostgreSQL: one statement, FOR
-        UPDATE SKIP LOCKED.
-
-        Filters, all inside that one statement:
-
-        - ``queues``: claim only from these queues (None: every queue). Paused queues
-          (:meth:`pause_queue`) are never claimed from.
-        - ``routes``: only jobs these handler names can run, as ``Worker.route`` decides
-          (the kind is a name; without kind, the action is a name or starts with a name and
-          one of ``-:/.#_``). None: every job. A worker passes its handlers' names, so it
-          never claims a job it would have to park for lack of a handler.
-        - ``tenant_limit`` / ``tenant_limits`` (tenant -> limit, overriding the default):
-          at most that many jobs of one tenant LEASED at once in a queue, counted over every
-          worker on the database. A tenant at its limit is skipped: its jobs stay READY,
-          holding no lease. Race-safe on PostgreSQL (a per-tenant advisory lock and a count
-          taken after it, ``queries.PG_TENANT_ROOM_SQL``) and on SQLite (the write lock).
-        """
-        valid_name("worker", worker)
-        check_number("limit", limit, JobError, integer=True)
-        seconds = valid_ttl(ttl)
-        when = valid_time("now", now)
-        if when is None and self.driver.clock is not None:
-            when = self.driver.clock()
-        with self._cursor_lock:
-            cursor = self._cursor
-        params: dict[str, Any] = {
-            "cursor": cursor,
-            "max_tenants": self.config.max_tenants_scanned,
-            "limit": limit,
-            "worker": worker,
-            "ttl": seconds,
-            "queues": valid_names("queues", queues),
-            "routes": valid_names("routes", routes),
-            "tenant_limit": valid_limit("tenant_limit", tenant_limit),
-            "tenant_limits": valid_limits(tenant_limits),
-        }
-        if params["queues"] == [] or params["routes"] == []:
-            return []  # nothing this worker could take
-        if when is not None:
-            params["now"] = when
-        with self.driver.job_claim_scope() as conn:
-            rows = self.driver.job_claim_batch(conn, params, when is not None)
-        leases = [lease_from_row(row) for row in rows]
-        leases.sort(key=lambda lease: (lease.tenant <= cursor, lease.tenant, lease.job_id))
-        if leases:
-            with self._cursor_lock:
-                self._cursor = leases[0].tenant
-        return leases

@@ -1,0 +1,102 @@
+"""``Store.finish_and_claim``: a worker's finishes and its next claim (issue 44).
+
+The worker's default path: the claim that takes the slots of jobs whose handlers returned
+writes their finishes. Each finish is fenced on its own epoch as in ``finish_batch``, a job
+with a cancel request ends CANCELLED, and on PostgreSQL the finish and the claim are one
+statement (one round trip, one commit), so the worker never holds more leases than slots."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import sqlalchemy as sa
+
+from consumer import Store
+
+
+def _jobs(store: Store, count: int, tenant: str = "t") -> None:
+    store.enqueue_many([{"tenant": tenant, "action": f"noop-{i}"} for i in range(count)])
+
+
+def _states(store: Store) -> dict[str, int]:
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT state, count(*) FROM outbox_jobs GROUP BY state"))
+        return {state: int(n) for state, n in rows}
+
+
+def test_it_finishes_the_leases_and_claims_the_next_jobs(db_url: str) -> None:
+    store = Store(db_url)
+    _jobs(store, 10)
+    first = store.claim_batch("w1", 4)
+    result, nxt = store.finish_and_claim(first, "w1", 4, routes=["noop"])
+    assert result.done == sorted(lease.job_id for lease in first) and result.conflicts == []
+    assert len(nxt) == 4 and not {x.job_id for x in nxt} & {x.job_id for x in first}
+    assert all(x.worker == "w1" and x.epoch == 1 for x in nxt)
+    assert _states(store) == {"DONE": 4, "LEASED": 4, "READY": 2}
+    history = store.history(first[0].job_id)
+    assert [(a.outcome, a.epoch, a.worker) for a in history][-1] == ("done", 1, "w1")
+    # Nothing left to claim: the finishes are still written.
+    result, last = store.finish_and_claim(nxt, "w1", 8)
+    assert len(result.done) == 4 and len(last) == 2
+    result, none = store.finish_and_claim(last, "w1", 8)
+    assert len(result.done) == 2 and none == []
+    assert _states(store) == {"DONE": 10}
+    store.dispose()
+
+
+def test_a_lost_lease_is_refused_and_the_claim_still_goes(db_url: str) -> None:
+    store = Store(db_url)
+    _jobs(store, 6)
+    held = store.claim_batch("w1", 2)
+    stale = dataclasses.replace(held[0], epoch=held[0].epoch + 1)  # taken over since
+    result, nxt = store.finish_and_claim([stale, held[1]], "w1", 2)
+    assert result.done == [held[1].job_id] and result.conflicts == [held[0].job_id]
+    assert len(nxt) == 2
+    assert store.get(held[0].job_id).state == "LEASED"  # not finished by a stale holder
+    store.dispose()
+
+
+def test_a_job_with_a_cancel_request_ends_cancelled(db_url: str) -> None:
+    store = Store(db_url)
+    _jobs(store, 3)
+    held = store.claim_batch("w1", 2)
+    assert store.cancel(held[0].job_id, reason="not wanted") == "LEASED"  # a request
+    result, _ = store.finish_and_claim(held, "w1", 1)
+    assert sorted(result.done) == sorted(x.job_id for x in held)
+    assert store.get(held[0].job_id).state == "CANCELLED"
+    assert store.get(held[1].job_id).state == "DONE"
+    assert store.history(held[0].job_id)[-1].outcome == "cancelled"
+    store.dispose()
+
+
+def test_another_workers_lease_is_written_apart_and_fenced(db_url: str) -> None:
+    store = Store(db_url)
+    _jobs(store, 4)
+    theirs = store.claim_batch("w2", 1)
+    mine = store.claim_batch("w1", 1)
+    result, nxt = store.finish_and_claim([*mine, *theirs], "w1", 1)
+    # w2's lease is w2's: finish_batch fences it on its own holder, as the lease says.
+    assert sorted(result.done) == sorted([mine[0].job_id, theirs[0].job_id])
+    assert len(nxt) == 1 and nxt[0].worker == "w1"
+    store.dispose()
+
+
+def test_on_postgresql_the_finish_and_the_claim_are_one_statement(pg_url: str) -> None:
+    store = Store(pg_url)
+    _jobs(store, 8)
+    held = store.claim_batch("w1", 4)
+    sent: list[str] = []
+
+    def capture(_c: Any, _cur: Any, statement: str, *_rest: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(store.engine, "before_cursor_execute", capture)
+    try:
+        result, nxt = store.finish_and_claim(held, "w1", 4)
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", capture)
+    assert len(result.done) == 4 and len(nxt) == 4
+    assert len(sent) == 1, sent  # no BEGIN/COMMIT round trips either: it commits alone
+    assert "outbox_job_attempts" in sent[0] and "SKIP LOCKED" in sent[0]
+    store.dispose()
