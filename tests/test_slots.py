@@ -8,6 +8,7 @@ default), it never leases more jobs than it has slots."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -74,4 +75,49 @@ def test_claim_ahead_drains_a_backlog_with_every_job_once(pg_url: str) -> None:
         worker.stop()
         runner.join(60)
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 300
+    store.dispose()
+
+
+def test_a_draining_worker_never_holds_more_leases_than_slots(pg_url: str) -> None:
+    """The default path: the claim that takes a finished job's slot writes its finish in
+    the same statement (``Store.finish_and_claim``), so at no moment does the worker hold
+    more leases than slots, and each job runs once."""
+    store = Store(pg_url)
+    store.enqueue_many([{"tenant": f"t{i % 3}", "action": f"noop-{i}"} for i in range(600)])
+    carried: list[int] = []
+    finish_and_claim = store.finish_and_claim
+
+    def counted(finished: Any, *args: Any, **kwargs: Any) -> Any:
+        carried.append(len(finished))
+        return finish_and_claim(finished, *args, **kwargs)
+
+    store.finish_and_claim = counted  # type: ignore[method-assign]
+    seen: list[int] = []
+    worker = Worker(store, concurrency=4)
+    worker.register("noop", lambda job: seen.append(job.job_id))
+    owner = worker.config.name
+    leased: list[int] = []
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        with store.engine.connect() as conn:
+            while len(leased) < 100_000:
+                row = conn.execute(
+                    text(
+                        "SELECT count(*) FILTER (WHERE state = 'LEASED' AND lease_owner = :w),"
+                        " count(*) FILTER (WHERE state = 'DONE') FROM outbox_jobs"
+                    ),
+                    {"w": owner},
+                ).one()
+                conn.rollback()
+                leased.append(int(row[0]))
+                if row[1] == 600:
+                    break
+    finally:
+        worker.stop()
+        runner.join(60)
+    assert _states(store) == {"DONE": 600}
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 600
+    assert max(leased) <= 4, max(leased)
+    assert sum(carried) > 300, carried  # most finishes went with the next claim
     store.dispose()

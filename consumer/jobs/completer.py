@@ -84,6 +84,35 @@ class Completer:
             self._full.set()
         return done
 
+    @property
+    def pending(self) -> Sequence[Settled]:
+        """The finishes submitted and not yet being written."""
+        return self._pending
+
+    def take(self, wanted: Callable[[Settled], bool]) -> list[Settled]:
+        """Take the finishes not yet being written that ``wanted`` picks, for a claim that
+        writes them itself (``Runner.finish_and_claim``); hand them to :meth:`recorded`
+        once written, or back to :meth:`resubmit`."""
+        taken = [settled for settled in self._pending if wanted(settled)]
+        if taken:
+            self._pending = [settled for settled in self._pending if not wanted(settled)]
+        return taken
+
+    def resubmit(self, batch: Sequence[Settled]) -> None:
+        """Finishes taken and not written (the claim failed): written here after all."""
+        if batch:
+            self._pending.extend(batch)
+            self._idle.clear()
+            self._wake.set()
+
+    def recorded(self, batch: Sequence[Settled]) -> None:
+        """These finishes were written (or refused, or failed): the jobs leave the hands."""
+        for settled in batch:
+            self.on_recorded(settled)
+            done = self._waiting.pop(settled.ctx.job_id, None)
+            if done is not None and not done.done():
+                done.set_result(None)
+
     async def run(self) -> None:
         """Write the batches until :meth:`close`; a task beside the slots."""
         while True:
@@ -100,7 +129,8 @@ class Completer:
                     await asyncio.wait_for(self._full.wait(), self.flush_after)
             self._full.clear()
             batch, self._pending = self._pending, []
-            await self._flush(batch)
+            if batch:  # a claim may have taken them meanwhile
+                await self._flush(batch)
 
     async def close(self) -> None:
         """Write everything submitted, then let :meth:`run` return."""
@@ -125,8 +155,4 @@ class Completer:
         except Exception as exc:  # the worker's own fault: say so, the leases expire
             log.error("finishes failed in the worker", extra={"error": repr(exc)[:500]})
         finally:
-            for settled in batch:
-                self.on_recorded(settled)
-                done = self._waiting.pop(settled.ctx.job_id, None)
-                if done is not None and not done.done():
-                    done.set_result(None)
+            self.recorded(batch)

@@ -162,10 +162,19 @@ class Outcomes:
         (``done`` or ``conflict``). Returns the job ids refused (their lease was lost)."""
         if not done:
             return set()
-        for settled in done:
-            settled.ctx.outcome = "done"  # the heartbeat leaves it alone from here
+        self.finishing(done)
         result = self.store.finish_batch([settled.ctx.lease for settled in done])
-        lost = set(result.conflicts)
+        return self.finished(done, result.conflicts)
+
+    def finishing(self, done: Sequence[Settled]) -> None:
+        """These jobs' finishes are being written: the heartbeat leaves them alone."""
+        for settled in done:
+            settled.ctx.outcome = "done"
+
+    def finished(self, done: Sequence[Settled], conflicts: Sequence[int]) -> set[int]:
+        """Report each finish written (``done``, or ``conflict`` for the ids refused);
+        returns the refused ids."""
+        lost = set(conflicts)
         now = time.monotonic()
         for settled in done:
             end = "conflict" if settled.ctx.job_id in lost else "done"

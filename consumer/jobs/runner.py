@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -97,6 +97,24 @@ class Runner:
         limits."""
         filters = {**self._filters, "queues": queues}
         return self.store.claim_batch(self.config.name, free, self.config.ttl, now=now, **filters)
+
+    def finish_and_claim(
+        self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
+    ) -> list[Lease]:
+        """Finish ``done`` (jobs whose handlers returned) and claim up to ``free`` jobs like
+        :meth:`claim`, in one statement on PostgreSQL (``Store.finish_and_claim``): the
+        slots those jobs held take their next jobs in the same commit."""
+        filters = {**self._filters, "queues": queues}
+        self.outcomes.finishing(done)
+        result, leases = self.store.finish_and_claim(
+            [settled.ctx.lease for settled in done],
+            self.config.name,
+            free,
+            self.config.ttl,
+            **filters,
+        )
+        self.outcomes.finished(done, result.conflicts)
+        return leases
 
     def context(self, lease: Lease, executor: Any = None) -> JobContext:
         """The handler's view of a claimed job, held (and heartbeaten) from here."""

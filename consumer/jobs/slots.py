@@ -9,36 +9,34 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
 
 - A ``def`` handler runs on a bounded pool of threads (``consumer.jobs.threads``: sized
   from the CPUs and the jobs' own waits, or ``WorkerConfig.threads``); the claimed jobs
-  beyond it wait for a thread on the loop, holding their lease but no thread.
+  beyond it wait for a thread on the loop, holding their lease but no thread. Handlers
+  learned to take microseconds go several to a hand-off (``QuickHandOff``).
 - An ``async def`` handler runs on the runner's event loop; ``await job.adispatch(...)``
-  keeps the provider call there and its database statements in a small executor, so one
-  process holds hundreds of calls in flight for little CPU.
+  keeps the provider call there and its database statements in a small executor.
 - Claims never cost a round trip per slot: a claim takes every slot free at that moment,
-  and while jobs run, claims are at least ``CLAIM_SPACING`` apart, so slots freed meanwhile
-  are claimed together (2 workers x 16 threads claiming one job each was CPU-bound on this
-  machine). When a claim fills every free slot there may be more: the next slot freed
-  claims again; otherwise the runner waits for a NOTIFY (PostgreSQL, with
-  ``StoreConfig(notify=True)``), a timer or the poll. Without NOTIFY (the default) the poll
-  is adaptive, like the relay's: every ``BUSY_POLL`` for ``BUSY_WINDOW`` after a claim that
-  found work, then doubling toward ``poll_interval`` (an empty claim reads the READY index
-  only, ~0.1-0.2 ms of the server).
-- **Claim ahead** (``WorkerConfig(claim_ahead=True)``, ``--claim-ahead``; off by default,
-  when a worker never leases more jobs than it has slots). Each group of slots keeps a
-  small buffer of claimed jobs for the slots about to free: a freed slot starts the next
-  buffered job at once, without a round trip, and the claim that refills the buffer runs
-  beside the jobs. The buffer is bounded by the group's slots and a fetch-ahead that adapts
-  to the work (it doubles while claims come back full, halves when one comes back short,
-  and is 0 when idle), and never holds more than the group starts within
-  ``BUFFER_SECONDS`` at its measured rate. Buffered jobs hold real, fenced leases whose
-  clock started at their claim; the heartbeat renews them like any job waiting on the
-  worker, and one left in the buffer longer than a third of the ttl goes back to READY.
-  On a stop (SIGTERM) the buffer is handed back at once.
-- **Finishes off the slot's path** (with claim ahead). A job whose handler returned is
-  handed to the completer (``consumer.jobs.completer``), which writes finishes in batches;
-  its slot is free at once. Without claim ahead, the slot waits for its finish's commit
-  (written at once, with whatever else is finishing: group commit). With it, the jobs a
-  worker holds leases for are at most its slots (running), plus its buffer, plus the
-  finishes not yet committed (``consumer.jobs.completer``: what a crash takes back).
+  and while handlers run, claims are ``CLAIM_SPACING`` apart (unless every handler has
+  returned), so slots freed meanwhile are claimed together. When a claim fills every free
+  slot there may be more: the next slot freed claims again; otherwise the runner waits for
+  a NOTIFY (``StoreConfig(notify=True)``), a timer or the poll, which is adaptive: every
+  ``BUSY_POLL`` for ``BUSY_WINDOW`` after a claim that found work, then doubling toward
+  ``poll_interval`` (an empty claim reads the READY index only).
+- **A finish and the next claim in one statement** (the default). A job whose handler
+  returned holds its slot until its finish is written, so a worker never holds more leases
+  than slots; the claim that takes the slot writes the finish itself
+  (``Store.finish_and_claim``: one statement, one commit on PostgreSQL), and the slot
+  starts its next job when it commits. A finish no claim takes within ``FLUSH_AFTER`` (no
+  more work) is written by the completer (``consumer.jobs.completer``).
+- **Claim ahead** (``WorkerConfig(claim_ahead=True)``, ``--claim-ahead``; off by default).
+  Each group of slots keeps a small buffer of claimed jobs for the slots about to free: a
+  freed slot starts the next buffered job at once, and the claim that refills the buffer
+  runs beside the jobs. The buffer is bounded by the group's slots and a fetch-ahead that
+  adapts to the work (doubling while claims come back full, halving when one comes back
+  short), and never holds more than the group starts within ``BUFFER_SECONDS``. Buffered
+  jobs hold real, fenced leases; the heartbeat renews them, one buffered longer than a
+  third of the ttl goes back to READY, and a stop (SIGTERM) hands the buffer back at once.
+  A finished job's slot is free at once and the completer writes the finishes in batches:
+  the leases a worker holds are at most its slots, its buffer and the finishes not yet
+  committed (``consumer.jobs.completer``: what a crash takes back).
 - Slots per queue (``WorkerConfig.slot_pools``, ``consumer.jobs.config``): each group of
   slots (a queue with slots of its own; the queues that share the rest) is claimed with its
   own statement, of that group's free slots and its queues only, so a queue's jobs never
@@ -58,10 +56,8 @@ import contextlib
 import inspect
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -75,8 +71,9 @@ from consumer.jobs.inhand import JobsInHand
 from consumer.jobs.limits import shared_limits
 from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
+from consumer.jobs.slot_groups import SlotGroup
 from consumer.jobs.store import Lease, Store
-from consumer.jobs.threads import ThreadGate, timed
+from consumer.jobs.threads import QuickHandOff, ThreadGate, timed
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
@@ -92,7 +89,6 @@ __all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 log = logging.getLogger("outbox.worker")
 
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
-BUFFER_SECONDS = 0.5  # a buffer holds at most what its group starts in this long
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
 BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
@@ -122,54 +118,13 @@ class SlotParts(Protocol):
 
     def claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
 
+    def finish_and_claim(
+        self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
+    ) -> list[Lease]: ...
+
     def context(self, lease: Lease, executor: Any = None) -> JobContext: ...
 
     def hook(self, name: str, *args: Any, **facts: Any) -> None: ...
-
-
-@dataclass
-class _Pool:
-    """One group of slots (``QueueSlots``) as the runner keeps it: how many are busy, and
-    whether its last claim filled its free slots (there may be more of its jobs)."""
-
-    queues: tuple[str, ...] | None
-    slots: int
-    own: bool  # the slots of one queue (not those its other queues share)
-    busy: int = 0
-    more: bool = True
-    claimed_at: float = 0.0  # monotonic time of its last claim
-    # Claimed jobs waiting for a slot (claim ahead), oldest first, with their claim time.
-    buffer: deque[tuple[JobContext, float]] = field(default_factory=deque)
-    ahead: int = 0  # the fetch-ahead: how many buffered jobs the next claim aims for
-    started: int = 0  # jobs started, for the rate that bounds the buffer
-    since: float = field(default_factory=time.monotonic)
-
-    @property
-    def free(self) -> int:
-        return self.slots - self.busy
-
-    @property
-    def wanted(self) -> int:
-        """How many jobs a claim now would take: the free slots, plus the fetch-ahead
-        not yet in the buffer."""
-        return self.free + self.ahead - len(self.buffer)
-
-    def adapt(self, claimed: int, asked: int) -> None:
-        """A claim came back with ``claimed`` of ``asked``: more work waits (full) or not."""
-        if claimed >= asked:
-            self.ahead = min(self.slots, max(1, self.ahead * 2), self._safe())
-        else:
-            self.ahead //= 2
-
-    def _safe(self) -> int:
-        """What this group starts in BUFFER_SECONDS at its rate so far (at least 1)."""
-        elapsed = max(time.monotonic() - self.since, 1e-3)
-        return max(1, int(self.started / elapsed * BUFFER_SECONDS))
-
-    @property
-    def label(self) -> str:
-        """The group as the ``worker_queue_slots`` hook names it: its own queue, or ``*``."""
-        return self.queues[0] if self.queues is not None and self.own else "*"
 
 
 class SlotRunner:
@@ -182,7 +137,8 @@ class SlotRunner:
         groups: tuple[QueueSlots, ...] = config.slot_pools()
         own = config.queue_slots
         self.pools = [
-            _Pool(g.queues, g.slots, g.queues is not None and g.queues[0] in own) for g in groups
+            SlotGroup(g.queues, g.slots, g.queues is not None and g.queues[0] in own)
+            for g in groups
         ]
         self.slots = sum(pool.slots for pool in self.pools)
         self.busy = 0
@@ -192,6 +148,7 @@ class SlotRunner:
         self.threads = ThreadPoolExecutor(
             self.thread_gate.most, thread_name_prefix=f"{config.name}-slot"
         )
+        self.quick = QuickHandOff(self.thread_gate, self.threads, parts.outcomes.run)
         # Claims, finishes, maintenance and the database statements of async dispatches:
         # short statements, bounded by the store's connection pool anyway.
         self.db = ThreadPoolExecutor(
@@ -204,8 +161,9 @@ class SlotRunner:
             parts.outcomes,
             self._db,
             self._recorded,
-            flush_after=FLUSH_AFTER if self.ahead else 0.0,
+            flush_after=FLUSH_AFTER,
         )
+        self._pool_of: dict[int, SlotGroup] = {}  # job id -> the group whose slot it holds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
@@ -254,7 +212,7 @@ class SlotRunner:
         self.parts.hook("worker_slots", 0, self.slots)
         for pool in self.pools:  # every group's series from the start, idle ones too
             self.parts.hook("worker_queue_slots", pool.label, 0, pool.slots)
-        await self._prepare_providers()
+        await self._providers("aprepare", "provider not prepared", logging.WARNING)
         maintenance = asyncio.create_task(self._maintenance())
         completer = asyncio.create_task(self.completer.run())
         try:
@@ -267,7 +225,7 @@ class SlotRunner:
             await asyncio.gather(completer, return_exceptions=True)
             maintenance.cancel()
             await asyncio.gather(maintenance, return_exceptions=True)
-            await self._close_providers()
+            await self._providers("aclose", "provider close failed", logging.DEBUG)
 
     async def _hand_back_buffers(self) -> None:
         contexts = [ctx for pool in self.pools for ctx, _ in pool.buffer]
@@ -284,23 +242,17 @@ class SlotRunner:
             for ctx in contexts:
                 self.parts.in_hand.remove(ctx.job_id)
 
-    async def _prepare_providers(self) -> None:
+    async def _providers(self, method: str, failed: str, level: int) -> None:
+        """Each provider's ``aprepare`` (at start) or ``aclose`` (at exit), if it has one:
+        best effort (a provider that cannot prepare still works)."""
         for provider in self.parts.providers.values():
-            prepare = getattr(provider, "aprepare", None)
-            if prepare is not None:
-                try:
-                    await prepare()
-                except Exception as exc:  # a provider that cannot prepare still works
-                    log.warning("provider not prepared", extra=fields(error=repr(exc)))
-
-    async def _close_providers(self) -> None:
-        for provider in self.parts.providers.values():
-            aclose = getattr(provider, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception as exc:  # closing is best effort at exit
-                    log.debug("provider close failed", extra=fields(error=repr(exc)))
+            call = getattr(provider, method, None)
+            if call is None:
+                continue
+            try:
+                await call()
+            except Exception as exc:
+                log.log(level, failed, extra=fields(error=repr(exc)))
 
     async def _maintenance(self) -> None:
         backoff = Backoff(0.2, 10.0)
@@ -330,7 +282,7 @@ class SlotRunner:
             # Cleared before the slots are looked at: a slot freed from here on wakes a wait
             # below (the loop and the jobs' ends share one thread, so nothing comes between).
             self._freed.clear()
-            open_pools = [pool for pool in self.pools if pool.wanted > 0]
+            open_pools = [pool for pool in self.pools if pool.wanted + self._carried(pool) > 0]
             if not open_pools:
                 await self._freed.wait()
                 continue
@@ -338,7 +290,7 @@ class SlotRunner:
             if targets:
                 await self._claim_round(targets)
 
-    async def _targets(self, open_pools: list[_Pool]) -> list[_Pool]:
+    async def _targets(self, open_pools: list[SlotGroup]) -> list[SlotGroup]:
         """The groups to claim for now, after waiting if none is due (empty: look again).
         Due: a group whose last claim filled its free slots, or one not claimed for a poll
         interval (another group's steady claims must not keep it from its poll)."""
@@ -369,11 +321,9 @@ class SlotRunner:
         limit = self.parts.duties.sleep_limit()
         return pause if limit is None else min(pause, limit)
 
-    async def _claim_round(self, targets: list[_Pool]) -> None:
+    async def _claim_round(self, targets: list[SlotGroup]) -> None:
         """One claim per target group, together; spaced from the last while jobs run."""
-        spacing = CLAIM_SPACING - (time.monotonic() - self._last_claim)
-        if self.busy and spacing > 0:
-            await asyncio.sleep(spacing)  # slots freed meanwhile join this claim
+        await self._spaced()  # slots freed meanwhile join this claim
         self._last_claim = time.monotonic()
         results = await asyncio.gather(
             *(self._claim_into(pool) for pool in targets), return_exceptions=True
@@ -392,6 +342,27 @@ class SlotRunner:
         elif time.monotonic() >= self._busy_until:
             self._empty += 1
         self.parts.hook("worker_cycle_ok", time.time())
+
+    def _running(self) -> int:
+        """Slots whose handler has not returned yet."""
+        return self.busy - sum(pool.finishing for pool in self.pools)
+
+    async def _spaced(self) -> None:
+        """While handlers run, wait until CLAIM_SPACING after the last claim, or until no
+        handler runs any more (the claim then takes every slot)."""
+        assert self._freed is not None
+        deadline = self._last_claim + CLAIM_SPACING
+        while self._running() and (left := deadline - time.monotonic()) > 0:
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
+
+    def _carried(self, pool: SlotGroup) -> int:
+        """Finishes waiting to be written whose slots are this group's: a claim for the
+        group writes them and takes their slots (without claim ahead)."""
+        if self.ahead:
+            return 0
+        return sum(1 for s in self.completer.pending if self._pool_of.get(s.ctx.job_id) is pool)
 
     async def _claim_failed(self, error: BaseException) -> None:
         delay = self._backoff.delay(self._failures)
@@ -423,25 +394,39 @@ class SlotRunner:
             return "kick"
         return "freed" if done else "poll"
 
-    async def _claim_into(self, pool: _Pool) -> int:
+    async def _claim_into(self, pool: SlotGroup) -> int:
         """Claim for one group (one statement): its free slots and its fetch-ahead; start
         what its free slots take, buffer the rest."""
-        wanted = pool.wanted
+        carried: list[Settled] = []
+        if not self.ahead:  # the finishes of its slots, written by the claim itself
+            carried = self.completer.take(lambda s: self._pool_of.get(s.ctx.job_id) is pool)
+        wanted = pool.wanted + len(carried)
         if wanted <= 0:
             return 0
         pool.claimed_at = time.monotonic()
-        leases: list[Lease] = await self._db(self.parts.claim, wanted, pool.queues)
+        try:
+            if carried:
+                leases: list[Lease] = await self._db(
+                    self.parts.finish_and_claim, carried, wanted, pool.queues
+                )
+            else:
+                leases = await self._db(self.parts.claim, wanted, pool.queues)
+        except BaseException:
+            self.completer.resubmit(carried)  # written on their own after all
+            raise
         claimed_at = time.monotonic()
         for lease in leases:
             pool.buffer.append((self.parts.context(lease, self.db), claimed_at))
         # Between the count and now slots can only have been freed: never more than its own.
         self._start_buffered(pool)
+        # The carried jobs' slots free next, each taking a buffered job (``_run``).
+        self.completer.recorded(carried)
         pool.more = len(leases) >= wanted
         if self.ahead:
             pool.adapt(len(leases), wanted)
         return len(leases)
 
-    def _start_buffered(self, pool: _Pool) -> None:
+    def _start_buffered(self, pool: SlotGroup) -> None:
         """Start buffered jobs in the group's free slots, oldest first; one buffered past a
         third of the ttl goes back to READY instead (its lease was not taken to sit)."""
         stale = time.monotonic() - self.parts.config.ttl / 3
@@ -466,25 +451,26 @@ class SlotRunner:
         task.add_done_callback(self._tasks.discard)
 
     # -- one job --------------------------------------------------------------------------
-    def _start(self, ctx: JobContext, pool: _Pool) -> None:
+    def _start(self, ctx: JobContext, pool: SlotGroup) -> None:
+        self._pool_of[ctx.job_id] = pool
         pool.started += 1
         self._taken(pool, +1)
         task = asyncio.create_task(self._run(ctx, pool))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _taken(self, pool: _Pool, change: int) -> None:
+    def _taken(self, pool: SlotGroup, change: int) -> None:
         self.busy += change
         pool.busy += change
         self.parts.hook("worker_slots", self.busy, self.slots)
         self.parts.hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
 
-    async def _run(self, ctx: JobContext, pool: _Pool) -> None:
+    async def _run(self, ctx: JobContext, pool: SlotGroup) -> None:
         parts = self.parts
         assert self._loop is not None and self._freed is not None
         try:
             settled = await self._handle(ctx)
-            await self._after(settled)
+            await self._after(settled, pool)
         except SQLAlchemyError as exc:
             # The database went away mid-job: hand the lease back so the job runs again now
             # (a dispatch already made finds its receipt and sends nothing).
@@ -501,6 +487,7 @@ class SlotRunner:
         finally:
             if ctx.outcome != "done":  # a finish leaves the hands once it is recorded
                 parts.in_hand.remove(ctx.job_id)
+            self._pool_of.pop(ctx.job_id, None)
             self._taken(pool, -1)
             self._start_buffered(pool)  # the next job now, no round trip
             self._freed.set()
@@ -512,10 +499,14 @@ class SlotRunner:
         parts = self.parts
         routed = parts.route(ctx.lease)
         if routed is None or not self._is_async(routed[1]):
-            async with self.thread_gate:  # waits on the loop for a thread, holding none
-                ran: tuple[Settled, float, float] = await self._loop.run_in_executor(
-                    self.threads, timed, parts.outcomes.run, ctx
-                )
+            ran: tuple[Settled, float, float]
+            if self.thread_gate.quick:  # with other quick ones, in one hand-off
+                ran = await self.quick.run(ctx)
+            else:
+                async with self.thread_gate:  # waits on the loop for a thread, holding none
+                    ran = await self._loop.run_in_executor(
+                        self.threads, timed, parts.outcomes.run, ctx
+                    )
             self.thread_gate.learn(ran[1], ran[2])
             return ran[0]
         started = time.monotonic()
@@ -565,7 +556,7 @@ class SlotRunner:
         finally:
             ctx.cancel_task = None
 
-    async def _after(self, settled: Settled) -> None:
+    async def _after(self, settled: Settled, pool: SlotGroup) -> None:
         ctx = settled.ctx
         if settled.outcome == "throttled" and ctx.throttled is not None:
             self.parts.in_hand.remove(ctx.job_id)  # handed back: no lease left to renew
@@ -577,7 +568,15 @@ class SlotRunner:
             ctx.outcome = "done"  # renewed by the heartbeat until its finish is recorded
             recorded = self.completer.submit(settled)
             if not self.ahead:
-                await recorded  # leases held never exceed the slots (DESIGN.md)
+                # Leases held never exceed the slots (DESIGN.md): the slot is freed once the
+                # finish is written, by the completer or by the claim that takes the slot.
+                pool.finishing += 1
+                assert self._freed is not None
+                self._freed.set()
+                try:
+                    await recorded
+                finally:
+                    pool.finishing -= 1
 
     async def _park(self, throttled: ProviderThrottled) -> None:
         """The slot of a job its provider's limit handed back waits before it is freed
