@@ -1,7 +1,8 @@
-"""consumer.jobs.completer: finishes batched off the slot's path, with claim ahead on.
+"""consumer.jobs.completer: finishes batched off the slot's path (claim ahead), or written by
+the claim that takes their slots (the default, ``Store.finish_and_claim``).
 
-A SIGKILL of the worker while its completer holds finishes not yet committed, and jobs in
-its claim-ahead buffer: a real process, killed, and another started. Every job ends DONE;
+A SIGKILL of the worker while finishes are not yet committed (and, with claim ahead, jobs
+wait in its buffer): a real process, killed, and another started. Every job ends DONE;
 no effect is made twice (one effect row per job); every DONE job has its ACCEPTED receipt;
 and no job ran twice under the same epoch (a rerun always took a new lease)."""
 
@@ -25,8 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 JOBS = 400
 
 
-def _worker(pg_url: str, log: Path) -> subprocess.Popen[str]:
+def _worker(pg_url: str, log: Path, ahead: bool) -> subprocess.Popen[str]:
     env = dict(os.environ, OUTBOX_DATABASE_URL=pg_url, OUTBOX_LOG_LEVEL="warning")
+    env["COMPLETER_CLAIM_AHEAD"] = "1" if ahead else "0"
     with log.open("a") as err:  # a file, not a pipe: a full pipe would stall the worker
         return subprocess.Popen(
             [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.completer_app:build"],
@@ -43,8 +45,9 @@ def _count(engine: sa.Engine, sql: str) -> int:
         return int(conn.execute(sa.text(sql)).scalar_one())
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["claim-ahead", "default"])
 def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_new_epoch(
-    pg_url: str, tmp_path: Path
+    pg_url: str, tmp_path: Path, ahead: bool
 ) -> None:
     log = tmp_path / "workers.log"
     store = Store(pg_url)
@@ -55,7 +58,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
     store.enqueue_many(
         [{"tenant": f"t{i % 4}", "action": f"send-{i}", "subject": f"c{i}"} for i in range(JOBS)]
     )
-    first = _worker(pg_url, log)
+    first = _worker(pg_url, log, ahead)
     try:
         # Killed mid-drain: some jobs done, others running, finishing or buffered.
         wait_for(
@@ -66,7 +69,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         held = _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED'")
-        second = _worker(pg_url, log)
+        second = _worker(pg_url, log, ahead)
         try:
             wait_for(
                 lambda: (
