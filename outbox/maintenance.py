@@ -239,10 +239,20 @@ class PeriodicVacuum:
             self._looked = now
             if due:
                 self._last = now
-            target = self.run_once if due else self.run_catch_up
-            self._thread = threading.Thread(target=target, name=f"vacuum-{self.what}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._round, args=(due, look), name=f"vacuum-{self.what}", daemon=True
+            )
             self._thread.start()
             return True
+
+    def _round(self, due: bool, look: bool) -> None:
+        """The interval's vacuum when it is due, then the catch-up look when that is due
+        too: with autovacuum on, the interval's vacuum leaves every table to it, so the look
+        must not be skipped for it."""
+        if due:
+            self.run_once()
+        if look:
+            self.run_catch_up()
 
     def run_catch_up(self) -> dict[str, float] | None:
         """Vacuum now, in the calling thread, the tables autovacuum would vacuum but has not

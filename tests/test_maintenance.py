@@ -221,5 +221,18 @@ def test_the_worker_vacuums_a_job_table_autovacuum_has_not_come_to_yet() -> None
                 t: before[t] for t in tables if t != JOBS_TABLE
             }
             assert dead_tuples(engine, JOBS_TABLE) < 6000
+            # When the interval's vacuum is due at the same tick (it leaves every table to
+            # autovacuum, which is on), the look still comes.
+            finish_by_hand(engine, "true", dead=6000)
+            both = PeriodicVacuum(
+                psycopg_connector(engine),
+                [quoted_table(t) for t in tables],
+                interval=0.001,
+                catch_up=0.001,
+            )
+            wait_for(both.maybe_start, "the interval's vacuum and a look started")
+            both.join(60)
+            assert both.last_result == {}  # the interval's round: autovacuum is on
+            assert vacuum_counts(engine, tables)[JOBS_TABLE] == after[JOBS_TABLE] + 1
         finally:
             engine.dispose()
