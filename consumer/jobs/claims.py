@@ -22,9 +22,12 @@ from consumer.jobs.checks import (
     valid_time,
     valid_ttl,
 )
+from consumer.jobs.queries import LEASE_COLUMNS
 from consumer.jobs.replies import watermark
 from consumer.jobs.rows import BatchResult, Lease, lease_from_row
 from outbox.validate import check_number
+
+_EPOCH = LEASE_COLUMNS.index("lease_epoch")
 
 
 class BatchClaims(BatchMoves):
@@ -130,13 +133,17 @@ class BatchClaims(BatchMoves):
                 return result, []
             return result, self._claimed(self._claim_rows(params), params["cursor"])
         params["finishing"] = by_worker[worker]
-        rows = self._claim_rows(params)
-        ended = {int(row.id) for row in rows if row.lease_epoch is None}
+        ended: set[int] = set()
+        claimed: list[Any] = []
+        for row in self._claim_rows(params):  # LEASE_COLUMNS; a finish's epoch is NULL
+            if row[_EPOCH] is None:
+                ended.add(int(row[0]))
+            else:
+                claimed.append(row)
         result = BatchResult(
             done=sorted(ended),
             conflicts=sorted(x.job_id for x in items if x.job_id not in ended),
         )
-        claimed = [row for row in rows if row.lease_epoch is not None]
         return result, self._claimed(claimed, params["cursor"])
 
     def _claim_params(

@@ -1,8 +1,8 @@
 """The job store's row types and the mappers from result rows to them.
 
 Frozen dataclasses (STYLE: rows are values): what ``Store`` returns and takes. The mappers
-(:func:`lease_from_row`, :func:`job_from_row`) read the columns of ``outbox_jobs`` by name
-(``consumer.jobs.queries.LEASE_COLUMNS`` for a claim).
+read the columns of ``outbox_jobs`` by name (:func:`job_from_row`), or a claim's by position
+in ``consumer.jobs.queries.LEASE_COLUMNS`` order (:func:`lease_from_row`).
 """
 
 from __future__ import annotations
@@ -203,25 +203,59 @@ def timer_from_row(row: Any) -> Timer | None:
 
 
 def lease_from_row(row: Any) -> Lease:
+    """A claim's row, its columns in ``consumer.jobs.queries.LEASE_COLUMNS`` order (every
+    claim statement returns them so), read by position: by name, 21 attribute look-ups cost
+    ~7 us a lease, 0.15 ms a claim of 16 on the worker's critical path (issue 44)."""
+    (
+        job_id,
+        tenant,
+        action,
+        kind,
+        subject,
+        subject_version,
+        payload,
+        provider,
+        attempts,
+        epoch,
+        owner,
+        expires_at,
+        timer_at,
+        timer_reason,
+        timer_version,
+        timer_condition,
+        trace_context,
+        queue,
+        created_at,
+        replies_received,
+        replies_consumed,
+    ) = row
+    timer = None
+    if timer_at is not None:
+        timer = Timer(
+            scheduled_for=float(timer_at),
+            reason=timer_reason or "",
+            subject_version=timer_version,
+            cancellation_condition=timer_condition,
+        )
     return Lease(
-        job_id=int(row.id),
-        tenant=row.tenant,
-        action=row.action,
-        kind=row.kind,
-        subject=row.subject,
-        subject_version=row.subject_version,
-        payload=row.payload,
-        provider=row.provider,
-        attempts=int(row.attempts),
-        epoch=int(row.lease_epoch),
-        worker=row.lease_owner,
-        expires_at=float(row.lease_expires_at),
-        timer=timer_from_row(row),
-        trace_context=row.trace_context,
-        queue=row.queue,
-        enqueued_at=float(row.created_at),
-        replies_received=int(row.replies_received or 0),
-        replies_consumed=int(row.replies_consumed or 0),
+        job_id=int(job_id),
+        tenant=tenant,
+        action=action,
+        kind=kind,
+        subject=subject,
+        subject_version=subject_version,
+        payload=payload,
+        provider=provider,
+        attempts=int(attempts),
+        epoch=int(epoch),
+        worker=owner,
+        expires_at=float(expires_at),
+        timer=timer,
+        trace_context=trace_context,
+        queue=queue,
+        enqueued_at=float(created_at),
+        replies_received=int(replies_received or 0),
+        replies_consumed=int(replies_consumed or 0),
     )
 
 
