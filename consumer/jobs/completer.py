@@ -93,9 +93,11 @@ class Completer:
         """Take the finishes not yet being written that ``wanted`` picks, for a claim that
         writes them itself (``Runner.finish_and_claim``); hand them to :meth:`recorded`
         once written, or back to :meth:`resubmit`."""
-        taken = [settled for settled in self._pending if wanted(settled)]
-        if taken:
-            self._pending = [settled for settled in self._pending if not wanted(settled)]
+        taken: list[Settled] = []
+        kept: list[Settled] = []
+        for settled in self._pending:
+            (taken if wanted(settled) else kept).append(settled)
+        self._pending = kept
         return taken
 
     def resubmit(self, batch: Sequence[Settled]) -> None:

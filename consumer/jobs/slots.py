@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import JobCancelled
-from consumer.jobs.completer import FLUSH_AFTER, Completer
+from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
@@ -161,9 +161,9 @@ class SlotRunner:
             parts.outcomes,
             self._db,
             self._recorded,
-            flush_after=FLUSH_AFTER,
         )
-        self._pool_of: dict[int, SlotGroup] = {}  # job id -> the group whose slot it holds
+        # The jobs whose finish a claim of their group writes (``_after``): id -> group.
+        self._finishing_in: dict[int, SlotGroup] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
@@ -360,9 +360,11 @@ class SlotRunner:
     def _carried(self, pool: SlotGroup) -> int:
         """Finishes waiting to be written whose slots are this group's: a claim for the
         group writes them and takes their slots (without claim ahead)."""
-        if self.ahead:
-            return 0
-        return sum(1 for s in self.completer.pending if self._pool_of.get(s.ctx.job_id) is pool)
+        return sum(map(self._of(pool), self.completer.pending)) if self._finishing_in else 0
+
+    def _of(self, pool: SlotGroup) -> Callable[[Settled], bool]:
+        """Whether a finish waiting to be written holds a slot of ``pool``."""
+        return lambda settled: self._finishing_in.get(settled.ctx.job_id) is pool
 
     async def _claim_failed(self, error: BaseException) -> None:
         delay = self._backoff.delay(self._failures)
@@ -397,9 +399,8 @@ class SlotRunner:
     async def _claim_into(self, pool: SlotGroup) -> int:
         """Claim for one group (one statement): its free slots and its fetch-ahead; start
         what its free slots take, buffer the rest."""
-        carried: list[Settled] = []
-        if not self.ahead:  # the finishes of its slots, written by the claim itself
-            carried = self.completer.take(lambda s: self._pool_of.get(s.ctx.job_id) is pool)
+        # The finishes of its slots, written by the claim itself (none with claim ahead).
+        carried = self.completer.take(self._of(pool)) if self._finishing_in else []
         wanted = pool.wanted + len(carried)
         if wanted <= 0:
             return 0
@@ -452,7 +453,6 @@ class SlotRunner:
 
     # -- one job --------------------------------------------------------------------------
     def _start(self, ctx: JobContext, pool: SlotGroup) -> None:
-        self._pool_of[ctx.job_id] = pool
         pool.started += 1
         self._taken(pool, +1)
         task = asyncio.create_task(self._run(ctx, pool))
@@ -487,7 +487,6 @@ class SlotRunner:
         finally:
             if ctx.outcome != "done":  # a finish leaves the hands once it is recorded
                 parts.in_hand.remove(ctx.job_id)
-            self._pool_of.pop(ctx.job_id, None)
             self._taken(pool, -1)
             self._start_buffered(pool)  # the next job now, no round trip
             self._freed.set()
@@ -570,6 +569,7 @@ class SlotRunner:
             if not self.ahead:
                 # Leases held never exceed the slots (DESIGN.md): the slot is freed once the
                 # finish is written, by the completer or by the claim that takes the slot.
+                self._finishing_in[ctx.job_id] = pool
                 pool.finishing += 1
                 assert self._freed is not None
                 self._freed.set()
@@ -577,6 +577,7 @@ class SlotRunner:
                     await recorded
                 finally:
                     pool.finishing -= 1
+                    self._finishing_in.pop(ctx.job_id, None)
 
     async def _park(self, throttled: ProviderThrottled) -> None:
         """The slot of a job its provider's limit handed back waits before it is freed
