@@ -192,13 +192,23 @@ class QueueDepth:
 
 
 def timer_from_row(row: Any) -> Timer | None:
-    if row.timer_scheduled_for is None:
+    return _timer(
+        row.timer_scheduled_for,
+        row.timer_reason,
+        row.timer_subject_version,
+        row.timer_cancellation_condition,
+    )
+
+
+def _timer(at: Any, reason: str | None, version: str | None, condition: Any) -> Timer | None:
+    """A job's timer from its four columns; None when it has none."""
+    if at is None:
         return None
     return Timer(
-        scheduled_for=float(row.timer_scheduled_for),
-        reason=row.timer_reason or "",
-        subject_version=row.timer_subject_version,
-        cancellation_condition=row.timer_cancellation_condition,
+        scheduled_for=float(at),
+        reason=reason or "",
+        subject_version=version,
+        cancellation_condition=condition,
     )
 
 
@@ -229,14 +239,6 @@ def lease_from_row(row: Any) -> Lease:
         replies_received,
         replies_consumed,
     ) = row
-    timer = None
-    if timer_at is not None:
-        timer = Timer(
-            scheduled_for=float(timer_at),
-            reason=timer_reason or "",
-            subject_version=timer_version,
-            cancellation_condition=timer_condition,
-        )
     return Lease(
         job_id=int(job_id),
         tenant=tenant,
@@ -250,7 +252,7 @@ def lease_from_row(row: Any) -> Lease:
         epoch=int(epoch),
         worker=owner,
         expires_at=float(expires_at),
-        timer=timer,
+        timer=_timer(timer_at, timer_reason, timer_version, timer_condition),
         trace_context=trace_context,
         queue=queue,
         enqueued_at=float(created_at),
