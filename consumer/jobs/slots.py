@@ -10,7 +10,8 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
 - A ``def`` handler runs on a bounded pool of threads (``consumer.jobs.threads``: sized
   from the CPUs and the jobs' own waits, or ``WorkerConfig.threads``); the claimed jobs
   beyond it wait for a thread on the loop, holding their lease but no thread. Handlers
-  learned to take microseconds go several to a hand-off (``QuickHandOff``).
+  learned to take microseconds run in the claim's own thread right after it, or several
+  to a hand-off (``QuickHandOff``).
 - An ``async def`` handler runs on the runner's event loop; ``await job.adispatch(...)``
   keeps the provider call there and its database statements in a small executor.
 - Claims never cost a round trip per slot: a claim takes every slot free at that moment,
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from consumer.errors import JobCancelled
+from consumer.jobs.async_handlers import AsyncHandlers, is_async_handler, run_async_handler
 from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
@@ -73,7 +73,7 @@ from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
 from consumer.jobs.slot_groups import SlotGroup
 from consumer.jobs.store import Lease, Store
-from consumer.jobs.threads import QuickHandOff, ThreadGate, timed
+from consumer.jobs.threads import QUICK_WALL, QuickHandOff, ThreadGate, timed
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
@@ -88,17 +88,12 @@ __all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 
 log = logging.getLogger("outbox.worker")
 
+Ran = tuple[Settled, float, float]  # a handler's outcome, its wall time and its CPU time
+
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
 BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
-
-
-def is_async_handler(fn: Callable[..., Any]) -> bool:
-    """An ``async def`` handler (or a callable object whose ``__call__`` is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's method
-    )
 
 
 class SlotParts(Protocol):
@@ -164,6 +159,7 @@ class SlotRunner:
         )
         # The jobs whose finish a claim of their group writes (``_after``): id -> group.
         self._finishing_in: dict[int, SlotGroup] = {}
+        self._ran: dict[int, Ran | BaseException] = {}  # run by its claim's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._freed: asyncio.Event | None = None
@@ -176,7 +172,7 @@ class SlotRunner:
         self._empty = 0
         self._busy_until = 0.0
         self._last_claim = 0.0
-        self._async_handlers: dict[Callable[..., Any], bool] = {}
+        self._is_async = AsyncHandlers()  # inspected once per handler, not per job
 
     # -- from other threads ---------------------------------------------------------------
     def kick(self) -> None:
@@ -228,9 +224,13 @@ class SlotRunner:
             await self._providers("aclose", "provider close failed", logging.DEBUG)
 
     async def _hand_back_buffers(self) -> None:
-        contexts = [ctx for pool in self.pools for ctx, _ in pool.buffer]
+        buffered = [(ctx, pool) for pool in self.pools for ctx, _ in pool.buffer]
         for pool in self.pools:
             pool.buffer.clear()
+        contexts = [ctx for ctx, _ in buffered if ctx.job_id not in self._ran]
+        for ctx, pool in buffered:  # a job its claim's thread ran ends as run: its finish
+            if ctx.job_id in self._ran:
+                self._start(ctx, pool)
         if not contexts:
             return
         try:
@@ -406,26 +406,56 @@ class SlotRunner:
             return 0
         pool.claimed_at = time.monotonic()
         try:
-            if carried:
-                leases: list[Lease] = await self._db(
-                    self.parts.finish_and_claim, carried, wanted, pool.queues
-                )
-            else:
-                leases = await self._db(self.parts.claim, wanted, pool.queues)
+            claimed = await self._db(self._claim_and_run, carried, wanted, pool.queues)
         except BaseException:
             self.completer.resubmit(carried)  # written on their own after all
             raise
         claimed_at = time.monotonic()
-        for lease in leases:
-            pool.buffer.append((self.parts.context(lease, self.db), claimed_at))
+        for ctx, ran in claimed:
+            if ran is not None:
+                self._ran[ctx.job_id] = ran
+            pool.buffer.append((ctx, claimed_at))
         # Between the count and now slots can only have been freed: never more than its own.
         self._start_buffered(pool)
         # The carried jobs' slots free next, each taking a buffered job (``_run``).
         self.completer.recorded(carried)
-        pool.more = len(leases) >= wanted
+        pool.more = len(claimed) >= wanted
         if self.ahead:
-            pool.adapt(len(leases), wanted)
-        return len(leases)
+            pool.adapt(len(claimed), wanted)
+        return len(claimed)
+
+    def _claim_and_run(
+        self, carried: list[Settled], wanted: int, queues: tuple[str, ...] | None
+    ) -> list[tuple[JobContext, Ran | BaseException | None]]:
+        """In a database thread: the claim (writing ``carried``'s finishes), then, while the
+        ``def`` handlers are quick (:attr:`ThreadGate.quick`) and without claim ahead, the
+        claimed jobs' handlers one after another in this same thread, before the jobs reach
+        the loop: the hops to a slot's thread and back cost more than such a handler (issue
+        44). The first one past ``QUICK_WALL`` ends it: the rest go to the slots' threads."""
+        parts = self.parts
+        if carried:
+            leases = parts.finish_and_claim(carried, wanted, queues)
+        else:
+            leases = parts.claim(wanted, queues)
+        contexts = [parts.context(lease, self.db) for lease in leases]
+        inline = self.thread_gate.quick and not self.ahead
+        claimed: list[tuple[JobContext, Ran | BaseException | None]] = []
+        for ctx in contexts:
+            ran = self._inline(ctx) if inline else None
+            slow = isinstance(ran, BaseException) or (ran is not None and ran[1] > QUICK_WALL)
+            inline = inline and not slow
+            claimed.append((ctx, ran))
+        return claimed
+
+    def _inline(self, ctx: JobContext) -> Ran | BaseException | None:
+        """A claimed job's ``def`` handler run here: its outcome, its error, or None."""
+        routed = self.parts.route(ctx.lease)
+        if (routed is not None and self._is_async(routed[1])) or self.parts.stop.stopped:
+            return None
+        try:
+            return timed(self.parts.outcomes.run, ctx)
+        except BaseException as exc:  # its own job's error: raised where the job runs
+            return exc
 
     def _start_buffered(self, pool: SlotGroup) -> None:
         """Start buffered jobs in the group's free slots, oldest first; one buffered past a
@@ -433,7 +463,7 @@ class SlotRunner:
         stale = time.monotonic() - self.parts.config.ttl / 3
         while pool.buffer and pool.free > 0:
             ctx, claimed_at = pool.buffer.popleft()
-            if claimed_at < stale:
+            if claimed_at < stale and ctx.job_id not in self._ran:
                 self._give_back(ctx)
                 continue
             self._start(ctx, pool)
@@ -498,10 +528,12 @@ class SlotRunner:
         parts = self.parts
         routed = parts.route(ctx.lease)
         if routed is None or not self._is_async(routed[1]):
-            ran: tuple[Settled, float, float]
-            if self.thread_gate.quick:  # with other quick ones, in one hand-off
+            ran = self._ran.pop(ctx.job_id, None)  # run by its claim's thread already
+            if isinstance(ran, BaseException):
+                raise ran
+            if ran is None and self.thread_gate.quick:  # with other quick ones, one hand-off
                 ran = await self.quick.run(ctx)
-            else:
+            elif ran is None:
                 async with self.thread_gate:  # waits on the loop for a thread, holding none
                     ran = await self._loop.run_in_executor(
                         self.threads, timed, parts.outcomes.run, ctx
@@ -514,7 +546,7 @@ class SlotRunner:
         error: BaseException | None = None
         with tracing.running(ctx.lease, parts.route) as span:  # this task's context
             try:
-                await self._handler_task(ctx, routed[1])
+                await run_async_handler(ctx, routed[1])
             except Exception as exc:
                 error = exc
             ctx.ended()  # renewed at every beat from here
@@ -522,38 +554,6 @@ class SlotRunner:
             settled: Settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
             span.set("outbox.job.outcome", settled.outcome)
         return settled
-
-    def _is_async(self, handler: Callable[..., Any]) -> bool:
-        """:func:`is_async_handler`, inspected once per handler, not per job."""
-        try:
-            if handler not in self._async_handlers:
-                self._async_handlers[handler] = is_async_handler(handler)
-            return self._async_handlers[handler]
-        except TypeError:  # an unhashable callable object
-            return is_async_handler(handler)
-
-    async def _handler_task(self, ctx: JobContext, handler: Callable[..., Any]) -> None:
-        """Run an ``async def`` handler as a task of its own, which a cancel request cancels
-        (``JobContext.request_cancel``: never inside a provider call); a cancelled handler
-        ends as ``JobCancelled`` (the job then ends CANCELLED)."""
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(handler(ctx))
-
-        def cancel() -> None:  # from the maintenance thread, or from the loop itself
-            loop.call_soon_threadsafe(task.cancel)
-
-        ctx.cancel_task = cancel
-        if ctx.cancel_requested:  # requested before it started: it never runs
-            task.cancel()
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.cancelled():  # this slot itself is cancelled: so is the handler
-                task.cancel()
-                raise
-            raise JobCancelled(f"job #{ctx.job_id}: its handler was cancelled") from None
-        finally:
-            ctx.cancel_task = None
 
     async def _after(self, settled: Settled, pool: SlotGroup) -> None:
         ctx = settled.ctx
