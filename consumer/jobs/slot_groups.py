@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from consumer.jobs.context import JobContext
 
-__all__ = ["BUFFER_SECONDS", "SlotGroup"]
+__all__ = ["BUFFER_SECONDS", "SlotGroup", "first_set"]
 
 BUFFER_SECONDS = 0.5  # a buffer holds at most what its group starts in this long
 
@@ -58,3 +59,15 @@ class SlotGroup:
     def label(self) -> str:
         """The group as the ``worker_queue_slots`` hook names it: its own queue, or ``*``."""
         return self.queues[0] if self.queues is not None and self.own else "*"
+
+
+async def first_set(events: dict[str, asyncio.Event], pause: float) -> str:
+    """Wait up to ``pause`` seconds for one of ``events`` (by name): which was set first,
+    or ``"poll"``."""
+    waits = {asyncio.ensure_future(event.wait()): name for name, event in events.items()}
+    done, pending = await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    names = {waits[task] for task in done}
+    return next((name for name in events if name in names), "poll")

@@ -71,7 +71,7 @@ from consumer.jobs.inhand import JobsInHand
 from consumer.jobs.limits import shared_limits
 from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
-from consumer.jobs.slot_groups import SlotGroup
+from consumer.jobs.slot_groups import SlotGroup, first_set
 from consumer.jobs.store import Lease, Store
 from consumer.jobs.threads import QUICK_WALL, QuickHandOff, ThreadGate, timed
 from outbox import tracing
@@ -172,6 +172,7 @@ class SlotRunner:
         self._empty = 0
         self._busy_until = 0.0
         self._last_claim = 0.0
+        self._reporting = False  # a report of the slot gauges is due this turn of the loop
         self._is_async = AsyncHandlers()  # inspected once per handler, not per job
 
     # -- from other threads ---------------------------------------------------------------
@@ -222,6 +223,8 @@ class SlotRunner:
             maintenance.cancel()
             await asyncio.gather(maintenance, return_exceptions=True)
             await self._providers("aclose", "provider close failed", logging.DEBUG)
+            if self._reporting:  # the last change of the slots is reported too
+                self._report_slots()
 
     async def _hand_back_buffers(self) -> None:
         buffered = [(ctx, pool) for pool in self.pools for ctx, _ in pool.buffer]
@@ -294,14 +297,15 @@ class SlotRunner:
         """The groups to claim for now, after waiting if none is due (empty: look again).
         Due: a group whose last claim filled its free slots, or one not claimed for a poll
         interval (another group's steady claims must not keep it from its poll)."""
-        assert self._kick is not None
+        assert self._kick is not None and self._freed is not None
         kicked = self._kick.is_set()
         stale = time.monotonic() - self.parts.config.poll_interval
         due = [pool for pool in open_pools if pool.more or pool.claimed_at <= stale]
         if not due and not kicked:
             # A full group whose last claim filled it claims again once a slot is freed.
             watch_freed = any(pool.more for pool in self.pools)
-            if await self._wait(self._idle_pause(), watch_freed) == "freed":
+            events = {"kick": self._kick} | ({"freed": self._freed} if watch_freed else {})
+            if await first_set(events, self._idle_pause()) == "freed":
                 return []
             if self.parts.stop.stopped:
                 return []
@@ -378,23 +382,6 @@ class SlotRunner:
             ),
         )
         await asyncio.sleep(delay)
-
-    async def _wait(self, pause: float, watch_freed: bool) -> str:
-        """Wait up to ``pause`` seconds for a kick (or a freed slot, ``watch_freed``): which
-        came, or ``"poll"``."""
-        assert self._kick is not None and self._freed is not None
-        waits = {asyncio.ensure_future(self._kick.wait()): "kick"}
-        if watch_freed:
-            waits[asyncio.ensure_future(self._freed.wait())] = "freed"
-        done, pending = await asyncio.wait(
-            waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        if any(waits[task] == "kick" for task in done):
-            return "kick"
-        return "freed" if done else "poll"
 
     async def _claim_into(self, pool: SlotGroup) -> int:
         """Claim for one group (one statement): its free slots and its fetch-ahead; start
@@ -492,8 +479,15 @@ class SlotRunner:
     def _taken(self, pool: SlotGroup, change: int) -> None:
         self.busy += change
         pool.busy += change
+        if not self._reporting:  # the gauges once per turn of the loop, not twice per job
+            self._reporting = True
+            asyncio.get_running_loop().call_soon(self._report_slots)
+
+    def _report_slots(self) -> None:
+        self._reporting = False
         self.parts.hook("worker_slots", self.busy, self.slots)
-        self.parts.hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
+        for pool in self.pools:
+            self.parts.hook("worker_queue_slots", pool.label, pool.busy, pool.slots)
 
     async def _run(self, ctx: JobContext, pool: SlotGroup) -> None:
         parts = self.parts
