@@ -19,8 +19,9 @@ default concurrency, and enqueue -> handler start at ``--rate`` jobs/s.
 10-s window while a producer keeps ``--steady-backlog`` jobs READY (does it decay as
 finished jobs leave dead tuples behind?).
 
-``--slots --hold SECONDS [--steady-backlog 4000] [--claim-ahead]``: one ``Worker.run()`` at
-``concurrency=16`` while a producer process keeps the backlog READY, per 10-s window.
+``--slots --hold SECONDS [--steady-backlog 4000] [--claim-ahead] [--prometheus]``: one
+``Worker.run()`` at ``concurrency=16`` while a producer process keeps the backlog READY, per
+10-s window (``--prometheus``: reporting to ``metrics.start_metrics``'s hooks).
 """
 
 from __future__ import annotations
@@ -283,12 +284,20 @@ def main(argv: list[str]) -> int:
         "while a producer process keeps --steady-backlog jobs READY",
     )
     parser.add_argument("--claim-ahead", action="store_true", help="--hold: with claim ahead")
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="--hold: the worker reports to metrics.start_metrics's hooks (what outbox-worker "
+        "run --metrics-port wires), scraped every 10 s",
+    )
     args = parser.parse_args(argv)
     if args.slots and args.hold:
         from bench.jobs_slots import held_backlog
 
         options = {"claim_ahead": True} if args.claim_ahead else {}
-        held_backlog(args.database_url, args.hold, args.steady_backlog, **options)
+        held_backlog(
+            args.database_url, args.hold, args.steady_backlog, prometheus=args.prometheus, **options
+        )
         return 0
     if args.slots:
         from bench.jobs_slots import run_cells

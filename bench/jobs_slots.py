@@ -261,10 +261,16 @@ def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) ->
     admin.dispose()
 
 
-def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None:
+def held_backlog(
+    url: str, seconds: float, backlog: int, *, prometheus: bool = False, **options: Any
+) -> None:
     """One ``Worker(concurrency=16).run()`` for ``seconds`` while a producer process keeps
     about ``backlog`` jobs READY (the third-party harness's shape: 16 in flight, a backlog
-    held at 4,000): jobs/s per 10-s window, and the dead tuples the churn leaves."""
+    held at 4,000): jobs/s per 10-s window, and the dead tuples the churn leaves.
+
+    ``prometheus``: the worker reports to ``metrics.start_metrics(0, engine=...)``'s hooks,
+    as ``outbox-worker run --metrics-port`` wires them, scraped every 10 s; the rate is read
+    from their ``outbox_worker_jobs_finished`` counter."""
     import multiprocessing
 
     from bench.jobs import keep_ready
@@ -285,12 +291,23 @@ def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None
         args=(cell_url, backlog, stop, made),
         kwargs={"chunk": 500, "pause": 0.02},
     )
-    hooks = _Counting(10**12)
+    counting = _Counting(10**12)
+    hooks: Hooks = counting
+    finished: Callable[[], float] = lambda: counting.done  # noqa: E731
+    if prometheus:
+        from metrics import start_metrics
+
+        served = start_metrics(0, engine=store.engine)
+        hooks = served
+        sample = {"action": "noop", "outcome": "done"}
+        name = "outbox_worker_jobs_finished_total"
+        finished = lambda: served.registry.get_sample_value(name, sample) or 0.0  # noqa: E731
     worker = Worker(store, hooks=hooks, concurrency=16, **options)
     worker.register("noop", lambda job: None)
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    shown = {**options, "metrics": "prometheus"} if prometheus else options
     print(
-        f"held backlog: {seconds:.0f} s, one worker, concurrency=16 {options or ''}, a producer "
+        f"held backlog: {seconds:.0f} s, one worker, concurrency=16 {shown or ''}, a producer "
         f"process keeping about {backlog:,} READY",
         flush=True,
     )
@@ -304,7 +321,9 @@ def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None
         started, last = time.monotonic(), 0
         while time.monotonic() - started < seconds:
             time.sleep(10.0)
-            done = hooks.done
+            if prometheus:  # a scrape each window (Prometheus's usual interval is 15-60 s)
+                _scrape(hooks)
+            done = int(finished())
             rates.append((done - last) / 10.0)
             last = done
             with admin.connect() as conn:
@@ -327,6 +346,8 @@ def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None
             runner.join(60)
         if producer.pid is not None:
             producer.join(60)
+        if prometheus:
+            hooks.close()  # type: ignore[attr-defined]
         store.dispose()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
@@ -337,3 +358,11 @@ def held_backlog(url: str, seconds: float, backlog: int, **options: Any) -> None
             f"windows (first {rates[0]:,.0f}, last {rates[-1]:,.0f})",
             flush=True,
         )
+
+
+def _scrape(hooks: Any) -> None:
+    """One scrape of the worker's metrics page, as Prometheus would make it."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{hooks.port}/metrics", timeout=30) as page:
+        page.read()
