@@ -21,7 +21,8 @@ finished jobs leave dead tuples behind?).
 
 ``--slots --hold SECONDS [--steady-backlog 4000] [--claim-ahead] [--prometheus]``: one
 ``Worker.run()`` at ``concurrency=16`` while a producer process keeps the backlog READY, per
-10-s window (``--prometheus``: reporting to ``metrics.start_metrics``'s hooks).
+10-s window (``--prometheus``: reporting to ``metrics.start_metrics``'s hooks;
+``--hold-defaults``: at the default concurrency).
 """
 
 from __future__ import annotations
@@ -285,6 +286,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--claim-ahead", action="store_true", help="--hold: with claim ahead")
     parser.add_argument(
+        "--hold-defaults",
+        action="store_true",
+        help="--hold: the worker at its default concurrency instead of 16",
+    )
+    parser.add_argument(
         "--prometheus",
         action="store_true",
         help="--hold: the worker reports to metrics.start_metrics's hooks (what outbox-worker "
@@ -296,7 +302,12 @@ def main(argv: list[str]) -> int:
 
         options = {"claim_ahead": True} if args.claim_ahead else {}
         held_backlog(
-            args.database_url, args.hold, args.steady_backlog, prometheus=args.prometheus, **options
+            args.database_url,
+            args.hold,
+            args.steady_backlog,
+            prometheus=args.prometheus,
+            concurrency=None if args.hold_defaults else 16,
+            **options,
         )
         return 0
     if args.slots:

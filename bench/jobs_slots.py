@@ -262,7 +262,13 @@ def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) ->
 
 
 def held_backlog(
-    url: str, seconds: float, backlog: int, *, prometheus: bool = False, **options: Any
+    url: str,
+    seconds: float,
+    backlog: int,
+    *,
+    prometheus: bool = False,
+    concurrency: int | None = 16,
+    **options: Any,
 ) -> None:
     """One ``Worker(concurrency=16).run()`` for ``seconds`` while a producer process keeps
     about ``backlog`` jobs READY (the third-party harness's shape: 16 in flight, a backlog
@@ -270,7 +276,7 @@ def held_backlog(
 
     ``prometheus``: the worker reports to ``metrics.start_metrics(0, engine=...)``'s hooks,
     as ``outbox-worker run --metrics-port`` wires them, scraped every 10 s; the rate is read
-    from their ``outbox_worker_jobs_finished`` counter."""
+    from their ``outbox_worker_jobs_finished`` counter. ``concurrency`` None: the default."""
     import multiprocessing
 
     from bench.jobs import keep_ready
@@ -302,12 +308,15 @@ def held_backlog(
         sample = {"action": "noop", "outcome": "done"}
         name = "outbox_worker_jobs_finished_total"
         finished = lambda: served.registry.get_sample_value(name, sample) or 0.0  # noqa: E731
-    worker = Worker(store, hooks=hooks, concurrency=16, **options)
+    if concurrency is not None:
+        options["concurrency"] = concurrency
+    worker = Worker(store, hooks=hooks, **options)
     worker.register("noop", lambda job: None)
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    shown = {**options, "metrics": "prometheus"} if prometheus else options
+    shown = {**options, "metrics": "prometheus"} if prometheus else dict(options)
+    shown.setdefault("concurrency", "default")
     print(
-        f"held backlog: {seconds:.0f} s, one worker, concurrency=16 {shown or ''}, a producer "
+        f"held backlog: {seconds:.0f} s, one worker, {shown}, a producer "
         f"process keeping about {backlog:,} READY",
         flush=True,
     )
