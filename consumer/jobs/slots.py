@@ -10,8 +10,9 @@ held a lease no idle worker could take: p99 44 s at 45 quotes/s with the old def
 - A ``def`` handler runs on a bounded pool of threads (``consumer.jobs.threads``: sized
   from the CPUs and the jobs' own waits, or ``WorkerConfig.threads``); the claimed jobs
   beyond it wait for a thread on the loop, holding their lease but no thread. Handlers
-  learned to take microseconds run in the claim's own thread right after it, or several
-  to a hand-off (``QuickHandOff``).
+  learned to take microseconds run in the claim's own thread right after it, which may
+  chain the next claim (``consumer.jobs.claim_runs``), or several to a hand-off
+  (``QuickHandOff``).
 - An ``async def`` handler runs on the runner's event loop; ``await job.adispatch(...)``
   keeps the provider call there and its database statements in a small executor.
 - Claims never cost a round trip per slot: a claim takes every slot free at that moment,
@@ -63,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.jobs.async_handlers import AsyncHandlers, is_async_handler, run_async_handler
+from consumer.jobs.claim_runs import ClaimRuns, Ran
 from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
@@ -73,7 +75,7 @@ from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
 from consumer.jobs.slot_groups import SlotGroup, first_set
 from consumer.jobs.store import Lease, Store
-from consumer.jobs.threads import QUICK_WALL, QuickHandOff, ThreadGate, timed
+from consumer.jobs.threads import QuickHandOff, ThreadGate, timed
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
@@ -87,8 +89,6 @@ if TYPE_CHECKING:  # the worker imports operations lazily too (only with provide
 __all__ = ["CLAIM_SPACING", "SlotParts", "SlotRunner", "is_async_handler"]
 
 log = logging.getLogger("outbox.worker")
-
-Ran = tuple[Settled, float, float]  # a handler's outcome, its wall time and its CPU time
 
 CLAIM_SPACING = 0.005  # seconds between two claims while jobs run (see the docstring)
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
@@ -174,6 +174,15 @@ class SlotRunner:
         self._last_claim = 0.0
         self._reporting = False  # a report of the slot gauges is due this turn of the loop
         self._is_async = AsyncHandlers()  # inspected once per handler, not per job
+        # The claims, and quick handlers run in the claim's own thread (and chained claims).
+        self.claim_runs = ClaimRuns(
+            parts,
+            self.thread_gate,
+            self._is_async,
+            self.db,
+            inline=not self.ahead,
+            chain=len(self.pools) == 1,
+        )
 
     # -- from other threads ---------------------------------------------------------------
     def kick(self) -> None:
@@ -393,11 +402,13 @@ class SlotRunner:
             return 0
         pool.claimed_at = time.monotonic()
         try:
-            claimed = await self._db(self._claim_and_run, carried, wanted, pool.queues)
+            claimed, learned = await self._db(self.claim_runs, carried, wanted, pool.queues)
         except BaseException:
             self.completer.resubmit(carried)  # written on their own after all
             raise
         claimed_at = time.monotonic()
+        for wall, cpu in learned:  # the runs of the claims it chained
+            self.thread_gate.learn(wall, cpu)
         for ctx, ran in claimed:
             if ran is not None:
                 self._ran[ctx.job_id] = ran
@@ -410,39 +421,6 @@ class SlotRunner:
         if self.ahead:
             pool.adapt(len(claimed), wanted)
         return len(claimed)
-
-    def _claim_and_run(
-        self, carried: list[Settled], wanted: int, queues: tuple[str, ...] | None
-    ) -> list[tuple[JobContext, Ran | BaseException | None]]:
-        """In a database thread: the claim (writing ``carried``'s finishes), then, while the
-        ``def`` handlers are quick (:attr:`ThreadGate.quick`) and without claim ahead, the
-        claimed jobs' handlers one after another in this same thread, before the jobs reach
-        the loop: the hops to a slot's thread and back cost more than such a handler (issue
-        44). The first one past ``QUICK_WALL`` ends it: the rest go to the slots' threads."""
-        parts = self.parts
-        if carried:
-            leases = parts.finish_and_claim(carried, wanted, queues)
-        else:
-            leases = parts.claim(wanted, queues)
-        contexts = [parts.context(lease, self.db) for lease in leases]
-        inline = self.thread_gate.quick and not self.ahead
-        claimed: list[tuple[JobContext, Ran | BaseException | None]] = []
-        for ctx in contexts:
-            ran = self._inline(ctx) if inline else None
-            slow = isinstance(ran, BaseException) or (ran is not None and ran[1] > QUICK_WALL)
-            inline = inline and not slow
-            claimed.append((ctx, ran))
-        return claimed
-
-    def _inline(self, ctx: JobContext) -> Ran | BaseException | None:
-        """A claimed job's ``def`` handler run here: its outcome, its error, or None."""
-        routed = self.parts.route(ctx.lease)
-        if (routed is not None and self._is_async(routed[1])) or self.parts.stop.stopped:
-            return None
-        try:
-            return timed(self.parts.outcomes.run, ctx)
-        except BaseException as exc:  # its own job's error: raised where the job runs
-            return exc
 
     def _start_buffered(self, pool: SlotGroup) -> None:
         """Start buffered jobs in the group's free slots, oldest first; one buffered past a
