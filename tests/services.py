@@ -27,9 +27,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
@@ -89,6 +91,21 @@ def wait_for(
 
 
 # -- Redis -----------------------------------------------------------------------------------
+
+
+def start_worker_app(target: str, env: Mapping[str, str], log: Path) -> subprocess.Popen[str]:
+    """``outbox-worker run TARGET`` (``module:build``) as a process of its own, from the
+    project's root, with ``env`` added to this one's; its stderr is appended to ``log`` (a
+    file, not a pipe: a full pipe would stall the worker)."""
+    with log.open("a") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumer.jobs.cli", "run", target],
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "OUTBOX_LOG_LEVEL": "warning", **env},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
 
 
 class PrivateRedis:

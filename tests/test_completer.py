@@ -8,36 +8,24 @@ and no job ran twice under the same epoch (a rerun always took a new lease)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from consumer import Store
-from tests.services import wait_for
+from tests.services import start_worker_app, wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 JOBS = 400
 
 
 def _worker(pg_url: str, log: Path, ahead: bool) -> subprocess.Popen[str]:
-    env = dict(os.environ, OUTBOX_DATABASE_URL=pg_url, OUTBOX_LOG_LEVEL="warning")
-    env["COMPLETER_CLAIM_AHEAD"] = "1" if ahead else "0"
-    with log.open("a") as err:  # a file, not a pipe: a full pipe would stall the worker
-        return subprocess.Popen(
-            [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.completer_app:build"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-        )
+    env = {"OUTBOX_DATABASE_URL": pg_url, "COMPLETER_CLAIM_AHEAD": "1" if ahead else "0"}
+    return start_worker_app("tests.completer_app:build", env, log)
 
 
 def _count(engine: sa.Engine, sql: str) -> int:

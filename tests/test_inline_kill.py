@@ -5,10 +5,8 @@ and the runs before the kill were made in the claims' thread."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,26 +14,16 @@ import pytest
 import sqlalchemy as sa
 
 from consumer import Store
-from tests.services import wait_for
+from tests.services import start_worker_app, wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 JOBS = 6000
 
 
 def _worker(pg_url: str, runs: Path, log: Path) -> subprocess.Popen[str]:
-    env = dict(os.environ, OUTBOX_DATABASE_URL=pg_url, OUTBOX_LOG_LEVEL="warning")
-    env["INLINE_RUNS"] = str(runs)
-    with log.open("a") as err:  # a file, not a pipe: a full pipe would stall the worker
-        return subprocess.Popen(
-            [sys.executable, "-m", "consumer.jobs.cli", "run", "tests.inline_app:build"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-        )
+    env = {"OUTBOX_DATABASE_URL": pg_url, "INLINE_RUNS": str(runs)}
+    return start_worker_app("tests.inline_app:build", env, log)
 
 
 def _in_claims(text: str) -> bool:

@@ -57,28 +57,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.jobs.async_handlers import AsyncHandlers, is_async_handler, run_async_handler
-from consumer.jobs.claim_runs import ClaimRuns, Ran
+from consumer.jobs.claim_runs import ClaimParts, ClaimRuns, Ran
 from consumer.jobs.completer import Completer
 from consumer.jobs.config import QueueSlots, WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
-from consumer.jobs.inhand import JobsInHand
 from consumer.jobs.limits import shared_limits
-from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
+from consumer.jobs.outcomes import WAITS, Settled
 from consumer.jobs.permits import SCHEDULING
 from consumer.jobs.slot_groups import SlotGroup, first_set
-from consumer.jobs.store import Lease, Store
+from consumer.jobs.store import Store
 from consumer.jobs.threads import QuickHandOff, ThreadGate, timed
 from outbox import tracing
 from outbox.backoff import Backoff
-from outbox.lifecycle import GracefulStop
 from outbox.logs import fields
 from outbox.outage import report_failure
 
@@ -96,28 +94,17 @@ BUSY_POLL = 0.01  # an idle loop's poll (no NOTIFY) within BUSY_WINDOW of a clai
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
 
 
-class SlotParts(Protocol):
+class SlotParts(ClaimParts, Protocol):
     """What the slots use of a running worker (``consumer.jobs.runner.Runner`` is one): its
-    settings, claim, jobs in hand, outcomes and duties, each through its public methods."""
+    settings, claim, jobs in hand, outcomes and duties, each through its public methods
+    (the claims' part: ``consumer.jobs.claim_runs.ClaimParts``)."""
 
     config: WorkerConfig
     store: Store
     providers: dict[str, Provider]
     operations: Operations | None
-    stop: GracefulStop
-    route: Route
-    in_hand: JobsInHand
-    outcomes: Outcomes
     duties: WorkerDuties
     listening: bool
-
-    def claim(self, free: int, queues: tuple[str, ...] | None) -> list[Lease]: ...
-
-    def finish_and_claim(
-        self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
-    ) -> list[Lease]: ...
-
-    def context(self, lease: Lease, executor: Any = None) -> JobContext: ...
 
     def hook(self, name: str, *args: Any, **facts: Any) -> None: ...
 
