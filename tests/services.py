@@ -90,9 +90,6 @@ def wait_for(
         time.sleep(interval)
 
 
-# -- Redis -----------------------------------------------------------------------------------
-
-
 def start_worker_app(target: str, env: Mapping[str, str], log: Path) -> subprocess.Popen[str]:
     """``outbox-worker run TARGET`` (``module:build``) as a process of its own, from the
     project's root, with ``env`` added to this one's; its stderr is appended to ``log`` (a
@@ -106,6 +103,9 @@ def start_worker_app(target: str, env: Mapping[str, str], log: Path) -> subproce
             stderr=err,
             text=True,
         )
+
+
+# -- Redis -----------------------------------------------------------------------------------
 
 
 class PrivateRedis:

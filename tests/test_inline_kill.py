@@ -1,5 +1,5 @@
-"""A SIGKILL while the claims' own thread runs quick handlers (``consumer.jobs.slots``'s
-``_claim_and_run``): a real worker process killed mid-drain, another started. Every job ends
+"""A SIGKILL while the claims' own thread runs quick handlers (``consumer.jobs.claim_runs``):
+a real worker process killed mid-drain, another started. Every job ends
 DONE with one finish; no job ran twice under one epoch (a rerun always took a new lease);
 and the runs before the kill were made in the claims' thread."""
 
