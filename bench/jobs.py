@@ -91,7 +91,9 @@ def run_ours(url: str, count: int, concurrency: int, batch_size: int, tag: str) 
     return count / elapsed
 
 
-def keep_ready(url: str, backlog: int, stop: Any, made: Any, *, chunk: int, pause: float) -> None:
+def keep_ready(
+    url: str, backlog: int, stop: Any, made: Any, *, chunk: int, pause: float, kinds: int = 0
+) -> None:
     """A producer through the public API: ``Store.enqueue_many`` of ``chunk`` no-op jobs
     whenever fewer than ``backlog`` are READY, else a ``pause``, until ``stop`` (an Event,
     threading's or multiprocessing's) is set; ``made.value`` counts the jobs enqueued (a
@@ -115,7 +117,11 @@ def keep_ready(url: str, backlog: int, stop: Any, made: Any, *, chunk: int, paus
             first = made.value
             producer.enqueue_many(
                 [
-                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    {
+                        "tenant": f"t{i % 4}",
+                        "action": f"noop-{i}",
+                        "kind": f"w{i % kinds}" if kinds else "noop",
+                    }
                     for i in range(first, first + chunk)
                 ]
             )
@@ -275,6 +281,19 @@ def main(argv: list[str]) -> int:
         "CPU per job, default concurrency, enqueue -> start latency (bench/jobs_slots.py)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="--slots: alternated rounds")
+    parser.add_argument(
+        "--work-ms",
+        default="0",
+        help="--slots: what each job's handler waits, in ms (time.sleep, or asyncio.sleep "
+        "with --async); a comma list is a mix in one queue, cycled over the jobs "
+        "(e.g. 0,1,5,50)",
+    )
+    parser.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="--slots: async def handlers (await asyncio.sleep) instead of def ones",
+    )
     parser.add_argument("--rate", type=float, default=200.0, help="--slots: latency cell's jobs/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="--slots: latency cell's run")
     parser.add_argument(
@@ -284,7 +303,6 @@ def main(argv: list[str]) -> int:
         help="--slots: only the held-backlog cell, one worker at concurrency=16 for SECONDS "
         "while a producer process keeps --steady-backlog jobs READY",
     )
-    parser.add_argument("--claim-ahead", action="store_true", help="--hold: with claim ahead")
     parser.add_argument(
         "--hold-defaults",
         action="store_true",
@@ -297,23 +315,32 @@ def main(argv: list[str]) -> int:
         "run --metrics-port wires), scraped every 10 s",
     )
     args = parser.parse_args(argv)
+    work = tuple(float(ms) / 1000 for ms in args.work_ms.split(",") if ms.strip()) or (0.0,)
     if args.slots and args.hold:
         from bench.jobs_slots import held_backlog
 
-        options = {"claim_ahead": True} if args.claim_ahead else {}
         held_backlog(
             args.database_url,
             args.hold,
             args.steady_backlog,
             prometheus=args.prometheus,
             concurrency=None if args.hold_defaults else 16,
-            **options,
+            work=work,
+            asynchronous=args.asynchronous,
         )
         return 0
     if args.slots:
         from bench.jobs_slots import run_cells
 
-        run_cells(args.database_url, args.jobs, args.rounds, args.rate, args.seconds)
+        run_cells(
+            args.database_url,
+            args.jobs,
+            args.rounds,
+            args.rate,
+            args.seconds,
+            work=work,
+            asynchronous=args.asynchronous,
+        )
         return 0
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")

@@ -72,7 +72,41 @@ class _Cpu:
         return process, server
 
 
-def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str, float]:
+def _shape(work: tuple[float, ...]) -> str:
+    """A cell's job shape as the bench prints it: ``no-op``, ``5 ms`` or ``mix 0/1/5/50 ms``."""
+    if work == (0.0,):
+        return "no-op"
+    ms = "/".join(f"{w * 1000:g}" for w in work)
+    return f"mix {ms} ms" if len(work) > 1 else f"{ms} ms"
+
+
+def _handlers(work: tuple[float, ...], asynchronous: bool) -> dict[str, Callable[..., Any]]:
+    """One handler per job kind ``w{i}``: it waits ``work[i]`` seconds, as a handler waiting
+    on I/O does (``time.sleep`` in a ``def`` handler, ``asyncio.sleep`` in an ``async def``
+    one); ``0`` returns at once."""
+    import asyncio
+
+    def make(seconds: float) -> Callable[..., Any]:
+        if asynchronous:
+
+            async def waits_async(job: Any) -> None:
+                if seconds:
+                    await asyncio.sleep(seconds)
+
+            return waits_async
+
+        def waits(job: Any) -> None:
+            if seconds:
+                time.sleep(seconds)
+
+        return waits
+
+    return {f"w{i}": make(seconds) for i, seconds in enumerate(work)}
+
+
+def hand_loop(
+    admin: sa.Engine, base: str, count: int, threads: int, work: tuple[float, ...] = (0.0,)
+) -> dict[str, float]:
     schema, app = f"bench_hand_{uuid.uuid4().hex[:8]}", f"hand{uuid.uuid4().hex[:6]}"
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
@@ -84,8 +118,12 @@ def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str
         )
         conn.execute(sa.text(f"CREATE INDEX ON \"{schema}\".q (id) WHERE state = 'ready'"))
         conn.execute(
-            sa.text(f"INSERT INTO \"{schema}\".q (payload) SELECT 'x' FROM generate_series(1, :n)"),
-            {"n": count},
+            sa.text(
+                f'INSERT INTO "{schema}".q (payload) SELECT (CAST(:w AS float8[]))'
+                "[1 + i % cardinality(CAST(:w AS float8[]))]::text "
+                "FROM generate_series(0, :n - 1) AS i"
+            ),
+            {"n": count, "w": list(work)},
         )
     engine = sa.create_engine(_url(base, schema, app), pool_size=threads, max_overflow=0)
     try:
@@ -93,7 +131,7 @@ def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str
             pass
         claim = sa.text(
             "UPDATE q SET state = 'running' WHERE id = (SELECT id FROM q WHERE state = 'ready' "
-            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id"
+            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id, payload"
         )
         done = sa.text("UPDATE q SET state = 'done' WHERE id = :id")
 
@@ -104,6 +142,8 @@ def hand_loop(admin: sa.Engine, base: str, count: int, threads: int) -> dict[str
                         row = conn.execute(claim).first()
                     if row is None:
                         return
+                    if float(row[1]):  # the job's work: waiting on I/O, as the worker's
+                        time.sleep(float(row[1]))
                     with conn.begin():
                         conn.execute(done, {"id": row[0]})
 
@@ -137,7 +177,14 @@ class _Counting(Hooks):
             self.reached.set()
 
 
-def worker_drain(admin: sa.Engine, base: str, count: int, **options: Any) -> dict[str, float]:
+def worker_drain(
+    admin: sa.Engine,
+    base: str,
+    count: int,
+    work: tuple[float, ...] = (0.0,),
+    asynchronous: bool = False,
+    **options: Any,
+) -> dict[str, float]:
     from consumer.jobs.store import Store
     from consumer.jobs.worker import Worker
 
@@ -149,13 +196,14 @@ def worker_drain(admin: sa.Engine, base: str, count: int, **options: Any) -> dic
         for start in range(0, count, 5000):
             store.enqueue_many(
                 [
-                    {"tenant": f"t{i % 4}", "action": f"noop-{i}", "kind": "noop"}
+                    {"tenant": f"t{i % 4}", "action": f"job-{i}", "kind": f"w{i % len(work)}"}
                     for i in range(start, min(count, start + 5000))
                 ]
             )
         hooks = _Counting(count)
         worker = Worker(store, hooks=hooks, **options)
-        worker.register("noop", lambda job: None)
+        for kind, handler in _handlers(work, asynchronous).items():
+            worker.register(kind, handler)
         runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
         cpu = _Cpu(admin, app)
         started = time.perf_counter()
@@ -174,8 +222,17 @@ def worker_drain(admin: sa.Engine, base: str, count: int, **options: Any) -> dic
     return {"rate": count / elapsed, "cpu_ms": (process + server) / count * 1000}
 
 
-def latency(admin: sa.Engine, base: str, rate: float, seconds: float, **options: Any) -> str:
-    """Enqueue -> handler start at ``rate`` jobs/s, one worker: p50 and p99 in ms."""
+def latency(
+    admin: sa.Engine,
+    base: str,
+    rate: float,
+    seconds: float,
+    work: tuple[float, ...] = (0.0,),
+    asynchronous: bool = False,
+    **options: Any,
+) -> str:
+    """Enqueue -> handler start at ``rate`` jobs/s, one worker, jobs that then wait
+    ``work`` (cycled): p50 and p99 in ms."""
     from consumer.jobs.store import Store
     from consumer.jobs.worker import Worker
 
@@ -187,10 +244,20 @@ def latency(admin: sa.Engine, base: str, rate: float, seconds: float, **options:
     try:
         worker = Worker(store, concurrency=16, **options)
 
-        def started(job: Any) -> None:
-            waits.append(time.time() - float(job.payload["at"]))
+        for kind, waits_for in _handlers(work, asynchronous).items():
 
-        worker.register("noop", started)
+            def started(job: Any, waits_for: Callable[..., Any] = waits_for) -> Any:
+                waits.append(time.time() - float(job.payload["at"]))
+                return waits_for(job)
+
+            if asynchronous:
+
+                async def started_async(job: Any, started: Callable[..., Any] = started) -> None:
+                    await started(job)
+
+                worker.register(kind, started_async)
+            else:
+                worker.register(kind, started)
         runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
         runner.start()
         time.sleep(1.0)  # the worker's first claim and its connections
@@ -201,7 +268,8 @@ def latency(admin: sa.Engine, base: str, rate: float, seconds: float, **options:
             pause = due - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
-            store.enqueue("t", f"noop-{i}", kind="noop", payload={"at": time.time()})
+            kind = f"w{i % len(work)}"
+            store.enqueue("t", f"job-{i}", kind=kind, payload={"at": time.time()})
         deadline = time.monotonic() + 30
         while len(waits) < total and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -216,21 +284,30 @@ def latency(admin: sa.Engine, base: str, rate: float, seconds: float, **options:
     return f"p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms ({len(ms)} jobs)"
 
 
-def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) -> None:
+def run_cells(
+    url: str,
+    count: int,
+    rounds: int,
+    rate: float,
+    seconds: float,
+    work: tuple[float, ...] = (0.0,),
+    asynchronous: bool = False,
+) -> None:
+    """The drains (hand loop, ``concurrency=16``, defaults) of ``count`` jobs that each wait
+    ``work`` (cycled over the jobs: a mix in one queue), alternated over ``rounds``, then the
+    enqueue -> start latency at ``rate`` jobs/s with the same jobs."""
     admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    shape = _shape(work) + (" async def" if asynchronous else " def")
     print(
-        f"slots cell: {count:,} no-op jobs per drain, {rounds} alternated rounds, "
+        f"slots cell: {count:,} jobs per drain ({shape}), {rounds} alternated rounds, "
         f"{os.cpu_count()} cores (shared: other processes run beside it)",
         flush=True,
     )
+    drain = {"work": work, "asynchronous": asynchronous}
     cells: list[tuple[str, Callable[[], dict[str, float]]]] = [
-        ("hand loop, 16 threads", lambda: hand_loop(admin, url, count, 16)),
-        ("worker concurrency=16", lambda: worker_drain(admin, url, count, concurrency=16)),
-        (
-            "worker concurrency=16 claim_ahead",
-            lambda: worker_drain(admin, url, count, concurrency=16, claim_ahead=True),
-        ),
-        ("worker defaults", lambda: worker_drain(admin, url, count)),
+        ("hand loop, 16 threads", lambda: hand_loop(admin, url, count, 16, work)),
+        ("worker concurrency=16", lambda: worker_drain(admin, url, count, concurrency=16, **drain)),
+        ("worker defaults", lambda: worker_drain(admin, url, count, **drain)),
     ]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in cells}
     for round_ in range(rounds):
@@ -248,14 +325,14 @@ def run_cells(url: str, count: int, rounds: int, rate: float, seconds: float) ->
         rate_ = statistics.median(r["rate"] for r in found)
         cpu = statistics.median(r["cpu_ms"] for r in found)
         print(
-            f"{name}: median {rate_:,.0f} jobs/s (x{rate_ / hand:.2f} the hand loop), "
+            f"{shape}, {name}: median {rate_:,.0f} jobs/s (x{rate_ / hand:.2f} the hand loop), "
             f"CPU {cpu:.3f} ms/job",
             flush=True,
         )
-    for label, options in (("defaults", {}), ("claim_ahead", {"claim_ahead": True})):
+    if seconds > 0:
         print(
-            f"enqueue -> start at {rate:.0f}/s, 16 slots, {label}: "
-            f"{latency(admin, url, rate, seconds, **options)}",
+            f"enqueue -> start at {rate:.0f}/s, 16 slots, {shape}: "
+            f"{latency(admin, url, rate, seconds, work=work, asynchronous=asynchronous)}",
             flush=True,
         )
     admin.dispose()
@@ -268,6 +345,8 @@ def held_backlog(
     *,
     prometheus: bool = False,
     concurrency: int | None = 16,
+    work: tuple[float, ...] = (0.0,),
+    asynchronous: bool = False,
     **options: Any,
 ) -> None:
     """One ``Worker(concurrency=16).run()`` for ``seconds`` while a producer process keeps
@@ -295,7 +374,7 @@ def held_backlog(
     producer = spawn.Process(
         target=keep_ready,
         args=(cell_url, backlog, stop, made),
-        kwargs={"chunk": 500, "pause": 0.02},
+        kwargs={"chunk": 500, "pause": 0.02, "kinds": len(work)},
     )
     counting = _Counting(10**12)
     hooks: Hooks = counting
@@ -305,15 +384,22 @@ def held_backlog(
 
         served = start_metrics(0, engine=store.engine)
         hooks = served
-        sample = {"action": "noop", "outcome": "done"}
         name = "outbox_worker_jobs_finished_total"
-        finished = lambda: served.registry.get_sample_value(name, sample) or 0.0  # noqa: E731
+
+        def finished() -> float:
+            return sum(
+                served.registry.get_sample_value(name, {"action": kind, "outcome": "done"}) or 0.0
+                for kind in _handlers(work, asynchronous)
+            )
+
     if concurrency is not None:
         options["concurrency"] = concurrency
     worker = Worker(store, hooks=hooks, **options)
-    worker.register("noop", lambda job: None)
+    for kind, handler in _handlers(work, asynchronous).items():
+        worker.register(kind, handler)
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     shown = {**options, "metrics": "prometheus"} if prometheus else dict(options)
+    shown["jobs"] = _shape(work) + (" async def" if asynchronous else " def")
     shown.setdefault("concurrency", "default")
     print(
         f"held backlog: {seconds:.0f} s, one worker, {shown}, a producer "

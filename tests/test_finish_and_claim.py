@@ -140,3 +140,33 @@ def test_a_claims_row_is_read_by_position_in_lease_columns_order() -> None:
         "replies_consumed": lease.replies_consumed,
     }
     assert read == values
+
+
+def test_a_claim_that_fails_after_its_finishes_committed_reports_them_done_once(
+    db_url: str, monkeypatch: Any
+) -> None:
+    """Where the finish commits before the claim (SQLite; PostgreSQL when the statement
+    cannot carry the finishes), a claim that then fails does not undo nor repeat them: the
+    finishes come back done, the claim comes back empty, and the next call claims."""
+    store = Store(db_url)
+    _jobs(store, 6)
+    held = store.claim_batch("w1", 2)
+    monkeypatch.setattr(type(store.driver), "job_claim_finishes", False, raising=False)
+    real = store.driver.job_claim_batch
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise sa.exc.OperationalError("claim", {}, Exception("the connection is lost"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.driver, "job_claim_batch", failing)
+    result, claimed = store.finish_and_claim(held, "w1", 2)
+    assert result.done == sorted(x.job_id for x in held) and result.conflicts == []
+    assert claimed == []
+    assert _states(store) == {"DONE": 2, "READY": 4}
+    result, claimed = store.finish_and_claim([], "w1", 2)  # the next statement claims
+    assert len(claimed) == 2 and _states(store) == {"DONE": 2, "LEASED": 2, "READY": 2}
+    assert len([a for a in store.history(held[0].job_id) if a.outcome == "done"]) == 1
+    store.dispose()

@@ -267,7 +267,7 @@ def test_the_complexity_check_reads_the_reason(tmp_path: Path) -> None:
 
 # Tests find their code (issue 42): a reader who opens one of the worker's modules finds its
 # tests in tests/test_<module>.py, which names the module.
-WORKER_MODULES = ("worker", "runner", "slots", "completer", "outcomes", "inhand", "duties")
+WORKER_MODULES = ("worker", "runner", "slots", "outcomes", "inhand", "duties")
 
 
 def test_the_workers_modules_have_tests_named_after_them() -> None:

@@ -4,7 +4,6 @@ its waiting jobs, which hold no thread. The processes' side is in tests/test_use
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from consumer.jobs import threads
 from consumer.jobs.config import WorkerConfig
@@ -85,61 +84,3 @@ def test_threads_must_be_a_positive_integer() -> None:
     for bad in (0, -1, 2.5, "8"):
         with pytest.raises(ConfigError, match="threads"):
             WorkerConfig(threads=bad)  # type: ignore[arg-type]
-
-
-def test_the_gate_learns_quick_handlers_and_forgets_at_the_first_slow_one() -> None:
-    gate = ThreadGate(slots=16)
-    assert gate.quick is False  # every job its own thread until learned
-    for _ in range(16):
-        gate.learn(0.00002, 0.00002)  # 20 us, all of it on a CPU
-    assert gate.quick is True
-    gate.learn(threads.QUICK_WALL * 4, 0.0001)  # one job that waited: at once
-    assert gate.quick is False
-    for _ in range(16):
-        gate.learn(0.00002, 0.00002)
-    assert gate.quick is False  # not while that job is among the recent ones
-    for _ in range(threads.SAMPLES):
-        gate.learn(0.00002, 0.00002)
-    assert gate.quick is True
-
-
-def test_a_handler_that_waits_is_never_quick_however_short() -> None:
-    gate = ThreadGate(slots=16)
-    for _ in range(40):
-        gate.learn(threads.QUICK_WALL * 0.9, 0.00001)  # short, but blocked most of it
-    assert gate.quick is False
-
-
-def test_quick_jobs_go_several_to_a_hand_off_and_keep_their_own_errors() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    gate = ThreadGate(slots=16)
-    used: set[str] = set()
-
-    def run(i: int) -> int:
-        import threading
-
-        used.add(threading.current_thread().name)
-        if i == 3:
-            raise ValueError("job 3")
-        return i * 10
-
-    async def scenario() -> list[Any]:
-        hand_off = threads.QuickHandOff(gate, pool, run)
-        futures = [hand_off.run(i) for i in range(8)]  # one turn of the loop
-        return await asyncio.gather(*futures, return_exceptions=True)
-
-    with ThreadPoolExecutor(16) as pool:
-        results = asyncio.run(scenario())
-    assert [r[0] if isinstance(r, tuple) else repr(r) for r in results] == [
-        0,
-        10,
-        20,
-        "ValueError('job 3')",
-        40,
-        50,
-        60,
-        70,
-    ]
-    assert len(used) <= gate.cpus  # one hand-off per CPU at most, not one per job
-    assert gate.running == 0

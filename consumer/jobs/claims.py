@@ -7,9 +7,12 @@ contract: fairness, fencing, time).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.errors import JobError
 from consumer.jobs.batch_moves import BatchMoves, leases_by_worker
@@ -25,7 +28,10 @@ from consumer.jobs.checks import (
 from consumer.jobs.queries import LEASE_COLUMNS
 from consumer.jobs.replies import watermark
 from consumer.jobs.rows import BatchResult, Lease, lease_from_row
+from outbox.outage import report_failure
 from outbox.validate import check_number
+
+log = logging.getLogger("outbox.worker")
 
 _EPOCH = LEASE_COLUMNS.index("lease_epoch")
 
@@ -131,7 +137,14 @@ class BatchClaims(BatchMoves):
             result = self.finish_batch(items)
             if params is None:
                 return result, []
-            return result, self._claimed(self._claim_rows(params), params["cursor"])
+            try:
+                rows = self._claim_rows(params)
+            except SQLAlchemyError as exc:
+                # The finishes committed: say so (the caller must not write them again, and
+                # a second write would be refused as fenced out); the claim is the next one's.
+                report_failure(log, "claim after committed finishes failed; claimed next time", exc)
+                return result, []
+            return result, self._claimed(rows, params["cursor"])
         params["finishing"] = by_worker[worker]
         ended: set[int] = set()
         claimed: list[Any] = []

@@ -146,8 +146,8 @@ def build_parser() -> Parser:
         Flag(
             "--claim-ahead",
             bool,
-            "keep a small buffer of claimed jobs for slots about to free, and finish jobs in "
-            "batches off the slot's path (leases held may then exceed --concurrency)",
+            "deprecated, no effect: a freed slot starts its next job at once without a "
+            "buffer of claimed jobs",
         ),
         Flag(
             "--reconcile-interval",

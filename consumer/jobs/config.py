@@ -17,6 +17,7 @@ the worker.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -66,10 +67,9 @@ class WorkerConfig:
     recover_interval: float = 5.0
     reconcile_interval: float = 10.0
     listen: bool = True
-    # Claim ahead (issue 44): a small buffer of claimed jobs for the slots about to free, and
-    # finishes off the slot's path. Off by default: then a worker never leases more jobs
-    # than it has slots (DESIGN.md); on, it may hold up to about twice its slots plus the
-    # finishes not yet committed (consumer.jobs.slots, docs/benchmarks.md).
+    # Deprecated, without effect: a freed slot starts its next job at once on the one path
+    # (consumer.jobs.slots), so no buffer of claimed jobs is kept. Accepted (with a
+    # DeprecationWarning) so that configurations that set it keep working.
     claim_ahead: bool = False
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
     # The schedules' firing duty (consumer.jobs.firing): a round at each schedule's next
@@ -90,6 +90,13 @@ class WorkerConfig:
         for switch in ("listen", "claim_ahead"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(switch, f"must be True or False, got {getattr(self, switch)!r}")
+        if self.claim_ahead:
+            warnings.warn(
+                "WorkerConfig(claim_ahead=True) has no effect any more: a freed slot starts "
+                "its next job at once without a buffer of claimed jobs",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         for name in ("concurrency", "batch_size"):
             check_number(name, getattr(self, name), ConfigError, integer=True)
         if self.threads is not None:

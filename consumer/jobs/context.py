@@ -21,6 +21,7 @@ from consumer.errors import Conflict, JobCancelled
 from consumer.jobs.cron import Slot
 from consumer.jobs.replies import Reply, unconsumed
 from consumer.jobs.schedules import schedule_slot
+from consumer.jobs.states import Outcome
 from consumer.jobs.store import Lease, Store, Time, Timer, valid_time
 from outbox.errors import ConfigError
 
@@ -47,7 +48,7 @@ class JobContext:
         self.executor = executor  # where adispatch runs its database statements
         self._call_depth = 0  # provider calls in flight (the heartbeat leaves the lease alone)
         self._dispatch_depth = 0  # dispatches under way (every beat renews the lease)
-        self.outcome: str | None = None  # set when the handler moved the job itself
+        self.outcome: Outcome | None = None  # set when the handler moved the job itself
         self.throttled: ProviderThrottled | None = None  # its provider's limit handed it back
         self.lost = False  # set by the heartbeat when the lease was lost (fenced)
         self._progress = 1
@@ -224,7 +225,7 @@ class JobContext:
             # A job done but not yet recorded (its finish waits for the next batch) is still
             # LEASED: renewed until the batch takes it (then its renewal is skipped, locked,
             # or conflicts quietly: it is no longer running).
-            if self._on_worker and self.outcome in (None, "done") and not self.lost:
+            if self._on_worker and self.outcome in (None, Outcome.DONE) and not self.lost:
                 return True
             moving = self._progress > self._renewed or self._dispatch_depth > 0
             if moving and self.outcome is None and not self.lost:
@@ -236,16 +237,16 @@ class JobContext:
     def wait_external(self, reason: str | None = None, *, until: Time | None = None) -> None:
         """Release the worker until a reply (``Store.resume``) or the timer ``until``."""
         self.store.wait_external(self.lease, reason=reason, until=until)
-        self.outcome = "waiting_external"
+        self.outcome = Outcome.WAITING_EXTERNAL
 
     def wait_review(self, reason: str | None = None) -> None:
         self.store.wait_review(self.lease, reason=reason)
-        self.outcome = "waiting_review"
+        self.outcome = Outcome.WAITING_REVIEW
 
     def defer(self, until: Time, reason: str | None = None) -> None:
         """Hand the job back, READY again at ``until``, without counting a failure."""
         self.store.defer(self.lease, until=until, reason=reason)
-        self.outcome = "deferred"
+        self.outcome = Outcome.DEFERRED
 
     def dispatch(self, name: str, provider: str, request: Mapping[str, Any]) -> Receipt:
         """``Operations.dispatch`` for this job, through the worker's providers (a ``def``
@@ -307,11 +308,11 @@ class JobContext:
         self.store.schedule(
             self.lease, scheduled_for, reason, subject_version, cancellation_condition
         )
-        self.outcome = "scheduled"
+        self.outcome = Outcome.SCHEDULED
 
     def cancel(self, reason: str | None = None) -> None:
         self.store.cancel(self.lease, reason=reason)
-        self.outcome = "cancelled"
+        self.outcome = Outcome.CANCELLED
 
     def recheck(
         self,

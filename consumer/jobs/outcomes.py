@@ -5,8 +5,9 @@ handler awaited on the slots' event loop, end the same way (issue 42: this was w
 twice): :meth:`Outcomes.settle` turns what the handler did (returned, raised, moved its job
 through its :class:`~consumer.jobs.context.JobContext`) into the job's next state, and a job
 that returned without moving itself is finished by :meth:`Outcomes.finish`, in batches
-(``Store.finish_batch``: one fenced statement for many jobs; a finish whose lease was taken
-over comes back as a conflict, job by job).
+(the worker's one statement, ``Runner.finish_and_claim``: one fenced statement for many
+jobs, with the claim of the slots they free; a finish whose lease was taken over comes back
+as a conflict, job by job). Every outcome is an :class:`Outcome`.
 """
 
 from __future__ import annotations
@@ -31,28 +32,29 @@ from consumer.errors import (
 )
 from consumer.jobs.context import JobContext
 from consumer.jobs.receipts import retry_after_of
+from consumer.jobs.states import Outcome
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
 from outbox.logs import fields
 
-__all__ = ["WAITS", "Outcomes", "Routed", "Settled"]
+__all__ = ["WAITS", "Outcome", "Outcomes", "Routed", "Settled"]
 
 log = logging.getLogger("outbox.worker")
 
 Routed = tuple[str, Callable[..., Any]]
 Route = Callable[[Lease], "Routed | None"]
-WAITS = ("waiting_external", "waiting_review")  # outcomes that may set a new earliest timer
+# Outcomes that may set a new earliest timer.
+WAITS = frozenset({Outcome.WAITING_EXTERNAL, Outcome.WAITING_REVIEW})
 
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """What became of one run: ``outcome`` (``done`` still to be finished, ``conflict``,
-    ``throttled``, ``failed_ready``, a wait...), the handler's ``label`` for the hooks, and
-    when the run ``started`` (monotonic)."""
+    """What became of one run: its :class:`Outcome` (``DONE`` still to be finished), the
+    handler's ``label`` for the hooks, and when the run ``started`` (monotonic)."""
 
     ctx: JobContext
-    outcome: str
+    outcome: Outcome
     label: str
     started: float
 
@@ -114,32 +116,34 @@ class Outcomes:
         except Conflict as exc:
             log.info("lease lost", extra=fields(job_id=ctx.job_id, error=str(exc)))
             self.hook("worker_lease_conflict", label)
-            outcome = "conflict"
-        if outcome != "done":
+            outcome = Outcome.CONFLICT
+        if outcome is not Outcome.DONE:
             took = time.monotonic() - started
             self.hook("worker_job_finished", label, outcome, took, **ctx.lease.facts())
         return Settled(ctx, outcome, label, started)
 
-    def _outcome(self, ctx: JobContext, routed: Routed | None, error: BaseException | None) -> str:
+    def _outcome(
+        self, ctx: JobContext, routed: Routed | None, error: BaseException | None
+    ) -> Outcome:
         store = self.store
         if routed is None:
             reason = f"no handler registered for action {ctx.action!r}"
             store.fail(ctx.lease, error=reason, kind="permanent")
-            return "no_handler"
+            return Outcome.NO_HANDLER
         if error is None:
-            return ctx.outcome or "done"
+            return Outcome(ctx.outcome or Outcome.DONE)
         if isinstance(error, Conflict):
             raise error
         if isinstance(error, JobCancelled):
             # A cancel was requested while it ran: any end of the holder's makes the job
             # CANCELLED (``LeaseMoves``); this one counts no failure.
             store.release(ctx.lease)
-            return "cancelled"
+            return Outcome.CANCELLED
         if isinstance(error, ProviderThrottled):
             ctx.throttled = error  # dispatch handed the job back until the provider's time
-            return "throttled"
+            return Outcome.THROTTLED
         if isinstance(error, OperationUnresolved):
-            return ctx.outcome or "waiting_review"  # dispatch moved the job
+            return Outcome(ctx.outcome or Outcome.WAITING_REVIEW)  # dispatch moved the job
         if isinstance(error, JobFailure):
             state = store.fail(
                 ctx.lease,
@@ -148,28 +152,19 @@ class Outcomes:
                 provider=error.provider,
                 retry_after=retry_after(error),
             )
-            return "failed_" + state.lower()
+            return Outcome.failed(state)
         log.warning(  # any other handler error: transient
             "job handler failed",
             extra=fields(job_id=ctx.job_id, action=ctx.action, error=repr(error)),
         )
         state = store.fail(ctx.lease, error=error, retry_after=retry_after(error))
-        return "failed_" + state.lower()
+        return Outcome.failed(state)
 
-    # -- the one finish ------------------------------------------------------------------
-    def finish(self, done: Sequence[Settled]) -> set[int]:
-        """Finish the jobs whose handlers returned, in one fenced statement, and report each
-        (``done`` or ``conflict``). Returns the job ids refused (their lease was lost)."""
-        if not done:
-            return set()
-        self.finishing(done)
-        result = self.store.finish_batch([settled.ctx.lease for settled in done])
-        return self.finished(done, result.conflicts)
-
+    # -- around the one finish (Runner.finish_and_claim writes it) ----------------------
     def finishing(self, done: Sequence[Settled]) -> None:
         """These jobs' finishes are being written: the heartbeat leaves them alone."""
         for settled in done:
-            settled.ctx.outcome = "done"
+            settled.ctx.outcome = Outcome.DONE
 
     def finished(self, done: Sequence[Settled], conflicts: Sequence[int]) -> set[int]:
         """Report each finish written (``done``, or ``conflict`` for the ids refused);

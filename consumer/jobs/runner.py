@@ -7,11 +7,11 @@ runner owns the state of a running worker, in parts that talk through their publ
 - **claiming** (:meth:`Runner.claim`): one statement for the free slots of one group of
   slots, only of its queues, only what the handlers route, within the tenant limits;
 - **the jobs in hand** and their heartbeat (``consumer.jobs.inhand``);
-- **outcomes** (``consumer.jobs.outcomes``): the one settle and the one finish;
+- **outcomes** (``consumer.jobs.outcomes``): the one settle; the one finish is
+  :meth:`Runner.finish_and_claim`, which the slots' statement and ``run_once`` both use;
 - **the duties** (``consumer.jobs.duties``): recovery, the receipt sweep, liveness, vacuum,
   retention, the schedules' firing;
-- **the slots** (``consumer.jobs.slots``): ``run``'s event loop, and its completer
-  (``consumer.jobs.completer``), which batches the finishes;
+- **the slots** (``consumer.jobs.slots``): ``run``'s event loop;
 - **wake-up**: a LISTEN thread (PostgreSQL) that kicks the slots when work arrives.
 """
 
@@ -31,7 +31,7 @@ from consumer.jobs.config import WorkerConfig
 from consumer.jobs.context import JobContext
 from consumer.jobs.duties import WorkerDuties
 from consumer.jobs.inhand import JobsInHand
-from consumer.jobs.outcomes import WAITS, Outcomes, Route, Settled
+from consumer.jobs.outcomes import WAITS, Outcome, Outcomes, Route, Settled
 from consumer.jobs.schedules import Schedule
 from consumer.jobs.store import Lease, Store, Time
 from outbox.backoff import Backoff
@@ -101,11 +101,19 @@ class Runner:
     def finish_and_claim(
         self, done: Sequence[Settled], free: int, queues: tuple[str, ...] | None
     ) -> list[Lease]:
-        """Finish ``done`` (jobs whose handlers returned) and claim up to ``free`` jobs like
-        :meth:`claim`, in one statement on PostgreSQL (``Store.finish_and_claim``): the
-        slots those jobs held take their next jobs in the same commit."""
-        filters = {**self._filters, "queues": queues}
+        """The worker's one writer of finishes: finish ``done`` (jobs whose handlers
+        returned) and claim up to ``free`` jobs like :meth:`claim`, in one statement on
+        PostgreSQL (``Store.finish_and_claim``): the slots those jobs held take their next
+        jobs in the same commit. A finish refused (its lease was lost) is reported as a
+        conflict, job by job."""
+        if not done:
+            return self.claim(free, queues) if free > 0 else []
         self.outcomes.finishing(done)
+        if free <= 0:  # a stop: the finishes alone
+            result = self.store.finish_batch([settled.ctx.lease for settled in done])
+            self.outcomes.finished(done, result.conflicts)
+            return []
+        filters = {**self._filters, "queues": queues}
         result, leases = self.store.finish_and_claim(
             [settled.ctx.lease for settled in done],
             self.config.name,
@@ -133,7 +141,8 @@ class Runner:
         contexts = [self.context(lease) for lease in leases]
         try:
             handled, settled = self._run_in_turn(contexts)
-            self.outcomes.finish([s for s in settled if s.outcome == "done"])
+            done = [s for s in settled if s.outcome is Outcome.DONE]
+            self.finish_and_claim(done, 0, self.config.queues)
         except SQLAlchemyError:
             # The database went away mid-batch (a connection cut, a server restart).
             self.outcomes.hand_back_after_error(contexts)

@@ -18,6 +18,7 @@ move also filters on the allowed source states, so a race cannot sneak past the 
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
 from consumer.errors import IllegalTransition
@@ -51,6 +52,30 @@ TRANSITIONS: Final[dict[str, frozenset[str]]] = {
     DONE: frozenset(),
     CANCELLED: frozenset(),
 }
+
+
+class Outcome(StrEnum):
+    """How one run of a job ended, as the worker records it and its hooks report it (a
+    ``str``: the hooks' ``outcome`` label is its value)."""
+
+    DONE = "done"  # the handler returned: the job is finished (in the next statement)
+    CONFLICT = "conflict"  # the lease was lost: another worker holds the job now
+    THROTTLED = "throttled"  # the provider's limit handed the job back until its time
+    NO_HANDLER = "no_handler"  # nothing routes its action: failed permanently
+    CANCELLED = "cancelled"  # cancelled by the handler, or by a request while it ran
+    WAITING_EXTERNAL = "waiting_external"
+    WAITING_REVIEW = "waiting_review"
+    DEFERRED = "deferred"
+    SCHEDULED = "scheduled"
+    FAILED_READY = "failed_ready"  # a failure with a retry to come
+    FAILED_NEEDS_ATTENTION = "failed_needs_attention"
+    FAILED_WAITING_REVIEW = "failed_waiting_review"
+    FAILED_CANCELLED = "failed_cancelled"
+
+    @classmethod
+    def failed(cls, state: str) -> Outcome:
+        """The outcome of a failure that left the job in ``state``."""
+        return cls("failed_" + state.lower())
 
 
 def sources(target: str) -> tuple[str, ...]:

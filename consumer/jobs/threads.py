@@ -23,14 +23,11 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "MAX_PER_CPU",
     "MIN_PER_CPU",
-    "QUICK_WALL",
-    "QuickHandOff",
     "ThreadGate",
     "default_threads",
     "timed",
@@ -40,7 +37,6 @@ T = TypeVar("T")
 
 MIN_PER_CPU = 8  # threads per CPU the pool allows at least (and starts at, x2)
 MAX_PER_CPU = 64  # ... and at most: beyond, a 2-core machine spends itself switching
-QUICK_WALL = 0.0005  # seconds: a handler this short gains nothing from a thread of its own
 SAMPLES = 50  # finished jobs the wait / compute ratio is taken over
 
 
@@ -78,8 +74,6 @@ class ThreadGate:
         self.size = self.most if fixed else min(self.most, 2 * self.least)
         self.running = 0
         self._ratios: deque[float] = deque(maxlen=SAMPLES)
-        self._walls: deque[float] = deque(maxlen=SAMPLES)
-        self.quick = False  # learned: the handlers neither wait nor take long (learn)
         self._learned = 0
         self._turn: deque[asyncio.Future[None]] = deque()
 
@@ -119,13 +113,9 @@ class ThreadGate:
 
     def learn(self, wall: float, cpu: float) -> None:
         """A job's handler took ``wall`` seconds, ``cpu`` of them on a CPU: resize the pool
-        to ``CPUs x (1 + wait / compute)`` (the median ratio of the recent jobs), and
-        decide whether the handlers are :attr:`quick`."""
+        to ``CPUs x (1 + wait / compute)`` (the median ratio of the recent jobs)."""
         if wall <= 0:
             return
-        self._walls.append(wall if wall - cpu <= QUICK_WALL / 2 else float("inf"))
-        # Quick: each of the recent jobs (at least 10) short and hardly waiting; off at once.
-        self.quick = len(self._walls) >= 10 and max(self._walls) <= QUICK_WALL
         if self.fixed:
             return
         self._ratios.append(max(0.0, wall - cpu) / max(cpu, 1e-4))
@@ -135,64 +125,3 @@ class ThreadGate:
         ratio = sorted(self._ratios)[len(self._ratios) // 2]
         self.size = max(self.least, min(self.most, round(self.cpus * (1 + ratio))))
         self._wake()
-
-
-class QuickHandOff(Generic[T]):
-    """``def`` handlers the gate has learned are quick (:attr:`ThreadGate.quick`) go to the
-    threads several to a hand-off: the jobs handed in one turn of the event loop (the jobs
-    of one claim) are split into at most one chunk per CPU, and each chunk runs its jobs one
-    after another on one thread. A handler that takes microseconds gains nothing from a
-    thread of its own (the GIL runs one at a time), and each hand-off to a thread and back
-    costs wake-ups: 0.8 ms a job among 16 on this machine's 2 cores, against 13 us in the
-    handler itself (issue 44). The first job past :data:`QUICK_WALL` turns it off."""
-
-    def __init__(self, gate: ThreadGate, executor: Executor, run: Callable[[Any], T]) -> None:
-        self.gate = gate
-        self.executor = executor
-        self.fn = run
-        self._pending: list[tuple[Any, asyncio.Future[tuple[T, float, float]]]] = []
-        self._chunks: set[asyncio.Task[None]] = set()
-
-    def run(self, arg: Any) -> asyncio.Future[tuple[T, float, float]]:
-        """``timed(run, arg)`` on a thread, with the other jobs handed in this turn."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[T, float, float]] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._hand)
-        self._pending.append((arg, future))
-        return future
-
-    def _hand(self) -> None:
-        pending, self._pending = self._pending, []
-        chunks = min(len(pending), self.gate.cpus)
-        for i in range(chunks):
-            task = asyncio.ensure_future(self._chunk(pending[i::chunks]))
-            self._chunks.add(task)
-            task.add_done_callback(self._chunks.discard)
-
-    async def _chunk(self, chunk: list[tuple[Any, asyncio.Future[tuple[T, float, float]]]]) -> None:
-        fn = self.fn
-
-        def run_all() -> list[tuple[T, float, float] | BaseException]:
-            results: list[tuple[T, float, float] | BaseException] = []
-            for arg, _ in chunk:
-                try:
-                    results.append(timed(fn, arg))
-                except BaseException as exc:  # its own job's error, not its chunk's
-                    results.append(exc)
-            return results
-
-        results: list[tuple[T, float, float] | BaseException]
-        try:
-            async with self.gate:
-                loop = asyncio.get_running_loop()
-                results = await loop.run_in_executor(self.executor, run_all)
-        except BaseException as exc:  # the hand-off itself failed: every job of the chunk
-            results = [exc] * len(chunk)
-        for (_, future), result in zip(chunk, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)

@@ -1,4 +1,4 @@
-"""The worker app of tests/test_completer.py: claim ahead on, a provider whose effects are
+"""The worker app of tests/test_finish_kill.py: a provider whose effects are
 rows in a table of the test's own schema (written on its own connection, so an effect
 survives the worker's SIGKILL, as a real provider's would), and every run recorded with
 its lease's epoch before the handler dispatches."""
@@ -46,9 +46,6 @@ def build() -> Worker:
         Store(URL),
         providers={"mail": TableProvider()},
         concurrency=16,
-        # The test runs both paths: claim ahead (the completer's batches) and the default
-        # (each finish written by the claim that takes its slot, Store.finish_and_claim).
-        claim_ahead=os.environ.get("COMPLETER_CLAIM_AHEAD", "1") == "1",
         liveness_ttl=2.0,
         liveness_interval=0.5,
         recover_interval=0.5,

@@ -1,8 +1,7 @@
-"""consumer.jobs.completer: finishes batched off the slot's path (claim ahead), or written by
-the claim that takes their slots (the default, ``Store.finish_and_claim``).
+"""The finishes, written by the statement that takes their slots (``Store.finish_and_claim``).
 
-A SIGKILL of the worker while finishes are not yet committed (and, with claim ahead, jobs
-wait in its buffer): a real process, killed, and another started. Every job ends DONE;
+A SIGKILL of the worker while finishes are not yet committed: a real process, killed, and
+another started. Every job ends DONE;
 no effect is made twice (one effect row per job); every DONE job has its ACCEPTED receipt;
 and no job ran twice under the same epoch (a rerun always took a new lease)."""
 
@@ -23,9 +22,9 @@ pytestmark = pytest.mark.slow
 JOBS = 400
 
 
-def _worker(pg_url: str, log: Path, ahead: bool) -> subprocess.Popen[str]:
-    env = {"OUTBOX_DATABASE_URL": pg_url, "COMPLETER_CLAIM_AHEAD": "1" if ahead else "0"}
-    return start_worker_app("tests.completer_app:build", env, log)
+def _worker(pg_url: str, log: Path) -> subprocess.Popen[str]:
+    env = {"OUTBOX_DATABASE_URL": pg_url}
+    return start_worker_app("tests.finish_app:build", env, log)
 
 
 def _count(engine: sa.Engine, sql: str) -> int:
@@ -33,9 +32,8 @@ def _count(engine: sa.Engine, sql: str) -> int:
         return int(conn.execute(sa.text(sql)).scalar_one())
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["claim-ahead", "default"])
-def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_new_epoch(
-    pg_url: str, tmp_path: Path, ahead: bool
+def test_a_sigkill_before_finishes_commit_loses_no_receipt_and_reruns_only_with_a_new_epoch(
+    pg_url: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "workers.log"
     store = Store(pg_url)
@@ -46,9 +44,9 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
     store.enqueue_many(
         [{"tenant": f"t{i % 4}", "action": f"send-{i}", "subject": f"c{i}"} for i in range(JOBS)]
     )
-    first = _worker(pg_url, log, ahead)
+    first = _worker(pg_url, log)
     try:
-        # Killed mid-drain: some jobs done, others running, finishing or buffered.
+        # Killed mid-drain: some jobs done, others running or waiting for their finish.
         wait_for(
             lambda: _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'DONE'") >= 60,
             "the first worker to finish some jobs",
@@ -57,7 +55,7 @@ def test_a_sigkill_under_the_completer_loses_no_receipt_and_reruns_only_with_a_n
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         held = _count(engine, "SELECT count(*) FROM outbox_jobs WHERE state = 'LEASED'")
-        second = _worker(pg_url, log, ahead)
+        second = _worker(pg_url, log)
         try:
             wait_for(
                 lambda: (
