@@ -1,5 +1,5 @@
 """A worker's batched moves: its heartbeat renews every lease in hand in one statement, and
-its completer finishes many leases in one transaction, each fenced on its own epoch.
+its statement finishes many leases in one transaction, each fenced on its own epoch.
 
 Part of :class:`consumer.jobs.store.Store` (through :class:`consumer.jobs.moves.LeaseMoves`;
 see the store's module docstring for the contract).
