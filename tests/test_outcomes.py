@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from consumer import Store, TransientFailure, Worker
-from consumer.jobs.outcomes import Outcomes, Settled
+from consumer.jobs.outcomes import Outcome, Settled
 
 
 def _failing_sync(job: Any) -> None:
@@ -46,12 +46,18 @@ def test_a_stale_finish_is_refused_job_by_job(sqlite_url: str) -> None:
     leases = runner.claim(2, None, now=100)
     stolen = next(lease for lease in leases if lease.action == "b")
     store.claim("t", "b", "thief", now=200, ttl=30)  # b's lease expired and was taken over
-    outcomes = Outcomes(store, runner.hooks, runner.route)
+    finished: list[tuple[str, str]] = []
+    runner.hooks.worker_job_finished = (  # type: ignore[method-assign]
+        lambda action, outcome, *args, **facts: finished.append((action, outcome))
+    )
     settled = [
-        Settled(runner.context(lease), "done", lease.action, time.monotonic()) for lease in leases
+        Settled(runner.context(lease), Outcome.DONE, lease.action, time.monotonic())
+        for lease in leases
     ]
-    refused = outcomes.finish(settled)
-    assert refused == {stolen.job_id}
+    # The worker's one writer of finishes (its statement; with no slot to claim: alone).
+    assert runner.finish_and_claim(settled, 0, None) == []
+    assert sorted(finished) == [("a", "done"), ("b", "conflict")]
+    assert stolen.action == "b"
     assert store.get("t", "a").state == "DONE"
     assert store.get("t", "b").state == "LEASED"  # the thief's
     store.dispose()
