@@ -309,6 +309,14 @@ def run_cells(
         ("worker concurrency=16", lambda: worker_drain(admin, url, count, concurrency=16, **drain)),
         ("worker defaults", lambda: worker_drain(admin, url, count, **drain)),
     ]
+    if asynchronous:  # the peer on the same jobs: pgqueuer's async worker, 16 in flight
+        from bench.jobs_pgqueuer import pgqueuer_drain, settings
+
+        shown = ", ".join(f"{k}={v}" for k, v in settings(16).items())
+        print(f"pgqueuer: QueueManager.run({shown}), asyncpg, defaults otherwise", flush=True)
+        cells.append(
+            ("pgqueuer async, 16 in flight", lambda: pgqueuer_drain(admin, url, count, work))
+        )
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in cells}
     for round_ in range(rounds):
         order = cells if round_ % 2 == 0 else list(reversed(cells))
