@@ -398,7 +398,10 @@ class SlotRunner:
                 error = exc
             ctx.ended()  # renewed at every beat from here
             span.set("outbox.job.outcome", "interrupted")  # unless settled below
-            settled: Settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
+            if error is None:  # its own moves are written: settling it writes nothing
+                settled = parts.outcomes.settle(ctx, routed, started, None)
+            else:  # a failure is written by the settle: in the database executor
+                settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
             span.set("outbox.job.outcome", settled.outcome)
         return settled
 
