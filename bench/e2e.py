@@ -20,7 +20,7 @@ the books are checked. Per rate it prints:
 by default: ±50 %), as a real provider answering in 50-300 ms; the workers run with their
 defaults (slots, issue 21). ``--provider-capacity N``: the simulator serves N sends at once
 and queues the others. ``--provider blocking`` (issue 37): the workers send through a
-user's own provider as DESIGN.md shows it (``tests.blocking_app.PostMail``: ``urllib``, a
+user's own provider as the docs show it (``tests.blocking_app.PostMail``: ``urllib``, a
 new connection per call, an ``Operations`` built apart from the worker, a ``def``
 handler) instead of ``HttpProvider`` registered with ``Worker(providers=...)``. Each row
 also gives the provider requests per effect and the most claims of one job.

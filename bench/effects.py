@@ -15,7 +15,7 @@ handler calling ``job.dispatch``; ``async``: an ``async def`` one awaiting
 - the ceiling: ``--backlog`` jobs enqueued at once, drained; effects/s from the first effect
   to the last, and CPU per effect.
 
-``--provider blocking`` (issue 37): the user's path instead of ours, as DESIGN.md shows it:
+``--provider blocking`` (issue 37): the user's path instead of ours, as the docs show it:
 ``outbox-worker run tests.blocking_app:build``, a provider of the user's own around plain
 ``urllib`` (a new connection per call), registered with an ``Operations`` built apart from
 the worker, called from a ``def`` handler (``--handlers`` is then ``sync`` only).

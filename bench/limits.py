@@ -4,7 +4,7 @@
 [--concurrency N] [--parts tenant,rate,retry-after] [--provider http|blocking]``
 
 ``--provider blocking`` (issue 37): the workers run ``tests.blocking_app:build`` instead, a
-user's own provider as DESIGN.md shows it (``urllib``, a new connection per call, an
+user's own provider as the docs show it (``urllib``, a new connection per call, an
 ``Operations`` built apart from the worker, a ``def`` handler; a 429 becomes
 ``TransientFailure(retry_after=S)``).
 

@@ -248,7 +248,7 @@ def worker() -> Any:
 
 
 def _blocking_worker(url: str, options: dict[str, Any]) -> Any:
-    """``LOOP_PROVIDER=blocking``: the user's path of issue 37, as DESIGN.md shows it: a
+    """``LOOP_PROVIDER=blocking``: the user's path of issue 37, as the docs show it: a
     provider of their own around a blocking client (``tests.blocking_app.PostMail``: urllib,
     a new connection per call), an ``Operations`` built apart from the worker, a ``def``
     handler; the worker has no providers of its own."""

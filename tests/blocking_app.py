@@ -1,4 +1,4 @@
-"""A user's own blocking provider, used as DESIGN.md shows: ``outbox-worker run
+"""A user's own blocking provider, used as the docs show: ``outbox-worker run
 tests.blocking_app:build``.
 
 What a team adopting the toolkit writes first (issue 37): a class with ``send``/``lookup``

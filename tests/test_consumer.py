@@ -1,5 +1,5 @@
 """Consumer contract suite (PostgreSQL and SQLite through ``db_url``, real Redis): guarantee 6
-of DESIGN.md. Entries are written with XADD in the relay's stream format, so these tests do
+of the project's guarantees. Entries are written with XADD in the relay's stream format, so these tests do
 not depend on the relay."""
 
 from __future__ import annotations

@@ -305,3 +305,21 @@ def test_readme_links_resolve() -> None:
     assert targets
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert not missing, missing
+
+
+def test_no_file_points_to_a_document_outside_the_repository() -> None:
+    """The project's own docs carry its guarantees: no file names the design or style notes
+    its developers keep elsewhere."""
+    names = ("DESIGN" + ".md", "STYLE" + ".md")
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    citing = [
+        path
+        for path in tracked
+        if path.endswith((".py", ".md", ".yml", ".yaml", ".toml", ".html", ".txt"))
+        and any(
+            name in (ROOT / path).read_text(encoding="utf-8", errors="ignore") for name in names
+        )
+    ]
+    assert citing == []

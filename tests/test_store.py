@@ -1,6 +1,6 @@
 """Job store contract suite: PostgreSQL and SQLite through the ``db_url`` fixture.
 
-Guarantee 7 (fenced jobs) and 9 (waiting costs storage, timers) of DESIGN.md.
+The guarantees of fenced jobs and of waiting that costs storage, not a process (timers).
 """
 
 from __future__ import annotations

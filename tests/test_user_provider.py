@@ -1,4 +1,4 @@
-"""A user's own blocking provider, used as DESIGN.md shows (issue 37), across real processes.
+"""A user's own blocking provider, used as the docs show (issue 37), across real processes.
 
 ``outbox-worker run tests.blocking_app:build``: a provider class of the user's around plain
 ``urllib`` (a new connection per call), an ``Operations`` built apart from the worker, a
