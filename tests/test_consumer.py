@@ -1,6 +1,6 @@
-"""Consumer contract suite (PostgreSQL and SQLite through ``db_url``, real Redis): guarantee 6
-of the project's guarantees. Entries are written with XADD in the relay's stream format, so these tests do
-not depend on the relay."""
+"""Consumer contract suite (PostgreSQL and SQLite through ``db_url``, real Redis): the guarantee
+of one effect per business identity. Entries are written with XADD in the relay's stream
+format, so these tests do not depend on the relay."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fault tests of the relay: real ``outbox-relay run`` subprocesses, real PostgreSQL and Redis.
 
-What they prove (the guarantees no loss, no duplicate from a crash and per-key order, and the issue's fault list):
+What they prove (no loss, no duplicate from a crash, per-key order, and the issue's faults):
 
 - relays SIGKILLed and restarted every 0.5 s while writers commit 20,000 events over 500 keys:
   every event reaches its stream exactly once, each key's events in commit order;

@@ -12,7 +12,7 @@ loops belong to workers, which are threads). ``AsyncSession.run_sync`` hands
 :meth:`Store.enqueue` the sync Session behind the caller's AsyncSession (or the Connection
 behind an AsyncConnection), so validation, deduplication on ``(tenant, action)``, the
 dialect's INSERT and ``EnqueueResult`` are the Store's own code, run once; an AsyncStore
-would have to mirror the whole Store API (the sync/async twin kept in step by hand that the contributing guide warns against) to offer the same.
+would have to mirror the whole Store API (a sync/async twin kept in step by hand) to offer the same.
 
 The ``Store`` is built as usual (``Store(url)``, sync; it is only asked for its SQL here and
 never opens a connection of its own in these calls): point it at the same database as the

@@ -1,9 +1,9 @@
 """One dispatch, written once, run from a thread or from an event loop.
 
 ``Operations.dispatch`` and ``Operations.adispatch`` share every decision (the intent, the
-reconciliation, the receipt) instead of keeping a sync and an async twin in step (the contributing guide:
-what not to copy). The decisions are a generator, a **plan**: its plain code does the
-database work, and it ``yield``\\ s a :class:`Step` wherever it must wait on the provider (a
+reconciliation, the receipt) instead of keeping a sync and an async twin in step by hand.
+The decisions are a generator, a **plan**: its plain code does the database work, and it
+``yield``\\ s a :class:`Step` wherever it must wait on the provider (a
 limit's permit, a send, a lookup). The step's result is sent back into the plan, or its
 exception thrown into it, so the plan's ``try``/``except`` records UNKNOWN or NOT_SENT exactly
 as straight-line code would.
