@@ -214,9 +214,10 @@ class SimulatorProcess:
         response.raise_for_status()
         return dict(response.json())
 
-    def wait_for_effects(self, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
+    def wait_for_effects(self, count: int, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Poll ``/effects`` until at least ``count`` effects exist (an observable condition,
-        not a sleep)."""
+        not a sleep). 60 s: the first effect waits for a worker process to start and claim,
+        which took over 20 s on a 2-core machine at load 20-30."""
 
         def enough() -> list[dict[str, Any]]:
             effects = self.effects()
