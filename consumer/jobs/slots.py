@@ -24,9 +24,10 @@ not running a handler, and the finishes it writes free the others in the same co
 
 **Idle.** A cycle whose last claim came back short waits for a handler to return (its finish
 is written with a claim), a kick (a NOTIFY with ``StoreConfig(notify=True)``, this process's
-own enqueue, a recovery, a stop) or its poll, which is adaptive: every ``BUSY_POLL`` for
-``BUSY_WINDOW`` after a claim that found work, then doubling toward ``poll_interval``; never
-past the earliest known timer.
+own enqueue, a recovery, a stop) or its poll, which is adaptive: ``BUSY_POLL`` after a claim
+that found work, doubling with each empty claim (at most ``BUSY_CAP`` within ``BUSY_WINDOW``
+of the last claim with work, then toward ``poll_interval``); never past the earliest known
+timer.
 
 **Faults.** A statement that fails keeps its finishes for the next one and backs off (its
 jobs' leases stay theirs; the heartbeat renews them, and if the database stays away past the
@@ -80,7 +81,8 @@ __all__ = ["SlotGroup", "SlotParts", "SlotRunner", "is_async_handler"]
 log = logging.getLogger("outbox.worker")
 
 MAINTENANCE_TICK = 0.1  # seconds between checks whether recovery or a sweep is due
-BUSY_POLL = 0.01  # an idle cycle's poll (no NOTIFY) within BUSY_WINDOW of a claim with work
+BUSY_POLL = 0.01  # an idle cycle's poll (no NOTIFY) right after a claim that found work
+BUSY_CAP = 0.04  # ... doubling with each empty claim up to this within BUSY_WINDOW
 BUSY_WINDOW = 1.0  # seconds; after it the poll doubles toward WorkerConfig.poll_interval
 # Statements a group may have under way at once. One: a slot freed while it is in flight
 # waits for it (one round trip) and goes with the next, which gathers every slot freed
@@ -172,7 +174,7 @@ class SlotRunner:
         self._backoff = Backoff(0.2, 10.0)
         self._idle = Backoff(BUSY_POLL, config.poll_interval)
         self._failures = 0  # statements failed in a row
-        self._empty = 0  # empty claims after the busy window
+        self._empty = 0  # empty claims in a row
         self._busy_until = 0.0
         self._reporting = False  # a report of the slot gauges is due this turn of the loop
         self._is_async = AsyncHandlers()  # inspected once per handler, not per job
@@ -303,13 +305,17 @@ class SlotRunner:
 
     def _idle_pause(self) -> float:
         """How long an idle cycle waits: without NOTIFY from the enqueuers
-        (``StoreConfig.notify``, off by default) it polls every BUSY_POLL for a BUSY_WINDOW
-        after a claim that found work, then doubling toward poll_interval; never past the
-        earliest known timer."""
+        (``StoreConfig.notify``, off by default) it polls every BUSY_POLL after a claim that
+        found work, doubling with each empty claim in a row: up to BUSY_CAP within
+        BUSY_WINDOW of the last claim that found work, then toward poll_interval; never past
+        the earliest known timer. A steady trickle (issue 54: 50 jobs/s to each of two
+        workers) is polled about as often as jobs arrive, not every BUSY_POLL."""
         if self.parts.listening and self.parts.store.config.notify:
             pause = self.parts.config.poll_interval  # a NOTIFY wakes it at once
         else:
             pause = self._idle.cap(self._empty)
+            if time.monotonic() < self._busy_until:
+                pause = min(pause, BUSY_CAP)
         limit = self.parts.duties.sleep_limit()
         return pause if limit is None else min(pause, limit)
 
@@ -338,7 +344,7 @@ class SlotRunner:
         if leases:
             self._busy_until = time.monotonic() + BUSY_WINDOW
             self._empty = 0
-        elif free > 0 and time.monotonic() >= self._busy_until:
+        elif free > 0:
             self._empty += 1
         for lease in leases:
             self._start(self.parts.context(lease, self.db), group)
