@@ -56,6 +56,13 @@ class JobsInHand:
         with self._lock:
             self._jobs.pop(job_id, None)
 
+    def discard(self, ctx: JobContext) -> None:
+        """``ctx`` leaves the hands, if it is still the run held for its job (a job handed
+        back may be claimed again by this worker at once: its new run stays)."""
+        with self._lock:
+            if self._jobs.get(ctx.job_id) is ctx:
+                del self._jobs[ctx.job_id]
+
     def holds(self, job_id: int) -> bool:
         with self._lock:
             return job_id in self._jobs

@@ -456,12 +456,8 @@ class SlotRunner:
                 log, "job interrupted by a database error; its lease is handed back", error
             )
 
-            async def hand_back() -> None:
-                with contextlib.suppress(Exception):  # unreachable: the lease expires by its ttl
-                    await self._db(self.parts.outcomes.hand_back_after_error, [ctx])
-                self._leave(ctx)
-
-            self._spawn(hand_back())
+            self._leave(ctx)  # first: once handed back, this worker may claim it again
+            self._spawn(self._db(self.parts.outcomes.hand_back_after_error, [ctx]))
             return
         log.error(
             "job run failed in the worker; its lease expires by its ttl",
@@ -472,7 +468,7 @@ class SlotRunner:
     def _leave(self, ctx: JobContext) -> None:
         """The one place a job leaves the worker's hands (the heartbeat stops renewing it):
         its finish committed or was refused, its settle moved it, or it was handed back."""
-        self.parts.in_hand.remove(ctx.job_id)
+        self.parts.in_hand.discard(ctx)
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
