@@ -142,19 +142,24 @@ class Completer:
         await self._idle.wait()
 
     async def _flush(self, batch: Sequence[Settled]) -> None:
+        failed: SQLAlchemyError | None = None
         try:
             await self.in_executor(self.outcomes.finish, batch)
         except SQLAlchemyError as exc:
-            # The database went away: hand the leases back so the jobs run again now (their
-            # handlers ran: a dispatch finds its receipt). Unreachable still: their leases
-            # expire by their ttl.
-            report_failure(log, "finishes not recorded; their leases are handed back", exc)
-            contexts = [settled.ctx for settled in batch]
-            try:
-                await self.in_executor(self.outcomes.hand_back_after_error, contexts)
-            except Exception as again:  # the leases expire by their ttl
-                log.debug("hand-back failed", extra={"error": repr(again)})
+            failed = exc
         except Exception as exc:  # the worker's own fault: say so, the leases expire
             log.error("finishes failed in the worker", extra={"error": repr(exc)[:500]})
         finally:
             self.recorded(batch)
+        if failed is None:
+            return
+        # The database went away: hand the leases back so the jobs run again now (their
+        # handlers ran: a dispatch finds its receipt). Unreachable still: their leases expire
+        # by their ttl. Only once the jobs left the hands (just above): a job handed back can
+        # be claimed again by this worker at once, and its next run must not be taken for
+        # this one (its slot's wait was lost, and the worker never drained).
+        report_failure(log, "finishes not recorded; their leases are handed back", failed)
+        try:
+            await self.in_executor(self.outcomes.hand_back_after_error, [s.ctx for s in batch])
+        except Exception as again:  # the leases expire by their ttl
+            log.debug("hand-back failed", extra={"error": repr(again)})

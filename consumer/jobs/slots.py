@@ -457,15 +457,19 @@ class SlotRunner:
     async def _run(self, ctx: JobContext, pool: SlotGroup) -> None:
         parts = self.parts
         assert self._loop is not None and self._freed is not None
+        handed_back = False
         try:
             settled = await self._handle(ctx)
             await self._after(settled, pool)
         except SQLAlchemyError as exc:
             # The database went away mid-job: hand the lease back so the job runs again now
-            # (a dispatch already made finds its receipt and sends nothing).
+            # (a dispatch already made finds its receipt and sends nothing). Out of the hands
+            # first: once handed back, this worker may claim its next run at once.
             report_failure(
                 log, "job interrupted by a database error; its lease is handed back", exc
             )
+            parts.in_hand.remove(ctx.job_id)
+            handed_back = True
             with contextlib.suppress(Exception):  # unreachable still: the lease expires by its ttl
                 await self._db(parts.outcomes.hand_back_after_error, [ctx])
         except Exception as exc:  # the worker's own fault, not the handler's: say so
@@ -474,7 +478,7 @@ class SlotRunner:
                 extra=fields(job_id=ctx.job_id, error=repr(exc)[:500]),
             )
         finally:
-            if ctx.outcome != "done":  # a finish leaves the hands once it is recorded
+            if ctx.outcome != "done" and not handed_back:  # a finish leaves once recorded
                 parts.in_hand.remove(ctx.job_id)
             self._taken(pool, -1)
             self._start_buffered(pool)  # the next job now, no round trip
