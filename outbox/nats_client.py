@@ -239,6 +239,9 @@ class NatsClient:
         self._replies: dict[str, tuple[_Batch, int]] = {}  # reply token -> its batch, index
         self._reply_prefix = ""
         self._token = 0
+        # Connections made so far: what was bound to an earlier one (a consumer's pull
+        # subscriptions) is bound again once this moves on (``consumer.nats_reading``).
+        self.connections = 0
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -295,7 +298,15 @@ class NatsClient:
         self._js = self._nc.jetstream(timeout=self.timeout)
         self._reply_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._reply_prefix + ".*", cb=self._on_reply)
+        self.connections += 1
         return self._js
+
+    async def ack(self, msg: Any) -> None:
+        """Acknowledge a JetStream message on the current connection (in the loop's thread,
+        inside :meth:`run`), whichever connection delivered it: an acknowledgement is a
+        publish to the message's reply subject, and one fetched before the connection was
+        lost (a server restarted with its state) need not come again."""
+        await self._nc.publish(msg.reply, b"+ACK")
 
     async def _on_reply(self, msg: Any) -> None:
         found = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
