@@ -16,12 +16,15 @@ import contextlib
 import functools
 import json
 import re
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+from outbox.display import display_url
 from outbox.errors import BrokerUnavailable, ConfigError
 
 T = TypeVar("T")
@@ -225,6 +228,7 @@ class NatsClient:
         if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
             raise ConfigError("broker_url", f"{url!r} is not a nats:// URL")
         self.url = url
+        self.where = display_url(url)  # for messages and logs: no password
         self.timeout = float(timeout)
         self.name = name
         self.nats = nats_module()
@@ -256,7 +260,9 @@ class NatsClient:
         except TimeoutError:
             future.cancel()
             self.drop()
-            raise BrokerUnavailable(f"NATS at {self.url} did not answer within {limit} s") from None
+            raise BrokerUnavailable(
+                f"NATS at {self.where} did not answer within {limit} s"
+            ) from None
 
     async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
         errors = self.nats.errors
@@ -275,7 +281,7 @@ class NatsClient:
         ) as exc:
             await self._close()
             raise BrokerUnavailable(
-                f"NATS at {self.url}: {type(exc).__name__}: {exc}".rstrip(": ")
+                f"NATS at {self.where}: {type(exc).__name__}: {exc}".rstrip(": ")
             ) from exc
 
     async def _connected(self) -> Any:
@@ -286,8 +292,13 @@ class NatsClient:
         async def closed(*_: Any) -> None:
             return None
 
+        tls: dict[str, Any] = {}
+        if self.url.lower().startswith("tls://"):
+            await self._tls_offered()
+            tls["tls"] = ssl.create_default_context()
         self._nc = await self.nats.connect(
             self.url,
+            **tls,
             name=self.name,
             allow_reconnect=False,
             connect_timeout=min(self.timeout, 5.0),
@@ -307,6 +318,38 @@ class NatsClient:
         publish to the message's reply subject, and one fetched before the connection was
         lost (a server restarted with its state) need not come again."""
         await self._nc.publish(msg.reply, b"+ACK")
+
+    async def _tls_offered(self) -> None:
+        """A ``tls://`` URL never talks plain text: nats-py upgrades to TLS only when the
+        server's INFO says ``tls_required``, and otherwise sends its CONNECT (credentials
+        included) in the clear. So the server's INFO is read first, on a connection of its
+        own, and a server that does not require TLS is refused."""
+        parts = urlsplit(self.url)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port or 4222),
+                min(self.timeout, 5.0),
+            )
+        except (OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(f"NATS at {self.where}: {type(exc).__name__}: {exc}") from exc
+        try:
+            line = await asyncio.wait_for(reader.readline(), min(self.timeout, 5.0))
+        except (OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(f"NATS at {self.where}: no INFO: {exc!r}") from exc
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        info: dict[str, Any] = {}
+        if line.startswith(b"INFO "):
+            with contextlib.suppress(ValueError):
+                info = json.loads(line[5:])
+        if info.get("tls_required") is not True:
+            raise BrokerUnavailable(
+                f"NATS at {self.where}: the URL says tls:// but the server does not require "
+                "TLS; refusing to connect in plain text (configure TLS on the server, or use "
+                "nats:// if plain text is intended)"
+            )
 
     async def _on_reply(self, msg: Any) -> None:
         found = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)

@@ -366,8 +366,8 @@ class PrivateNats:
     port and the store, so clients configured with :attr:`url` find the same streams there;
     ``empty=True`` on :meth:`start` wipes the store first (a server that came back empty)."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
+    def __init__(self, *, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.directory = Path(tempfile.mkdtemp(prefix="private-nats-"))
         self.process: subprocess.Popen[bytes] | None = None
 
