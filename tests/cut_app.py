@@ -1,10 +1,13 @@
-"""The worker app of tests/test_worker_cuts.py: 16 slots, a ``def`` handler that waits ~1 ms
-and, for every other job, dispatches through an in-process provider (an intent and a receipt:
-the dispatch path's own autocommit statements). Each run is one line appended to ``CUT_RUNS``
-(job id, epoch): a write the test reads after the worker stops."""
+"""The worker app of tests/test_worker_cuts.py: 16 slots, a handler that waits ~1 ms and, for
+every other job, dispatches through an in-process provider (an intent and a receipt: the
+dispatch path's own autocommit statements). ``CUT_HANDLER``: ``def`` (the default: a plain
+handler, ``time.sleep`` and ``dispatch``) or ``async`` (``asyncio.sleep`` and
+``adispatch``). Each run is one line appended to ``CUT_RUNS`` (job id, epoch): a write the
+test reads after the worker stops."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -46,12 +49,26 @@ def build() -> Worker:
         recover_interval=0.5,
     )
 
-    @worker.handler("tick")
-    def tick(job: JobContext) -> None:
-        time.sleep(0.001)
-        if job.job_id % 2:
-            operations.dispatch(job, "send", "echo", {"job": job.job_id})
+    def ran(job: JobContext) -> None:
         line = f"{job.job_id} {job.lease.epoch}\n"
         os.write(_runs, line.encode())  # one write, O_APPEND: lines never interleave
+
+    if os.environ.get("CUT_HANDLER", "def") == "async":
+
+        @worker.handler("tick")
+        async def tick_async(job: JobContext) -> None:
+            await asyncio.sleep(0.001)
+            if job.job_id % 2:
+                await operations.adispatch(job, "send", "echo", {"job": job.job_id})
+            ran(job)
+
+    else:
+
+        @worker.handler("tick")
+        def tick(job: JobContext) -> None:
+            time.sleep(0.001)
+            if job.job_id % 2:
+                operations.dispatch(job, "send", "echo", {"job": job.job_id})
+            ran(job)
 
     return worker

@@ -1,9 +1,10 @@
 """A worker whose database connections are cut while it drains (issue 53): what a failover,
 a pooler restart or an operator's ``pg_terminate_backend`` does to a running worker.
 
-``outbox-worker run tests.cut_app:build`` (16 slots, a ``def`` handler that waits ~1 ms and
-dispatches every other job through a provider: claims, finishes, intents, receipts, the
-heartbeat, the duties and LISTEN all hold connections) drains 3,000 jobs while the test
+``outbox-worker run tests.cut_app:build`` (16 slots, a ``def`` or an ``async def`` handler
+that waits ~1 ms and dispatches every other job through a provider: claims, finishes,
+intents, receipts, the heartbeat, the duties and LISTEN all hold connections) drains 3,000
+jobs while the test
 terminates every backend of the worker 16 times, at random points of the drain. The
 worker's sessions are found by the ``application_name`` its URL carries.
 
@@ -60,8 +61,9 @@ def _log_lines(log: Path) -> list[dict[str, object]]:
     return lines
 
 
+@pytest.mark.parametrize("handler", ["def", "async"])
 def test_a_worker_outlives_its_connections_cut_16_times_while_it_drains(
-    pg_url: str, pg_schema: str, pg_admin_engine: sa.Engine, tmp_path: Path
+    handler: str, pg_url: str, pg_schema: str, pg_admin_engine: sa.Engine, tmp_path: Path
 ) -> None:
     name = f"cut-{pg_schema}"
     url = f"{pg_url}&application_name={name}"
@@ -70,7 +72,9 @@ def test_a_worker_outlives_its_connections_cut_16_times_while_it_drains(
     engine = store.engine
     store.enqueue_many([{"tenant": f"t{i % 4}", "action": f"tick-{i}"} for i in range(JOBS)])
     worker = start_worker_app(
-        "tests.cut_app:build", {"OUTBOX_DATABASE_URL": url, "CUT_RUNS": str(runs)}, log
+        "tests.cut_app:build",
+        {"OUTBOX_DATABASE_URL": url, "CUT_RUNS": str(runs), "CUT_HANDLER": handler},
+        log,
     )
     rng = random.Random()
     points = sorted(rng.sample(range(30, JOBS - 300), CUTS))  # DONE counts to cut at
