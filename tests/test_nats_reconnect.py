@@ -57,10 +57,11 @@ class Publisher(threading.Thread):
     """Publishes the events in chunks, each chunk again until JetStream took all of it (a
     server being restarted refuses it)."""
 
-    def __init__(self, url: str, stream: str) -> None:
+    def __init__(self, url: str, stream: str, first: int = 0, count: int = EVENTS) -> None:
         super().__init__(name="publisher", daemon=True)
         self.client = NatsClient(url, timeout=2.0)
         self.stream = stream
+        self.first, self.count = first, count
         self.sent = 0
         self.retries = 0
         self.stop = threading.Event()
@@ -79,7 +80,7 @@ class Publisher(threading.Thread):
 
     def run(self) -> None:
         try:
-            for start in range(0, EVENTS, CHUNK):
+            for start in range(self.first, self.first + self.count, CHUNK):
                 messages = self._chunk(start)
                 while not self.stop.is_set():
                     try:
@@ -90,7 +91,7 @@ class Publisher(threading.Thread):
                         break
                     self.retries += 1
                     self.stop.wait(0.2)
-                self.sent = start + CHUNK
+                self.sent = start + CHUNK - self.first
                 self.stop.wait(0.04)  # ~1,200 events/s: the kills land while events flow
         except BaseException as exc:  # the test reports it
             self.error = exc
@@ -181,3 +182,42 @@ def test_private_nats_keeps_its_streams_across_a_kill(tmp_path: Path) -> None:
 
         assert wait_for(lambda: client.run(info), "the stream", 30, ignore=(BrokerUnavailable,))
         client.close()
+
+
+def test_the_nats_consumer_makes_its_group_again_on_a_server_back_empty(
+    pg_url: str, stream_prefix: str, tmp_path: Path
+) -> None:
+    """A server that came back without its store (a new node, a lost volume): the consumer
+    makes the stream and its group again on the new connection, and what is published there
+    from then on is handled (what the lost store held is the server's loss, not read here)."""
+    engine = sa.create_engine(pg_url)
+    consumer_app.metadata.create_all(engine)
+    stream = f"{stream_prefix}.jobs"
+    log = tmp_path / "consumer.log"
+    with PrivateNats() as nats:
+        proc = _consumer(pg_url, nats, stream, log)
+        try:
+            wait_for(lambda: "consumer group created" in log.read_text(), "the group", 60)
+            before = Publisher(nats.url, stream, 0, 500)
+            before.run()
+            wait_for(lambda: _handled(engine)[0] >= 500, "the first 500 handled", 60)
+            nats.kill()
+            nats.start(empty=True)
+            after = Publisher(nats.url, stream, 500, 500)
+            after.run()  # refused until the consumer made the stream again: retried
+            wait_for(
+                lambda: proc.poll() is not None or _handled(engine)[0] >= 1000,
+                "the next 500 handled",
+                timeout=60,
+                diagnose=lambda: f"{_handled(engine)}\n{log.read_text()[-3000:]}",
+            )
+            assert proc.poll() is None, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+    assert before.error is None and after.error is None
+    assert code == 0, log.read_text()[-3000:]
+    assert _handled(engine) == (1000, 1000)
+    assert "NATS connection back; the group's subscriptions renewed" in log.read_text()
+    engine.dispose()
