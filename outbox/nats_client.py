@@ -269,6 +269,9 @@ class NatsClient:
         try:
             js = await self._connected()
             return await asyncio.wait_for(step(js), limit)
+        except BrokerUnavailable:  # said already (no server, no TLS where tls:// says so)
+            await self._close()
+            raise
         except (
             TimeoutError,
             OSError,
@@ -289,23 +292,36 @@ class NatsClient:
             return self._js
         await self._close()
 
+        failed: list[BaseException] = []
+
         async def closed(*_: Any) -> None:
             return None
+
+        async def error(exc: BaseException) -> None:
+            failed.append(exc)
 
         tls: dict[str, Any] = {}
         if self.url.lower().startswith("tls://"):
             await self._tls_offered()
             tls["tls"] = ssl.create_default_context()
-        self._nc = await self.nats.connect(
-            self.url,
-            **tls,
-            name=self.name,
-            allow_reconnect=False,
-            connect_timeout=min(self.timeout, 5.0),
-            max_reconnect_attempts=0,
-            error_cb=closed,
-            disconnected_cb=closed,
-        )
+        try:
+            self._nc = await self.nats.connect(
+                self.url,
+                **tls,
+                name=self.name,
+                allow_reconnect=False,
+                connect_timeout=min(self.timeout, 5.0),
+                # Each server of the URL tried once more at once, then NoServersError: with
+                # 0, nats-py tried the one server again every 2 s for as long as the call's
+                # own timeout, and the reason (refused, unknown host) was never said.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                error_cb=error,
+                disconnected_cb=closed,
+            )
+        except self.nats.errors.NoServersError:
+            why = f"{type(failed[-1]).__name__}: {failed[-1]}" if failed else "no server answered"
+            raise BrokerUnavailable(f"NATS at {self.where}: {why}") from None
         self._js = self._nc.jetstream(timeout=self.timeout)
         self._reply_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._reply_prefix + ".*", cb=self._on_reply)

@@ -62,6 +62,7 @@ def test_a_relay_says_at_start_that_its_nats_broker_is_not_there(
         )
         assert said[0]["message"] == "cannot reach the broker; retrying until it answers"
         assert said[0]["broker"] == f"nats://bob:***@127.0.0.1:{port}"
+        assert "ConnectionRefusedError" in str(said[0]["error"])  # the reason, at once
         assert relay.poll() is None  # an outage: it waits, it does not exit
         assert "relay started" not in log.read_text()  # not while the broker is missing
         nats = PrivateNats(port=port).start()
