@@ -74,6 +74,7 @@ class NatsReader:
         self.ready = False
         self.heartbeat = Duty("consumer heartbeat", 3600.0, lambda: None)
         self._subs: dict[str, Any] = {}
+        self._bound = 0  # the client's connection the subscriptions are bound to
         self._held: dict[tuple[str, str], Any] = {}  # (stream, entry id) -> the message
         self._dl_ready: set[str] = set()
         self._turn = 0
@@ -87,6 +88,18 @@ class NatsReader:
     async def _create_all(self, js: Any) -> None:
         for stream in self.streams:
             await self._create(js, stream)
+        self._bound = self.client.connections
+
+    async def _bind(self, js: Any) -> None:
+        """The subscriptions again, on the connection made after one was lost: those of the
+        lost one fetch nothing ever again (the consumer took no message after a NATS
+        restart, issue 53). The streams and the group are made again if the server came
+        back without them."""
+        await self._create_all(js)
+        log.warning(
+            "NATS connection back; the group's subscriptions renewed",
+            extra=fields(group=self.group, streams=len(self.streams)),
+        )
 
     async def _create(self, js: Any, stream: str) -> None:
         nats = self.client.nats
@@ -143,11 +156,13 @@ class NatsReader:
         ``block`` (spread over the streams)."""
         wait = self.config.block_ms / 1000 if block else 0.05
         return self.client.run(
-            lambda js: self._fetch(room, max(0.05, wait / max(1, len(self.streams)))),
+            lambda js: self._fetch(js, room, max(0.05, wait / max(1, len(self.streams)))),
             timeout=wait + self.client.timeout,
         )
 
-    async def _fetch(self, room: int, wait: float) -> list[Entry]:
+    async def _fetch(self, js: Any, room: int, wait: float) -> list[Entry]:
+        if self._bound != self.client.connections:
+            await self._bind(js)
         errors = self.client.nats.errors
         js_errors = self.client.nats.js.errors
         entries: list[Entry] = []
@@ -219,7 +234,7 @@ class NatsReader:
             for entry_id in ids:
                 msg = self._held.pop((stream, entry_id), None)
                 if msg is not None:
-                    await msg.ack()
+                    await self.client.ack(msg)  # on the current connection
 
     async def _dead_letter_stream(self, js: Any, subject: str, stream: str) -> None:
         """Create the dead-letter stream of ``subject`` unless it exists: its own definition

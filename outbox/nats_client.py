@@ -16,12 +16,15 @@ import contextlib
 import functools
 import json
 import re
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+from outbox.display import display_url
 from outbox.errors import BrokerUnavailable, ConfigError
 
 T = TypeVar("T")
@@ -225,6 +228,7 @@ class NatsClient:
         if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
             raise ConfigError("broker_url", f"{url!r} is not a nats:// URL")
         self.url = url
+        self.where = display_url(url)  # for messages and logs: no password
         self.timeout = float(timeout)
         self.name = name
         self.nats = nats_module()
@@ -239,6 +243,9 @@ class NatsClient:
         self._replies: dict[str, tuple[_Batch, int]] = {}  # reply token -> its batch, index
         self._reply_prefix = ""
         self._token = 0
+        # Connections made so far: what was bound to an earlier one (a consumer's pull
+        # subscriptions) is bound again once this moves on (``consumer.nats_reading``).
+        self.connections = 0
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -253,13 +260,18 @@ class NatsClient:
         except TimeoutError:
             future.cancel()
             self.drop()
-            raise BrokerUnavailable(f"NATS at {self.url} did not answer within {limit} s") from None
+            raise BrokerUnavailable(
+                f"NATS at {self.where} did not answer within {limit} s"
+            ) from None
 
     async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
         errors = self.nats.errors
         try:
             js = await self._connected()
             return await asyncio.wait_for(step(js), limit)
+        except BrokerUnavailable:  # said already (no server, no TLS where tls:// says so)
+            await self._close()
+            raise
         except (
             TimeoutError,
             OSError,
@@ -272,7 +284,7 @@ class NatsClient:
         ) as exc:
             await self._close()
             raise BrokerUnavailable(
-                f"NATS at {self.url}: {type(exc).__name__}: {exc}".rstrip(": ")
+                f"NATS at {self.where}: {type(exc).__name__}: {exc}".rstrip(": ")
             ) from exc
 
     async def _connected(self) -> Any:
@@ -280,22 +292,80 @@ class NatsClient:
             return self._js
         await self._close()
 
+        failed: list[BaseException] = []
+
         async def closed(*_: Any) -> None:
             return None
 
-        self._nc = await self.nats.connect(
-            self.url,
-            name=self.name,
-            allow_reconnect=False,
-            connect_timeout=min(self.timeout, 5.0),
-            max_reconnect_attempts=0,
-            error_cb=closed,
-            disconnected_cb=closed,
-        )
+        async def error(exc: BaseException) -> None:
+            failed.append(exc)
+
+        tls: dict[str, Any] = {}
+        if self.url.lower().startswith("tls://"):
+            await self._tls_offered()
+            tls["tls"] = ssl.create_default_context()
+        try:
+            self._nc = await self.nats.connect(
+                self.url,
+                **tls,
+                name=self.name,
+                allow_reconnect=False,
+                connect_timeout=min(self.timeout, 5.0),
+                # Each server of the URL tried once more at once, then NoServersError: with
+                # 0, nats-py tried the one server again every 2 s for as long as the call's
+                # own timeout, and the reason (refused, unknown host) was never said.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                error_cb=error,
+                disconnected_cb=closed,
+            )
+        except self.nats.errors.NoServersError:
+            why = f"{type(failed[-1]).__name__}: {failed[-1]}" if failed else "no server answered"
+            raise BrokerUnavailable(f"NATS at {self.where}: {why}") from None
         self._js = self._nc.jetstream(timeout=self.timeout)
         self._reply_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._reply_prefix + ".*", cb=self._on_reply)
+        self.connections += 1
         return self._js
+
+    async def ack(self, msg: Any) -> None:
+        """Acknowledge a JetStream message on the current connection (in the loop's thread,
+        inside :meth:`run`), whichever connection delivered it: an acknowledgement is a
+        publish to the message's reply subject, and one fetched before the connection was
+        lost (a server restarted with its state) need not come again."""
+        await self._nc.publish(msg.reply, b"+ACK")
+
+    async def _tls_offered(self) -> None:
+        """A ``tls://`` URL never talks plain text: nats-py upgrades to TLS only when the
+        server's INFO says ``tls_required``, and otherwise sends its CONNECT (credentials
+        included) in the clear. So the server's INFO is read first, on a connection of its
+        own, and a server that does not require TLS is refused."""
+        parts = urlsplit(self.url)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port or 4222),
+                min(self.timeout, 5.0),
+            )
+        except (OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(f"NATS at {self.where}: {type(exc).__name__}: {exc}") from exc
+        try:
+            line = await asyncio.wait_for(reader.readline(), min(self.timeout, 5.0))
+        except (OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(f"NATS at {self.where}: no INFO: {exc!r}") from exc
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        info: dict[str, Any] = {}
+        if line.startswith(b"INFO "):
+            with contextlib.suppress(ValueError):
+                info = json.loads(line[5:])
+        if info.get("tls_required") is not True:
+            raise BrokerUnavailable(
+                f"NATS at {self.where}: the URL says tls:// but the server does not require "
+                "TLS; refusing to connect in plain text (configure TLS on the server, or use "
+                "nats:// if plain text is intended)"
+            )
 
     async def _on_reply(self, msg: Any) -> None:
         found = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)

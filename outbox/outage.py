@@ -16,6 +16,11 @@ bug or a bad input and is reported with its traceback.
 - :func:`report_failure`: the one way every loop and duty logs a failure it will wait out
   and retry: an outage is one warning line naming the service, anything else keeps its
   traceback.
+- :func:`is_lost`, :func:`retry_lost` and :func:`watch_engine`: a connection cut under a
+  statement (``pg_terminate_backend``, a failover, a pooler restart). A statement that may
+  run twice is retried with backoff on a new connection; anything else fails as an outage
+  and its loop hands the work back or retries it. The engine's watch logs the loss once and
+  the recovery once, whichever path met it.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy import event
+from sqlalchemy.engine import Engine, ExceptionContext
 from sqlalchemy.exc import (
     DBAPIError,
     DisconnectionError,
@@ -39,6 +48,8 @@ from outbox.logs import fields
 
 if TYPE_CHECKING:
     import redis
+
+T = TypeVar("T")
 
 # redis-py is imported where an error is classified, not with this module: the outbox's
 # schema imports it (through outbox.partitions), and a domain process that only writes events
@@ -241,14 +252,161 @@ class Streak:
             self.failures = 0
 
 
+# SQLSTATEs of a session the server ended: ``admin_shutdown`` (``pg_terminate_backend``, a
+# fast shutdown), ``crash_shutdown``, ``cannot_connect_now`` (starting up, in recovery);
+# class 08 is "connection exception".
+_CUT_STATES = ("57P01", "57P02", "57P03")
+
+
+def is_cut(exc: BaseException | None) -> bool:
+    """Whether a DBAPI (psycopg) error says its connection is over: the server ended the
+    session, or the client lost the socket (an error of the driver's own, no SQLSTATE).
+    The server's "terminating connection" arrives as a plain error result before the
+    driver sees the socket close, so the connection does not look broken yet."""
+    import psycopg
+
+    if not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    return state in _CUT_STATES or state.startswith("08")
+
+
+def is_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the statement's database connection was cut under it (the
+    server ended the session, or the socket broke): SQLAlchemy invalidated the connection,
+    or the driver's error says so (:func:`is_cut`). A new connection may succeed at once
+    (the server is there; only the session was ended), unlike a refusal or a bad
+    statement."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    return bool(exc.connection_invalidated) or is_cut(exc.orig)
+
+
+def retry_lost(
+    call: Callable[[], T],
+    *,
+    patience: float = 15.0,
+    base: float = 0.05,
+    ceiling: float = 1.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``call()``, again on a new connection while its connection is cut under it
+    (:func:`is_lost`), with exponential backoff and full jitter from ``base`` to
+    ``ceiling`` seconds, for up to ``patience`` seconds; then the error goes to the caller,
+    whose loop waits the outage out. Only for a statement that may run twice: one that
+    commits on its own and whose second run changes nothing the first one made (a cut can
+    come after the commit, before the answer)."""
+    import random
+
+    deadline = time.monotonic() + patience
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except DBAPIError as exc:
+            delay = random.uniform(0, min(ceiling, base * 2 ** min(attempt, 30)))
+            if not is_lost(exc) or time.monotonic() + delay > deadline:
+                raise
+        attempt += 1
+        sleep(delay)
+
+
+class ConnectionWatch:
+    """One warning line when a service's connections are lost, one when a new connection
+    is made again, whichever thread or path met the loss: an outage is logged as one event,
+    not as a line per statement cut under it (the loops that wait it out say what they
+    retry at their own level). ``clock`` is a parameter (tests move time)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        service: str,
+        where: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger, self.service, self.where, self.clock = logger, service, where, clock
+        self.losses = 0  # statements cut during the current outage
+        self.outages = 0  # outages seen since the process started
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return self._since is not None
+
+    def lost(self, exc: BaseException) -> None:
+        with self._lock:
+            self.losses += 1
+            if self._since is not None:
+                return
+            self._since = self.clock()
+            self.outages += 1
+        self.logger.warning(
+            f"{self.service} connection lost; retrying on new connections",
+            extra=fields(
+                service=self.service, at=self.where, error=f"{type(exc).__name__}: {exc}"[:300]
+            ),
+        )
+
+    def back(self) -> None:
+        with self._lock:
+            if self._since is None:
+                return
+            took, cut = self.clock() - self._since, self.losses
+            self._since, self.losses = None, 0
+        self.logger.warning(
+            f"{self.service} connection back",
+            extra=fields(service=self.service, at=self.where, lost_seconds=round(took, 3), cut=cut),
+        )
+
+
+def watch_engine(engine: Engine, logger: logging.Logger, where: str) -> ConnectionWatch:
+    """The :class:`ConnectionWatch` of ``engine`` (made and hooked to its events once): a
+    statement cut under a connection of its pool (SQLAlchemy saw the disconnect) starts an
+    outage, a new connection of the pool ends it. A path that runs statements on the DBAPI
+    connection itself reports its own cuts with :meth:`ConnectionWatch.lost`."""
+    found = _WATCHES.get(engine)
+    if found is not None:
+        return found
+    watch = ConnectionWatch(logger, "database", where)
+
+    def on_error(context: ExceptionContext) -> None:
+        if not context.is_disconnect and is_cut(context.original_exception):
+            # SQLAlchemy's psycopg dialect looks only at the connection's state, which the
+            # server's "terminating connection" has not changed yet: without this, the dead
+            # connection went back to the pool and failed the next statement too.
+            context.is_disconnect = True
+        if context.is_disconnect:
+            watch.lost(context.sqlalchemy_exception or context.original_exception)
+
+    def on_connect(_dbapi_connection: Any, _record: Any) -> None:
+        watch.back()
+
+    event.listen(engine, "handle_error", on_error)
+    event.listen(engine, "connect", on_connect)
+    _WATCHES[engine] = watch
+    return watch
+
+
+_WATCHES: weakref.WeakKeyDictionary[Engine, ConnectionWatch] = weakref.WeakKeyDictionary()
+
+
 __all__ = [
     "TRANSIENT_REPLIES",
+    "ConnectionWatch",
     "Streak",
+    "is_cut",
+    "is_lost",
     "is_outage",
     "misconfiguration",
     "outage_errors",
     "outage_service",
     "reply_code",
     "report_failure",
+    "retry_lost",
     "service_errors",
+    "watch_engine",
 ]

@@ -5,14 +5,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from typing import Any
 
-from outbox.backoff import retry_forever
+from outbox.backoff import Backoff, retry_forever
 from outbox.cli import UsageError
 from outbox.db import describe_url
+from outbox.errors import BrokerUnavailable
 from outbox.lifecycle import GracefulStop
+from outbox.logs import fields
 from outbox.redis_client import is_cluster_url, redis_client
 from relay.broker import Broker, broker_for, broker_kind
+
+log = logging.getLogger("outbox.relay")
+
+START_BACKOFF = Backoff(0.2, 10.0)
+"""The waits between pings of a broker not answering at start (:func:`reach_broker`)."""
 
 
 def uses_cluster(args: argparse.Namespace) -> bool:
@@ -51,7 +60,53 @@ def connect_broker(
         return broker_for(args.redis_url, client=client, **options)
     if uses_cluster(args):
         raise UsageError("--redis-cluster applies only to a Redis --broker-url")
-    return broker_for(args.redis_url, **options)
+    broker = broker_for(args.redis_url, **options)  # a malformed URL: ConfigError, exit 2
+    if stop is not None and not reach_broker(broker, args.redis_url, stop):
+        return None
+    return broker
+
+
+def reach_broker(
+    broker: Broker,
+    url: str,
+    stop: GracefulStop,
+    backoff: Backoff = START_BACKOFF,
+    *,
+    every: float = 60.0,
+) -> bool:
+    """Wait until ``broker`` answers a ping, saying so at start: a relay on a broker where
+    nothing listens logged "relay started" and nothing else while its outbox was empty (it
+    had nothing to publish, so it never met the broker). The first failure is an error
+    naming the broker (its password hidden), then a line every ``every`` seconds while it
+    lasts, and one when the broker answers. An outage, not a configuration error: waited
+    out with ``backoff``, never an exit. False once stopped first."""
+    where = describe_url(url)
+    attempt = 0
+    first = last = 0.0
+    while not stop.stopped:
+        try:
+            broker.ping()
+        except (BrokerUnavailable, OSError) as exc:
+            now = time.monotonic()
+            attempt += 1
+            facts = fields(broker=where, attempt=attempt, error=str(exc)[:500])
+            if attempt == 1:
+                first = last = now
+                log.error("cannot reach the broker; retrying until it answers", extra=facts)
+            elif now - last >= every:
+                last = now
+                log.error("still cannot reach the broker", extra=facts)
+            stop.wait(backoff.delay(attempt))
+            continue
+        if attempt:
+            log.warning(
+                "broker reachable",
+                extra=fields(
+                    broker=where, failures=attempt, seconds=round(time.monotonic() - first, 1)
+                ),
+            )
+        return True
+    return False
 
 
 def aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> str | None:
@@ -85,4 +140,4 @@ def aof_refusal(client: Any, stop: GracefulStop, args: argparse.Namespace) -> st
     )
 
 
-__all__ = ["aof_refusal", "connect_broker", "connect_redis", "uses_cluster"]
+__all__ = ["aof_refusal", "connect_broker", "connect_redis", "reach_broker", "uses_cluster"]

@@ -52,7 +52,7 @@ class BrokerKit:
     def read(self, stream: str) -> list[dict[str, str]]:
         """The entries of ``stream`` in order, as field dicts (``id`` is the event id)."""
         if self.name == "nats":
-            return _nats_read(stream)
+            return _nats_read(stream, self.url)
         client = self._redis()
         try:
             return [
@@ -70,7 +70,7 @@ class BrokerKit:
     def length(self, stream: str) -> int:
         """How many entries ``stream`` holds (0: no such stream), without reading them."""
         if self.name == "nats":
-            return _nats_length(stream)
+            return _nats_length(stream, self.url)
         client = self._redis()
         try:
             return int(client.xlen(stream))
@@ -82,7 +82,7 @@ class BrokerKit:
         every key of this test goes (the stream and the relay's markers and fences: what a
         FLUSHALL or an empty restart does to them, on the shared server)."""
         if self.name == "nats":
-            _nats_run(lambda js: js.delete_stream(jetstream_name(stream)))
+            _nats_run(lambda js: js.delete_stream(jetstream_name(stream)), url=self.url)
             return
         client = self._redis()
         try:
@@ -101,7 +101,7 @@ class BrokerKit:
             with contextlib.suppress(Exception):
                 broker.close()
         if self.name == "nats":
-            _nats_delete_prefixed(self.prefix)
+            _nats_delete_prefixed(self.prefix, self.url)
             return
         client = self._redis()
         try:
@@ -111,8 +111,8 @@ class BrokerKit:
             client.close()
 
 
-def _nats_run(step: Callable[[Any], Any], timeout: float = 10.0) -> Any:
-    client = NatsClient(NATS_URL, timeout=timeout)
+def _nats_run(step: Callable[[Any], Any], timeout: float = 10.0, url: str = NATS_URL) -> Any:
+    client = NatsClient(url, timeout=timeout)
     try:
 
         async def call(js: Any) -> Any:
@@ -123,7 +123,7 @@ def _nats_run(step: Callable[[Any], Any], timeout: float = 10.0) -> Any:
         client.close()
 
 
-def _nats_read(stream: str) -> list[dict[str, str]]:
+def _nats_read(stream: str, url: str = NATS_URL) -> list[dict[str, str]]:
     name = jetstream_name(stream)
 
     async def read(js: Any) -> list[dict[str, str]]:
@@ -145,11 +145,11 @@ def _nats_read(stream: str) -> list[dict[str, str]]:
                 out.append(json.loads(msg.data))
         return out
 
-    result: list[dict[str, str]] = _nats_run(read, timeout=60.0)
+    result: list[dict[str, str]] = _nats_run(read, timeout=60.0, url=url)
     return result
 
 
-def _nats_length(stream: str) -> int:
+def _nats_length(stream: str, url: str = NATS_URL) -> int:
     async def length(js: Any) -> int:
         from nats.js.errors import NotFoundError
 
@@ -159,11 +159,11 @@ def _nats_length(stream: str) -> int:
             return 0
         return int(info.state.messages)
 
-    result: int = _nats_run(length)
+    result: int = _nats_run(length, url=url)
     return result
 
 
-def _nats_delete_prefixed(prefix: str) -> None:
+def _nats_delete_prefixed(prefix: str, url: str = NATS_URL) -> None:
     async def delete(js: Any) -> None:
         names = [
             info.config.name
@@ -173,7 +173,7 @@ def _nats_delete_prefixed(prefix: str) -> None:
         for name in names:
             await js.delete_stream(name)
 
-    _nats_run(delete)
+    _nats_run(delete, url=url)
 
 
 def nats_reachable() -> str:
@@ -211,3 +211,37 @@ def broker_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[B
 @pytest.fixture
 def nats_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[BrokerKit]:
     yield from kit_for(request, "nats", stream_prefix)
+
+
+@dataclass
+class Restartable:
+    """A broker on a private server of its own (``restartable_kit``): :meth:`restart` kills
+    it (SIGKILL) and starts it again on the same port with what it had stored (Redis with
+    its append-only file, ``appendfsync always``; NATS with its JetStream store)."""
+
+    kit: BrokerKit
+    restart: Callable[[], None]
+
+
+@pytest.fixture(params=["redis", "nats"])
+def restartable_kit(request: pytest.FixtureRequest, stream_prefix: str) -> Iterator[Restartable]:
+    """Parametrise a reconnection case over every broker, each on a private server."""
+    try:
+        from services import PrivateNats, PrivateRedis
+    except ImportError:  # pragma: no cover
+        from tests.services import PrivateNats, PrivateRedis
+    if request.param == "redis":
+        with PrivateRedis(persistent=True) as server:
+            kit = BrokerKit("redis", server.url, stream_prefix)
+            yield Restartable(kit, lambda: server.restart(kill=True))
+            kit.cleanup()
+        return
+    with PrivateNats() as nats:
+        kit = BrokerKit("nats", nats.url, stream_prefix)
+
+        def restart() -> None:
+            nats.kill()
+            nats.start()
+
+        yield Restartable(kit, restart)
+        kit.cleanup()

@@ -355,3 +355,74 @@ class PrivatePostgres:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+# -- NATS ------------------------------------------------------------------------------------
+
+
+class PrivateNats:
+    """``nats-server -js`` as a child process on a free port, its JetStream store (file
+    storage) in a temporary directory. :meth:`kill` (SIGKILL) and :meth:`start` again keep the
+    port and the store, so clients configured with :attr:`url` find the same streams there;
+    ``empty=True`` on :meth:`start` wipes the store first (a server that came back empty)."""
+
+    def __init__(self, *, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.directory = Path(tempfile.mkdtemp(prefix="private-nats-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, *, empty: bool = False, timeout: float = 60.0) -> PrivateNats:
+        binary = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        store = self.directory / "store"
+        if empty:
+            shutil.rmtree(store, ignore_errors=True)
+        command = [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
+        with (self.directory / "nats.log").open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._answers, f"private NATS on port {self.port}", timeout)
+        return self
+
+    def _answers(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {self.process.returncode}: {self.log}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                return sock.recv(16).startswith(b"INFO")
+        except OSError:
+            return False
+
+    @property
+    def log(self) -> str:
+        path = self.directory / "nats.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the clients, as a crashed server or host."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(15)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> PrivateNats:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -14,6 +14,9 @@ What each case proves:
 - a record the broker refuses is quarantined, and the other keys go on;
 - a stream the broker lost is detected by the relay's health check and published again
   from the outbox's retention;
+- a relay whose broker is killed and started again (on a private server: ``restartable_kit``)
+  goes on by itself: what was committed meanwhile is published once, in key order, with no
+  restart of the relay (issue 53);
 - (moved from tests/test_relay.py, where they named Redis) a rolled-back transaction
   publishes nothing, a refused record holds back its key until it is fixed and requeued, a
   stored payload that is not JSON is quarantined, a late commit is
@@ -52,11 +55,17 @@ from relay.errors import ConfigError
 from relay.seam import HeldBack, TransientError
 
 try:  # tests/ is a rootdir without __init__.py: pytest puts it on sys.path
-    from broker_support import BrokerKit, broker_kit, nats_kit
+    from broker_support import BrokerKit, Restartable, broker_kit, nats_kit, restartable_kit
     from cluster_support import redis_cluster
     from services import wait_for
 except ImportError:  # pragma: no cover
-    from tests.broker_support import BrokerKit, broker_kit, nats_kit  # noqa: F401
+    from tests.broker_support import (  # noqa: F401
+        BrokerKit,
+        Restartable,
+        broker_kit,
+        nats_kit,
+        restartable_kit,
+    )
     from tests.cluster_support import redis_cluster  # noqa: F401
     from tests.services import wait_for
 
@@ -848,3 +857,34 @@ def test_rows_held_behind_a_key_are_all_swept_after_it_recovers(
     assert set(others) <= set(got)
     assert broker_kit.ids(bad) == [head]
     relay.store.close()
+
+
+@pytest.mark.slow
+def test_a_relay_goes_on_by_itself_after_its_broker_restarts(
+    outbox: Outbox, restartable_kit: Restartable
+) -> None:
+    kit = restartable_kit.kit
+    relay = relay_on(outbox, kit.make(), outage_backoff=Backoff(0.05, 0.5))
+    thread = threading.Thread(target=relay.run, name="relay")
+    thread.start()
+    ids: list[str] = []
+    try:
+        for round_ in range(3):
+            with outbox.transaction() as tx:
+                ids += [
+                    tx.emit("t", key=f"k{i % 3}", payload={"r": round_, "i": i}) for i in range(10)
+                ]
+            want = len(ids)
+            wait_for(lambda w=want: relay.stats.published >= w, f"{want} published", timeout=60)
+            if round_ < 2:
+                restartable_kit.restart()  # the next round is committed while it comes back
+        assert thread.is_alive()  # no exit, no restart by hand
+    finally:
+        relay.stop()
+        thread.join(timeout=30)
+    got = kit.ids(kit.stream("t"))
+    assert sorted(got) == sorted(ids)  # each once
+    for k in range(3):
+        mine = [i for n, i in enumerate(ids) if n % 3 == k]
+        assert [i for i in got if i in mine] == mine
+    assert all(r["state"] == "published" for r in rows(outbox))

@@ -22,6 +22,7 @@ and ``driver_deliveries`` (delivery callbacks).
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ from consumer.jobs.driver_schedules import ScheduleStatements
 from consumer.jobs.migrations import upgrade_schema
 from consumer.jobs.schema import metadata, provider_limits
 from outbox.dialect import db_epoch
+from outbox.outage import ConnectionWatch, retry_lost, watch_engine
 
 READY_CHANNEL_SQL = "left('outbox_jobs_ready.' || current_schema(), 63)"
 """PostgreSQL NOTIFY channel: jobs became READY (enqueued, resumed, recovered, timers fired).
@@ -109,6 +111,11 @@ class JobDriver(
             threading.RLock() if isinstance(engine.pool, StaticPool) else nullcontext()
         )
         self._pinned = threading.local()  # a thread's own connection (:meth:`pinned`)
+        # A connection cut under a statement (a failover, ``pg_terminate_backend``): logged
+        # once when the first cut is seen, once when a new connection is made.
+        self.watch: ConnectionWatch = watch_engine(
+            engine, logging.getLogger("outbox.worker"), "job store"
+        )
 
     # -- connections and schema -----------------------------------------------------------
 
@@ -178,8 +185,12 @@ class JobDriver(
         params: dict[str, Any] = {"provider": provider}
         if self.clock is not None:
             params["now"] = self.clock()
-        with self.connect() as conn:
-            row = conn.execute(_pause_query(self.clock is not None), params).first()
+
+        def read() -> Any:
+            with self.connect() as conn:
+                return conn.execute(_pause_query(self.clock is not None), params).first()
+
+        row = retry_lost(read)  # a read: again on a new connection when cut under it
         return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
 
 

@@ -9,8 +9,9 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, cast
 
+import psycopg
 from psycopg import sql as psycopg_sql
 from sqlalchemy import (
     ColumnElement,
@@ -21,6 +22,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateIndex
 
 from consumer.jobs import queries as q
@@ -36,6 +38,7 @@ from consumer.jobs.schema import (
 )
 from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, insert_or_ignore
+from outbox.outage import is_cut, retry_lost
 
 
 def no_jit(dbapi_connection: Any, _record: Any) -> None:
@@ -114,11 +117,39 @@ class PostgresJobDriver(JobDriver):
         # to the pool): the statement is one round trip instead of three.
         with self._lock, self.engine.connect() as conn:
             raw: Any = conn.connection.dbapi_connection
-            raw.autocommit = True
             try:
+                raw.autocommit = True
                 yield conn
+            except psycopg.Error as exc:  # a statement sent on ``raw`` itself
+                raise self._raw_error(conn, raw, exc) from exc
             finally:
-                raw.autocommit = False
+                # A connection cut under the statement is gone (invalidated, or broken):
+                # setting its mode would raise again and hide the error being raised.
+                if not (raw.closed or raw.broken):
+                    raw.autocommit = False
+
+    def _raw_error(self, conn: Connection, raw: Any, exc: psycopg.Error) -> DBAPIError:
+        """What SQLAlchemy makes of a driver error for the statements it runs, for one sent
+        on the DBAPI connection itself: the SQLAlchemy class of the error (the loops wait out
+        a ``SQLAlchemyError``), and, when the connection was cut, the connection and every
+        pooled one older than it invalidated (they are dead too after a failover), as
+        SQLAlchemy does for its own statements. Without this, the driver's own error left
+        the worker's loops and ended the process (issue 53)."""
+        dialect = self.engine.dialect
+        lost = bool(raw.closed or raw.broken) or is_cut(exc)
+        if lost and not conn.invalidated:
+            self.engine.pool._invalidate(conn.connection, exc)  # the pool's own soft invalidation
+            conn.invalidate(exc)
+        # A DBAPIError whatever the class of a psycopg error (its ``dbapi_base_err``).
+        error = cast(
+            DBAPIError,
+            DBAPIError.instance(
+                None, None, exc, psycopg.Error, connection_invalidated=lost, dialect=dialect
+            ),
+        )
+        if lost:
+            self.watch.lost(error)
+        return error
 
     def operation_intent(
         self,
@@ -151,9 +182,9 @@ class PostgresJobDriver(JobDriver):
         statement = self._intent_sql
         if self.clock is not None:  # a clock of the caller's (a test's): bound, not read
             statement, params["now"] = self._intent_sql_at, self.clock()
-        with self.autocommit() as conn:
-            raw: Any = conn.connection.dbapi_connection
-            paused, held, created = raw.execute(statement, params).fetchone()
+        # Again on a new connection when the connection is cut under it: a second run after
+        # a first one committed finds the intent ("exists") and the caller reads it.
+        paused, held, created = retry_lost(partial(self._raw_one, statement, params))
         if paused:
             return "paused"
         if not held:
@@ -173,9 +204,17 @@ class PostgresJobDriver(JobDriver):
     ) -> bool:
         records = self._records if durable else self._records_unflushed
         sql, params = records(operation_id, values, stamp, unless_states, if_states, if_attempts)
+        # Again on a new connection when the connection is cut under it (the receipt is a
+        # fact about the provider: lost, it costs a reconciliation). It sets the same values
+        # a second time; one cut after the commit answers "not recorded" if its conditions
+        # no longer hold, as a change made meanwhile by another would.
+        return retry_lost(partial(self._raw_one, sql, params)) is not None
+
+    def _raw_one(self, sql: str, params: Mapping[str, Any]) -> Any:
+        """One statement on the DBAPI connection in autocommit: its first row, or None."""
         with self.autocommit() as conn:
             raw: Any = conn.connection.dbapi_connection
-            return raw.execute(sql, params).fetchone() is not None
+            return raw.execute(sql, params).fetchone()
 
     @cached_property
     def _records(self) -> RecordStatements:  # (consumer.jobs.record_text)

@@ -37,6 +37,7 @@ from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
 from outbox.logs import fields
+from outbox.outage import is_lost
 
 __all__ = ["WAITS", "Outcome", "Outcomes", "Routed", "Settled"]
 
@@ -144,6 +145,11 @@ class Outcomes:
             return Outcome.THROTTLED
         if isinstance(error, OperationUnresolved):
             return Outcome(ctx.outcome or Outcome.WAITING_REVIEW)  # dispatch moved the job
+        if is_lost(error):
+            # The store's connection was cut under the handler (its dispatch's intent or
+            # receipt, after their own retries): no failure of the job's. Raised to the
+            # caller, which hands the lease back (``hand_back_after_error``).
+            raise error
         if isinstance(error, JobFailure):
             state = store.fail(
                 ctx.lease,
