@@ -17,7 +17,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -27,10 +27,13 @@ from consumer.errors import (
     JobCancelled,
     JobFailure,
     OperationUnresolved,
+    PermanentFailure,
     ProviderThrottled,
+    ResultTooLarge,
 )
 from consumer.jobs.context import JobContext
 from consumer.jobs.receipts import retry_after_of
+from consumer.jobs.step_results import checked_result
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
@@ -87,15 +90,16 @@ class Outcomes:
         routed = self.route(ctx.lease)
         self.hook("worker_job_started", routed[0] if routed else "unrouted", **ctx.lease.facts())
         error: BaseException | None = None
+        result: Any = None
         if routed is not None:
             try:
                 result = routed[1](ctx)
                 if inspect.isawaitable(result):
-                    asyncio.run(_awaited(result))
+                    result = asyncio.run(_awaited(result))
             except Exception as exc:
                 error = exc
         ctx.ended()  # renewed at every beat from here (the outcome waits on the worker)
-        return self.settle(ctx, routed, started, error)
+        return self.settle(ctx, routed, started, error, result)
 
     # -- the one settle ------------------------------------------------------------------
     def settle(
@@ -104,11 +108,18 @@ class Outcomes:
         routed: Routed | None,
         started: float,
         error: BaseException | None,
+        returned: Any = None,
     ) -> Settled:
         """Record a handler's outcome (``error``: what it raised, None if it returned); the
         same for ``def`` and ``async def`` handlers. A success is left to :meth:`finish`
-        (in batches); every other end is reported to the hooks here."""
+        (in batches); every other end is reported to the hooks here. What the handler
+        ``returned`` rides on the lease to the finish (the job's result, capped)."""
         label = routed[0] if routed else "unrouted"
+        if returned is not None and error is None:
+            try:
+                ctx.lease = replace(ctx.lease, result=checked_result(returned))
+            except ResultTooLarge as exc:  # never truncated: the run fails for good
+                error = PermanentFailure(str(exc))
         try:
             outcome = self._outcome(ctx, routed, error)
         except Conflict as exc:

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import and_, case, exists, insert, select, update
+from sqlalchemy import and_, case, exists, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import DependencyCycle, JobError, UnknownParent
@@ -200,7 +200,7 @@ def enqueue_graph(
         pending = sum(states[p].state != DONE for p in parents)
         values: dict[str, Any] = {"parents_pending": pending, "updated_at": stamp}
         cancelled = [p for p in parents if states[p].state == CANCELLED]
-        failed = [p for p in parents if states[p].state in _FAILED]
+        failed = [p for p in parents if _failed(states[p])]
         if cancelled:
             values.update(state=CANCELLED, wait_reason=_why(states[cancelled[0]], "cancelled"))
         elif failed:
@@ -268,7 +268,7 @@ def settle_children(
         ).all()
         by_id = {int(r.id): r for r in rows}
         ended = [i for i, r in by_id.items() if r.state in (DONE, CANCELLED)]
-        released: list[Any] = []
+        released: Sequence[Any] = ()
         if ended:
             released = conn.execute(
                 update(job_steps)
@@ -283,11 +283,18 @@ def settle_children(
         for parent, child in released:
             if by_id[int(parent)].state == CANCELLED:
                 nexts += _end_child(conn, int(child), CANCELLED, by_id[int(parent)], clock)
-        for parent in sorted(i for i, r in by_id.items() if r.state in _FAILED):
+        for parent in sorted(i for i, r in by_id.items() if _failed(r)):
             nexts += _fail_children(conn, parent, by_id[parent], clock)
         ids = sorted(set(nexts))
     if ready:
         driver.job_ready_notify(conn)
+
+
+def _failed(row: Any) -> bool:
+    """A parent that needs a person, itself: one parked only because of its own parent is
+    not (its children keep waiting for it, as it waits)."""
+    parked = row.state == WAITING_REVIEW and (row.wait_reason or "").startswith(FAILED_PARENT)
+    return row.state in _FAILED and not parked
 
 
 def _decrement(conn: Connection, child: int, n: int, clock: Any) -> bool:
@@ -350,7 +357,7 @@ def _fail_children(conn: Connection, parent: int, row: Any, clock: Any) -> list[
     ).all()
     for child, state in moved:
         _history(conn, [int(child)], state.lower(), reason, clock)
-    return [int(child) for child, _ in moved]
+    return [int(child) for child, state in moved if state == CANCELLED]
 
 
 def _history(conn: Connection, ids: list[int], outcome: str, note: str, clock: Any) -> None:
@@ -379,14 +386,19 @@ def sweep(driver: JobDriver, conn: Connection, clock: Any, limit: int) -> int:
     waiting_child = exists().where(
         child.c.id == job_steps.c.child_id, child.c.state == WAITING_PARENTS
     )
+    # A parent parked only because of its own parent is not a failure (``_failed``).
+    not_parked = or_(
+        parent.c.wait_reason.is_(None), ~parent.c.wait_reason.startswith(FAILED_PARENT)
+    )
     found = (
         conn.execute(
             select(job_steps.c.parent_id)
             .join(parent, parent.c.id == job_steps.c.parent_id)
             .where(
                 job_steps.c.released == 0,
-                (parent.c.state.in_((DONE, CANCELLED)))
-                | and_(parent.c.state.in_(_FAILED), waiting_child),
+                parent.c.state.in_((DONE, CANCELLED))
+                | and_(parent.c.state == NEEDS_ATTENTION, waiting_child)
+                | and_(parent.c.state == WAITING_REVIEW, waiting_child, not_parked),
             )
             .distinct()
             .limit(limit)
