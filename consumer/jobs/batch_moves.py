@@ -76,7 +76,7 @@ class BatchMoves(StoreBase):
                 for job_id, upto in seen:
                     if upto is not None:
                         talk.consume(self.driver, conn, job_id, upto, clock)
-            if steps and ended:
+            if ended and any(x.children for x in items):  # results alone: nothing to release
                 settle_children(self.driver, conn, ended, self._clock(conn, when))
         return BatchResult(
             done=sorted(ended),

@@ -30,11 +30,12 @@ Contract (``docs/how-to/steps.md`` has the user's side):
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import and_, case, exists, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, exists, insert, or_, select, text, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import DependencyCycle, JobError, UnknownParent
@@ -53,6 +54,7 @@ from consumer.jobs.states import (
     WAITING_PARENTS,
     WAITING_REVIEW,
 )
+from outbox.dialect import is_postgresql
 
 __all__ = [
     "FAILED_PARENT",
@@ -233,21 +235,85 @@ def plain(lease: Lease) -> bool:
 
 def write_results(driver: JobDriver, conn: Connection, leases: Iterable[Lease]) -> None:
     """The results of the leases that have one, each fenced on its lease, in the finish's
-    transaction (before its statement: a lease lost meanwhile writes nothing)."""
+    transaction, before its statement (a lease lost meanwhile writes nothing): one statement
+    for the batch on PostgreSQL (the rows as one JSON parameter), one executemany on SQLite."""
     del driver  # the columns are the same on both databases
-    for lease in leases:
-        if lease.result is None:
-            continue
-        conn.execute(
-            update(jobs)
-            .where(
-                jobs.c.id == lease.job_id,
-                jobs.c.lease_epoch == lease.epoch,
-                jobs.c.lease_owner == lease.worker,
-                jobs.c.state == LEASED,
-            )
-            .values(result=lease.result)
+    rows = [
+        {"id": x.job_id, "epoch": x.epoch, "worker": x.worker, "result": x.result}
+        for x in leases
+        if x.result is not None
+    ]
+    if not rows:
+        return
+    if is_postgresql(conn.dialect.name):
+        conn.execute(text(_PG_RESULTS), {"rows": json.dumps(rows)})
+        return
+    conn.execute(
+        update(jobs)
+        .where(
+            jobs.c.id == bindparam("r_id"),
+            jobs.c.lease_epoch == bindparam("r_epoch"),
+            jobs.c.lease_owner == bindparam("r_worker"),
+            jobs.c.state == LEASED,
         )
+        .values(result=bindparam("r_result", type_=jobs.c.result.type)),
+        [{f"r_{k}": v for k, v in row.items()} for row in rows],
+    )
+
+
+# By primary key (``state || ''`` keeps the partial LEASED indexes out of the plan, as the
+# batch finish does: consumer.jobs.queries.pg_finish_batch has the reason).
+_PG_RESULTS = f"""
+UPDATE {jobs.name} AS j SET result = r.result
+FROM jsonb_to_recordset(CAST(:rows AS jsonb))
+     AS r(id bigint, epoch bigint, worker text, result jsonb)
+WHERE j.id = r.id AND j.lease_epoch = r.epoch AND j.lease_owner = r.worker
+  AND j.state || '' = '{LEASED}'
+"""
+
+# The release of DONE parents' edges and their children's counts in ONE statement
+# (PostgreSQL): the edges claimed by the first CTE (an edge released already does not match),
+# each child decremented by its count of them; the UPDATE of a child waits for a concurrent
+# one and re-evaluates on its latest version, so counts never go astray.
+_READY_NOW = f"""(j.parents_pending - n.c <= 0 AND (j.state = '{WAITING_PARENTS}'
+    OR (j.state = '{WAITING_REVIEW}' AND j.wait_reason LIKE '{FAILED_PARENT}%')))"""
+_PG_RELEASE = f"""
+WITH e AS (
+    UPDATE {job_steps.name} SET released = 1
+    WHERE parent_id = ANY(string_to_array(:ids, ',')::bigint[]) AND released = 0
+    RETURNING child_id
+),
+n AS (SELECT child_id, count(*) AS c FROM e GROUP BY child_id)
+UPDATE {jobs.name} AS j
+SET parents_pending = j.parents_pending - n.c,
+    state = CASE WHEN {_READY_NOW} THEN '{READY}' ELSE j.state END,
+    wait_reason = CASE WHEN {_READY_NOW} THEN NULL ELSE j.wait_reason END,
+    run_after = CASE WHEN {_READY_NOW} THEN NULL ELSE j.run_after END,
+    updated_at = CAST(:clock AS double precision)
+FROM n WHERE j.id = n.child_id
+RETURNING j.state
+"""
+
+
+def _release_done(conn: Connection, done: list[int], clock: Any) -> bool:
+    """The edges of DONE parents released and their children counted down (READY at zero).
+    True if a child became READY."""
+    if not done:
+        return False
+    if is_postgresql(conn.dialect.name):
+        ids = ",".join(str(i) for i in done)
+        states = conn.execute(text(_PG_RELEASE), {"ids": ids, "clock": clock}).scalars()
+        return READY in set(states)
+    released = conn.execute(
+        update(job_steps)
+        .where(job_steps.c.parent_id.in_(done), job_steps.c.released == 0)
+        .values(released=1)
+        .returning(job_steps.c.child_id)
+    ).scalars()
+    ready = False
+    for child, n in sorted(Counter(int(c) for c in released).items()):
+        ready = _decrement(conn, child, n, clock) or ready
+    return ready
 
 
 # complexity: one pass per generation of the cascade, each end of a parent in turn
@@ -267,22 +333,21 @@ def settle_children(
             )
         ).all()
         by_id = {int(r.id): r for r in rows}
-        ended = [i for i, r in by_id.items() if r.state in (DONE, CANCELLED)]
+        ready = (
+            _release_done(conn, [i for i, r in by_id.items() if r.state == DONE], clock) or ready
+        )
+        cancelled = [i for i, r in by_id.items() if r.state == CANCELLED]
         released: Sequence[Any] = ()
-        if ended:
+        if cancelled:
             released = conn.execute(
                 update(job_steps)
-                .where(job_steps.c.parent_id.in_(ended), job_steps.c.released == 0)
+                .where(job_steps.c.parent_id.in_(cancelled), job_steps.c.released == 0)
                 .values(released=1)
                 .returning(job_steps.c.parent_id, job_steps.c.child_id)
             ).all()
-        done = Counter(int(c) for p, c in released if by_id[int(p)].state == DONE)
         nexts: list[int] = []
-        for child, n in sorted(done.items()):
-            ready = _decrement(conn, child, n, clock) or ready
         for parent, child in released:
-            if by_id[int(parent)].state == CANCELLED:
-                nexts += _end_child(conn, int(child), CANCELLED, by_id[int(parent)], clock)
+            nexts += _end_child(conn, int(child), CANCELLED, by_id[int(parent)], clock)
         for parent in sorted(i for i, r in by_id.items() if _failed(r)):
             nexts += _fail_children(conn, parent, by_id[parent], clock)
         ids = sorted(set(nexts))
