@@ -72,6 +72,9 @@ def print_trace(trace: Trace, out: TextIO) -> None:
             _line(out, "  timer", j, ("timer_scheduled_for", "timer_reason"))
         for h in j.get("history", []):
             _line(out, "  attempt", h, ("at", "epoch", "worker", "outcome", "error"))
+        for label, kind in (("  parent", "parents"), ("  child", "children")):  # steps
+            for step in j.get(kind, []):
+                _line(out, label, step, ("id", "tenant", "action", "state"))
     out.write("receipts:\n")
     for r in trace.receipts:
         receipt_keys = (
