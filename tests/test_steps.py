@@ -28,6 +28,7 @@ from consumer import (
     Worker,
 )
 from consumer.errors import JobNotFound
+from consumer.jobs.receipts import Receipt
 from consumer.jobs.step_results import MAX_RESULT_BYTES
 from tests.services import wait_for
 
@@ -410,4 +411,20 @@ def test_the_slots_run_a_graph_with_results(db_url: str) -> None:
     for i in range(20):
         assert store.result("t", f"d-{i}", timeout=0) == [f"b-{i}", f"c-{i}"]
         assert seen[f"b-{i}"] == {("t", f"a-{i}"): f"a-{i}"}
+    store.dispose()
+
+
+def test_a_handler_returning_a_receipt_or_an_object_still_ends_done(db_url: str) -> None:
+    """Handlers written before results (``return job.dispatch(...)``, any object): the
+    receipt is stored as its dict, an object that is not JSON as no result."""
+    store = Store(db_url)
+    store.enqueue("t", "obj")
+    store.enqueue("t", "receipt")
+    worker = Worker(store)
+    worker.register("obj", lambda job: object())
+    worker.register("receipt", lambda job: Receipt("op-1", "ACCEPTED", "ref-1", job_id=job.job_id))
+    _drain(worker)
+    assert store.get("t", "obj").state == "DONE" and store.result("t", "obj") is None
+    stored = store.result("t", "receipt", timeout=0)
+    assert stored["operation_id"] == "op-1" and stored["provider_ref"] == "ref-1"
     store.dispose()

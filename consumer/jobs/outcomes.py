@@ -33,7 +33,7 @@ from consumer.errors import (
 )
 from consumer.jobs.context import JobContext
 from consumer.jobs.receipts import retry_after_of
-from consumer.jobs.step_results import checked_result
+from consumer.jobs.step_results import run_result
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
@@ -117,7 +117,7 @@ class Outcomes:
         label = routed[0] if routed else "unrouted"
         if returned is not None and error is None:
             try:
-                ctx.lease = replace(ctx.lease, result=checked_result(returned))
+                ctx.lease = replace(ctx.lease, result=run_result(returned))
             except ResultTooLarge as exc:  # never truncated: the run fails for good
                 error = PermanentFailure(str(exc))
         try:

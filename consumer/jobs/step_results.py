@@ -3,9 +3,12 @@ job's dependents (``JobContext.results``) and awaited by callers (``Store.result
 ``Store.aresult``).
 
 - **The cap.** A result is JSON of at most :data:`MAX_RESULT_BYTES` bytes (UTF-8, compact
-  separators). A larger one, or one that is not JSON, is never truncated: the run fails
-  permanently (:class:`~consumer.errors.ResultTooLarge`; the job goes to WAITING_REVIEW with
-  that reason) and ``Store.finish(..., result=...)`` raises it.
+  separators). A larger one is never truncated: the run fails permanently
+  (:class:`~consumer.errors.ResultTooLarge`; the job goes to WAITING_REVIEW with that
+  reason), and ``Store.finish(..., result=...)`` raises it, for a value that is not JSON too.
+  A handler that returns a receipt (``return job.dispatch(...)``) stores its dict; one that
+  returns an object that is not JSON stores no result (a warning says so): its effect
+  happened, and such handlers were written before results.
 - **Waiting** polls the job's row with a short interval that grows from 5 ms to 250 ms (no
   LISTEN: a finish sends no notification). DONE returns the result (None when the handler
   returned nothing); NEEDS_ATTENTION and CANCELLED raise
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from typing import Any
@@ -28,10 +32,14 @@ from sqlalchemy.engine import Connection
 from consumer.errors import JobError, JobNotFound, ResultTimeout, ResultTooLarge, ResultUnavailable
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import job_key
+from consumer.jobs.receipts import Receipt
 from consumer.jobs.schema import job_steps, jobs
 from consumer.jobs.states import CANCELLED, DONE, NEEDS_ATTENTION
+from outbox.logs import fields
 
-__all__ = ["MAX_RESULT_BYTES", "ResultMethods", "checked_result", "parent_results"]
+__all__ = ["MAX_RESULT_BYTES", "ResultMethods", "checked_result", "parent_results", "run_result"]
+
+log = logging.getLogger("outbox.worker")
 
 MAX_RESULT_BYTES = 65_536
 """The largest result a job may store: 64 KiB of JSON. Larger data belongs in the
@@ -53,6 +61,24 @@ def checked_result(value: Any) -> Any:
     if size > MAX_RESULT_BYTES:
         raise ResultTooLarge(f"is {size} bytes of JSON, over the cap of {MAX_RESULT_BYTES}")
     return value
+
+
+def run_result(value: Any) -> Any:
+    """What a handler returned, as its job's result: a :class:`Receipt` (``return
+    job.dispatch(...)``) as its dict; a value that is not JSON at all (an object of the
+    application's) is not stored, with a warning: such handlers predate results, and their
+    effect happened. Over the cap: ``ResultTooLarge`` (the run fails)."""
+    if isinstance(value, Receipt):
+        value = value.as_dict()
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        log.warning(
+            "a handler's return value is not JSON: no result stored",
+            extra=fields(type=type(value).__name__, error=str(exc)[:200]),
+        )
+        return None
+    return checked_result(value)
 
 
 def parent_results(conn: Connection, job_id: int) -> dict[tuple[str, str], Any]:
