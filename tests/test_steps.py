@@ -29,6 +29,7 @@ from consumer import (
 )
 from consumer.errors import JobNotFound
 from consumer.jobs.receipts import Receipt
+from consumer.jobs.retention import JobRetention, JobRetentionConfig
 from consumer.jobs.step_results import MAX_RESULT_BYTES
 from tests.services import wait_for
 
@@ -427,4 +428,30 @@ def test_a_handler_returning_a_receipt_or_an_object_still_ends_done(db_url: str)
     assert store.get("t", "obj").state == "DONE" and store.result("t", "obj") is None
     stored = store.result("t", "receipt", timeout=0)
     assert stored["operation_id"] == "op-1" and stored["provider_ref"] == "ref-1"
+    store.dispose()
+
+
+def test_retention_keeps_a_parent_while_a_dependent_is_open(db_url: str) -> None:
+    """A finished parent whose dependent has not run yet stays (its result is read when the
+    dependent runs); once every dependent ended, both go with their edges."""
+    store = Store(db_url)
+    store.enqueue_many(
+        [
+            {"tenant": "t", "action": "a"},
+            {"tenant": "t", "action": "b", "after": [("t", "a")]},
+            {"tenant": "t", "action": "c", "after": [("t", "b")]},
+        ]
+    )
+    store.finish("t", "a", "w", store.claim("t", "a", "w"), result=1)
+    retention = JobRetention(store, JobRetentionConfig())
+    gone = JobRetentionConfig().job_retention_seconds + 60
+    with store.engine.begin() as conn:  # the retention window passes
+        conn.execute(sa.text(f"UPDATE outbox_jobs SET updated_at = updated_at - {gone}"))
+    assert retention.purge_finished(100) == 0  # b has not run: a stays
+    store.finish("t", "b", "w", store.claim("t", "b", "w"), result=2)
+    store.cancel("t", "c")
+    with store.engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE outbox_jobs SET updated_at = updated_at - {gone}"))
+    assert retention.purge_finished(100) == 3
+    assert _rows(store, "outbox_jobs") == 0 and _rows(store, "outbox_job_steps") == 0
     store.dispose()
