@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from consumer import (
     DependencyCycle,
     JobContext,
+    Lease,
     ResultTimeout,
     ResultTooLarge,
     ResultUnavailable,
@@ -454,4 +455,70 @@ def test_retention_keeps_a_parent_while_a_dependent_is_open(db_url: str) -> None
         conn.execute(sa.text(f"UPDATE outbox_jobs SET updated_at = updated_at - {gone}"))
     assert retention.purge_finished(100) == 3
     assert _rows(store, "outbox_jobs") == 0 and _rows(store, "outbox_job_steps") == 0
+    store.dispose()
+
+
+def test_workers_releasing_the_same_children_together_never_deadlock(db_url: str) -> None:
+    """8 workers each finish, at once, one parent of every one of 50 children (in batches
+    whose children come in different orders): each child READY once, no error."""
+    store = Store(db_url)
+    parents = [
+        {"tenant": "t", "action": f"p-{w}-{c}", "priority": (w * 7 + c * 3) % 11}
+        for w in range(8)
+        for c in range(50)
+    ]
+    children = [
+        {"tenant": "t", "action": f"child-{c}", "after": [("t", f"p-{w}-{c}") for w in range(8)]}
+        for c in range(50)
+    ]
+    store.enqueue_many([*parents, *children])
+    batches = []
+    for w in range(8):
+        epochs = [(c, store.claim("t", f"p-{w}-{c}", f"w{w}")) for c in range(50)]
+        batches.append([(w, c, e) for c, e in epochs])
+    leases = {}
+    with store.engine.connect() as conn:
+        for row in conn.execute(sa.text("SELECT id, action FROM outbox_jobs")):
+            leases[row.action] = int(row.id)
+    gate = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def finish(batch: list[tuple[int, int, int | None]]) -> None:
+        w = batch[0][0]
+        order = sorted(batch, key=lambda x: (x[1] * (w + 3)) % 50)  # each its own order
+        lost = [
+            Lease(
+                leases[f"p-{w}-{c}"],
+                "t",
+                f"p-{w}-{c}",
+                None,
+                None,
+                None,
+                None,
+                None,
+                1,
+                int(e or 0),
+                f"w{w}",
+                0.0,
+                children=1,
+                result=c,
+            )
+            for _, c, e in order
+        ]
+        try:
+            gate.wait()
+            for start in range(0, 50, 10):
+                assert store.finish_batch(lost[start : start + 10]).conflicts == []
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=finish, args=(batch,)) for batch in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for c in range(50):
+        job = store.get("t", f"child-{c}")
+        assert (job.state, job.parents_pending) == ("READY", 0)
     store.dispose()

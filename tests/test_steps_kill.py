@@ -67,6 +67,7 @@ def test_diamonds_survive_a_sigkill_with_every_d_once_after_b_and_c(
             except subprocess.TimeoutExpired:
                 worker.kill()
     assert done_at_kill < 4 * DIAMONDS, log.read_text()[-3000:]  # the kill came mid-drain
+    assert "deadlock" not in log.read_text().lower()  # releases lock children in id order
     lines = [line.split(" ", 3) for line in runs.read_text().splitlines()]
     # No job ran twice under one epoch: a rerun always took a new lease.
     assert max(Counter((job, epoch) for job, epoch, _, _ in lines).values()) == 1

@@ -274,7 +274,9 @@ WHERE j.id = r.id AND j.lease_epoch = r.epoch AND j.lease_owner = r.worker
 # The release of DONE parents' edges and their children's counts in ONE statement
 # (PostgreSQL): the edges claimed by the first CTE (an edge released already does not match),
 # each child decremented by its count of them; the UPDATE of a child waits for a concurrent
-# one and re-evaluates on its latest version, so counts never go astray.
+# one and re-evaluates on its latest version, so counts never go astray. The children are
+# locked in id order first: two finishes releasing the same children (diamonds finished by
+# two workers) wait for each other instead of deadlocking.
 _READY_NOW = f"""(j.parents_pending - n.c <= 0 AND (j.state = '{WAITING_PARENTS}'
     OR (j.state = '{WAITING_REVIEW}' AND j.wait_reason LIKE '{FAILED_PARENT}%')))"""
 _PG_RELEASE = f"""
@@ -283,14 +285,17 @@ WITH e AS (
     WHERE parent_id = ANY(string_to_array(:ids, ',')::bigint[]) AND released = 0
     RETURNING child_id
 ),
-n AS (SELECT child_id, count(*) AS c FROM e GROUP BY child_id)
+n AS (SELECT child_id, count(*) AS c FROM e GROUP BY child_id),
+locked AS MATERIALIZED (
+    SELECT id FROM {jobs.name} WHERE id IN (SELECT child_id FROM n) ORDER BY id FOR UPDATE
+)
 UPDATE {jobs.name} AS j
 SET parents_pending = j.parents_pending - n.c,
     state = CASE WHEN {_READY_NOW} THEN '{READY}' ELSE j.state END,
     wait_reason = CASE WHEN {_READY_NOW} THEN NULL ELSE j.wait_reason END,
     run_after = CASE WHEN {_READY_NOW} THEN NULL ELSE j.run_after END,
     updated_at = CAST(:clock AS double precision)
-FROM n WHERE j.id = n.child_id
+FROM n, locked WHERE j.id = n.child_id AND locked.id = n.child_id
 RETURNING j.state
 """
 
