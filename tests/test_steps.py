@@ -522,3 +522,36 @@ def test_workers_releasing_the_same_children_together_never_deadlock(db_url: str
         job = store.get("t", f"child-{c}")
         assert (job.state, job.parents_pending) == ("READY", 0)
     store.dispose()
+
+
+def test_a_parent_spent_by_recovery_parks_its_dependent(db_url: str) -> None:
+    """A parent whose lease expired with its attempts spent goes NEEDS_ATTENTION through
+    recovery: its dependent goes to WAITING_REVIEW in the same transaction (a ``cancel``
+    one to CANCELLED), and ``result`` of the parent says why there is none."""
+    store = Store(db_url)
+    store.enqueue_many(
+        [
+            {"tenant": "t", "action": "parent"},
+            {"tenant": "t", "action": "review", "after": [("t", "parent")]},
+            {
+                "tenant": "t",
+                "action": "drop",
+                "after": [("t", "parent")],
+                "on_parent_failure": "cancel",
+            },
+        ]
+    )
+    now = store.get("t", "parent").created_at
+    for n in range(store.config.retry.max_attempts):
+        assert store.claim("t", "parent", "w", now=now + 100 * n, ttl=10) is not None
+    store.recover(now=now + 100 * store.config.retry.max_attempts)
+    assert _state(store, "parent") == "NEEDS_ATTENTION"
+    review = store.get("t", "review")
+    assert review.state == "WAITING_REVIEW" and "t/parent is NEEDS_ATTENTION" in (
+        review.wait_reason or ""
+    )
+    assert _state(store, "drop") == "CANCELLED"
+    with pytest.raises(ResultUnavailable) as why:
+        store.result("t", "parent", timeout=1)
+    assert why.value.state == "NEEDS_ATTENTION" and "attempts spent" in str(why.value)
+    store.dispose()
