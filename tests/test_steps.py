@@ -83,6 +83,7 @@ def test_a_chain_runs_in_order_and_passes_its_results(db_url: str) -> None:
         ("step-3", {("t", "step-2"): 2}),
     ]
     assert store.result("t", "step-3", timeout=0) == 3
+    assert asyncio.run(store.aresult("t", "step-2", timeout=5)) == 2
     store.dispose()
 
 
@@ -554,4 +555,24 @@ def test_a_parent_spent_by_recovery_parks_its_dependent(db_url: str) -> None:
     with pytest.raises(ResultUnavailable) as why:
         store.result("t", "parent", timeout=1)
     assert why.value.state == "NEEDS_ATTENTION" and "attempts spent" in str(why.value)
+    store.dispose()
+
+
+def test_a_step_enqueued_in_a_consumer_batch_sees_its_buffered_parent(db_url: str) -> None:
+    """In a consumer's batch Session the plain enqueues wait in a buffer; a step enqueued
+    after one of them writes the buffer first, then itself, in the same transaction."""
+    from sqlalchemy.orm import Session
+
+    from consumer.bulk import defer_writes, flush_deferred
+
+    store = Store(db_url)
+    with Session(store.engine) as session, session.begin():
+        defer_writes(session)
+        store.enqueue("t", "buffered", session=session)
+        store.enqueue("t", "step", after=[("t", "buffered")], session=session)
+        store.enqueue("t", "later", session=session)
+        flush_deferred(session)
+    assert _state(store, "buffered") == "READY" and _state(store, "later") == "READY"
+    assert _state(store, "step") == "WAITING_PARENTS"
+    assert store.graph("t", "step")["parents"][0]["action"] == "buffered"
     store.dispose()
