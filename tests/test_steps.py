@@ -576,3 +576,18 @@ def test_a_step_enqueued_in_a_consumer_batch_sees_its_buffered_parent(db_url: st
     assert _state(store, "step") == "WAITING_PARENTS"
     assert store.graph("t", "step")["parents"][0]["action"] == "buffered"
     store.dispose()
+
+
+def test_a_job_table_made_before_steps_is_brought_up_to_date(db_url: str) -> None:
+    store = Store(db_url)
+    store.enqueue("t", "old")
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE outbox_job_steps"))
+        for column in ("result", "parents_pending", "children", "on_parent_failure"):
+            conn.execute(sa.text(f"ALTER TABLE outbox_jobs DROP COLUMN {column}"))
+    store.dispose()
+    store = Store(db_url)  # every start brings the tables up to date
+    store.enqueue("t", "new", after=[("t", "old")])
+    store.finish("t", "old", "w", store.claim("t", "old", "w"), result="kept")
+    assert _state(store, "new") == "READY" and store.result("t", "old") == "kept"
+    store.dispose()

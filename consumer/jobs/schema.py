@@ -35,6 +35,8 @@ SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs.
 ``replies_received`` / ``replies_consumed``: the job's replies (``outbox_job_replies``) so
 far, and up to which a run that ended well consumed them. ``cancel_requested_at`` /
 ``cancel_reason``: a cancel requested while it was LEASED (``consumer.jobs.cancels``).
+``result`` (JSON), ``parents_pending``, ``children``, ``on_parent_failure``: steps
+(``consumer.jobs.steps``; edges in ``outbox_job_steps``).
 
 Useful metric queries: jobs per state ``SELECT state, count(*) ... GROUP BY state``; oldest
 eligible READY age ``db_epoch - min(coalesce(run_after, created_at)) WHERE state = 'READY'
