@@ -136,7 +136,6 @@ def check_cycles(keys: Sequence[Key], afters: Sequence[Sequence[Key]]) -> None:
             stack.append(iter(parents[step]))
 
 
-# complexity: the graph's checks, its rows, its edges and each child's first state
 def enqueue_graph(
     driver: JobDriver,
     conn: Connection,
@@ -173,18 +172,7 @@ def enqueue_graph(
     stamp = rows[0]["updated_at"]
     if not isinstance(stamp, (int, float)):
         stamp = driver.clock_read(conn, None)  # the history rows need a number
-    # The parents' rows locked in id order (an UPDATE: a finish of one of them waits for this
-    # transaction, and its release then reads the edges written here), their state read
-    # after the lock.
-    counts = Counter(parent for parent, _ in edges)
-    states: dict[int, Any] = {}
-    for parent in sorted(counts):
-        states[parent] = conn.execute(
-            update(jobs)
-            .where(jobs.c.id == parent)
-            .values(children=jobs.c.children + counts[parent])
-            .returning(jobs.c.state, jobs.c.tenant, jobs.c.action, jobs.c.wait_reason)
-        ).one()
+    states = _lock_parents(conn, Counter(parent for parent, _ in edges))
     conn.execute(
         insert(job_steps),
         [
@@ -196,29 +184,72 @@ def enqueue_graph(
     for parent, child in edges:
         by_child.setdefault(child, []).append(parent)
     policy_of = {r.job_id: policy for r, policy in zip(results, policies, strict=True)}
-    ready = False
+    moves: dict[tuple[Any, ...], list[int]] = {}  # the children's first values -> ids
     ended: list[int] = []
     for child, parents in by_child.items():
-        pending = sum(states[p].state != DONE for p in parents)
-        values: dict[str, Any] = {"parents_pending": pending, "updated_at": stamp}
-        cancelled = [p for p in parents if states[p].state == CANCELLED]
-        failed = [p for p in parents if _failed(states[p])]
-        if cancelled:
-            values.update(state=CANCELLED, wait_reason=_why(states[cancelled[0]], "cancelled"))
-        elif failed:
-            state = CANCELLED if policy_of.get(child) == "cancel" else WAITING_REVIEW
-            values.update(state=state, wait_reason=_why(states[failed[0]], "failed"))
-        elif pending == 0:
-            values["state"] = READY
-            ready = True
-        conn.execute(update(jobs).where(jobs.c.id == child).values(**values))
-        if cancelled or failed:
+        first = _first_values(parents, states, policy_of.get(child))
+        moves.setdefault(tuple(sorted(first.items())), []).append(child)
+        if first.get("state") in (CANCELLED, WAITING_REVIEW):
             ended.append(child)
+    for values, children in moves.items():  # one UPDATE per kind of start, 500 ids a time
+        for start in range(0, len(children), _CHUNK):
+            chunk = children[start : start + _CHUNK]
+            conn.execute(
+                update(jobs).where(jobs.c.id.in_(chunk)).values(**dict(values), updated_at=stamp)
+            )
     if ended:  # a child that ended at once ends its own children (created in this call)
         settle_children(driver, conn, ended, stamp)
-    if ready:
+    if any(dict(values).get("state") == READY for values in moves):
         driver.job_ready_notify(conn)
     return results
+
+
+_CHUNK = 500
+
+
+def _lock_parents(conn: Connection, counts: Counter[int]) -> dict[int, Any]:
+    """The parents' rows locked in id order and their dependents counted (a finish of one of
+    them waits for this transaction, and its release then reads the edges written here);
+    their state read after the lock, by parent id."""
+    ids = sorted(counts)
+    by_count: dict[int, list[int]] = {}
+    for parent in ids:
+        by_count.setdefault(counts[parent], []).append(parent)
+    states: dict[int, Any] = {}
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        conn.execute(
+            select(jobs.c.id).where(jobs.c.id.in_(chunk)).order_by(jobs.c.id).with_for_update()
+        )
+    for n, group in by_count.items():
+        for start in range(0, len(group), _CHUNK):
+            chunk = group[start : start + _CHUNK]
+            conn.execute(
+                update(jobs).where(jobs.c.id.in_(chunk)).values(children=jobs.c.children + n)
+            )
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        query = select(jobs.c.id, jobs.c.state, jobs.c.tenant, jobs.c.action, jobs.c.wait_reason)
+        for row in conn.execute(query.where(jobs.c.id.in_(chunk))):
+            states[int(row.id)] = row
+    return states
+
+
+def _first_values(parents: list[int], states: dict[int, Any], policy: str | None) -> dict[str, Any]:
+    """A new child's count of pending parents and, when its parents decide it at once, its
+    state: CANCELLED (a parent cancelled), parked (a parent failed) or READY (all DONE)."""
+    pending = sum(states[p].state != DONE for p in parents)
+    values: dict[str, Any] = {"parents_pending": pending}
+    cancelled = [p for p in parents if states[p].state == CANCELLED]
+    failed = [p for p in parents if _failed(states[p])]
+    if cancelled:
+        values.update(state=CANCELLED, wait_reason=_why(states[cancelled[0]], "cancelled"))
+    elif failed:
+        state = CANCELLED if policy == "cancel" else WAITING_REVIEW
+        values.update(state=state, wait_reason=_why(states[failed[0]], "failed"))
+    elif pending == 0:
+        values["state"] = READY
+    return values
 
 
 def _why(parent: Any, how: str) -> str:
