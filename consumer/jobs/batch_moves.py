@@ -63,6 +63,7 @@ class BatchMoves(StoreBase):
         steps = not all(plain(x) for x in items)
         alone = len(by_worker) == 1 and all(talk.watermark(x) is None for x in items)
         done: list[int] = []
+        woke = False
         with self.driver.autocommit() if alone and not steps else self.driver.begin() as conn:
             if steps:
                 write_results(self.driver, conn, items)
@@ -77,7 +78,10 @@ class BatchMoves(StoreBase):
                     if upto is not None:
                         talk.consume(self.driver, conn, job_id, upto, clock)
             if ended and any(x.children for x in items):  # results alone: nothing to release
-                settle_children(self.driver, conn, ended, self._clock(conn, when))
+                woke = settle_children(self.driver, conn, ended, self._clock(conn, when))
+        if woke:  # committed: this process's idle slots claim the steps now READY
+            for wake in tuple(self.local_wakers):
+                wake()
         return BatchResult(
             done=sorted(ended),
             conflicts=sorted(x.job_id for x in items if x.job_id not in ended),

@@ -355,11 +355,11 @@ def _release_done(conn: Connection, done: list[int], clock: Any) -> bool:
 # complexity: one pass per generation of the cascade, each end of a parent in turn
 def settle_children(
     driver: JobDriver, conn: Connection, parent_ids: Iterable[int], clock: Any
-) -> None:
+) -> bool:
     """Apply the ends of ``parent_ids`` (DONE, CANCELLED, failed) to their children, in the
     caller's transaction: the ONE function every path that ends a job calls (a job without
     children costs one UPDATE that matches nothing). Cascades: a child cancelled or parked
-    here ends its own children in the same transaction."""
+    here ends its own children in the same transaction. True when a child became READY."""
     ids = sorted(set(parent_ids))
     ready = False
     while ids:
@@ -389,6 +389,7 @@ def settle_children(
         ids = sorted(set(nexts))
     if ready:
         driver.job_ready_notify(conn)
+    return ready
 
 
 def _failed(row: Any) -> bool:
