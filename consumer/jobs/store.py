@@ -32,6 +32,10 @@ Contract:
 - **Storage.** Every statement runs through ``Store.driver`` (``consumer.jobs.driver``: one
   PostgreSQL and one SQLite implementation side by side); this module never asks which
   database it runs on. Names are checked by ``outbox.validate`` before anything is written.
+- **Steps** (``after=`` at enqueue; ``consumer.jobs.steps``): a job whose parents are not
+  all DONE is WAITING_PARENTS, never claimed; the finish of its last parent makes it READY in
+  the same transaction. A handler's return value is its job's ``result``
+  (``consumer.jobs.step_results``: ``result`` / ``aresult`` wait for it).
 - **Wake-ups** (PostgreSQL, ``StoreConfig(notify=True)``; off by default): an enqueue that
   creates a job, a ``resume`` and a recovery that makes jobs READY send a NOTIFY at commit;
   idle workers LISTEN. Without it idle workers poll adaptively (``consumer.jobs.slots``).
