@@ -28,7 +28,7 @@ from consumer import (
     UnknownParent,
     Worker,
 )
-from consumer.errors import JobNotFound
+from consumer.errors import JobError, JobNotFound
 from consumer.jobs.receipts import Receipt
 from consumer.jobs.retention import JobRetention, JobRetentionConfig
 from consumer.jobs.step_results import MAX_RESULT_BYTES
@@ -590,4 +590,21 @@ def test_a_job_table_made_before_steps_is_brought_up_to_date(db_url: str) -> Non
     store.enqueue("t", "new", after=[("t", "old")])
     store.finish("t", "old", "w", store.claim("t", "old", "w"), result="kept")
     assert _state(store, "new") == "READY" and store.result("t", "old") == "kept"
+    store.dispose()
+
+
+def test_a_duplicate_keeps_its_parents_and_bad_arguments_name_their_field(db_url: str) -> None:
+    store = Store(db_url)
+    store.enqueue_many([{"tenant": "t", "action": "p"}, {"tenant": "t", "action": "q"}])
+    first = store.enqueue("t", "child", after=[("t", "p")])
+    again = store.enqueue("t", "child", after=[("t", "q")])
+    assert again.duplicate and again.job_id == first.job_id
+    assert [x["action"] for x in store.graph("t", "child")["parents"]] == ["p"]
+    with pytest.raises(JobError) as bad:
+        store.enqueue("t", "x", after=[("t", "p")], on_parent_failure="ignore")
+    assert bad.value.field == "on_parent_failure"
+    with pytest.raises(JobError) as bad:
+        store.enqueue_many([{"tenant": "t", "action": "y", "after": [("t",)]}])
+    assert bad.value.field == "specs[0].after"
+    assert _rows(store, "outbox_jobs") == 3
     store.dispose()
