@@ -56,6 +56,55 @@ class JobNotFound(ConsumerError, LookupError):
     """No job has the given id or (tenant, action)."""
 
 
+class StepGraphError(JobError):
+    """``after=`` at enqueue named a graph the store refuses; ``field`` is ``after``.
+    Nothing was written (not one job of the call)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("after", problem)
+
+
+class DependencyCycle(StepGraphError):
+    """The jobs of one enqueue depend on each other in a circle (``cycle`` names them, as
+    ``tenant/action``, the first repeated at the end)."""
+
+    def __init__(self, cycle: list[str]) -> None:
+        super().__init__("a cycle: " + " -> ".join(cycle))
+        self.cycle = cycle
+
+
+class UnknownParent(StepGraphError):
+    """A parent named in ``after=`` is neither an existing job nor a job of the same call."""
+
+    def __init__(self, parents: list[str]) -> None:
+        super().__init__("unknown parent job " + ", ".join(parents))
+        self.parents = parents
+
+
+class ResultTooLarge(JobError):
+    """A handler's return value (the job's result) is not JSON, or its JSON is larger than
+    ``consumer.jobs.steps.MAX_RESULT_BYTES``: never truncated; the run fails permanently."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("result", problem)
+
+
+class ResultUnavailable(ConsumerError):
+    """``Store.result`` / ``aresult``: the job ended without a result (``state``
+    NEEDS_ATTENTION or CANCELLED; ``reason`` says why), or it did not end in time
+    (:class:`ResultTimeout`)."""
+
+    def __init__(self, job: str, state: str, reason: str | None) -> None:
+        super().__init__(f"job {job} is {state}" + (f": {reason}" if reason else ""))
+        self.job = job
+        self.state = state
+        self.reason = reason
+
+
+class ResultTimeout(ResultUnavailable, TimeoutError):
+    """The job did not finish within ``timeout`` seconds (``state`` is its state then)."""
+
+
 class InvalidSchedule(JobError):
     """A schedule definition was refused before anything was stored: an invalid cron
     expression, an unknown time zone, an empty name, an unknown ``missed`` policy...;

@@ -110,6 +110,7 @@ def test_a_claims_row_is_read_by_position_in_lease_columns_order() -> None:
 
     numeric = {"id", "subject_version", "attempts", "lease_epoch", "lease_expires_at"}
     numeric |= {"timer_scheduled_for", "created_at", "replies_received", "replies_consumed"}
+    numeric |= {"children"}
     values = {
         name: (i + 1 if name in numeric else f"{name}-value")
         for i, name in enumerate(LEASE_COLUMNS)
@@ -138,6 +139,7 @@ def test_a_claims_row_is_read_by_position_in_lease_columns_order() -> None:
         "created_at": lease.enqueued_at,
         "replies_received": lease.replies_received,
         "replies_consumed": lease.replies_consumed,
+        "children": lease.children,
     }
     assert read == values
 

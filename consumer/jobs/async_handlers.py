@@ -36,10 +36,10 @@ class AsyncHandlers:
             return is_async_handler(handler)
 
 
-async def run_async_handler(ctx: JobContext, handler: Callable[..., Any]) -> None:
+async def run_async_handler(ctx: JobContext, handler: Callable[..., Any]) -> Any:
     """Run an ``async def`` handler as a task of its own, which a cancel request cancels
     (``JobContext.request_cancel``: never inside a provider call); a cancelled handler
-    ends as ``JobCancelled`` (the job then ends CANCELLED)."""
+    ends as ``JobCancelled`` (the job then ends CANCELLED). Returns what it returned."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(handler(ctx))
 
@@ -50,7 +50,7 @@ async def run_async_handler(ctx: JobContext, handler: Callable[..., Any]) -> Non
     if ctx.cancel_requested:  # requested before it started: it never runs
         task.cancel()
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         if not task.cancelled():  # this slot itself is cancelled: so is the handler
             task.cancel()

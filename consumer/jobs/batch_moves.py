@@ -14,6 +14,7 @@ from consumer.jobs import replies as talk
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import Time, valid_time, valid_ttl
 from consumer.jobs.rows import BatchResult, Lease
+from consumer.jobs.steps import plain, settle_children, write_results
 
 
 class BatchMoves(StoreBase):
@@ -58,9 +59,14 @@ class BatchMoves(StoreBase):
             return BatchResult()
         # One worker's leases with no replies to consume: one statement, which commits on
         # its own (PostgreSQL: no BEGIN and COMMIT round trips).
+        # Leases with a result or dependents (consumer.jobs.steps) take the transaction.
+        steps = not all(plain(x) for x in items)
         alone = len(by_worker) == 1 and all(talk.watermark(x) is None for x in items)
         done: list[int] = []
-        with self.driver.autocommit() if alone else self.driver.begin() as conn:
+        woke = False
+        with self.driver.autocommit() if alone and not steps else self.driver.begin() as conn:
+            if steps:
+                write_results(self.driver, conn, items)
             for worker, pairs in by_worker.items():
                 # A job with a cancel request ends CANCELLED instead (the same statement).
                 done.extend(self.driver.job_finish_batch(conn, worker, pairs, when))
@@ -71,6 +77,11 @@ class BatchMoves(StoreBase):
                 for job_id, upto in seen:
                     if upto is not None:
                         talk.consume(self.driver, conn, job_id, upto, clock)
+            if ended and any(x.children for x in items):  # results alone: nothing to release
+                woke = settle_children(self.driver, conn, ended, self._clock(conn, when))
+        if woke:  # committed: this process's idle slots claim the steps now READY
+            for wake in tuple(self.local_wakers):
+                wake()
         return BatchResult(
             done=sorted(ended),
             conflicts=sorted(x.job_id for x in items if x.job_id not in ended),

@@ -28,6 +28,7 @@ from consumer.jobs.checks import (
 from consumer.jobs.queries import LEASE_COLUMNS
 from consumer.jobs.replies import watermark
 from consumer.jobs.rows import BatchResult, Lease, lease_from_row
+from consumer.jobs.steps import plain
 from outbox.outage import report_failure
 from outbox.validate import check_number
 
@@ -131,7 +132,7 @@ class BatchClaims(BatchMoves):
         together = (
             self.driver.job_claim_finishes
             and list(by_worker) == [worker]
-            and all(watermark(x) is None for x in items)
+            and all(watermark(x) is None and plain(x) for x in items)
         )
         if params is None or not together:
             result = self.finish_batch(items)

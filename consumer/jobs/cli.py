@@ -17,6 +17,7 @@ outbox-worker receipts [--state STATE] [--limit N] [--json]
 outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
+outbox-worker job TENANT ACTION [--json]
 outbox-worker inbound serve [--host 127.0.0.1] [--port 8790] [--secret-file FILE]
                             [--max-body BYTES] [--window SECONDS]
 ```
@@ -76,6 +77,7 @@ from consumer.jobs.purge import (
     retention_config,
 )
 from consumer.jobs.schedule_cli import add_schedules_command
+from consumer.jobs.step_cli import add_job_command
 from outbox.cli import (
     DATABASE,
     DATABASE_URL,
@@ -255,6 +257,7 @@ def build_parser() -> Parser:
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
     schedules = add_schedules_command(sub)  # consumer.jobs.schedule_cli
+    job = add_job_command(sub)  # consumer.jobs.step_cli
     inbound = sub.add_parser(
         "inbound",
         help="serve the signed inbound endpoint (replies, delivery callbacks)",
@@ -292,7 +295,7 @@ def build_parser() -> Parser:
     )
     inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules):
+    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules, job):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 

@@ -58,6 +58,7 @@ class JobContext:
         self._call_ends = 0.0  # monotonic: renewals during a provider call stop here
         self._lock = threading.Lock()
         self._replies: list[Reply] | None = None  # read at the first ``replies``
+        self._results: dict[tuple[str, str], Any] | None = None  # read at the first ``results``
         self._cancelled = False  # a cancel request was seen (``cancelled``)
         # Set by the worker that runs an ``async def`` handler: cancels its task (thread-safe).
         self.cancel_task: Callable[[], None] | None = None
@@ -119,6 +120,15 @@ class JobContext:
                 with self.store.driver.connect() as conn:
                     self._replies = unconsumed(self.store.driver, conn, self.lease)
         return list(self._replies)
+
+    @property
+    def results(self) -> dict[tuple[str, str], Any]:
+        """The results of this job's parents (``after=`` at enqueue), keyed by each parent's
+        ``(tenant, action)``: what their handlers returned (None for one that returned
+        nothing). Read once, at the first use; empty for a job without parents."""
+        if self._results is None:
+            self._results = self.store.results_of_parents(self.job_id)
+        return dict(self._results)
 
     @property
     def cancelled(self) -> bool:

@@ -19,18 +19,25 @@ from consumer.jobs.schema import (
     JOBS_TABLE,
     OPERATIONS_TABLE,
     REPLIES_TABLE,
+    STEPS_TABLE,
     WORKERS_TABLE,
 )
 from consumer.jobs.states import CANCELLED, DONE, LEASED
 
 __all__ = ["JOB_DUE", "PG_JOB_PURGE", "SQLITE_JOB_FINISHED", "RetentionStatements"]
 
+# A job some open job waits for (``after=``: consumer.jobs.steps) stays: its dependents read
+# its result when they run (one probe of the steps' primary key per finished job).
+_OPEN_CHILD = f"""
+  AND NOT EXISTS (SELECT 1 FROM {STEPS_TABLE} s JOIN {JOBS_TABLE} c ON c.id = s.child_id
+                  WHERE s.parent_id = j.id AND c.state NOT IN ('{DONE}', '{CANCELLED}'))"""
+
 # SQLite: the batch, oldest first (its planner walks ix_outbox_jobs_finished for it).
 SQLITE_JOB_FINISHED = f"""
 SELECT j.id FROM {JOBS_TABLE} j
 WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
   AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
+                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN')){_OPEN_CHILD}
 ORDER BY j.updated_at"""
 
 # PostgreSQL: one statement per batch, whose only sensible plan is a walk of the index
@@ -54,7 +61,8 @@ _NEXT_FINISHED = f"""
         SELECT j.id, j.updated_at FROM {JOBS_TABLE} j
         WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
           AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                          WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
+                          WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))
+          {_OPEN_CHILD}"""
 
 PG_JOB_PURGE = f"""
 WITH RECURSIVE walk(id, updated_at, n) AS (
@@ -78,6 +86,9 @@ gone_operations AS (
     RETURNING operation_id),
 gone_replies AS (
     DELETE FROM {REPLIES_TABLE} WHERE job_id = ANY(ARRAY(SELECT id FROM doomed))),
+gone_steps AS (
+    DELETE FROM {STEPS_TABLE} WHERE parent_id = ANY(ARRAY(SELECT id FROM doomed))
+        OR child_id = ANY(ARRAY(SELECT id FROM doomed))),
 gone_deliveries AS (
     DELETE FROM {DELIVERIES_TABLE}
     WHERE operation_id = ANY(ARRAY(SELECT operation_id FROM gone_operations))),
@@ -91,7 +102,7 @@ _DUE_JOBS = f"""
 SELECT j.id FROM {JOBS_TABLE} j
 WHERE j.state IN ('{DONE}', '{CANCELLED}') AND j.updated_at < :cutoff
   AND NOT EXISTS (SELECT 1 FROM {OPERATIONS_TABLE} o
-                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN'))"""
+                  WHERE o.job_id = j.id AND o.state IN ('PENDING', 'UNKNOWN')){_OPEN_CHILD}"""
 
 JOB_DUE = f"""
 SELECT (SELECT count(*) FROM ({_DUE_JOBS}) d),

@@ -29,6 +29,7 @@ from consumer.jobs.schema import (
     OPERATIONS_TABLE,
     PROVIDER_LIMITS_TABLE,
     REPLIES_TABLE,
+    STEPS_TABLE,
 )
 from consumer.jobs.states import LEASED
 from outbox.dialect import EPOCH_SQL, SQLITE, db_epoch
@@ -153,6 +154,12 @@ class SqliteJobDriver(JobDriver):
         marks = ", ".join(f":i{n}" for n in range(len(ids)))
         # Their replies and delivery callbacks go with them (not counted: the job's own).
         conn.execute(text(f"DELETE FROM {REPLIES_TABLE} WHERE job_id IN ({marks})"), params)
+        conn.execute(  # their steps' edges (consumer.jobs.steps)
+            text(
+                f"DELETE FROM {STEPS_TABLE} WHERE parent_id IN ({marks}) OR child_id IN ({marks})"
+            ),
+            params,
+        )
         conn.execute(
             text(
                 f"DELETE FROM {DELIVERIES_TABLE} WHERE operation_id IN (SELECT operation_id"

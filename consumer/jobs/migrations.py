@@ -14,6 +14,9 @@ missing (idempotent):
   counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
   outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
   index of LEASED jobs with a cancel request;
+- steps (issue 57): ``outbox_jobs``'s ``result``, ``on_parent_failure`` and the counters
+  ``parents_pending`` and ``children`` (NOT NULL, default 0), and the table
+  ``outbox_job_steps`` with its indexes;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 

@@ -38,12 +38,15 @@ from consumer.jobs.states import (
     CANCELLED,
     DONE,
     LEASED,
+    NEEDS_ATTENTION,
     READY,
     WAITING,
     WAITING_EXTERNAL,
     WAITING_REVIEW,
     check_transition,
 )
+from consumer.jobs.step_results import checked_result
+from consumer.jobs.steps import settle_children
 
 
 class LeaseMoves(BatchMoves, OperatorMoves):
@@ -89,9 +92,16 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         epoch: int | None = None,
         *,
         now: Time | None = None,
+        result: Any = None,
     ) -> None:
-        """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held."""
+        """LEASED -> DONE. ``Conflict`` if ``epoch`` is stale or the lease is not held.
+        ``result`` (JSON, ``consumer.jobs.step_results`` caps it; default: a Lease's own
+        ``result``) is stored by the same statement; dependents whose last parent this was
+        become READY in its transaction."""
         when = valid_time("now", now)
+        if result is None and isinstance(job, Lease):
+            result = job.result
+        values = {} if result is None else {"result": checked_result(result)}
         where, label, who, epoch_ = valid_holder(job, action, worker, epoch)
         with self.driver.begin() as conn:
             self._move(
@@ -101,7 +111,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
                 who,
                 epoch_,
                 DONE,
-                {},
+                values,
                 "done",
                 None,
                 when,
@@ -472,6 +482,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             if ended is not None:
                 note = f"cancel requested; the run ended {outcome}"
                 self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
+                settle_children(self.driver, conn, [ended], clock)
                 return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
@@ -480,6 +491,8 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume
             talk.consume(self.driver, conn, job_id, consume, clock)
+        if target in _PARENT_ENDS:  # its dependents learn it in the same transaction
+            settle_children(self.driver, conn, [job_id], clock)
         return target
 
     def _cas(
@@ -514,6 +527,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         )
 
 
+_PARENT_ENDS = (DONE, CANCELLED, NEEDS_ATTENTION, WAITING_REVIEW)
 _CANCELLED_END: dict[str, Any] = {
     "state": CANCELLED,
     "lease_owner": None,

@@ -25,6 +25,7 @@ from consumer.jobs.states import (
     check_transition,
     sources,
 )
+from consumer.jobs.steps import settle_children
 
 
 class OperatorMoves(StoreBase):
@@ -122,6 +123,8 @@ class OperatorMoves(StoreBase):
             self.driver.attempt_insert(conn, job_id, None, None, outcome, note, clock)
             if target == READY:
                 self.driver.job_ready_notify(conn)
+            else:  # cancelled or parked: its dependents follow (consumer.jobs.steps)
+                settle_children(self.driver, conn, [job_id], clock)
 
     def _state(self, conn: Connection, where: ColumnElement[bool], label: str) -> str:
         state = self.driver.job_state(conn, where)

@@ -4,10 +4,11 @@ A ``def`` handler run by ``Worker.run_once`` or on a slot's thread, and an ``asy
 handler awaited on the slots' event loop, end the same way (issue 42: this was written
 twice): :meth:`Outcomes.settle` turns what the handler did (returned, raised, moved its job
 through its :class:`~consumer.jobs.context.JobContext`) into the job's next state, and a job
-that returned without moving itself is finished by :meth:`Outcomes.finish`, in batches
-(the worker's one statement, ``Runner.finish_and_claim``: one fenced statement for many
-jobs, with the claim of the slots they free; a finish whose lease was taken over comes back
-as a conflict, job by job). Every outcome is an :class:`Outcome`.
+that returned without moving itself is finished in batches by the worker's one writer of
+finishes (``Runner.finish_and_claim``: one fenced statement for many jobs, with the claim of
+the slots they free; a finish whose lease was taken over comes back as a conflict, job by
+job; :meth:`Outcomes.finishing` and :meth:`Outcomes.finished` around it). Every outcome is an
+:class:`Outcome`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -28,11 +29,14 @@ from consumer.errors import (
     JobCancelled,
     JobFailure,
     OperationUnresolved,
+    PermanentFailure,
     ProviderThrottled,
+    ResultTooLarge,
 )
 from consumer.jobs.context import JobContext
 from consumer.jobs.receipts import retry_after_of
 from consumer.jobs.states import Outcome
+from consumer.jobs.step_results import run_result
 from consumer.jobs.store import Lease, Store
 from outbox import tracing
 from outbox.hooks import Hooks, call_hook
@@ -90,15 +94,16 @@ class Outcomes:
         routed = self.route(ctx.lease)
         self.hook("worker_job_started", routed[0] if routed else "unrouted", **ctx.lease.facts())
         error: BaseException | None = None
+        result: Any = None
         if routed is not None:
             try:
                 result = routed[1](ctx)
                 if inspect.isawaitable(result):
-                    asyncio.run(_awaited(result))
+                    result = asyncio.run(_awaited(result))
             except Exception as exc:
                 error = exc
         ctx.ended()  # renewed at every beat from here (the outcome waits on the worker)
-        return self.settle(ctx, routed, started, error)
+        return self.settle(ctx, routed, started, error, result)
 
     # -- the one settle ------------------------------------------------------------------
     def settle(
@@ -107,11 +112,19 @@ class Outcomes:
         routed: Routed | None,
         started: float,
         error: BaseException | None,
+        returned: Any = None,
     ) -> Settled:
         """Record a handler's outcome (``error``: what it raised, None if it returned); the
-        same for ``def`` and ``async def`` handlers. A success is left to :meth:`finish`
-        (in batches); every other end is reported to the hooks here."""
+        same for ``def`` and ``async def`` handlers. A success is left to the finish (in
+        batches, ``Runner.finish_and_claim``); every other end is reported to the hooks
+        here. What the handler ``returned`` rides on the lease to the finish (the job's
+        result, capped)."""
         label = routed[0] if routed else "unrouted"
+        if returned is not None and error is None:
+            try:
+                ctx.lease = replace(ctx.lease, result=run_result(returned))
+            except ResultTooLarge as exc:  # never truncated: the run fails for good
+                error = PermanentFailure(str(exc))
         try:
             outcome = self._outcome(ctx, routed, error)
         except Conflict as exc:

@@ -42,6 +42,7 @@ LEASE_COLUMNS = (
     "created_at",
     "replies_received",
     "replies_consumed",
+    "children",
 )
 
 _JSON_LIST = {

@@ -16,6 +16,7 @@ from consumer.jobs.checks import Time, valid_name, valid_time, valid_ttl
 from consumer.jobs.rows import RecoveryResult
 from consumer.jobs.schema import jobs
 from consumer.jobs.states import LEASED, NEEDS_ATTENTION, READY, check_transition
+from consumer.jobs.steps import settle_children, sweep
 from outbox.validate import check_number
 
 
@@ -58,6 +59,7 @@ class Recovery(StoreBase):
                     woken += 1
             if requeued or woken:
                 self.driver.job_ready_notify(conn)
+            sweep(self.driver, conn, clock, bound)  # parents' ends not applied yet (steps)
         return RecoveryResult(requeued=requeued, needs_attention=attention, woken=woken)
 
     def recover_dead(self, *, now: Time | None = None, limit: int | None = None) -> RecoveryResult:
@@ -120,6 +122,7 @@ class Recovery(StoreBase):
                 requeued += 1
             else:
                 attention += 1
+                settle_children(self.driver, conn, [row.id], clock)  # its dependents
         return requeued, attention
 
     def worker_alive(self, name: str, ttl: float, *, now: Time | None = None) -> None:

@@ -95,6 +95,12 @@ class Lease:
     """Replies the job had at the claim (``consumer.jobs.replies``): its run sees those after
     ``replies_consumed``, and consumes them if it ends well."""
     replies_consumed: int = 0
+    children: int = 0
+    """Jobs enqueued ``after`` this one at the claim (``consumer.jobs.steps``): a lease with
+    none and no ``result`` finishes on the plain path."""
+    result: Any = None
+    """What the run returned (JSON), written by its finish: set by the worker when the
+    handler returns (``dataclasses.replace``), never by the claim."""
 
     def facts(self) -> dict[str, Any]:
         """Which job this is, as the worker hooks' keywords (``outbox.hooks.Hooks``)."""
@@ -138,6 +144,10 @@ class Job:
     cancel_requested_at: float | None = None
     """When a cancel was requested while the job was LEASED (``Store.cancel``), or None."""
     cancel_reason: str | None = None
+    result: Any = None
+    """The result its handler returned (DONE jobs; ``Store.result`` waits for it)."""
+    parents_pending: int = 0
+    """Parents (``after=``) not DONE yet: the job is WAITING_PARENTS until none is left."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,7 @@ def lease_from_row(row: Any) -> Lease:
         created_at,
         replies_received,
         replies_consumed,
+        children,
     ) = row
     return Lease(
         job_id=int(job_id),
@@ -258,6 +269,7 @@ def lease_from_row(row: Any) -> Lease:
         enqueued_at=float(created_at),
         replies_received=int(replies_received or 0),
         replies_consumed=int(replies_consumed or 0),
+        children=int(children or 0),
     )
 
 
@@ -292,4 +304,6 @@ def job_from_row(row: Any) -> Job:
             None if row.cancel_requested_at is None else float(row.cancel_requested_at)
         ),
         cancel_reason=row.cancel_reason,
+        result=row.result,
+        parents_pending=int(row.parents_pending or 0),
     )

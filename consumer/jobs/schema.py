@@ -35,6 +35,8 @@ SQLite ``julianday`` arithmetic). Job states are the strings of ``consumer.jobs.
 ``replies_received`` / ``replies_consumed``: the job's replies (``outbox_job_replies``) so
 far, and up to which a run that ended well consumed them. ``cancel_requested_at`` /
 ``cancel_reason``: a cancel requested while it was LEASED (``consumer.jobs.cancels``).
+``result`` (JSON), ``parents_pending``, ``children``, ``on_parent_failure``: steps
+(``consumer.jobs.steps``; edges in ``outbox_job_steps``).
 
 Useful metric queries: jobs per state ``SELECT state, count(*) ... GROUP BY state``; oldest
 eligible READY age ``db_epoch - min(coalesce(run_after, created_at)) WHERE state = 'READY'
@@ -104,6 +106,7 @@ __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 __all__ += ["SCHEDULES_TABLE", "schedules"]
+__all__ += ["STEPS_TABLE", "job_steps"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -162,6 +165,13 @@ jobs = Table(
     # the run ends CANCELLED.
     Column("cancel_requested_at", Double, nullable=True),
     Column("cancel_reason", Text, nullable=True),
+    # Steps (consumer.jobs.steps): the handler's return value, the parents not DONE yet, the
+    # dependents (a lease with none finishes on the plain path), and what a failed parent
+    # does to this job (NULL: WAITING_REVIEW; 'cancel').
+    Column("result", _json(), nullable=True),
+    Column("parents_pending", Integer, nullable=False, server_default=text("0")),
+    Column("children", Integer, nullable=False, server_default=text("0")),
+    Column("on_parent_failure", String(16), nullable=True),
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 
@@ -408,6 +418,27 @@ DUE_SCHEDULES_INDEX = Index(
     sqlite_where=schedules.c.paused_at.is_(None),
 )
 
+STEPS_TABLE = "outbox_job_steps"
+
+# Dependencies (``after=`` at enqueue; consumer/jobs/steps.py): one row per (parent, child).
+# ``released`` is set once the parent's end was applied to the child (its count of pending
+# parents, or the failure policy): exactly once, whichever worker or sweep gets there first.
+job_steps = Table(
+    STEPS_TABLE,
+    metadata,
+    Column("parent_id", BigInteger, primary_key=True),
+    Column("child_id", BigInteger, primary_key=True),
+    Column("released", Integer, nullable=False, server_default=text("0")),
+)
+Index("ix_outbox_job_steps_child", job_steps.c.child_id)
+# The sweep's read: edges whose parent ended but were not applied yet (a handful).
+UNRELEASED_STEPS_INDEX = Index(
+    "ix_outbox_job_steps_unreleased",
+    job_steps.c.parent_id,
+    postgresql_where=job_steps.c.released == 0,
+    sqlite_where=job_steps.c.released == 0,
+)
+
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
 """The job tables written all day (every claim and finish updates a job, every outcome adds
 a history row): they get the hot-table autovacuum settings, and the worker vacuums them
@@ -460,11 +491,14 @@ ADDED_OPERATION_COLUMNS = (
 )
 """Nullable columns ``outbox_operations`` gained after its first release (issue 11; the
 delivery outcome, issue 38)."""
-ADDED_JOB_COLUMNS = ("trace_context", "cancel_requested_at", "cancel_reason")
+ADDED_JOB_COLUMNS = (
+    *("trace_context", "cancel_requested_at", "cancel_reason"),
+    *("result", "on_parent_failure"),
+)
 """Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
 23), the cancel request (issue 38). The queue (issue 27) and the reply counters (issue 38)
 are NOT NULL with a default: added on their own below."""
-COUNTED_JOB_COLUMNS = ("replies_received", "replies_consumed")
+COUNTED_JOB_COLUMNS = ("replies_received", "replies_consumed", "parents_pending", "children")
 """``outbox_jobs``'s NOT NULL integer columns with default 0 added after its first release."""
 
 
@@ -510,6 +544,7 @@ def upgrade_schema(conn: Connection) -> None:
     deliveries.create(conn, checkfirst=True)
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
+    job_steps.create(conn, checkfirst=True)  # steps (issue 57), with its indexes
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
 

@@ -409,17 +409,20 @@ class SlotRunner:
         ctx.started()  # renewed at every beat until here
         parts.hook("worker_job_started", routed[0], **ctx.lease.facts())
         error: BaseException | None = None
+        returned: Any = None
         with tracing.running(ctx.lease, parts.route) as span:  # this task's context
             try:
-                await run_async_handler(ctx, routed[1])
+                returned = await run_async_handler(ctx, routed[1])
             except Exception as exc:
                 error = exc
             ctx.ended()  # renewed at every beat from here
             span.set("outbox.job.outcome", "interrupted")  # unless settled below
-            if error is None:  # its own moves are written: settling it writes nothing
-                settled = parts.outcomes.settle(ctx, routed, started, None)
-            else:  # a failure is written by the settle: in the database executor
-                settled = await self._db(parts.outcomes.settle, ctx, routed, started, error)
+            if error is None and returned is None:  # its own moves are written: nothing to
+                settled = parts.outcomes.settle(ctx, routed, started, None)  # write here
+            else:  # a failure (or a result over its cap) is written: in the executor
+                settled = await self._db(
+                    parts.outcomes.settle, ctx, routed, started, error, returned
+                )
             span.set("outbox.job.outcome", settled.outcome)
         return settled
 

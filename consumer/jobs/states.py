@@ -11,6 +11,9 @@ move also filters on the allowed source states, so a race cannot sneak past the 
   operation). ``resume`` (the decision) or ``cancel`` ends the wait.
 - ``NEEDS_ATTENTION``: the attempts or the recovery window are spent, or credentials were
   refused repeatedly; an operator fixes the cause, then ``resume``.
+- ``WAITING_PARENTS``: enqueued ``after`` other jobs (``consumer.jobs.steps``) that are not
+  all DONE; never claimed. The finish of its last parent makes it READY, in the same
+  transaction; a failed parent sends it to WAITING_REVIEW (or CANCELLED, as asked).
 - ``DONE`` and ``CANCELLED``: terminal. ``CANCELLED`` is the extra state this store adds:
   a timer whose subject changed or whose cancellation condition holds, or an operator's
   ``cancel``, ends the job without acting.
@@ -30,8 +33,12 @@ WAITING_REVIEW: Final = "WAITING_REVIEW"
 NEEDS_ATTENTION: Final = "NEEDS_ATTENTION"
 DONE: Final = "DONE"
 CANCELLED: Final = "CANCELLED"
+WAITING_PARENTS: Final = "WAITING_PARENTS"
 
-STATES: Final = (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED)
+STATES: Final = (
+    *(READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED),
+    WAITING_PARENTS,
+)
 WAITING: Final = (WAITING_EXTERNAL, WAITING_REVIEW)
 TERMINAL: Final = (DONE, CANCELLED)
 
@@ -49,6 +56,8 @@ TRANSITIONS: Final[dict[str, frozenset[str]]] = {
     # An operator's decision: retry (READY) or give up (CANCELLED).
     WAITING_REVIEW: frozenset({READY, CANCELLED}),
     NEEDS_ATTENTION: frozenset({READY, CANCELLED}),
+    # Its last parent's finish (READY), a failed parent (review), a cancelled one.
+    WAITING_PARENTS: frozenset({READY, WAITING_REVIEW, CANCELLED}),
     DONE: frozenset(),
     CANCELLED: frozenset(),
 }

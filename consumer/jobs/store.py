@@ -32,6 +32,10 @@ Contract:
 - **Storage.** Every statement runs through ``Store.driver`` (``consumer.jobs.driver``: one
   PostgreSQL and one SQLite implementation side by side); this module never asks which
   database it runs on. Names are checked by ``outbox.validate`` before anything is written.
+- **Steps** (``after=`` at enqueue; ``consumer.jobs.steps``): a job whose parents are not
+  all DONE is WAITING_PARENTS, never claimed; the finish of its last parent makes it READY in
+  the same transaction. A handler's return value is its job's ``result``
+  (``consumer.jobs.step_results``: ``result`` / ``aresult`` wait for it).
 - **Wake-ups** (PostgreSQL, ``StoreConfig(notify=True)``; off by default): an enqueue that
   creates a job, a ``resume`` and a recovery that makes jobs READY send a NOTIFY at commit;
   idle workers LISTEN. Without it idle workers poll adaptively (``consumer.jobs.slots``).
@@ -89,15 +93,9 @@ from consumer.jobs.rows import (
 )
 from consumer.jobs.schedules import ScheduleMethods
 from consumer.jobs.schema import DEFAULT_QUEUE
-from consumer.jobs.states import (
-    CANCELLED,
-    DONE,
-    LEASED,
-    NEEDS_ATTENTION,
-    READY,
-    WAITING_EXTERNAL,
-    WAITING_REVIEW,
-)
+from consumer.jobs.states import LEASED, READY, STATES
+from consumer.jobs.step_results import ResultMethods
+from consumer.jobs.steps import enqueue_graph, valid_after, valid_policy
 from outbox.errors import ConfigError
 
 __all__ = [
@@ -119,12 +117,13 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_STEP_FIELDS = frozenset({"after", "on_parent_failure"})  # enqueue_many's graph items
 
 
 # -- the store -------------------------------------------------------------------------------
 
 
-class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
+class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, ResultMethods):
     """The job store on one database (see the module docstring for the contract).
 
     ``Store()`` is an in-memory SQLite database (one shared connection, so it lives as long
@@ -202,6 +201,8 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         queue: str = DEFAULT_QUEUE,
         session: Session | Connection | None = None,
         now: Time | None = None,
+        after: Iterable[tuple[str, str]] | None = None,
+        on_parent_failure: str | None = None,
     ) -> EnqueueResult:
         """Create the job ``(tenant, action)`` in READY, or return the existing one.
 
@@ -214,7 +215,9 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         ``run_after`` delays eligibility; ``kind`` names the handler (default: routed by the
         action's prefix); ``provider`` selects a per-provider backoff ceiling; ``queue``
         names the queue the job waits in (``"default"``): workers claim from the queues they
-        are given.
+        are given. ``after``: the ``(tenant, action)`` of jobs it waits for (WAITING_PARENTS
+        until every one is DONE; ``consumer.jobs.steps``), ``on_parent_failure``: ``review``
+        (default) or ``cancel``.
         """
         values = job_values(
             tenant,
@@ -229,7 +232,16 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
             queue=queue,
             now=now,
         )
+        parents, policy = valid_after(after), valid_policy(on_parent_failure)
         writers = deferred_writes(session)
+        if parents:
+            buffer = None if writers is None else writers.get(self)
+            if isinstance(buffer, EnqueueBuffer) and isinstance(session, Session):
+                buffer.flush(session.connection())  # its parents may be in the buffer
+            return self._in_session(
+                session,
+                lambda conn: enqueue_graph(self.driver, conn, [values], [parents], [policy])[0],
+            )
         if writers is not None:  # a consumer's batch Session: written with the batch
             buffer = writers.get(self)
             if not isinstance(buffer, EnqueueBuffer):
@@ -257,21 +269,33 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         already existed, or that appears earlier in the same list, comes back with
         ``duplicate=True``. ``session`` joins the caller's transaction as in ``enqueue``:
         a consumer's batch handler creates a whole batch of jobs in one round trip.
+        ``"after"`` and ``"on_parent_failure"`` items make a graph (``enqueue``'s arguments):
+        items may depend on each other, and a cycle or an unknown parent refuses the whole
+        call before anything is written.
         """
         if isinstance(specs, Mapping):
             raise JobError("specs", "enqueue_many takes a list of job specs, not one mapping")
         rows: list[dict[str, Any]] = []
+        afters: list[list[tuple[str, str]]] = []
+        policies: list[str | None] = []
         for index, spec in enumerate(specs):
             if not isinstance(spec, Mapping):
                 raise JobError("specs", f"item {index} is {type(spec).__name__}, not a mapping")
-            unknown = set(spec) - SPEC_FIELDS
+            unknown = set(spec) - SPEC_FIELDS - _STEP_FIELDS
             if unknown:
                 raise JobError("specs", f"item {index} has unknown fields {sorted(unknown)}")
             if "tenant" not in spec or "action" not in spec:
                 raise JobError("specs", f"item {index} needs tenant and action")
-            rows.append(job_values(**spec, now=now))
+            fields = {k: v for k, v in spec.items() if k not in _STEP_FIELDS}
+            rows.append(job_values(**fields, now=now))
+            afters.append(valid_after(spec.get("after"), f"specs[{index}].after"))
+            policies.append(valid_policy(spec.get("on_parent_failure")))
         if not rows:
             return []
+        if any(afters):
+            return self._in_session(
+                session, lambda conn: enqueue_graph(self.driver, conn, rows, afters, policies)
+            )
         return self._in_session(session, lambda conn: enqueue_rows(self.driver, conn, rows))
 
     def _in_session(
@@ -360,9 +384,7 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         """Jobs per state (every state present, zero when none)."""
         with self.driver.connect() as conn:
             found = self.driver.job_count_by_state(conn)
-        result = dict.fromkeys(
-            (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED), 0
-        )
+        result = dict.fromkeys(STATES, 0)
         result.update(found)
         return result
 

@@ -47,6 +47,7 @@ from consumer.jobs.rows import QueueDepth
 from consumer.jobs.schema import (
     attempts,
     deliveries,
+    job_steps,
     jobs,
     operations,
     paused_queues,
@@ -430,6 +431,7 @@ def present_tables(engine: Engine, tables: Tables) -> set[str]:
         schedules.name,
         replies.name,
         deliveries.name,
+        job_steps.name,
         audit.name,
     ]
     return {name for name in names if inspector.has_table(name, schema=None)}

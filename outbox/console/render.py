@@ -56,6 +56,25 @@ def print_trace(trace: Trace, out: TextIO) -> None:
         _line(out, "group", i, ("group_name", "identity", "event_id", "entry_id", "processed_at"))
     for d in trace.dead_letters:
         _line(out, "dead letter", d, ("id", "group_name", "reason", "state", "error"))
+    _print_jobs(trace, out)
+    out.write("receipts:\n")
+    for r in trace.receipts:
+        receipt_keys = (
+            "operation_id",
+            "provider",
+            "state",
+            "provider_ref",
+            "attempts",
+            "call_deadline",
+        )
+        _line(out, "operation", r, (*receipt_keys, "settled_by", "settled_reason"))
+    out.write("audit:\n")
+    for a in trace.audit:
+        _line(out, "action", a, ("at", "actor", "action", "target_kind", "target_id", "reason"))
+
+
+def _print_jobs(trace: Trace, out: TextIO) -> None:
+    """The trace's jobs: each with its timer, history, and parents and children (steps)."""
     out.write("jobs:\n")
     for j in trace.jobs:
         job_keys = (
@@ -72,17 +91,6 @@ def print_trace(trace: Trace, out: TextIO) -> None:
             _line(out, "  timer", j, ("timer_scheduled_for", "timer_reason"))
         for h in j.get("history", []):
             _line(out, "  attempt", h, ("at", "epoch", "worker", "outcome", "error"))
-    out.write("receipts:\n")
-    for r in trace.receipts:
-        receipt_keys = (
-            "operation_id",
-            "provider",
-            "state",
-            "provider_ref",
-            "attempts",
-            "call_deadline",
-        )
-        _line(out, "operation", r, (*receipt_keys, "settled_by", "settled_reason"))
-    out.write("audit:\n")
-    for a in trace.audit:
-        _line(out, "action", a, ("at", "actor", "action", "target_kind", "target_id", "reason"))
+        for label, kind in (("  parent", "parents"), ("  child", "children")):  # steps
+            for step in j.get(kind, []):
+                _line(out, label, step, ("id", "tenant", "action", "state"))

@@ -29,10 +29,10 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
    recall an effect whose intent was written before it;
 4. ``not sent``: a receipt NOT_SENT or FAILED;
 5. ``in progress``: a receipt PENDING within its deadline (the call may be in flight);
-6. then the jobs: WAITING_REVIEW or NEEDS_ATTENTION ``needs review``; WAITING_EXTERNAL, or
-   a job with a timer or a ``run_after`` in the future, ``waiting``; READY or LEASED
-   ``in progress``; every job CANCELLED ``not sent``; DONE (no receipt recorded: the handler
-   finished) ``sent``;
+6. then the jobs: WAITING_REVIEW or NEEDS_ATTENTION ``needs review``; WAITING_EXTERNAL,
+   WAITING_PARENTS, or a job with a timer or a ``run_after`` in the future, ``waiting``;
+   READY or LEASED ``in progress``; every job CANCELLED ``not sent``; DONE (no receipt
+   recorded: the handler finished) ``sent``;
 7. no job: a dead letter ``needs review``; an outbox row pending or quarantined
    ``not published yet``; published (in the stream, no job yet) ``in progress``.
 """
@@ -47,7 +47,7 @@ from typing import Any
 from sqlalchemy import or_, select, text, tuple_
 from sqlalchemy.engine import Connection
 
-from consumer.jobs.schema import attempts, deliveries, jobs, operations, replies
+from consumer.jobs.schema import attempts, deliveries, job_steps, jobs, operations, replies
 from outbox.codec import text_fields
 from outbox.console.queries import TRACE_LIMIT, Tables, jsonable
 from outbox.console.schema import audit
@@ -159,6 +159,8 @@ def collect(
         _add(trace.jobs, _event_jobs(conn, trace.events), "id")
     if trace.jobs:
         _history_and_receipts(conn, has, trace)
+    if trace.jobs and has(job_steps.name):
+        _steps(conn, trace)
     if redis is not None:
         trace.stream_entries = stream_entries(redis, trace.events)
     if has(audit.name):
@@ -271,6 +273,29 @@ def _history_and_receipts(conn: Connection, has: Callable[[str], bool], trace: T
             .limit(TRACE_LIMIT)
         )
         trace.deliveries = _rows(conn.execute(callbacks))
+
+
+def _steps(conn: Connection, trace: Trace) -> None:
+    """Each job's parents and children (``after=`` at enqueue: consumer.jobs.steps), each
+    with its id, tenant, action and state; its ``result`` is a column of its own row."""
+    by_job = {int(j["id"]): j for j in trace.jobs}
+    other = jobs.alias("other")
+    for mine, theirs, key in (
+        (job_steps.c.child_id, job_steps.c.parent_id, "parents"),
+        (job_steps.c.parent_id, job_steps.c.child_id, "children"),
+    ):
+        for job in trace.jobs:
+            job[key] = []
+        query = (
+            select(mine.label("job_id"), other.c.id, other.c.tenant, other.c.action, other.c.state)
+            .join(other, other.c.id == theirs)
+            .where(mine.in_(sorted(by_job)))
+            .order_by(mine, other.c.id)
+            .limit(TRACE_LIMIT * 4)
+        )
+        for row in conn.execute(query):
+            step = {"id": int(row.id), "tenant": row.tenant, "action": row.action}
+            by_job[int(row.job_id)][key].append({**step, "state": row.state})
 
 
 def _lookup(
@@ -434,7 +459,7 @@ def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
         if job["state"] in ("WAITING_REVIEW", "NEEDS_ATTENTION"):
             return NEEDS_REVIEW, label(job)
     for job in found:
-        if job["state"] == "WAITING_EXTERNAL":
+        if job["state"] in ("WAITING_EXTERNAL", "WAITING_PARENTS"):  # a reply, a step
             return WAITING, label(job)
         future = job["run_after"] is not None and float(job["run_after"]) > now
         if job["state"] == "READY" and (job["timer_scheduled_for"] is not None or future):
