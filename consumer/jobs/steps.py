@@ -147,12 +147,7 @@ def enqueue_graph(
     every row). Refusals come before the first write."""
     keys = [(row["tenant"], row["action"]) for row in rows]
     check_cycles(keys, afters)
-    batch = set(keys)
-    outside = sorted({p for after in afters for p in after if p not in batch})
-    found = driver.job_ids(conn, outside) if outside else {}
-    missing = [_label(k) for k in outside if k not in found]
-    if missing:
-        raise UnknownParent(missing)
+    found = _known_parents(driver, conn, set(keys), afters)
     rows = [
         {
             **row,
@@ -163,15 +158,42 @@ def enqueue_graph(
     ]
     results = enqueue_rows(driver, conn, rows)
     ids = {**found, **{k: r.job_id for k, r in zip(keys, results, strict=True)}}
-    edges: list[tuple[int, int]] = []
-    for result, after in zip(results, afters, strict=True):
-        if after and not result.duplicate:
-            edges += [(ids[parent], result.job_id) for parent in after]
-    if not edges:
-        return results
-    stamp = rows[0]["updated_at"]
-    if not isinstance(stamp, (int, float)):
-        stamp = driver.clock_read(conn, None)  # the history rows need a number
+    edges = [
+        (ids[parent], result.job_id)
+        for result, after in zip(results, afters, strict=True)
+        if after and not result.duplicate
+        for parent in after
+    ]
+    if edges:
+        stamp = rows[0]["updated_at"]
+        if not isinstance(stamp, (int, float)):
+            stamp = driver.clock_read(conn, None)  # the history rows need a number
+        policy_of = {r.job_id: policy for r, policy in zip(results, policies, strict=True)}
+        _write_edges(driver, conn, edges, policy_of, stamp)
+    return results
+
+
+def _known_parents(
+    driver: JobDriver, conn: Connection, batch: set[Key], afters: list[list[Key]]
+) -> dict[Key, int]:
+    """The ids of the parents outside this call; ``UnknownParent`` names those not found."""
+    outside = sorted({p for after in afters for p in after if p not in batch})
+    found = driver.job_ids(conn, outside) if outside else {}
+    missing = [_label(k) for k in outside if k not in found]
+    if missing:
+        raise UnknownParent(missing)
+    return found
+
+
+def _write_edges(
+    driver: JobDriver,
+    conn: Connection,
+    edges: list[tuple[int, int]],
+    policy_of: dict[int, str | None],
+    stamp: float,
+) -> None:
+    """The edges, with each child's first state and count from its parents' states read
+    under their locks; a child that ended at once ends its own children."""
     states = _lock_parents(conn, Counter(parent for parent, _ in edges))
     conn.execute(
         insert(job_steps),
@@ -183,7 +205,6 @@ def enqueue_graph(
     by_child: dict[int, list[int]] = {}
     for parent, child in edges:
         by_child.setdefault(child, []).append(parent)
-    policy_of = {r.job_id: policy for r, policy in zip(results, policies, strict=True)}
     moves: dict[tuple[Any, ...], list[int]] = {}  # the children's first values -> ids
     ended: list[int] = []
     for child, parents in by_child.items():
@@ -201,7 +222,6 @@ def enqueue_graph(
         settle_children(driver, conn, ended, stamp)
     if any(dict(values).get("state") == READY for values in moves):
         driver.job_ready_notify(conn)
-    return results
 
 
 _CHUNK = 500
