@@ -5,7 +5,8 @@ An email "accepted" by SES or Postmark may bounce an hour later. ``Operations.re
 :func:`record_delivery`:
 
 - the callback is kept in ``outbox_deliveries``, deduplicated by the provider's
-  ``event_id`` (the same callback twice changes nothing and says so: ``duplicate=True``);
+  ``event_id`` per operation (the same callback twice changes nothing and says so:
+  ``duplicate=True``; the same ``event_id`` for another operation is another callback);
 - when the operation's receipt is ACCEPTED it is **applied** at once: the receipt's
   ``delivery_status`` becomes the furthest outcome seen (``delivered`` < ``opened`` <
   ``complained`` < ``bounced``: callbacks out of order, an "opened" before its "delivered",
@@ -103,7 +104,7 @@ def record_delivery(
         )
         current = None if receipt is None else receipt.delivery_status
         if not created:
-            kept = driver.delivery_applied_at(conn, event_id)
+            kept = driver.delivery_applied_at(conn, operation_id, event_id)
             return DeliveryResult(
                 event_id, operation_id, status, True, kept is not None, current, False
             )

@@ -14,6 +14,8 @@ missing (idempotent):
   counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
   outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
   index of LEASED jobs with a cancel request;
+- ``outbox_deliveries`` keyed by ``(operation_id, event_id)`` instead of ``event_id`` alone
+  (issue 53: callbacks are deduplicated per operation); SQLite rebuilds the table;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
