@@ -35,7 +35,7 @@ from consumer.errors import JobError, JobNotFound
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.replies import record_reply
 from consumer.jobs.schema import db_epoch, jobs
-from outbox.validate import MAX_NAME_LENGTH, check_name
+from outbox.validate import MAX_NAME_LENGTH, check_name, check_text
 
 __all__ = ["DELIVERY_STATUSES", "DeliveryResult", "apply_pending", "record_delivery"]
 
@@ -71,8 +71,7 @@ def check_delivery(
     check_name("event_id", event_id, JobError, limit=MAX_NAME_LENGTH * 2)
     if ref is not None:
         check_name("ref", ref, JobError)
-    if detail is not None and (not isinstance(detail, str) or len(detail) > 2000):
-        raise JobError("detail", "must be a string of at most 2000 characters")
+    check_text("detail", detail, JobError, limit=2000)  # no NUL, no lone surrogate
 
 
 def record_delivery(

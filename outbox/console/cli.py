@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, run_main
+from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, port, run_main
 from outbox.db import default_database_url, describe_url, make_engine
 from outbox.errors import ConfigError
 from outbox.extras import require
@@ -120,7 +120,7 @@ def build_parser() -> Parser:
     add_flags(
         serve,
         Flag("--host", help="bind address", default=DEFAULT_HOST, env="OUTBOX_CONSOLE_HOST"),
-        Flag("--port", int, "port", default=DEFAULT_PORT, env="OUTBOX_CONSOLE_PORT"),
+        Flag("--port", port, "port", default=DEFAULT_PORT, env="OUTBOX_CONSOLE_PORT"),
         Flag(
             "--read-only",
             bool,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -143,6 +143,11 @@ def highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
     return list(best.items())
 
 
+def in_transaction(engine: Engine, joined: Connection | None) -> AbstractContextManager[Connection]:
+    """A transaction of its own on ``engine``, or the caller's ``joined`` one."""
+    return engine.begin() if joined is None else nullcontext(joined)
+
+
 def requeue_quarantined(
     engine: Engine,
     t: str,
@@ -156,7 +161,7 @@ def requeue_quarantined(
     anything was requeued (PostgreSQL asks the relays for a sweep); ``joined``: the caller's
     transaction to run in (an operator's action and its audit row commit together)."""
     result = RequeueResult()
-    with engine.begin() if joined is None else nullcontext(joined) as conn:
+    with in_transaction(engine, joined) as conn:
         if all_quarantined:
             ids = [
                 r[0]
