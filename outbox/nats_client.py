@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from outbox.display import HIDDEN, display_url
 from outbox.errors import BrokerUnavailable, ConfigError
 
 T = TypeVar("T")
@@ -73,7 +74,8 @@ def broker_kind(url: str | None) -> str:
         return "nats"
     raise ConfigError(
         "broker_url",
-        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
+        f"{display_url(url)!r}: unknown scheme {scheme or '(none)'!r}; "
+        "use redis://, rediss:// or nats://",
     )
 
 
@@ -218,13 +220,24 @@ class _Batch:
             self.done.set_result(self.replies)
 
 
+def _hidden(exc: BaseException, url: str) -> str:
+    """The client library's message with the URL's secrets hidden (it may quote the URL)."""
+    text = str(exc)
+    for one in url.split(","):
+        userinfo = one.partition("://")[2].rpartition("@")[0]
+        if userinfo:
+            text = text.replace(userinfo, HIDDEN)
+    return text
+
+
 class NatsClient:
     """One NATS connection driven from other threads (see the module docstring)."""
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, name: str = "outbox") -> None:
         if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
-            raise ConfigError("broker_url", f"{url!r} is not a nats:// URL")
+            raise ConfigError("broker_url", f"{display_url(url)!r} is not a nats:// URL")
         self.url = url
+        self.shown = display_url(url)  # what logs and errors say: no password, no token
         self.timeout = float(timeout)
         self.name = name
         self.nats = nats_module()
@@ -253,7 +266,9 @@ class NatsClient:
         except TimeoutError:
             future.cancel()
             self.drop()
-            raise BrokerUnavailable(f"NATS at {self.url} did not answer within {limit} s") from None
+            raise BrokerUnavailable(
+                f"NATS at {self.shown} did not answer within {limit} s"
+            ) from None
 
     async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
         errors = self.nats.errors
@@ -272,7 +287,7 @@ class NatsClient:
         ) as exc:
             await self._close()
             raise BrokerUnavailable(
-                f"NATS at {self.url}: {type(exc).__name__}: {exc}".rstrip(": ")
+                f"NATS at {self.shown}: {type(exc).__name__}: {_hidden(exc, self.url)}".rstrip(": ")
             ) from exc
 
     async def _connected(self) -> Any:

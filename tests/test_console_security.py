@@ -63,13 +63,17 @@ def csrf_of(page: str) -> str:
         f"redis://cache:6379/0?password={SECRET}",
         f"rediss://user:{SECRET}@cache?Password={SECRET}",
         f"nats://n:{SECRET}@broker:4222?token={SECRET}",
+        f"nats://{SECRET}@broker:4222",  # NATS token auth: the user part is the secret
+        f"nats://n:{SECRET}@a:4222,nats://n:{SECRET}@b:4222",  # a server list
+        f"tls://{SECRET}@broker:4222",
         f"host=db password={SECRET}",  # not a URL: shown as nothing of it
     ],
 )
 def test_display_url_hides_every_password(url: str) -> None:
     shown = display_url(url)
     assert SECRET not in shown and describe_url(url) == shown
-    assert SECRET not in display_url(sa.make_url(url)) if "://" in url else True
+    single = "://" in url and "," not in url  # SQLAlchemy reads one URL, not a list
+    assert SECRET not in display_url(sa.make_url(url)) if single else True
 
 
 def test_display_url_keeps_what_is_not_secret() -> None:
@@ -417,3 +421,21 @@ def test_receipts_and_queues_reach_the_terminal_escaped(
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out, argv
         assert "\\e[" in out, (argv, out)
+
+
+def test_a_nats_clients_errors_never_show_its_credentials() -> None:
+    """The relay logs a broker outage's message: a NATS URL's password or token is not in
+    it, nor in a refused URL's message (issue 53)."""
+    from outbox.errors import BrokerUnavailable, ConfigError
+    from outbox.nats_client import NatsClient, broker_kind
+
+    client = NatsClient(f"nats://bob:{SECRET}@127.0.0.1:1", timeout=0.5)
+    try:
+        with pytest.raises(BrokerUnavailable) as info:
+            client.run(lambda js: js.account_info())
+        assert SECRET not in str(info.value) and "bob:***@127.0.0.1:1" in str(info.value)
+    finally:
+        client.close()
+    with pytest.raises(ConfigError) as refused:
+        broker_kind(f"ftp://bob:{SECRET}@host")
+    assert SECRET not in str(refused.value)
