@@ -547,7 +547,14 @@ def _inbound(args: argparse.Namespace, url: str) -> int:
         # it found at start: no-op handlers make that second delivery harmless (exit 0).
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(  # no forwarded headers: nothing here trusts a client's address
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+        )
         return 0
     finally:
         store.dispose()

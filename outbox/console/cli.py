@@ -288,8 +288,16 @@ def _serve(args: argparse.Namespace, url: str) -> int:
         # drained console exits 0 (DESIGN: SIGTERM drains, exit 0).
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+        # proxy_headers=False: uvicorn would take X-Forwarded-For from 127.0.0.1 as the client
+        # (a forged address in the throttle and the audit); the console's door honours it
+        # from --trusted-proxies only.
         uvicorn.run(
-            console.app, host=config.host, port=config.port, log_level="warning", access_log=False
+            console.app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
         )
         return 0
     finally:
