@@ -69,14 +69,7 @@ def display_url(url: Any) -> str:
         return ",".join(display_url(one.strip()) for one in text.split(","))
     try:
         parts = urlsplit(text)
-        netloc = parts.netloc
-        userinfo, at, hostport = netloc.rpartition("@")
-        if at:
-            user, colon, _password = userinfo.partition(":")
-            if colon:
-                netloc = f"{user}:{HIDDEN}@{hostport}"
-            else:
-                netloc = f"{HIDDEN if scheme in _TOKEN_SCHEMES else user}@{hostport}"
+        netloc = _hidden_userinfo(parts.netloc, scheme)
         query = parts.query
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
@@ -89,6 +82,17 @@ def display_url(url: Any) -> str:
         return shown + (f"#{parts.fragment}" if parts.fragment else "")
     except ValueError:
         return "<invalid url>"
+
+
+def _hidden_userinfo(netloc: str, scheme: str) -> str:
+    """``user:password@host`` as ``user:***@host``; a NATS token (``TOKEN@host``) hidden."""
+    userinfo, at, hostport = netloc.rpartition("@")
+    if not at:
+        return netloc
+    user, colon, _password = userinfo.partition(":")
+    if colon:
+        return f"{user}:{HIDDEN}@{hostport}"
+    return f"{HIDDEN if scheme in _TOKEN_SCHEMES else user}@{hostport}"
 
 
 _ESCAPE = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\x1b": "\\e"}
