@@ -13,7 +13,10 @@ duplicate too.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from typing import Any
+
+from sqlalchemy.engine import Connection
 
 from consumer.errors import AlreadyReplayed, DeadLetterNotFound
 from consumer.inbox import REPLAYED, Inbox
@@ -26,14 +29,17 @@ def list_dead_letters(
     return inbox.dead_letter_list(group=group, include_replayed=include_replayed, limit=limit)
 
 
-def replay_dead_letter(inbox: Inbox, client: Any, record_id: int) -> str:
+def replay_dead_letter(
+    inbox: Inbox, client: Any, record_id: int, *, joined: Connection | None = None
+) -> str:
     """Re-inject dead-letter record ``record_id`` into its stream; return the new entry id.
     ``client``: a Redis client, or on NATS an :class:`outbox.nats_client.NatsClient` (its
     ``xadd`` publishes the entry again under a message id of its own).
 
     Raises DeadLetterNotFound for an unknown id, AlreadyReplayed for a record replayed
-    before (its ``replayed_entry_id`` says where)."""
-    with inbox.engine.begin() as conn:
+    before (its ``replayed_entry_id`` says where). ``joined``: the caller's transaction to
+    run in (the console's action and its audit row commit together)."""
+    with inbox.engine.begin() if joined is None else nullcontext(joined) as conn:
         row = inbox.dead_letter_get_for_update(conn, record_id)
         if row is None:
             raise DeadLetterNotFound(f"no dead-letter record with id {record_id}")

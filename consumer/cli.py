@@ -50,6 +50,7 @@ from outbox.cli import (
     given_as,
     load_target,
     run_main,
+    whole_number,
 )
 from outbox.db import database_given, describe_url, make_engine, same_database
 from outbox.display import table
@@ -149,7 +150,7 @@ def build_parser() -> Parser:
         description="Re-inject dead-letter record ID (see dead-letters) into its original "
         "stream as a new entry, after the handler or producer was fixed.",
     )
-    replay.add_argument("record_id", metavar="ID", type=int, help="dead-letter record id")
+    replay.add_argument("record_id", metavar="ID", type=whole_number, help="dead-letter record id")
     add_flags(replay, *DATABASE, *REDIS, CONSUMER_SCHEMA, *LOGGING)
     replay.set_defaults(func=_replay)
 

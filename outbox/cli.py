@@ -87,11 +87,13 @@ from outbox.cli_flags import add_flags as add_flags
 from outbox.cli_flags import declared_flag as declared_flag
 from outbox.cli_flags import declared_flags as declared_flags
 from outbox.cli_flags import describe_default as describe_default
+from outbox.cli_flags import finite_number as finite_number
 from outbox.cli_flags import given_as as given_as
 from outbox.cli_flags import log_level as log_level
 from outbox.cli_flags import parse_bool as parse_bool
 from outbox.cli_flags import port as port
 from outbox.cli_flags import resolve_environment as resolve_environment
+from outbox.cli_flags import whole_number as whole_number
 from outbox.cli_reference import installed_programs as installed_programs
 from outbox.cli_reference import reference_markdown as reference_markdown
 from outbox.db import default_database_url, describe_url, missing_sqlite_file

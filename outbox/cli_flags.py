@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from outbox.errors import ConfigError
-from outbox.validate import int_problem
+from outbox.validate import INT64_MAX, float_problem, int_problem
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -40,7 +40,37 @@ def parse_bool(raw: str, name: str = "value") -> bool:
     raise ConfigError(name, f"{raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
 
 
-_TYPE_WORDS: dict[Any, str] = {int: "an integer", float: "a number"}
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A flag's text the value's gate refused: argparse prints its message (``argument
+    --port: must be from 0 to 65535, got 70000``) and exits 2."""
+
+
+def whole_number(raw: str) -> int:
+    """A count, a size, an id from the command line or a variable: ASCII digits only (no
+    fullwidth or superscript digits, no sign, no underscore), 0 to 2**63-1. What a flag
+    declared with ``int`` parses with (:attr:`Flag.parser`)."""
+    problem = int_problem(raw, minimum=0, maximum=INT64_MAX)
+    if problem is not None:
+        raise BadValue(problem)
+    return int(raw)
+
+
+def finite_number(raw: str) -> float:
+    """Seconds, a rate, a fraction from the command line or a variable: ASCII digits with an
+    optional decimal point (no ``nan``, ``inf``, sign or exponent). What a flag declared with
+    ``float`` parses with (:attr:`Flag.parser`): ``--window nan`` or
+    ``OUTBOX_INBOUND_WINDOW=inf`` must not turn a check off."""
+    problem = float_problem(raw)
+    if problem is not None:
+        raise BadValue(problem)
+    return float(raw)
+
+
+_TYPE_WORDS: dict[Any, str] = {
+    whole_number: "an integer in ASCII digits (0 or more)",
+    finite_number: "a number in ASCII digits (like 30 or 2.5)",
+}
+_STRICT: dict[Any, Callable[[str], Any]] = {int: whole_number, float: finite_number}
 
 
 def describe_default(value: Any) -> str:
@@ -114,14 +144,21 @@ class Flag:
             text = f"{text} ({'; '.join(notes)})" if text else "; ".join(notes)
         return text
 
+    @property
+    def parser(self) -> Callable[[str], Any]:
+        """What parses the flag's text: ``int`` and ``float`` declarations are read strictly
+        (:func:`whole_number`, :func:`finite_number`: the one gate of numbers given as
+        text), any other type as declared."""
+        return _STRICT.get(self.type, self.type)
+
     def parse(self, raw: str, source: str) -> Any:
         """``raw`` read from ``source`` (the variable's name), or ConfigError naming it."""
         if self.switch:
             return parse_bool(raw, source) != self.env_negates
         try:
-            return self.type(raw)
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            what = _TYPE_WORDS.get(self.type)
+            return self.parser(raw)
+        except (ValueError, OverflowError, argparse.ArgumentTypeError) as exc:
+            what = _TYPE_WORDS.get(self.parser)
             problem = f"{raw!r} is not {what}" if what else f"{raw!r}: {exc}"
             raise ConfigError(source, problem) from None
 
@@ -149,7 +186,7 @@ class Flag:
         if self.switch:
             kwargs["action"] = "store_true"
         else:
-            kwargs["type"] = self.type
+            kwargs["type"] = self.parser
             if self.metavar:
                 kwargs["metavar"] = self.metavar
             if self.choices is not None:
@@ -247,7 +284,7 @@ def port(raw: str) -> int:
     """A TCP port from the command line or a variable: ASCII digits, 0 to 65535."""
     problem = int_problem(raw, minimum=0, maximum=65535)
     if problem is not None:
-        raise ValueError(problem)
+        raise BadValue(problem)
     return int(raw)
 
 

@@ -50,22 +50,26 @@ def _secret_name(name: str) -> bool:
     return normal in SECRET_PARAMETERS or normal.endswith(("password", "_secret", "_token"))
 
 
+_TOKEN_SCHEMES = ("nats", "tls", "ws", "wss")
+"""Schemes whose user part alone is a secret: ``nats://TOKEN@host`` is NATS's token auth."""
+
+
 def display_url(url: Any) -> str:
     """``url`` (text or a SQLAlchemy ``URL``) for a page, a log line or a status output:
-    no password, wherever it was written."""
+    no password, wherever it was written. A NATS URL's lone user part (a token) is hidden
+    too, and each server of a comma-separated NATS list (``nats://a,nats://b``)."""
     if url is None:
         return ""
     render = getattr(url, "render_as_string", None)
     text = render(hide_password=False) if callable(render) else str(url)
     if not _SCHEME.match(text):
         return "<invalid url>"
+    scheme = text.partition("://")[0].lower()
+    if scheme in _TOKEN_SCHEMES and "," in text:
+        return ",".join(display_url(one.strip()) for one in text.split(","))
     try:
         parts = urlsplit(text)
-        netloc = parts.netloc
-        userinfo, at, hostport = netloc.rpartition("@")
-        if at:
-            user, colon, _password = userinfo.partition(":")
-            netloc = f"{user}:{HIDDEN}@{hostport}" if colon else f"{user}@{hostport}"
+        netloc = _hidden_userinfo(parts.netloc, scheme)
         query = parts.query
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
@@ -78,6 +82,17 @@ def display_url(url: Any) -> str:
         return shown + (f"#{parts.fragment}" if parts.fragment else "")
     except ValueError:
         return "<invalid url>"
+
+
+def _hidden_userinfo(netloc: str, scheme: str) -> str:
+    """``user:password@host`` as ``user:***@host``; a NATS token (``TOKEN@host``) hidden."""
+    userinfo, at, hostport = netloc.rpartition("@")
+    if not at:
+        return netloc
+    user, colon, _password = userinfo.partition(":")
+    if colon:
+        return f"{user}:{HIDDEN}@{hostport}"
+    return f"{HIDDEN if scheme in _TOKEN_SCHEMES else user}@{hostport}"
 
 
 _ESCAPE = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\x1b": "\\e"}

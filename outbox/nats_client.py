@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from outbox.display import display_url
+from outbox.display import HIDDEN, display_url
 from outbox.errors import BrokerUnavailable, ConfigError
 
 T = TypeVar("T")
@@ -76,7 +76,8 @@ def broker_kind(url: str | None) -> str:
         return "nats"
     raise ConfigError(
         "broker_url",
-        f"{url!r}: unknown scheme {scheme or '(none)'!r}; use redis://, rediss:// or nats://",
+        f"{display_url(url)!r}: unknown scheme {scheme or '(none)'!r}; "
+        "use redis://, rediss:// or nats://",
     )
 
 
@@ -221,14 +222,24 @@ class _Batch:
             self.done.set_result(self.replies)
 
 
+def _hidden(exc: BaseException, url: str) -> str:
+    """The client library's message with the URL's secrets hidden (it may quote the URL)."""
+    text = str(exc)
+    for one in url.split(","):
+        userinfo = one.partition("://")[2].rpartition("@")[0]
+        if userinfo:
+            text = text.replace(userinfo, HIDDEN)
+    return text
+
+
 class NatsClient:
     """One NATS connection driven from other threads (see the module docstring)."""
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, name: str = "outbox") -> None:
         if not isinstance(url, str) or not url.startswith(("nats://", "tls://")):
-            raise ConfigError("broker_url", f"{url!r} is not a nats:// URL")
+            raise ConfigError("broker_url", f"{display_url(url)!r} is not a nats:// URL")
         self.url = url
-        self.where = display_url(url)  # for messages and logs: no password
+        self.shown = display_url(url)  # what logs and errors say: no password, no token
         self.timeout = float(timeout)
         self.name = name
         self.nats = nats_module()
@@ -261,7 +272,7 @@ class NatsClient:
             future.cancel()
             self.drop()
             raise BrokerUnavailable(
-                f"NATS at {self.where} did not answer within {limit} s"
+                f"NATS at {self.shown} did not answer within {limit} s"
             ) from None
 
     async def _call(self, step: Callable[[Any], Awaitable[T]], limit: float) -> T:
@@ -284,7 +295,7 @@ class NatsClient:
         ) as exc:
             await self._close()
             raise BrokerUnavailable(
-                f"NATS at {self.where}: {type(exc).__name__}: {exc}".rstrip(": ")
+                f"NATS at {self.shown}: {type(exc).__name__}: {_hidden(exc, self.url)}".rstrip(": ")
             ) from exc
 
     async def _connected(self) -> Any:
@@ -321,7 +332,7 @@ class NatsClient:
             )
         except self.nats.errors.NoServersError:
             why = f"{type(failed[-1]).__name__}: {failed[-1]}" if failed else "no server answered"
-            raise BrokerUnavailable(f"NATS at {self.where}: {why}") from None
+            raise BrokerUnavailable(f"NATS at {self.shown}: {why}") from None
         self._js = self._nc.jetstream(timeout=self.timeout)
         self._reply_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._reply_prefix + ".*", cb=self._on_reply)
@@ -347,11 +358,11 @@ class NatsClient:
                 min(self.timeout, 5.0),
             )
         except (OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(f"NATS at {self.where}: {type(exc).__name__}: {exc}") from exc
+            raise BrokerUnavailable(f"NATS at {self.shown}: {type(exc).__name__}: {exc}") from exc
         try:
             line = await asyncio.wait_for(reader.readline(), min(self.timeout, 5.0))
         except (OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(f"NATS at {self.where}: no INFO: {exc!r}") from exc
+            raise BrokerUnavailable(f"NATS at {self.shown}: no INFO: {exc!r}") from exc
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -362,7 +373,7 @@ class NatsClient:
                 info = json.loads(line[5:])
         if info.get("tls_required") is not True:
             raise BrokerUnavailable(
-                f"NATS at {self.where}: the URL says tls:// but the server does not require "
+                f"NATS at {self.shown}: the URL says tls:// but the server does not require "
                 "TLS; refusing to connect in plain text (configure TLS on the server, or use "
                 "nats:// if plain text is intended)"
             )

@@ -69,7 +69,7 @@ def partition_length(value: object, setting: str = "partitioned") -> int | None:
         word = value.strip().lower()
         if word in LENGTHS:
             return LENGTHS[word]
-        if not word.isdigit():
+        if not (word.isascii() and word.isdigit()):  # "\u00b2".isdigit() is True
             raise ConfigError(
                 setting, f"{value!r} is not hourly, daily or a whole number of seconds"
             )

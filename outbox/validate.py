@@ -13,13 +13,31 @@ Each part raises its own typed error (``InvalidEvent``, ``JobError``, ``ConfigEr
 A *number* setting (a size, a count, seconds, a rate) is an ``int`` or ``float``, never a
 ``bool``, finite, and positive (or, where zero means "off", non-negative): one rule, checked
 by :func:`check_number`, so ``inf``, ``nan`` and ``True`` fail the same way everywhere.
+
+One gate per kind of input (issue 53), used by every way in (the HTTP apps, the command
+lines, the ``OUTBOX_*`` variables, the public methods that store text):
+
+- whole numbers written as text (a path, a query, a flag, a variable, a header):
+  :func:`parse_int` (ASCII digits only, in range: no fullwidth or superscript digits, no
+  sign, no overflow);
+- numbers written as text: :func:`parse_float` (finite: no ``nan``, no ``inf``; in range);
+- free text (a reason, an operator's name, a detail): :func:`check_text` (no NUL, no lone
+  surrogate, bounded);
+- JSON values to store: :func:`json_problem` (encodable, no NUL, no lone surrogate, bounded
+  depth); JSON bodies to read: :func:`load_json` (bounded size and depth; a body nested
+  30,000 deep is a refusal, not a ``RecursionError``).
+
+Each raises the caller's typed error naming the field, or returns the problem, so a bad
+input is a 4xx, a typed error, or exit 2, before anything is read or written.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 MAX_NAME_LENGTH = 200
 """Longest name accepted (characters). Every name column is this wide."""
@@ -142,3 +160,116 @@ def parse_int(text: object, field: str, error: ErrorFactory, *, minimum: int, ma
         raise error(field, problem)
     assert isinstance(text, str)
     return int(text)
+
+
+MAX_JSON_DEPTH = 64
+"""The deepest JSON value accepted from outside (a body, a payload): objects and arrays."""
+
+_FLOAT = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?|\.[0-9]{1,15}")
+
+
+def float_problem(
+    text: object, *, minimum: float = 0.0, maximum: float = float(INT64_MAX)
+) -> str | None:
+    """What is wrong with ``text`` as a number written in ASCII (``30``, ``2.5``) from
+    ``minimum`` to ``maximum``, or None. ``float()`` accepts ``nan``, ``inf``, exponents,
+    signs, underscores and other scripts' digits; this does not."""
+    if not isinstance(text, str) or not _FLOAT.fullmatch(text):
+        return f"must be a number in ASCII digits (like 30 or 2.5), got {repr(text)[:40]}"
+    value = float(text)
+    if not minimum <= value <= maximum:
+        return f"must be from {minimum:g} to {maximum:g}, got {text}"
+    return None
+
+
+def parse_float(
+    text: object,
+    field: str,
+    error: ErrorFactory,
+    *,
+    minimum: float = 0.0,
+    maximum: float = float(INT64_MAX),
+) -> float:
+    """``text`` as a finite float in ``minimum..maximum`` (:func:`float_problem`); else
+    ``error(field, problem)``."""
+    problem = float_problem(text, minimum=minimum, maximum=maximum)
+    if problem is not None:
+        raise error(field, problem)
+    assert isinstance(text, str)
+    return float(text)
+
+
+def text_problem(value: object, *, limit: int) -> str | None:
+    """What is wrong with ``value`` as a free text to store (a reason, a name given by a
+    person, a detail), or None: a string of at most ``limit`` characters, without NUL (which
+    PostgreSQL refuses) or a lone surrogate (which no database encodes)."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if len(value) > limit:
+        return f"is {len(value)} characters, longer than {limit}"
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    return utf8_problem(value)
+
+
+def check_text(
+    field: str, value: object, error: ErrorFactory, *, limit: int, required: bool = False
+) -> str | None:
+    """``value`` if it is a good free text (:func:`text_problem`; None when optional and
+    absent), else ``error(field, problem)``."""
+    if value is None:
+        if required:
+            raise error(field, "is required")
+        return None
+    problem = text_problem(value, limit=limit)
+    if problem is not None:
+        raise error(field, problem)
+    assert isinstance(value, str)
+    return value
+
+
+def json_problem(value: object, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """What is wrong with ``value`` as JSON to store, or None: encodable (no NaN, no
+    infinity, no other types), no NUL in a string (PostgreSQL's jsonb refuses it), no lone
+    surrogate (no database encodes it), at most ``max_depth`` levels of objects and arrays."""
+    if _too_deep(value, max_depth):
+        return f"is nested deeper than {max_depth} levels"
+    try:
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:  # a cycle, an object
+        return f"is not JSON-serialisable ({exc})"
+    if "\\u0000" in encoded:
+        return "must not contain NUL characters"
+    return utf8_problem(encoded)
+
+
+def load_json(body: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A JSON body read from outside: ``ValueError`` with the problem when it is not JSON,
+    not UTF-8, nested deeper than ``max_depth``, or holds what :func:`json_problem`
+    refuses. The size is the caller's bound (the body is read already)."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise ValueError(f"the JSON is nested deeper than {max_depth} levels") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the body is not JSON: {exc}") from None
+    problem = json_problem(value, max_depth=max_depth)
+    if problem is not None:
+        raise ValueError(f"the JSON {problem}")
+    return value
+
+
+def _too_deep(value: object, max_depth: int) -> bool:
+    """Whether ``value`` nests objects and arrays deeper than ``max_depth`` (iterative:
+    never a ``RecursionError`` itself)."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Iterable)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from outbox.schema import OutboxSchema
 from outbox.tablestats import known_tables, table_stats
@@ -53,9 +53,11 @@ def requeue(
     event_ids: Iterable[str] | None = None,
     *,
     all_quarantined: bool = False,
+    joined: Connection | None = None,
 ) -> RequeueResult:
     """Put quarantined events back to pending, available now, intent cleared. ``attempts``
     and ``last_error`` are kept as history (a requeued row keeps holding back the later
-    events of its key until it is published). By id, or every quarantined one."""
+    events of its key until it is published). By id, or every quarantined one. ``joined``:
+    the caller's transaction to run in (the console's action and its audit row)."""
     ids = None if event_ids is None else list(event_ids)
-    return store_for(engine, schema).outbox_requeue(ids, all_quarantined)
+    return store_for(engine, schema).outbox_requeue(ids, all_quarantined, joined)

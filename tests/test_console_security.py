@@ -7,6 +7,7 @@ for a terminal. Real pipeline pieces (tests/console_support.py) on PostgreSQL an
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from starlette.testclient import TestClient
 
 from consumer.inbox import TOO_LARGE, build_inbox_schema
+from outbox.console import cli as console_cli
 from outbox.console.app import Console
 from outbox.console.auth import COOKIE, Sessions
 from outbox.console.cli import allowed_hosts
@@ -63,13 +65,17 @@ def csrf_of(page: str) -> str:
         f"redis://cache:6379/0?password={SECRET}",
         f"rediss://user:{SECRET}@cache?Password={SECRET}",
         f"nats://n:{SECRET}@broker:4222?token={SECRET}",
+        f"nats://{SECRET}@broker:4222",  # NATS token auth: the user part is the secret
+        f"nats://n:{SECRET}@a:4222,nats://n:{SECRET}@b:4222",  # a server list
+        f"tls://{SECRET}@broker:4222",
         f"host=db password={SECRET}",  # not a URL: shown as nothing of it
     ],
 )
 def test_display_url_hides_every_password(url: str) -> None:
     shown = display_url(url)
     assert SECRET not in shown and describe_url(url) == shown
-    assert SECRET not in display_url(sa.make_url(url)) if "://" in url else True
+    single = "://" in url and "," not in url  # SQLAlchemy reads one URL, not a list
+    assert SECRET not in display_url(sa.make_url(url)) if single else True
 
 
 def test_display_url_keeps_what_is_not_secret() -> None:
@@ -306,12 +312,38 @@ def test_wrong_tokens_are_throttled_per_client(world: World) -> None:
     with client(console) as api:
         answers = [api.get("/login?token=wrong-guess").status_code for _ in range(30)]
         assert set(answers) == {401}
-        throttled = api.get(f"/login?token={TOKEN}", follow_redirects=False)
+        throttled = api.get("/login?token=one-more-guess", follow_redirects=False)
         assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) > 0
-        refused = api.get("/api/overview", headers=BEARER)
-        assert refused.status_code == 429  # not even checked
+        wrong = {"Authorization": "Bearer wrong-guess"}
+        assert api.get("/api/overview", headers=wrong).status_code == 429
+        # A valid token is never locked out by someone else's guesses (issue 53): the
+        # operators behind the same proxy or on the same host keep working.
+        assert api.get("/api/overview", headers=BEARER).status_code == 200
+        signed_in = api.get(f"/login?token={TOKEN}", follow_redirects=False)
+        assert signed_in.status_code == 303
     other = TestClient(console.app, client=("10.0.0.9", 4000))
-    assert other.get("/api/overview", headers=BEARER).status_code == 200
+    assert other.get("/api/overview", headers={"Authorization": "Bearer x"}).status_code == 401
+
+
+def test_forwarded_for_is_honoured_from_trusted_proxies_only(world: World) -> None:
+    """X-Forwarded-For from an untrusted peer changes nothing: the throttle counts the peer
+    (a forger cannot spread guesses over invented addresses), and the serve command runs
+    uvicorn with proxy_headers=False so it never rewrites the peer itself (issue 53)."""
+    console = Console(world.engine, world.client, TOKEN)
+    with TestClient(console.app, client=("127.0.0.1", 4000)) as api:
+        for n in range(30):
+            forged = {"Authorization": "Bearer guess", "X-Forwarded-For": f"10.9.9.{n}"}
+            assert api.get("/api/overview", headers=forged).status_code == 401
+        last = {"Authorization": "Bearer guess", "X-Forwarded-For": "10.9.9.99"}
+        assert api.get("/api/overview", headers=last).status_code == 429
+    proxied = Console(world.engine, world.client, TOKEN, trusted_proxies=["10.0.0.1"])
+    with TestClient(proxied.app, client=("10.0.0.1", 4000)) as api:
+        for _ in range(30):
+            forwarded = {"Authorization": "Bearer guess", "X-Forwarded-For": "203.0.113.7"}
+            assert api.get("/api/overview", headers=forwarded).status_code == 401
+        other = {"Authorization": "Bearer guess", "X-Forwarded-For": "203.0.113.8"}
+        assert api.get("/api/overview", headers=other).status_code == 401  # per client
+    assert "proxy_headers=False" in inspect.getsource(console_cli)
 
 
 def test_the_host_header_must_name_the_console(world: World) -> None:
@@ -417,3 +449,21 @@ def test_receipts_and_queues_reach_the_terminal_escaped(
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out, argv
         assert "\\e[" in out, (argv, out)
+
+
+def test_a_nats_clients_errors_never_show_its_credentials() -> None:
+    """The relay logs a broker outage's message: a NATS URL's password or token is not in
+    it, nor in a refused URL's message (issue 53)."""
+    from outbox.errors import BrokerUnavailable, ConfigError
+    from outbox.nats_client import NatsClient, broker_kind
+
+    client = NatsClient(f"nats://bob:{SECRET}@127.0.0.1:1", timeout=0.5)
+    try:
+        with pytest.raises(BrokerUnavailable) as info:
+            client.run(lambda js: js.account_info())
+        assert SECRET not in str(info.value) and "bob:***@127.0.0.1:1" in str(info.value)
+    finally:
+        client.close()
+    with pytest.raises(ConfigError) as refused:
+        broker_kind(f"ftp://bob:{SECRET}@host")
+    assert SECRET not in str(refused.value)

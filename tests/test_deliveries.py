@@ -8,10 +8,25 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from sqlalchemy import (
+    Column,
+    Double,
+    Index,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    insert,
+    inspect,
+    select,
+    text,
+)
 
 from consumer.errors import JobError
 from consumer.jobs.context import JobContext
 from consumer.jobs.operations import ACCEPTED, Operations
+from consumer.jobs.schema import DELIVERIES_TABLE, deliveries
 from consumer.jobs.states import READY, WAITING_EXTERNAL
 from consumer.jobs.store import Store
 from outbox.testing import FakeProvider
@@ -155,3 +170,61 @@ def test_record_delivery_checks_its_arguments(store: Store, mail: FakeProvider) 
     # An operation nobody knows (yet): kept, applied to nothing.
     kept = ops.record_delivery("999:email", "delivered", event_id="e-x")
     assert (kept.duplicate, kept.applied) == (False, False)
+
+
+def test_the_same_event_id_for_two_operations_applies_to_both(
+    store: Store, mail: FakeProvider
+) -> None:
+    """Deduplicated per operation (issue 53): a bounce of one email that reuses another
+    email's event id is that email's bounce, not a duplicate."""
+    ops = Operations(store, {"mail": mail})
+    _, first = sent(store, ops, "send-quote-13")
+    _, second = sent(store, ops, "send-quote-14")
+    one = ops.record_delivery(first, "delivered", event_id="evt-7")
+    two = ops.record_delivery(second, "bounced", event_id="evt-7")
+    assert (one.duplicate, one.applied) == (False, True)
+    assert (two.duplicate, two.applied, two.delivery_status) == (False, True, "bounced")
+    assert (delivery(ops, first), delivery(ops, second)) == ("delivered", "bounced")
+    assert ops.record_delivery(second, "bounced", event_id="evt-7").duplicate
+
+
+def test_a_deliveries_table_keyed_by_event_id_alone_is_migrated(db_url: str) -> None:
+    """A store made before issue 53 (``outbox_deliveries`` keyed by ``event_id``) is brought
+    up to date at its next start: its rows kept, its key per operation."""
+    engine = create_engine(db_url)
+    Store(engine).dispose()
+    before = MetaData()
+    old = Table(
+        DELIVERIES_TABLE,
+        before,
+        Column("event_id", String(400), primary_key=True),
+        Column("operation_id", String(400), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("provider_ref", String(200), nullable=True),
+        Column("detail", Text, nullable=True),
+        Column("received_at", Double, nullable=False),
+        Column("applied_at", Double, nullable=True),
+        Index("ix_outbox_deliveries_operation", "operation_id"),
+    )
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {DELIVERIES_TABLE}"))
+        before.create_all(conn)
+        conn.execute(
+            insert(old).values(
+                event_id="evt-1", operation_id="1:mail", status="delivered", received_at=1.0
+            )
+        )
+    store = Store(engine)
+    try:
+        with engine.connect() as conn:
+            key = inspect(conn).get_pk_constraint(DELIVERIES_TABLE)["constrained_columns"]
+            rows = conn.execute(select(deliveries.c.operation_id, deliveries.c.event_id)).all()
+        assert sorted(key) == ["event_id", "operation_id"]
+        assert [tuple(r) for r in rows] == [("1:mail", "evt-1")]
+        ops = Operations(store)
+        assert not ops.record_delivery("2:mail", "delivered", event_id="evt-1").duplicate
+        assert ops.record_delivery("1:mail", "delivered", event_id="evt-1").duplicate
+        Store(engine).dispose()  # idempotent
+    finally:
+        store.dispose()
+        engine.dispose()

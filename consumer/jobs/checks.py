@@ -6,7 +6,6 @@ Every public entry point of ``Store`` checks its arguments here; each failure is
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
 from consumer.jobs.states import READY
 from outbox import tracing
 from outbox.errors import ConfigError
-from outbox.validate import check_name, check_number
+from outbox.validate import check_name, check_number, json_problem
 
 Time = float | int | datetime
 """A time argument: unix seconds, or a datetime (naive means UTC)."""
@@ -145,13 +144,16 @@ def valid_time(field_name: str, value: object) -> float | None:
 
 
 def valid_json(field_name: str, value: object) -> None:
-    try:
-        encoded = json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise JobError(field_name, f"is not JSON-serialisable ({exc})") from None
-    if "\\u0000" in encoded:
-        # PostgreSQL's jsonb refuses NUL in strings while SQLite stores it: refuse on both.
-        raise JobError(field_name, "must not contain NUL characters")
+    # PostgreSQL's jsonb refuses NUL in strings and neither database encodes a lone
+    # surrogate, while SQLite stores the first: refused on both, as JobError naming the
+    # field, never the driver's DataError (outbox.validate.json_problem).
+    problem = json_problem(value, max_depth=JSON_DEPTH)
+    if problem is not None:
+        raise JobError(field_name, problem)
+
+
+JSON_DEPTH = 512
+"""The deepest payload a job or a reply may hold (objects and arrays)."""
 
 
 def error_text(error: object) -> str:

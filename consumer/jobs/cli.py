@@ -90,6 +90,7 @@ from outbox.cli import (
     existing_database_url,
     given_as,
     load_target,
+    port,
     run_main,
 )
 from outbox.db import default_database_url, describe_url, same_database
@@ -269,7 +270,7 @@ def build_parser() -> Parser:
     add_flags(
         inbound,
         Flag("--host", help="bind address", default="127.0.0.1", env="OUTBOX_INBOUND_HOST"),
-        Flag("--port", int, "port", default=8790, env="OUTBOX_INBOUND_PORT", metavar="PORT"),
+        Flag("--port", port, "port", default=8790, env="OUTBOX_INBOUND_PORT", metavar="PORT"),
         Flag(
             "--secret-file",
             help="file whose first line is the shared secret; OUTBOX_INBOUND_SECRET wins over it",
@@ -420,7 +421,7 @@ def queue_names(raw: str) -> list[str] | dict[str, int | None]:
     slots: dict[str, int | None] = {}
     for item in names:
         name, sep, count = (part.strip() for part in item.partition("="))
-        if not name or (sep and not (count.isdigit() and int(count) > 0)):
+        if not name or (sep and not (count.isascii() and count.isdigit() and int(count) > 0)):
             raise ValueError("each queue is NAME or NAME=SLOTS (a positive integer)")
         slots[name] = int(count) if sep else None
     return slots
@@ -549,7 +550,14 @@ def _inbound(args: argparse.Namespace, url: str) -> int:
         # it found at start: no-op handlers make that second delivery harmless (exit 0).
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(  # no forwarded headers: nothing here trusts a client's address
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+        )
         return 0
     finally:
         store.dispose()

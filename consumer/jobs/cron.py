@@ -71,10 +71,20 @@ def slot_from_text(text: str) -> Slot | None:
     return Slot.at(moment.timestamp())
 
 
+HOST_ZONES = frozenset({"localtime", "posixrules"})
+"""Zone file names that are links to whatever the host was set to, not IANA zones."""
+
+
 def check_zone(tz: object) -> ZoneInfo:
     """The zone named ``tz`` (IANA), or ``InvalidSchedule`` on the field ``tz``."""
     if not isinstance(tz, str) or not tz.strip():
         raise InvalidSchedule("tz", f"must be an IANA time zone name, got {tz!r}")
+    if tz.rpartition("/")[2] in HOST_ZONES or tz.startswith("right/") or tz == "Factory":
+        # The host's own zone (a link the machine's administrator sets) or leap-second
+        # clocks: the same schedule would fire at other instants on another worker's host.
+        raise InvalidSchedule(
+            "tz", f"{tz!r} depends on the host: name the zone (Europe/Paris, UTC)"
+        )
     try:
         return _zone(tz)
     except (ZoneInfoNotFoundError, ValueError):

@@ -5,7 +5,8 @@ An email "accepted" by SES or Postmark may bounce an hour later. ``Operations.re
 :func:`record_delivery`:
 
 - the callback is kept in ``outbox_deliveries``, deduplicated by the provider's
-  ``event_id`` (the same callback twice changes nothing and says so: ``duplicate=True``);
+  ``event_id`` per operation (the same callback twice changes nothing and says so:
+  ``duplicate=True``; the same ``event_id`` for another operation is another callback);
 - when the operation's receipt is ACCEPTED it is **applied** at once: the receipt's
   ``delivery_status`` becomes the furthest outcome seen (``delivered`` < ``opened`` <
   ``complained`` < ``bounced``: callbacks out of order, an "opened" before its "delivered",
@@ -34,7 +35,7 @@ from consumer.errors import JobError, JobNotFound
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.replies import record_reply
 from consumer.jobs.schema import db_epoch, jobs
-from outbox.validate import MAX_NAME_LENGTH, check_name
+from outbox.validate import MAX_NAME_LENGTH, check_name, check_text
 
 __all__ = ["DELIVERY_STATUSES", "DeliveryResult", "apply_pending", "record_delivery"]
 
@@ -70,8 +71,7 @@ def check_delivery(
     check_name("event_id", event_id, JobError, limit=MAX_NAME_LENGTH * 2)
     if ref is not None:
         check_name("ref", ref, JobError)
-    if detail is not None and (not isinstance(detail, str) or len(detail) > 2000):
-        raise JobError("detail", "must be a string of at most 2000 characters")
+    check_text("detail", detail, JobError, limit=2000)  # no NUL, no lone surrogate
 
 
 def record_delivery(
@@ -103,7 +103,7 @@ def record_delivery(
         )
         current = None if receipt is None else receipt.delivery_status
         if not created:
-            kept = driver.delivery_applied_at(conn, event_id)
+            kept = driver.delivery_applied_at(conn, operation_id, event_id)
             return DeliveryResult(
                 event_id, operation_id, status, True, kept is not None, current, False
             )

@@ -116,6 +116,7 @@ class JobDriver(
         self.watch: ConnectionWatch = watch_engine(
             engine, logging.getLogger("outbox.worker"), "job store"
         )
+        self._joined = threading.local()  # a caller's transaction (:meth:`joined`)
 
     # -- connections and schema -----------------------------------------------------------
 
@@ -138,8 +139,25 @@ class JobDriver(
                 self._pinned.conn = None
 
     @contextmanager
+    def joined(self, conn: Connection) -> Iterator[None]:
+        """This thread's :meth:`begin` (a savepoint) and :meth:`connect` on ``conn``, in its
+        transaction, for the block: an operator's action commits with its audit row or not
+        at all (``outbox.console.actions``). Only the operators' calls run joined: the
+        dispatch path's own statements (its raw connections) never do."""
+        self._joined.conn = conn
+        try:
+            yield
+        finally:
+            self._joined.conn = None
+
+    @contextmanager
     def begin(self) -> Iterator[Connection]:
         """A short read-write transaction owned by the store (commits on success)."""
+        joined: Connection | None = getattr(self._joined, "conn", None)
+        if joined is not None:
+            with joined.begin_nested():
+                yield joined
+            return
         with self._lock, self._checkout() as conn:
             self._prepare(conn)
             with conn.begin():
@@ -160,6 +178,10 @@ class JobDriver(
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection for reads."""
+        joined: Connection | None = getattr(self._joined, "conn", None)
+        if joined is not None:
+            yield joined
+            return
         with self._lock, self._checkout() as conn:
             yield conn
 

@@ -37,6 +37,7 @@ class ClaimStatements(ABC):
                 jobs.c.lease_epoch,
                 jobs.c.lease_expires_at,
                 jobs.c.attempts,
+                jobs.c.cancel_requested_at,
             )
             .where(where)
             .with_for_update()

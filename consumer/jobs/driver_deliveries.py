@@ -31,7 +31,8 @@ class DeliveryStatements:
         detail: str | None,
         received_at: Any,
     ) -> bool:
-        """Keep a callback unless its ``event_id`` was kept before: True if inserted.
+        """Keep a callback unless the operation's ``event_id`` was kept before: True if
+        inserted.
         ``received_at`` is a number or the database clock as an expression."""
         values = {
             "event_id": event_id,
@@ -42,13 +43,18 @@ class DeliveryStatements:
             "received_at": received_at,
         }
         return (
-            insert_new(conn, deliveries, ("event_id",), values, deliveries.c.event_id) is not None
+            insert_new(
+                conn, deliveries, ("operation_id", "event_id"), values, deliveries.c.event_id
+            )
+            is not None
         )
 
-    def delivery_applied_at(self, conn: Connection, event_id: str) -> Any:
+    def delivery_applied_at(self, conn: Connection, operation_id: str, event_id: str) -> Any:
         """When a kept callback was applied (None: it waits)."""
         return conn.execute(
-            select(deliveries.c.applied_at).where(deliveries.c.event_id == event_id)
+            select(deliveries.c.applied_at).where(
+                deliveries.c.operation_id == operation_id, deliveries.c.event_id == event_id
+            )
         ).scalar()
 
     def delivery_waiting_list(self, conn: Connection, limit: int) -> list[str]:

@@ -23,7 +23,13 @@ class RecoveryStatements:
     def job_expired_list(self, conn: Connection, clock: float, limit: int) -> Sequence[Any]:
         """Expired leases, oldest first, locked with SKIP LOCKED (PostgreSQL)."""
         return conn.execute(
-            select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+            select(
+                jobs.c.id,
+                jobs.c.lease_epoch,
+                jobs.c.lease_owner,
+                jobs.c.attempts,
+                jobs.c.cancel_requested_at,
+            )
             .where(jobs.c.state == LEASED, jobs.c.lease_expires_at <= clock)
             .order_by(jobs.c.lease_expires_at)
             .limit(limit)
@@ -72,7 +78,13 @@ class RecoveryStatements:
     def job_owned_list(self, conn: Connection, owners: Sequence[str], limit: int) -> Sequence[Any]:
         """LEASED jobs held by ``owners``, locked with SKIP LOCKED (PostgreSQL)."""
         return conn.execute(
-            select(jobs.c.id, jobs.c.lease_epoch, jobs.c.lease_owner, jobs.c.attempts)
+            select(
+                jobs.c.id,
+                jobs.c.lease_epoch,
+                jobs.c.lease_owner,
+                jobs.c.attempts,
+                jobs.c.cancel_requested_at,
+            )
             .where(jobs.c.state == LEASED, jobs.c.lease_owner.in_(list(owners)))
             .order_by(jobs.c.lease_expires_at)
             .limit(limit)

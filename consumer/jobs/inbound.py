@@ -34,7 +34,10 @@ says ``duplicate``.
 **Bounds**: a body over ``max_body`` bytes (64 KiB) is refused with 413 before it is read
 whole (the declared length first, then while streaming). After authentication, bad input
 is a 400 naming the field, an unknown job 404; a database outage is a 503 with
-``Retry-After`` (the sender retries: nothing was recorded).
+``Retry-After`` (the sender retries: nothing was recorded). Bad input is never a 5xx or a
+503 (issue 53): the timestamp and the length are read as ASCII digits, the body through the
+JSON gate (bounded depth, no NUL, no lone surrogate), a job id within a BIGINT, and a value
+the database still refuses (``DataError``) is a 400, never an outage to retry.
 
 The database work runs in a thread (the store is synchronous); one process answers a few
 thousand signed callbacks per second (docs/how-to/replies.md has the measurement).
@@ -44,14 +47,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -64,6 +66,7 @@ from consumer.jobs.operations import Operations
 from consumer.jobs.store import Store
 from outbox.errors import ConfigError
 from outbox.logs import fields
+from outbox.validate import INT64_MAX, int_problem, load_json
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -115,7 +118,9 @@ def verify(
     ``now`` (constant-time comparison)."""
     stamp = headers.get(TIMESTAMP_HEADER.lower()) or headers.get(TIMESTAMP_HEADER)
     signature = headers.get(SIGNATURE_HEADER.lower()) or headers.get(SIGNATURE_HEADER)
-    if not stamp or not signature or not stamp.isdigit() or len(stamp) > 12:
+    # ASCII digits only: str.isdigit passes "²" and other scripts' digits, which int()
+    # then refuses (a 500 before authentication).
+    if not stamp or not signature or int_problem(stamp, minimum=0, maximum=10**12) is not None:
         return False
     if abs(now - int(stamp)) > window:
         return False
@@ -235,6 +240,11 @@ class InboundApp:
             return JSONResponse({"error": str(exc), "field": exc.field}, status_code=400)
         except JobNotFound as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
+        except DataError as exc:  # input the gates missed: never an outage to retry
+            log.warning(
+                "inbound input refused by the database", extra=fields(error=repr(exc)[:300])
+            )
+            return JSONResponse({"error": "the database refused this input"}, status_code=400)
         except SQLAlchemyError as exc:
             log.warning("inbound request not recorded", extra=fields(error=repr(exc)[:300]))
             return JSONResponse(
@@ -245,7 +255,7 @@ class InboundApp:
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         too_large = _Refused(413, {"error": f"body over {self.max_body} bytes"})
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+        if declared is not None and int_problem(declared, minimum=0, maximum=self.max_body):
             raise too_large
         chunks: list[bytes] = []
         size = 0
@@ -265,8 +275,8 @@ class InboundApp:
         action: Any = None
         if isinstance(job, dict):
             job, action = job.get("tenant"), job.get("action")
-        elif isinstance(job, bool) or not isinstance(job, int):
-            raise JobError("job", "must be a job id or {tenant, action}")
+        elif isinstance(job, bool) or not isinstance(job, int) or not 1 <= job <= INT64_MAX:
+            raise JobError("job", "must be a job id (1 to 2**63-1) or {tenant, action}")
         if "payload" not in data:
             raise JobError("payload", "is required (null is a payload)")
         result = self.store.reply(
@@ -308,7 +318,10 @@ class InboundApp:
 
     def _hooked(self, hook: Webhook) -> Callable[[Any], dict[str, Any]]:
         def work(body: bytes) -> dict[str, Any]:
-            items = hook.parse(body) if hook.parse is not None else _json(body)
+            try:
+                items = hook.parse(body) if hook.parse is not None else _json(body)
+            except (ValueError, TypeError, RecursionError) as exc:  # the parser's refusal
+                raise JobError("body", f"the webhook's parser refused it: {exc}"[:300]) from None
             if isinstance(items, Mapping):
                 items = [items]
             if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
@@ -327,7 +340,10 @@ def _hook_verifies(hook: Webhook, headers: Mapping[str, str], body: bytes) -> bo
 
 
 def _json(body: bytes) -> Any:
+    """The body through the JSON gate (``outbox.validate.load_json``): not JSON, nested too
+    deep (a ``RecursionError`` was a 500), a NUL or a lone surrogate anywhere (the database
+    refused them: a 503 the sender retried for ever) are a 400 naming the body."""
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise JobError("body", "is not JSON") from None
+        return load_json(body)
+    except ValueError as exc:
+        raise JobError("body", str(exc)) from None

@@ -17,6 +17,8 @@ missing (idempotent):
 - steps (issue 57): ``outbox_jobs``'s ``result``, ``on_parent_failure`` and the counters
   ``parents_pending`` and ``children`` (NOT NULL, default 0), and the table
   ``outbox_job_steps`` with its indexes;
+- ``outbox_deliveries`` keyed by ``(operation_id, event_id)`` instead of ``event_id`` alone
+  (issue 53: callbacks are deduplicated per operation); SQLite rebuilds the table;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 

@@ -13,10 +13,11 @@ import math
 import random
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func
+from sqlalchemy import ColumnElement, case
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, JobError, JobNotFound
+from consumer.jobs import cancels
 from consumer.jobs import replies as talk
 from consumer.jobs.batch_moves import BatchMoves
 from consumer.jobs.checks import (
@@ -431,24 +432,9 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         where, label = job_key(job, action)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
-            requested = self.driver.job_update_from(
-                conn,
-                where,
-                (LEASED,),
-                {
-                    "cancel_requested_at": func.coalesce(jobs.c.cancel_requested_at, clock),
-                    "cancel_reason": func.coalesce(jobs.c.cancel_reason, reason),
-                },
+            return cancels.operator_cancel(
+                self.driver, conn, where, label, cancels.identity_of(job, action), reason, clock
             )
-            if requested is not None:
-                self.driver.attempt_insert(
-                    conn, requested, None, None, "cancel_requested", reason, clock
-                )
-                return LEASED
-        self._operator_move(
-            where, label, CANCELLED, {"wait_reason": reason}, "cancelled", reason, when
-        )
-        return CANCELLED
 
     def _move(
         self,
@@ -471,23 +457,39 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         during the run makes it CANCELLED instead. Returns the state reached."""
         check_transition(label, LEASED, target)
         clock = self._clock(conn, when)
-        if target != CANCELLED:
-            ended = self.driver.job_update_fenced(
-                conn,
-                where & jobs.c.cancel_requested_at.is_not(None),
-                worker,
-                epoch,
-                {**_CANCELLED_END, **NO_TIMER, "updated_at": clock},
-            )
-            if ended is not None:
-                note = f"cancel requested; the run ended {outcome}"
-                self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
-                settle_children(self.driver, conn, [ended], clock)
-                return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
             moved.update(NO_TIMER)
-        job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
+        if target == CANCELLED:
+            job_id = self._cas(conn, where, label, worker, epoch, target, moved, clock)
+        else:
+            # Its own end first, fenced on "no cancel request": a request that commits while
+            # this waits for the row makes it match nothing (PostgreSQL re-reads the row), and
+            # the cancelled end below takes it. Never the other order: a request committed
+            # between the two statements would be overwritten by a DONE.
+            found = self.driver.job_update_fenced(
+                conn,
+                where & jobs.c.cancel_requested_at.is_(None),
+                worker,
+                epoch,
+                {**moved, "updated_at": clock},
+            )
+            if found is None:
+                ended = self.driver.job_update_fenced(
+                    conn,
+                    where & jobs.c.cancel_requested_at.is_not(None),
+                    worker,
+                    epoch,
+                    {**cancels.ENDED_BY_CANCEL, **NO_TIMER, "updated_at": clock},
+                )
+                if ended is not None:
+                    note = f"cancel requested; the run ended {outcome}"
+                    self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
+                    settle_children(self.driver, conn, [ended], clock)
+                    return CANCELLED
+                self._diagnose(conn, where, label, worker, epoch)
+            assert found is not None
+            job_id = found
         self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume
             talk.consume(self.driver, conn, job_id, consume, clock)
@@ -528,9 +530,3 @@ class LeaseMoves(BatchMoves, OperatorMoves):
 
 
 _PARENT_ENDS = (DONE, CANCELLED, NEEDS_ATTENTION, WAITING_REVIEW)
-_CANCELLED_END: dict[str, Any] = {
-    "state": CANCELLED,
-    "lease_owner": None,
-    "lease_expires_at": None,
-    "wait_reason": jobs.c.cancel_reason,
-}

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError
+from consumer.jobs import cancels
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import Time, valid_name, valid_time, valid_ttl
 from consumer.jobs.rows import RecoveryResult
@@ -90,11 +91,15 @@ class Recovery(StoreBase):
         self, conn: Connection, rows: Sequence[Any], clock: float, dead_reason: str | None
     ) -> tuple[int, int]:
         """Expired leases (``dead_reason`` None) or leases of dead owners back to READY or
-        NEEDS_ATTENTION, each fenced on the epoch read; returns (requeued, attention)."""
+        NEEDS_ATTENTION (CANCELLED when a cancel was requested: ``consumer.jobs.cancels``),
+        each fenced on the epoch read; returns (requeued, attention)."""
         max_attempts = self.config.retry.max_attempts
         requeued = attention = 0
         reason = dead_reason or "lease expired"
         for row in rows:
+            if row.cancel_requested_at is not None:  # cancelled while it ran: never again
+                cancels.end_expired(self.driver, conn, row.id, int(row.lease_epoch), clock, reason)
+                continue
             target = NEEDS_ATTENTION if row.attempts >= max_attempts else READY
             check_transition(str(row.id), LEASED, target)
             values: dict[str, Any] = {

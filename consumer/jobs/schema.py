@@ -61,6 +61,8 @@ see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``prov
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -69,6 +71,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -349,20 +352,24 @@ Index("ix_outbox_job_replies_job_seq", replies.c.job_id, replies.c.seq)
 DELIVERIES_TABLE = "outbox_deliveries"
 
 # Delivery callbacks (``Operations.record_delivery``; consumer/jobs/deliveries.py): one row
-# per provider event (``event_id``, the dedup key). ``applied_at`` is set once its receipt was
-# ACCEPTED and the outcome applied to it; a callback that came first waits here until then.
+# per provider event of an operation (``(operation_id, event_id)``, the dedup key: a provider's
+# event ids are unique in its own account, not across every provider and operation, issue 53).
+# ``applied_at`` is set once its receipt was ACCEPTED and the outcome applied to it; a
+# callback that came first waits here until then.
+DELIVERIES_KEY = "pk_outbox_deliveries_operation_event"
 deliveries = Table(
     DELIVERIES_TABLE,
     metadata,
-    Column("event_id", String(NAME_LENGTH * 2), primary_key=True),
+    Column("event_id", String(NAME_LENGTH * 2), nullable=False),
     Column("operation_id", String(NAME_LENGTH * 2), nullable=False),
     Column("status", String(16), nullable=False),
     Column("provider_ref", String(NAME_LENGTH), nullable=True),
     Column("detail", Text, nullable=True),
     Column("received_at", Double, nullable=False),
     Column("applied_at", Double, nullable=True),
+    PrimaryKeyConstraint("operation_id", "event_id", name=DELIVERIES_KEY),
 )
-Index("ix_outbox_deliveries_operation", deliveries.c.operation_id)
+DELIVERIES_OPERATION_INDEX = Index("ix_outbox_deliveries_operation", deliveries.c.operation_id)
 # Callbacks not applied yet (their receipt was not ACCEPTED when they came): the sweep's read.
 UNAPPLIED_DELIVERIES_INDEX = Index(
     "ix_outbox_deliveries_unapplied",
@@ -541,12 +548,42 @@ def upgrade_schema(conn: Connection) -> None:
     CANCEL_REQUESTED_INDEX.create(conn, checkfirst=True)
     paused_queues.create(conn, checkfirst=True)
     replies.create(conn, checkfirst=True)
+    if inspector.has_table(deliveries.name):
+        _deliveries_per_operation(conn, inspector)
     deliveries.create(conn, checkfirst=True)
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
     job_steps.create(conn, checkfirst=True)  # steps (issue 57), with its indexes
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
+
+
+def _deliveries_per_operation(conn: Connection, inspector: Any) -> None:
+    """``outbox_deliveries`` keyed by ``event_id`` alone (issue 38) becomes keyed by
+    ``(operation_id, event_id)`` (issue 53): PostgreSQL swaps the primary key in place;
+    SQLite, which cannot alter one, copies the rows into the table made anew."""
+    key = inspector.get_pk_constraint(deliveries.name)
+    if list(key.get("constrained_columns") or []) != ["event_id"]:
+        return
+    prep = conn.dialect.identifier_preparer
+    table = prep.format_table(deliveries)
+    if is_postgresql(conn.dialect.name):
+        conn.execute(
+            text(
+                f"ALTER TABLE {table} DROP CONSTRAINT {prep.quote(key['name'])}, "
+                f"ADD CONSTRAINT {prep.quote(DELIVERIES_KEY)} "
+                "PRIMARY KEY (operation_id, event_id)"
+            )
+        )
+        return
+    old = prep.quote(f"{deliveries.name}_before_53")
+    conn.execute(text(f"ALTER TABLE {table} RENAME TO {old}"))
+    for index in (DELIVERIES_OPERATION_INDEX, UNAPPLIED_DELIVERIES_INDEX):  # they moved along
+        conn.execute(text(f"DROP INDEX IF EXISTS {prep.quote(str(index.name))}"))
+    deliveries.create(conn)
+    names = ", ".join(prep.quote(c.name) for c in deliveries.columns)
+    conn.execute(text(f"INSERT INTO {table} ({names}) SELECT {names} FROM {old}"))
+    conn.execute(text(f"DROP TABLE {old}"))
 
 
 def _add_columns(conn: Connection, table: Table, names: list[str]) -> None:

@@ -53,6 +53,7 @@ from sqlalchemy.orm import Session
 
 from consumer.bulk import deferred_writes
 from consumer.errors import JobError, JobNotFound
+from consumer.jobs import cancels
 from consumer.jobs.base import StoreConfig
 from consumer.jobs.checks import (
     SPEC_FIELDS,
@@ -437,6 +438,11 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
             if row.state == READY and row.run_after is not None and row.run_after > clock:
                 return None
             if row.state not in (READY, LEASED):
+                return None
+            if takeover and row.cancel_requested_at is not None:
+                # Cancelled while it ran: it ends CANCELLED instead of running again.
+                how = "lease expired"
+                cancels.end_expired(self.driver, conn, row.id, int(row.lease_epoch), clock, how)
                 return None
             if takeover and row.attempts >= self.config.retry.max_attempts:
                 return None  # spent: recovery moves it to NEEDS_ATTENTION

@@ -14,9 +14,17 @@ Each asks for a reason and writes one ``outbox_audit`` row (``outbox.console.sch
 what, when, the reason, the target before and after, and the outcome. A refused action
 (unknown id, a state that does not allow it: pausing a paused queue, resuming a running
 one) is audited too, with the refusal as its outcome,
-and raises :class:`ActionRefused` (the API answers 404 or 409). The library operation runs in
-its own transaction, as it does from its CLI; the audit row follows in the next one, so an
-audit row never claims a change that did not commit.
+and raises :class:`ActionRefused` (the API answers 404 or 409).
+
+An action and its audit row commit together or not at all (issue 53): the library operation
+runs in the audit's transaction (the job store's calls joined to it,
+``JobDriver.joined``; the requeue and the replay given it), in a savepoint a refusal rolls
+back, and the audit row is written in the same transaction. What the audit row holds (the
+reason, the operator's name, the client) is checked first (``outbox.validate.check_text``:
+no NUL, no lone surrogate, bounded): bad text is a 400 before anything is written. A replay
+publishes its entry before that commit (a broker is no part of the transaction): a commit
+that fails after it leaves the entry published and the record NEEDS_ATTENTION, as a crash
+there always did.
 
 Bulk actions take a list's filter: :func:`bulk_preview` counts what it matches (at most
 :data:`BULK_CAP`), :func:`bulk_apply` runs the one operation on each match, oldest first.
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import insert, select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from consumer.admin import replay_dead_letter
 from consumer.errors import (
@@ -52,7 +60,7 @@ from outbox.console import queries
 from outbox.console.queries import Tables
 from outbox.console.schema import audit
 from outbox.schema import QUARANTINED, OutboxSchema
-from outbox.validate import INT64_MAX, check_name, int_problem
+from outbox.validate import INT64_MAX, check_name, int_problem, text_problem
 from relay.admin import requeue
 
 ACTIONS = ("requeue", "replay", "resume", "cancel", "settle", "pause")
@@ -109,9 +117,43 @@ class Outcome:
 def check_reason(reason: Any) -> str:
     if not isinstance(reason, str) or not reason.strip():
         raise ActionError("reason: every action needs a reason (a non-empty text)")
-    if len(reason) > MAX_REASON or "\x00" in reason:
-        raise ActionError(f"reason: at most {MAX_REASON} characters, no NUL")
+    problem = text_problem(reason, limit=MAX_REASON)
+    if problem is not None:
+        raise ActionError(f"reason: {problem} (at most {MAX_REASON} characters, no NUL)")
     return reason.strip()
+
+
+def check_actor(actor: Actor) -> Actor:
+    """The actor as the audit row holds it: a name of text it can store (else a 400 before
+    anything is written), the client address made printable."""
+    problem = text_problem(actor.name, limit=200)
+    if problem is not None:
+        raise ActionError(f"by: {problem}")
+    client = actor.client
+    if client is not None and text_problem(client, limit=200) is not None:
+        client = ascii(client)[1:-1][:200]
+    return Actor(actor.name, actor.via, client)
+
+
+_REFUSALS = (
+    Conflict,
+    IllegalTransition,
+    OperationError,
+    AlreadyReplayed,
+    JobNotFound,
+    DeadLetterNotFound,
+    ActionRefused,
+)
+"""What an operation raises when its target's state does not allow it: audited, 404/409."""
+
+
+def _clean(text: str) -> str:
+    """A text the audit can store whatever it quotes (an error naming a bad value)."""
+    return text if text_problem(text, limit=len(text)) is None else ascii(text)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str)  # ASCII: a surrogate or NUL is escaped, not stored
 
 
 class Actions:
@@ -130,24 +172,25 @@ class Actions:
 
     # -- reading a target ----------------------------------------------------------------
 
-    def _read(self, kind: str, target_id: str) -> dict[str, Any] | None:
+    def _read(self, conn: Connection, kind: str, target_id: str) -> dict[str, Any] | None:
+        """The target as it stands in ``conn``'s transaction (the job store's reads joined
+        to it)."""
         t = self.tables.outbox
         dl = self.tables.inbox.dead_letters
-        with self.engine.connect() as conn:
-            if kind == "event":
-                query = select(t).where(t.c.event_id == target_id)
-            elif kind == "dead_letter":
-                query = select(dl).where(dl.c.id == int(target_id))
-            elif kind == "job":
-                query = select(jobs).where(jobs.c.id == int(target_id))
-            elif kind == "queue":
-                return self.store.depth(target_id)[target_id].as_dict()  # any name is a queue
-            elif kind == "schedule":
-                found = [s for s in self.store.schedules() if s.name == target_id]
-                return found[0].as_dict() if found else None
-            else:
-                query = select(operations).where(operations.c.operation_id == target_id)
-            row = conn.execute(query).first()
+        if kind == "event":
+            query = select(t).where(t.c.event_id == target_id)
+        elif kind == "dead_letter":
+            query = select(dl).where(dl.c.id == int(target_id))
+        elif kind == "job":
+            query = select(jobs).where(jobs.c.id == int(target_id))
+        elif kind == "queue":
+            return self.store.depth(target_id)[target_id].as_dict()  # any name is a queue
+        elif kind == "schedule":
+            found = [s for s in self.store.schedules() if s.name == target_id]
+            return found[0].as_dict() if found else None
+        else:
+            query = select(operations).where(operations.c.operation_id == target_id)
+        row = conn.execute(query).first()
         if row is None:
             return None
         return {k: queries.jsonable(v) for k, v in row._mapping.items()}
@@ -156,6 +199,7 @@ class Actions:
 
     def _audit(
         self,
+        conn: Connection,
         actor: Actor,
         action: str,
         kind: str,
@@ -166,27 +210,27 @@ class Actions:
         after: Any,
         bulk: str | None,
     ) -> int:
-        with self.engine.begin() as conn:
-            now = float(conn.execute(select(db_epoch())).scalar_one())
-            result = conn.execute(
-                insert(audit)
-                .values(
-                    at=now,
-                    actor=actor.name[:200],
-                    via=actor.via[:16],
-                    client=(actor.client or "")[:200] or None,
-                    action=action,
-                    target_kind=kind,
-                    target_id=target_id[:400],
-                    reason=reason,
-                    outcome=outcome[:4000],
-                    before=None if before is None else json.dumps(before, default=str),
-                    after=None if after is None else json.dumps(after, default=str),
-                    bulk=bulk,
-                )
-                .returning(audit.c.id)
+        """The audit row, in ``conn``'s transaction: the action's own."""
+        now = float(conn.execute(select(db_epoch())).scalar_one())
+        result = conn.execute(
+            insert(audit)
+            .values(
+                at=now,
+                actor=actor.name[:200],
+                via=actor.via[:16],
+                client=(actor.client or "")[:200] or None,
+                action=action,
+                target_kind=kind,
+                target_id=target_id[:400],
+                reason=reason,
+                outcome=_clean(outcome)[:4000],
+                before=None if before is None else _dumps(before),
+                after=None if after is None else _dumps(after),
+                bulk=bulk,
             )
-            return int(result.scalar_one())
+            .returning(audit.c.id)
+        )
+        return int(result.scalar_one())
 
     def _run(
         self,
@@ -195,33 +239,39 @@ class Actions:
         kind: str,
         target_id: str,
         reason: Any,
-        operation: Callable[[], Any],
+        operation: Callable[[Connection], Any],
         bulk: str | None = None,
     ) -> Outcome:
         why = check_reason(reason)
-        before = self._read(kind, target_id)
-        if before is None:
-            self._audit(actor, action, kind, target_id, why, "refused: not found", None, None, bulk)
-            raise ActionRefused(f"no {kind.replace('_', ' ')} {target_id!r}", 404)
-        try:
-            result = operation()
-        except (
-            Conflict,
-            IllegalTransition,
-            OperationError,
-            AlreadyReplayed,
-            JobNotFound,
-            DeadLetterNotFound,
-            ActionRefused,
-        ) as exc:
-            after = self._read(kind, target_id)
-            self._audit(actor, action, kind, target_id, why, f"refused: {exc}", before, after, bulk)
-            status = 404 if isinstance(exc, LookupError) else 409
-            raise ActionRefused(str(exc), status) from None
-        except JobError as exc:
-            raise ActionError(str(exc)) from None
-        after = self._read(kind, target_id)
-        audit_id = self._audit(actor, action, kind, target_id, why, "ok", before, after, bulk)
+        who = check_actor(actor)
+        if text_problem(target_id, limit=400) is not None:
+            raise ActionRefused(f"no {kind.replace('_', ' ')} {ascii(target_id)[:60]}", 404)
+        driver = self.store.driver
+        refused: ActionRefused | None = None
+        result: Any = None
+        # One transaction: the operation (a savepoint a refusal rolls back) and its audit row.
+        with driver.begin() as conn, driver.joined(conn):
+            before = self._read(conn, kind, target_id)
+            if before is None:
+                outcome, after = "refused: not found", None
+                refused = ActionRefused(f"no {kind.replace('_', ' ')} {target_id!r}", 404)
+            else:
+                try:
+                    with conn.begin_nested():
+                        result = operation(conn)
+                    outcome = "ok"
+                except _REFUSALS as exc:
+                    outcome = f"refused: {exc}"
+                    status = 404 if isinstance(exc, LookupError) else 409
+                    refused = ActionRefused(str(exc), status)
+                except JobError as exc:
+                    raise ActionError(str(exc)) from None
+                after = self._read(conn, kind, target_id)
+            audit_id = self._audit(
+                conn, who, action, kind, target_id, why, outcome, before, after, bulk
+            )
+        if refused is not None:
+            raise refused
         return Outcome(action, target_id, before, after, audit_id, result)
 
     # -- the five actions ----------------------------------------------------------------
@@ -229,8 +279,8 @@ class Actions:
     def requeue_event(
         self, event_id: str, reason: Any, actor: Actor, bulk: str | None = None
     ) -> Outcome:
-        def operation() -> Any:
-            result = requeue(self.engine, self.outbox_schema, [event_id])
+        def operation(conn: Connection) -> Any:
+            result = requeue(self.engine, self.outbox_schema, [event_id], joined=conn)
             if result.not_quarantined:
                 state = result.not_quarantined[event_id]
                 raise ActionRefused(f"event {event_id} is {state}, not quarantined")
@@ -245,8 +295,9 @@ class Actions:
     ) -> Outcome:
         record = _record_id(entry_id)
 
-        def operation() -> Any:
-            return {"new_entry_id": replay_dead_letter(self.inbox, self.redis, record)}
+        def operation(conn: Connection) -> Any:
+            entry = replay_dead_letter(self.inbox, self.redis, record, joined=conn)
+            return {"new_entry_id": entry}
 
         return self._run(actor, "replay", "dead_letter", str(record), reason, operation, bulk)
 
@@ -256,7 +307,7 @@ class Actions:
         ident = _job_id(job_id)
         why = reason if isinstance(reason, str) else None
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             self.store.resume(ident, reason=f"console: {why} (by {actor.name})")
 
         return self._run(actor, "resume", "job", str(ident), reason, operation, bulk)
@@ -267,7 +318,7 @@ class Actions:
         ident = _job_id(job_id)
         why = reason if isinstance(reason, str) else None
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             # A LEASED job gets a cancel request: its run ends it (``Store.cancel``).
             state = self.store.cancel(ident, reason=f"console: {why} (by {actor.name})")
             return {"state": state, "requested": state != "CANCELLED"}
@@ -292,7 +343,7 @@ class Actions:
         ref = accepted if accepted not in ("", None) else None
         why = reason if isinstance(reason, str) else None
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             receipt = self.operations.settle(
                 operation_id, accepted=ref, not_sent=ref is None, reason=why, by=actor.name
             )
@@ -305,7 +356,7 @@ class Actions:
         end). A queue with no jobs yet may be paused; pausing a paused one is refused."""
         name = _queue_name(queue)
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             if not self.store.pause_queue(name):
                 raise ActionRefused(f"queue {name} is paused already")
             return {"paused": True}
@@ -317,7 +368,7 @@ class Actions:
         refused."""
         name = _queue_name(queue)
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             if not self.store.resume_queue(name):
                 raise ActionRefused(f"queue {name} is not paused")
             return {"paused": False}
@@ -328,7 +379,7 @@ class Actions:
         """The schedule fires nothing until resumed; pausing a paused one is refused."""
         target = _schedule_name(name)
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             if not self.store.pause_schedule(target):
                 raise ActionRefused(f"schedule {target} is paused already")
             return {"paused": True}
@@ -339,7 +390,7 @@ class Actions:
         """The schedule fires again from its next slot; resuming a running one is refused."""
         target = _schedule_name(name)
 
-        def operation() -> Any:
+        def operation(conn: Connection) -> Any:
             if not self.store.resume_schedule(target):
                 raise ActionRefused(f"schedule {target} is not paused")
             return {"paused": False}

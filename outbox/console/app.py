@@ -214,10 +214,10 @@ class Console:
             target = _local(request.query_params.get("next") or "/")
         if token is None:
             return self._render("login.html", error=None, next=target)
-        throttled = self.door.throttled(request)
-        if throttled is not None:
-            return throttled
-        if not self.guard.token_ok(token):
+        if not self.guard.token_ok(token):  # a valid token is never throttled (Door.who)
+            throttled = self.door.throttled(request)
+            if throttled is not None:
+                return throttled
             self.guard.throttle.failed(self.door.client(request))
             log.info("console sign-in refused", extra=fields(client=self.door.client(request)))
             return self._render("login.html", 401, error="That token is not valid.", next=target)

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, run_main
+from outbox.cli import DATABASE, LOGGING, REDIS, Flag, Parser, add_flags, port, run_main
 from outbox.db import default_database_url, describe_url, make_engine
 from outbox.errors import ConfigError
 from outbox.extras import require
@@ -120,7 +120,7 @@ def build_parser() -> Parser:
     add_flags(
         serve,
         Flag("--host", help="bind address", default=DEFAULT_HOST, env="OUTBOX_CONSOLE_HOST"),
-        Flag("--port", int, "port", default=DEFAULT_PORT, env="OUTBOX_CONSOLE_PORT"),
+        Flag("--port", port, "port", default=DEFAULT_PORT, env="OUTBOX_CONSOLE_PORT"),
         Flag(
             "--read-only",
             bool,
@@ -288,8 +288,16 @@ def _serve(args: argparse.Namespace, url: str) -> int:
         # drained console exits 0 (DESIGN: SIGTERM drains, exit 0).
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+        # proxy_headers=False: uvicorn would take X-Forwarded-For from 127.0.0.1 as the client
+        # (a forged address in the throttle and the audit); the console's door honours it
+        # from --trusted-proxies only.
         uvicorn.run(
-            console.app, host=config.host, port=config.port, log_level="warning", access_log=False
+            console.app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
         )
         return 0
     finally:

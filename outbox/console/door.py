@@ -1,7 +1,9 @@
 """Who is at the door of a request: its client address (behind a trusted proxy, the one the
 proxy forwarded for), whether it came over TLS (the session cookie is then ``Secure``), and
-its principal, with the throttle on wrong tokens applied first (a throttled client that
-presents a token gets 429 without its token being checked)."""
+its principal, with the throttle on wrong tokens (a throttled client that presents a wrong
+token gets 429; a valid token is always let in). ``X-Forwarded-For`` and
+``X-Forwarded-Proto`` are honoured from ``--trusted-proxies`` only (uvicorn runs with
+``proxy_headers=False``, so it never rewrites the client's address itself)."""
 
 from __future__ import annotations
 
@@ -50,14 +52,16 @@ class Door:
         )
 
     def who(self, request: Request) -> Principal | Response | None:
-        """The principal, None (nobody), or the 429 of a throttled client that gave a
-        token."""
+        """The principal, None (nobody), or the 429 of a throttled client that gave a wrong
+        token. A valid token is never throttled (issue 53: 30 wrong tokens from one address,
+        or from the proxy every operator comes through, locked every operator out): the
+        throttle slows the guessing of wrong ones, and the token is too long to guess."""
         authorization = request.headers.get("authorization")
-        if authorization:
-            throttled = self.throttled(request)
-            if throttled is not None:
-                return throttled
         who = self.guard.principal(authorization, request.cookies.get(COOKIE))
-        if who is None and authorization:
-            self.guard.throttle.failed(self.client(request))
-        return who
+        if who is not None or not authorization:
+            return who
+        throttled = self.throttled(request)
+        if throttled is not None:
+            return throttled
+        self.guard.throttle.failed(self.client(request))
+        return None

@@ -18,7 +18,7 @@ class NatsConsoleView:
 
     def xrange(self, stream: str, min: str, max: str, count: int = 1) -> list[tuple[str, Any]]:
         """The message of ``stream`` at sequence ``min`` (a receipt), or nothing."""
-        if not str(min).isdigit():
+        if not (str(min).isascii() and str(min).isdigit()):
             return []
 
         async def get(js: Any) -> list[tuple[str, Any]]:

@@ -53,6 +53,7 @@ from outbox.console.queries import TRACE_LIMIT, Tables, jsonable
 from outbox.console.schema import audit
 from outbox.dialect import db_epoch
 from outbox.logs import fields
+from outbox.validate import INT64_MAX, int_problem
 
 log = logging.getLogger("outbox.console")
 
@@ -136,7 +137,8 @@ def _groups(conn: Connection, tables: Tables) -> list[str]:
 
 def _as_int(q: str) -> int | None:
     digits = q[1:] if q.startswith("#") else q
-    if digits.isdigit() and len(digits) < 19:
+    # ASCII digits only: isdigit() passes "\u00b2", which int() then refuses (a 500).
+    if int_problem(digits, minimum=0, maximum=INT64_MAX) is None:
         return int(digits)
     return None
 

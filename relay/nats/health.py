@@ -54,7 +54,7 @@ class NatsCheck:
     def check(self) -> bool:
         lost = False
         for stream, entry_id in self.store.receipt_latest():
-            if not entry_id.isdigit():
+            if not (entry_id.isascii() and entry_id.isdigit()):
                 continue  # not a sequence: a receipt of another broker (a Redis entry id)
             seq = int(entry_id)
             name = jetstream_name(stream)

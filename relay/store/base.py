@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -72,9 +73,13 @@ class Store(Protocol):
         ...
 
     def outbox_requeue(
-        self, event_ids: Sequence[str] | None, all_quarantined: bool
+        self,
+        event_ids: Sequence[str] | None,
+        all_quarantined: bool,
+        joined: Connection | None = None,
     ) -> RequeueResult:
-        """Quarantined events back to pending (see :func:`relay.admin.requeue`)."""
+        """Quarantined events back to pending (see :func:`relay.admin.requeue`); in the
+        caller's transaction with ``joined``."""
         ...
 
     def outbox_published_page(
@@ -138,6 +143,11 @@ def highest_receipts(rows: Sequence[Any]) -> list[tuple[str, str]]:
     return list(best.items())
 
 
+def in_transaction(engine: Engine, joined: Connection | None) -> AbstractContextManager[Connection]:
+    """A transaction of its own on ``engine``, or the caller's ``joined`` one."""
+    return engine.begin() if joined is None else nullcontext(joined)
+
+
 def requeue_quarantined(
     engine: Engine,
     t: str,
@@ -145,11 +155,13 @@ def requeue_quarantined(
     event_ids: Sequence[str] | None,
     all_quarantined: bool,
     after: Callable[[Connection], None] | None = None,
+    joined: Connection | None = None,
 ) -> RequeueResult:
     """Both databases' requeue; ``after``: one more statement in the same transaction when
-    anything was requeued (PostgreSQL asks the relays for a sweep)."""
+    anything was requeued (PostgreSQL asks the relays for a sweep); ``joined``: the caller's
+    transaction to run in (an operator's action and its audit row commit together)."""
     result = RequeueResult()
-    with engine.begin() as conn:
+    with in_transaction(engine, joined) as conn:
         if all_quarantined:
             ids = [
                 r[0]

@@ -541,7 +541,10 @@ class PostgresStore:
             )
 
     def outbox_requeue(
-        self, event_ids: Sequence[str] | None, all_quarantined: bool
+        self,
+        event_ids: Sequence[str] | None,
+        all_quarantined: bool,
+        joined: Connection | None = None,
     ) -> RequeueResult:
         outbox_schema = self.schema
 
@@ -557,6 +560,7 @@ class PostgresStore:
             event_ids,
             all_quarantined,
             ask_for_a_sweep,
+            joined,
         )
 
 

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from outbox.dialect import NOW_SQL, SQLITE
 from outbox.logs import fields
@@ -315,9 +315,14 @@ class SqliteStore:
             return topic_status(conn, self.t, NOW_SQL[SQLITE])
 
     def outbox_requeue(
-        self, event_ids: Sequence[str] | None, all_quarantined: bool
+        self,
+        event_ids: Sequence[str] | None,
+        all_quarantined: bool,
+        joined: Connection | None = None,
     ) -> RequeueResult:
-        return requeue_quarantined(self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined)
+        return requeue_quarantined(
+            self.engine, self.t, NOW_SQL[SQLITE], event_ids, all_quarantined, joined=joined
+        )
 
     def outbox_published_page(
         self,
