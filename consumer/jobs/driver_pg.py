@@ -64,7 +64,7 @@ class PostgresJobDriver(JobDriver):
         # with the hot tables' per-table autovacuum settings (issue 10).
         create_tables(conn)
 
-    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool, int]:
         if not self.notify:
             return super().job_insert(conn, values)
         # The wake-up rides on the INSERT itself: RETURNING evaluates pg_notify only for a row
@@ -73,11 +73,15 @@ class PostgresJobDriver(JobDriver):
         stmt = (
             insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
             .values(**values)
-            .returning(jobs.c.id, func.pg_notify(literal_column(READY_CHANNEL_SQL), ""))
+            .returning(
+                jobs.c.id,
+                jobs.c.replies_received,
+                func.pg_notify(literal_column(READY_CHANNEL_SQL), ""),
+            )
         )
-        new_id = conn.execute(stmt).scalar()
-        if new_id is not None:
-            return int(new_id), True
+        new = conn.execute(stmt).first()
+        if new is not None:
+            return int(new[0]), True, int(new[1])
         return super().job_insert(conn, values)
 
     def job_ids(

@@ -12,7 +12,9 @@ Routes (``POST``, JSON bodies):
 
 - ``/replies``: ``{"job": 17 | {"tenant": "studio", "action": "send-quote-17"}, "reply_id":
   "...", "payload": ..., "source": "..."}`` -> ``Store.reply``; answers ``{"job_id",
-  "reply_id", "duplicate", "resumed", "state"}``.
+  "reply_id", "duplicate", "resumed", "state", "kept"}``. A reply naming a ``{tenant,
+  action}`` not enqueued yet is kept for the job's first run: **202** with ``"kept": true``
+  (``job_id`` and ``state`` null).
 - ``/deliveries``: ``{"operation_id", "status", "event_id", "ref", "detail"}`` ->
   ``Operations.record_delivery``; answers ``{"event_id", "operation_id", "duplicate",
   "applied", "delivery_status", "woke"}``.
@@ -33,7 +35,7 @@ says ``duplicate``.
 
 **Bounds**: a body over ``max_body`` bytes (64 KiB) is refused with 413 before it is read
 whole (the declared length first, then while streaming). After authentication, bad input
-is a 400 naming the field, an unknown job 404; a database outage is a 503 with
+is a 400 naming the field, an unknown job id 404; a database outage is a 503 with
 ``Retry-After`` (the sender retries: nothing was recorded).
 
 The database work runs in a thread (the store is synchronous); one process answers a few
@@ -240,7 +242,8 @@ class InboundApp:
             return JSONResponse(
                 {"error": "database unavailable"}, status_code=503, headers={"Retry-After": "1"}
             )
-        return JSONResponse(result)
+        # 202: a reply to a job not enqueued yet, kept for its first run (nothing ran yet).
+        return JSONResponse(result, status_code=202 if result.get("kept") else 200)
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -282,6 +285,7 @@ class InboundApp:
             "duplicate": result.duplicate,
             "resumed": result.resumed,
             "state": result.state,
+            "kept": result.kept,
         }
 
     def _delivery(self, data: Any) -> dict[str, Any]:

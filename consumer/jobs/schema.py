@@ -104,6 +104,7 @@ __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 __all__ += ["SCHEDULES_TABLE", "schedules"]
+__all__ += ["EARLY_REPLIES_TABLE", "early_replies"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -336,6 +337,25 @@ replies = Table(
 # A run reads its job's unconsumed replies by (job_id, seq).
 Index("ix_outbox_job_replies_job_seq", replies.c.job_id, replies.c.seq)
 
+EARLY_REPLIES_TABLE = "outbox_kept_replies"
+
+# Replies to a (tenant, action) not enqueued yet (consumer/jobs/replies.py): kept here,
+# deduplicated by reply_id, until the job's enqueue moves them into ``outbox_job_replies``
+# (same transaction), or retention drops them past its early-reply window.
+early_replies = Table(
+    EARLY_REPLIES_TABLE,
+    metadata,
+    Column("id", _id_type(), primary_key=True, autoincrement=True),
+    Column("tenant", String(NAME_LENGTH), nullable=False),
+    Column("action", String(NAME_LENGTH), nullable=False),
+    Column("reply_id", String(NAME_LENGTH * 2), nullable=False),
+    Column("payload", _json(), nullable=True),
+    Column("source", String(NAME_LENGTH), nullable=True),
+    Column("received_at", Double, nullable=False),
+    UniqueConstraint("tenant", "action", "reply_id", name="uq_outbox_kept_replies_key"),
+)
+Index("ix_outbox_kept_replies_received", early_replies.c.received_at)
+
 DELIVERIES_TABLE = "outbox_deliveries"
 
 # Delivery callbacks (``Operations.record_delivery``; consumer/jobs/deliveries.py): one row
@@ -507,6 +527,7 @@ def upgrade_schema(conn: Connection) -> None:
     CANCEL_REQUESTED_INDEX.create(conn, checkfirst=True)
     paused_queues.create(conn, checkfirst=True)
     replies.create(conn, checkfirst=True)
+    early_replies.create(conn, checkfirst=True)
     deliveries.create(conn, checkfirst=True)
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
