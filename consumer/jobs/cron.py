@@ -132,12 +132,17 @@ def _with_seconds(text: str) -> bool:
 _DAY = 86400
 
 
-def every_cron(every: object) -> str:
-    """The cron expression of a fixed interval (a ``timedelta``, or seconds): whole seconds
-    that divide a minute (``*/10 * * * * *``), whole minutes that divide an hour (``*/5 * *
-    * *``) or whole hours that divide a day (``0 */6 * * *``), counted from the start of
-    each minute, hour or day in the schedule's zone. ``InvalidSchedule`` on the field
-    ``every`` otherwise (a cron expression says any other rhythm)."""
+# (unit in seconds, the units in the next field up, the cron of every N units; "{n}" is N)
+_EVERY = (
+    (1, 60, "*/{n} * * * * *"),  # seconds: a six-field cron, the second first
+    (60, 60, "*/{n} * * * *"),
+    (3600, 24, "0 */{n} * * *"),
+)
+_EVERY_ONE = {1: "* * * * * *", 60: "* * * * *", 3600: "0 * * * *", 86400: "0 0 * * *"}
+
+
+def _interval_seconds(every: object) -> int:
+    """``every`` as a whole number of seconds > 0 (``InvalidSchedule`` on ``every``)."""
     if isinstance(every, timedelta):
         seconds = every.total_seconds()
     elif isinstance(every, (int, float)) and not isinstance(every, bool):
@@ -146,15 +151,22 @@ def every_cron(every: object) -> str:
         raise InvalidSchedule("every", f"must be a timedelta or seconds, got {every!r}")
     if not seconds > 0 or seconds != int(seconds):
         raise InvalidSchedule("every", f"must be a whole number of seconds > 0, got {seconds:g}")
-    whole = int(seconds)
-    if whole < 60 and 60 % whole == 0:
-        return "* * * * * *" if whole == 1 else f"*/{whole} * * * * *"
-    if whole % 60 == 0 and whole < 3600 and 3600 % whole == 0:
-        minutes = whole // 60
-        return "* * * * *" if minutes == 1 else f"*/{minutes} * * * *"
-    if whole % 3600 == 0 and whole <= _DAY and _DAY % whole == 0:
-        hours = whole // 3600
-        return "0 * * * *" if hours == 1 else "0 0 * * *" if hours == 24 else f"0 */{hours} * * *"
+    return int(seconds)
+
+
+def every_cron(every: object) -> str:
+    """The cron expression of a fixed interval (a ``timedelta``, or seconds): whole seconds
+    that divide a minute (``*/10 * * * * *``), whole minutes that divide an hour (``*/5 * *
+    * *``) or whole hours that divide a day (``0 */6 * * *``), counted from the start of
+    each minute, hour or day in the schedule's zone. ``InvalidSchedule`` on the field
+    ``every`` otherwise (a cron expression says any other rhythm)."""
+    whole = _interval_seconds(every)
+    if whole in _EVERY_ONE:
+        return _EVERY_ONE[whole]
+    for unit, per_next, template in _EVERY:
+        count, rest = divmod(whole, unit)
+        if rest == 0 and count < per_next and per_next % count == 0:
+            return template.format(n=count)
     raise InvalidSchedule(
         "every",
         f"{whole} s divides no minute, hour or day evenly: use a cron expression for that rhythm",
