@@ -59,9 +59,16 @@ class JobStatements(ABC):
 
     # -- jobs: insert ---------------------------------------------------------------------
 
-    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool, int]:
-        """Insert one job or find the existing ``(tenant, action)``: ``(id, created,
-        replies_received)`` (the replies its INSERT counted: kept before it existed).
+    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+        """Insert one job or find the existing ``(tenant, action)``: ``(id, created)``."""
+        job_id, created, _ = self.job_insert_counted(conn, values)
+        return job_id, created
+
+    def job_insert_counted(
+        self, conn: Connection, values: Mapping[str, Any]
+    ) -> tuple[int, bool, int]:
+        """:meth:`job_insert`, and the ``replies_received`` its INSERT wrote (replies kept
+        before the job existed, counted by a subquery of ``values``; 0 when not created).
 
         ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
         inserts, so RETURNING is how we learn whether this call created the row."""

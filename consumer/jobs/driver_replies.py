@@ -31,23 +31,13 @@ class ReplyStatements:
 
     # -- replies to a job not enqueued yet ---------------------------------------------------
 
-    def early_insert(self, conn: Connection, values: Mapping[str, Any]) -> bool:
+    def reply_keep(self, conn: Connection, values: Mapping[str, Any]) -> bool:
         """Keep a reply to a ``(tenant, action)`` with no job, unless one with its
         ``reply_id`` is kept already: True if inserted."""
         key = ("tenant", "action", "reply_id")
         return insert_new(conn, early_replies, key, values, early_replies.c.id) is not None
 
-    def early_count_sql(self, tenant: str, action: str) -> Any:
-        """The count of the replies kept for ``(tenant, action)``, as a scalar subquery (an
-        enqueue's INSERT numbers them in the same statement)."""
-        return (
-            select(func.count())
-            .select_from(early_replies)
-            .where(early_replies.c.tenant == tenant, early_replies.c.action == action)
-            .scalar_subquery()
-        )
-
-    def early_take(self, conn: Connection, tenant: str, action: str) -> Sequence[Any]:
+    def reply_kept_take(self, conn: Connection, tenant: str, action: str) -> Sequence[Any]:
         """The replies kept for ``(tenant, action)``, oldest first, deleted from the keep."""
         key = (early_replies.c.tenant == tenant, early_replies.c.action == action)
         rows = conn.execute(
@@ -57,7 +47,7 @@ class ReplyStatements:
             conn.execute(delete(early_replies).where(early_replies.c.id.in_([r.id for r in rows])))
         return rows
 
-    def early_keys(self, conn: Connection, tenants: Sequence[str]) -> set[tuple[str, str]]:
+    def reply_kept_keys(self, conn: Connection, tenants: Sequence[str]) -> set[tuple[str, str]]:
         """The ``(tenant, action)`` keys of these tenants with replies kept for them (an
         enqueue of many reads this once, on the keep's unique index; the keep is empty in
         the usual case)."""
@@ -68,7 +58,7 @@ class ReplyStatements:
         )
         return {(str(t), str(a)) for t, a in conn.execute(query)}
 
-    def early_orphans(self, conn: Connection, limit: int) -> list[int]:
+    def reply_kept_orphans(self, conn: Connection, limit: int) -> list[int]:
         """Jobs that exist and still have replies kept for them (a reply that raced its
         job's enqueue): the sweep moves them."""
         query = (
@@ -85,12 +75,12 @@ class ReplyStatements:
         )
         return [int(job_id) for job_id in conn.execute(query).scalars()]
 
-    def early_due(self, conn: Connection, cutoff: float) -> int:
+    def reply_kept_due(self, conn: Connection, cutoff: float) -> int:
         """Kept replies received before ``cutoff`` (retention's count)."""
         query = select(func.count()).where(early_replies.c.received_at < cutoff)
         return int(conn.execute(query).scalar_one())
 
-    def early_purge(self, conn: Connection, cutoff: float, limit: int) -> int:
+    def reply_kept_purge(self, conn: Connection, cutoff: float, limit: int) -> int:
         """Delete at most ``limit`` kept replies received before ``cutoff``; how many."""
         ids = conn.execute(
             select(early_replies.c.id).where(early_replies.c.received_at < cutoff).limit(limit)

@@ -16,7 +16,7 @@ from consumer.bulk import deferred_writes
 from consumer.errors import Conflict
 from consumer.jobs.base import StoreBase
 from consumer.jobs.driver import JobDriver
-from consumer.jobs.replies import adopt, adopt_created
+from consumer.jobs.replies import adopt, adopt_created, kept_count
 from consumer.jobs.rows import DeferredEnqueue, EnqueueResult
 
 __all__ = ["EnqueueBuffer", "enqueue_one", "enqueue_rows", "same_stamp"]
@@ -80,9 +80,11 @@ def enqueue_one(
     whether replies kept before it existed wait to be moved into it. The INSERT counts them
     (``replies_received``: its first run knows they are there); with ``adopting`` they are
     moved here, in the same transaction (``consumer.jobs.replies.adopt``)."""
-    kept = driver.early_count_sql(values["tenant"], values["action"])
+    kept = kept_count(values["tenant"], values["action"])
     try:
-        job_id, created, counted = driver.job_insert(conn, {**values, "replies_received": kept})
+        job_id, created, counted = driver.job_insert_counted(
+            conn, {**values, "replies_received": kept}
+        )
     except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
         raise Conflict(str(exc)) from None
     waiting = created and counted > 0

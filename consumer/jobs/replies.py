@@ -44,14 +44,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_
+from sqlalchemy import ColumnElement, and_, func, select
 from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError, JobNotFound
 from consumer.jobs.checks import NO_TIMER, job_key, valid_json, valid_time
 from consumer.jobs.driver import JobDriver, driver_for
 from consumer.jobs.rows import Lease
-from consumer.jobs.schema import jobs
+from consumer.jobs.schema import early_replies, jobs
 from consumer.jobs.states import READY, WAITING_EXTERNAL
 from outbox.validate import MAX_NAME_LENGTH, check_name
 
@@ -175,7 +175,7 @@ def keep_early(
         "source": source,
         "received_at": driver.clock_read(conn, when),
     }
-    inserted = driver.early_insert(conn, values)
+    inserted = driver.reply_keep(conn, values)
     # A second look: the job's enqueue may have committed since the first (its INSERT did
     # not see this reply): then the reply goes to it now, as to any job.
     found = driver.reply_job_lock(conn, and_(jobs.c.tenant == tenant, jobs.c.action == action))
@@ -193,7 +193,7 @@ def adopt(driver: JobDriver, conn: Connection, job_id: int, *, when: float | Non
     row = driver.reply_job_lock(conn, jobs.c.id == job_id)
     if row is None:
         return 0
-    kept = driver.early_take(conn, str(row.tenant), str(row.action))
+    kept = driver.reply_kept_take(conn, str(row.tenant), str(row.action))
     if not kept:
         return 0
     taken = driver.reply_seqs(conn, job_id)
@@ -229,6 +229,17 @@ def adopt(driver: JobDriver, conn: Connection, job_id: int, *, when: float | Non
     return moved
 
 
+def kept_count(tenant: str, action: str) -> Any:
+    """The count of the replies kept for ``(tenant, action)``, as a scalar subquery: an
+    enqueue's INSERT numbers them in the same statement (``replies_received``)."""
+    return (
+        select(func.count())
+        .select_from(early_replies)
+        .where(early_replies.c.tenant == tenant, early_replies.c.action == action)
+        .scalar_subquery()
+    )
+
+
 def adopt_created(
     driver: JobDriver, conn: Connection, created: Mapping[tuple[str, str], int]
 ) -> int:
@@ -238,7 +249,7 @@ def adopt_created(
     if not created:
         return 0
     moved = 0
-    for key in driver.early_keys(conn, sorted({tenant for tenant, _ in created})):
+    for key in driver.reply_kept_keys(conn, sorted({tenant for tenant, _ in created})):
         if key in created:
             moved += adopt(driver, conn, created[key])
     return moved

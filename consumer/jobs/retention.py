@@ -315,7 +315,7 @@ class JobRetention:
         driver = self.store.driver
         with driver.connect() as conn:
             cutoff = self._cutoff(conn, self.config.early_retention_seconds, now)
-            return driver.early_due(conn, cutoff) + driver.delivery_unapplied_due(conn, cutoff)
+            return driver.reply_kept_due(conn, cutoff) + driver.delivery_unapplied_due(conn, cutoff)
 
     def purge_early(self, limit: int, *, now: float | None = None) -> int:
         """Move replies that raced their job's enqueue into it (the job exists now), then
@@ -326,10 +326,10 @@ class JobRetention:
             return 0
         driver = self.store.driver
         with driver.begin() as conn:
-            for job_id in driver.early_orphans(conn, limit):
+            for job_id in driver.reply_kept_orphans(conn, limit):
                 adopt(driver, conn, job_id)
             cutoff = self._cutoff(conn, self.config.early_retention_seconds, now)
-            gone = driver.early_purge(conn, cutoff, limit)
+            gone = driver.reply_kept_purge(conn, cutoff, limit)
             return gone + driver.delivery_unapplied_purge(conn, cutoff, limit)
 
 
