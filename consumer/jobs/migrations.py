@@ -14,6 +14,7 @@ missing (idempotent):
   counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
   outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
   index of LEASED jobs with a cancel request;
+- replies to a job not enqueued yet (issue 59): the table ``outbox_kept_replies``;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
