@@ -9,8 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
+from consumer.consumer import ConsumerTx
 from consumer.errors import JobNotFound
 from consumer.jobs.checks import job_values
 from consumer.jobs.context import JobContext
@@ -128,6 +130,24 @@ def test_kept_replies_whose_job_never_came_are_swept_after_the_window(store: Sto
     assert JobRetention(store, JobRetentionConfig(early_retention_seconds=0)).targets() != []
     forever = JobRetention(store, JobRetentionConfig(early_retention_seconds=0))
     assert "outbox_kept_replies" not in [t.table for t in forever.targets()]
+
+
+def test_a_consumer_handler_keeps_a_reply_with_its_entry_and_a_rollback_drops_it(
+    store: Store,
+) -> None:
+    """``ConsumerTx.reply`` before the job exists: kept in the handler's transaction, so a
+    handler that fails keeps nothing (its entry comes again), one that succeeds keeps it."""
+    with pytest.raises(KeyError), Session(store.engine) as session, session.begin():
+        tx = ConsumerTx(session=session, group="billing")
+        assert tx.reply("studio", "quote-30", payload="yes", reply_id="evt-1").kept
+        raise KeyError("the handler failed")
+    assert kept_rows(store) == 0
+    with Session(store.engine) as session, session.begin():
+        tx = ConsumerTx(session=session, group="billing")
+        tx.reply("studio", "quote-30", payload="yes", reply_id="evt-1", source="event")
+        # The job created by the same handler, after the reply: its first run sees it.
+        store.enqueue("studio", "quote-30", session=session)
+    assert [r.payload for r in JobContext(store, claim(store)).replies] == ["yes"]
 
 
 def test_a_job_id_that_does_not_exist_is_still_not_found(store: Store) -> None:
