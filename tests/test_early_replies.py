@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
@@ -148,6 +148,37 @@ def test_a_consumer_handler_keeps_a_reply_with_its_entry_and_a_rollback_drops_it
         # The job created by the same handler, after the reply: its first run sees it.
         store.enqueue("studio", "quote-30", session=session)
     assert [r.payload for r in JobContext(store, claim(store)).replies] == ["yes"]
+
+
+def test_the_keep_costs_an_enqueue_no_statement_and_an_enqueue_of_many_one(pg_url: str) -> None:
+    """Issue 59's cost on the hot paths, counted: an enqueue counts the kept replies inside
+    its own INSERT (still one statement when there are none), an enqueue of many reads the
+    keep once (one SELECT for the whole list)."""
+    store = Store(pg_url)
+    statements: list[str] = []
+
+    def record(*args: object) -> None:
+        statements.append(str(args[2]).split()[0].upper())
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        store.enqueue("studio", "warm-up")  # the pool's first connection: its own set-up
+        statements.clear()
+        store.enqueue("studio", "one")
+        assert statements == ["INSERT"]
+        statements.clear()
+        store.enqueue_many([{"tenant": "studio", "action": f"many-{n}"} for n in range(800)])
+        # The rows go as binary arrays on psycopg's own cursor (unseen here); the keep's read
+        # is the one statement SQLAlchemy runs, once for the 800 jobs.
+        assert statements == ["SELECT"]
+        store.reply("studio", "later", payload=1, reply_id="r1")
+        statements.clear()
+        store.enqueue("studio", "later")  # a kept reply: moved right after, in one transaction
+        assert statements[0] == "INSERT" and "DELETE" in statements
+        assert [r.reply_id for r in store.replies("studio", "later")] == ["r1"]
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+        store.dispose()
 
 
 def test_a_job_id_that_does_not_exist_is_still_not_found(store: Store) -> None:
