@@ -18,10 +18,12 @@ from consumer.jobs.checks import job_values
 from consumer.jobs.context import JobContext
 from consumer.jobs.enqueues import enqueue_one
 from consumer.jobs.inbound import InboundApp, sign
+from consumer.jobs.operations import Operations
 from consumer.jobs.retention import JobRetention, JobRetentionConfig
 from consumer.jobs.schema import early_replies
 from consumer.jobs.states import DONE, READY
 from consumer.jobs.store import Lease, Store
+from outbox.testing import FakeProvider
 
 SECRET = "early-replies-shared-secret"
 
@@ -217,3 +219,25 @@ def test_the_inbound_endpoint_answers_202_kept_for_a_job_not_enqueued(store: Sto
     ]
     status, body = post({"job": 10**9, "reply_id": "m3", "payload": 1})
     assert status == 404
+
+
+def test_a_callback_before_its_receipt_is_answered_202_kept(store: Store) -> None:
+    """The same for a delivery callback: kept until its receipt is ACCEPTED (then applied),
+    and the endpoint says so; one for an ACCEPTED receipt is applied: 200, not kept."""
+    mail = FakeProvider("mail")
+    ops = Operations(store, {"mail": mail})
+    client = TestClient(InboundApp(store, secret=SECRET, operations=ops))
+    try:
+        body = json.dumps({"operation_id": "77:email", "status": "bounced", "event_id": "b-77"})
+        early = client.post("/deliveries", content=body, headers=sign(SECRET, body.encode()))
+        assert early.status_code == 202, early.text
+        assert (early.json()["kept"], early.json()["applied"]) == (True, False)
+        store.enqueue("studio", "send-1")
+        lease = claim(store)
+        op = JobContext(store, lease, ops).dispatch("email", "mail", {"to": "a"}).operation_id
+        body = json.dumps({"operation_id": op, "status": "delivered", "event_id": "d-1"})
+        applied = client.post("/deliveries", content=body, headers=sign(SECRET, body.encode()))
+        assert applied.status_code == 200, applied.text
+        assert (applied.json()["kept"], applied.json()["delivery_status"]) == (False, "delivered")
+    finally:
+        mail.close()

@@ -61,6 +61,13 @@ class DeliveryResult:
     delivery_status: str | None = None
     woke: bool = False
 
+    @property
+    def kept(self) -> bool:
+        """The callback is kept for later: its receipt is not ACCEPTED yet (or not written
+        yet), and the callback is applied when it is (or dropped by retention after
+        ``early_retention_seconds`` if it never is)."""
+        return not self.applied
+
 
 def check_delivery(
     operation_id: object, status: object, ref: object, detail: object, event_id: object

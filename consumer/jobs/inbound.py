@@ -17,7 +17,8 @@ Routes (``POST``, JSON bodies):
   (``job_id`` and ``state`` null).
 - ``/deliveries``: ``{"operation_id", "status", "event_id", "ref", "detail"}`` ->
   ``Operations.record_delivery``; answers ``{"event_id", "operation_id", "duplicate",
-  "applied", "delivery_status", "woke"}``.
+  "applied", "delivery_status", "woke", "kept"}``: **202** with ``"kept": true`` for a
+  callback whose receipt is not ACCEPTED yet (kept, applied when it is).
 - ``/webhooks/{name}``: a provider's own webhook (its own signature scheme), verified by the
   :class:`Webhook` the user registered under ``name``, then its ``parse`` turns the body into
   delivery callbacks (each as ``/deliveries`` takes them).
@@ -242,7 +243,8 @@ class InboundApp:
             return JSONResponse(
                 {"error": "database unavailable"}, status_code=503, headers={"Retry-After": "1"}
             )
-        # 202: a reply to a job not enqueued yet, kept for its first run (nothing ran yet).
+        # 202: a reply to a job not enqueued yet, or a callback before its receipt: kept for
+        # later (nothing acted on it yet).
         return JSONResponse(result, status_code=202 if result.get("kept") else 200)
 
     async def _body(self, request: Request) -> bytes:
@@ -308,6 +310,7 @@ class InboundApp:
             "applied": result.applied,
             "delivery_status": result.delivery_status,
             "woke": result.woke,
+            "kept": result.kept,
         }
 
     def _hooked(self, hook: Webhook) -> Callable[[Any], dict[str, Any]]:
