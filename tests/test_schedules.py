@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 
 import pytest
 
@@ -402,3 +403,33 @@ def test_skip_fires_every_slot_still_within_its_grace(store: Store) -> None:
     result = store.fire_schedules(now=first + 11 * 60)  # 09:15 are not
     assert [s.slot.timestamp() for s in result.fired] == [first + 300, first + 600]
     assert result.missed == {"tick": 1}
+
+
+def test_a_running_worker_fires_a_one_second_schedule_each_second(db_url: str) -> None:
+    """In real time: a Worker given ``every=1 s`` runs one job per second, each seeing its
+    slot (the firing duty waits for the next slot, not its 30 s ceiling)."""
+    from consumer import Worker
+    from consumer.jobs.context import JobContext
+    from tests.services import wait_for
+
+    store = Store(db_url)
+    seen: list[Slot] = []
+    worker = Worker(store, poll_interval=0.05)
+
+    @worker.handler("beat")
+    def beat(job: JobContext) -> None:
+        assert job.slot is not None
+        seen.append(job.slot)
+
+    store.schedule_every("beat", every=timedelta(seconds=1), tenant="t", action="beat")
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        wait_for(lambda: len(seen) >= 3, "three slots run", timeout=60)
+    finally:
+        worker.stop()
+        runner.join(30)
+        store.dispose()
+    assert not runner.is_alive()
+    stamps = [s.timestamp() for s in seen[:3]]
+    assert [b - a for a, b in pairwise(stamps)] == [1.0, 1.0]  # consecutive whole seconds
