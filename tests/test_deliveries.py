@@ -27,7 +27,7 @@ from consumer.errors import JobError
 from consumer.jobs.context import JobContext
 from consumer.jobs.operations import ACCEPTED, Operations
 from consumer.jobs.schema import DELIVERIES_TABLE, deliveries
-from consumer.jobs.states import READY, WAITING_EXTERNAL
+from consumer.jobs.states import DONE, READY, WAITING_EXTERNAL
 from consumer.jobs.store import Store
 from outbox.testing import FakeProvider
 
@@ -155,6 +155,23 @@ def test_a_bounce_wakes_the_job_waiting_for_its_customer(store: Store, mail: Fak
     _, other = sent(store, ops, "send-quote-18")
     assert store.get(int(other.split(":")[0])).state != WAITING_EXTERNAL
     assert not ops.record_delivery(other, "delivered", event_id="d2").woke
+
+
+def test_a_bounce_on_a_finished_job_is_kept_and_wakes_nothing(
+    store: Store, mail: FakeProvider
+) -> None:
+    """Issue 59: the answer said ``woke`` although a finished job only keeps the bounce."""
+    ops = Operations(store, {"mail": mail})
+    ctx, op = sent(store, ops)
+    store.finish_batch([ctx.lease])
+    result = ops.record_delivery(op, "bounced", detail="550 no such user", event_id="b-done")
+    assert (result.applied, result.delivery_status, result.woke) == (True, "bounced", False)
+    assert store.get(ctx.job_id).state == DONE
+    assert [r.reply_id for r in store.replies(ctx.job_id)] == ["delivery:b-done"]  # kept
+    # A job still held by its run is woken: its next run sees the bounce.
+    _, op2 = sent(store, ops, "send-quote-18")
+    assert ops.record_delivery(op2, "bounced", event_id="b-run").woke
+    assert not ops.record_delivery(op2, "bounced", event_id="b-run").woke  # a duplicate
 
 
 def test_record_delivery_checks_its_arguments(store: Store, mail: FakeProvider) -> None:

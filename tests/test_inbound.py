@@ -85,6 +85,7 @@ def test_a_signed_reply_wakes_the_job_and_a_replay_changes_nothing(
         "duplicate": False,
         "resumed": True,
         "state": READY,
+        "kept": False,
     }
     body = json.dumps(reply).encode()
     headers = sign(SECRET, body)

@@ -406,7 +406,10 @@ def test_a_job_retention_duty_is_built_from_the_config(store: Store) -> None:
     off = job_retention_duty(
         store,
         JobRetentionConfig(
-            job_retention_seconds=0.0, worker_grace_seconds=0.0, audit_retention_seconds=0.0
+            job_retention_seconds=0.0,
+            worker_grace_seconds=0.0,
+            audit_retention_seconds=0.0,
+            early_retention_seconds=0.0,
         ),
     )
     assert off.targets == []

@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 
 import pytest
 
 from consumer.errors import InvalidSchedule, ScheduleNotFound
-from consumer.jobs.cron import Slot, check_zone, next_slot
+from consumer.jobs.cron import Slot, check_cron, check_zone, every_cron, next_slot
 from consumer.jobs.schedules import Schedule
 from consumer.jobs.store import Store
 
@@ -222,7 +223,16 @@ BAD_SCHEDULES: list[tuple[dict[str, object], str]] = [
     ({"name": "  "}, "name"),
     ({"cron": "61 * * * *"}, "cron"),
     ({"cron": "* * * *"}, "cron"),
-    ({"cron": "* * * * * *"}, "cron"),
+    ({"cron": "* * * * * * *"}, "cron"),
+    ({"cron": "61 * * * * *"}, "cron"),
+    ({"cron": None}, "cron"),  # neither cron nor every
+    ({"every": timedelta(seconds=10)}, "cron"),  # both
+    ({"cron": None, "every": timedelta(seconds=7)}, "every"),  # divides no minute
+    ({"cron": None, "every": timedelta(seconds=1.5)}, "every"),
+    ({"cron": None, "every": timedelta(0)}, "every"),
+    ({"cron": None, "every": 90}, "every"),
+    ({"cron": None, "every": "10s"}, "every"),
+    ({"cron": None, "every": timedelta(hours=5)}, "every"),
     ({"cron": "0 0 30 2 *"}, "cron"),
     ({"tz": "Mars/Olympus"}, "tz"),
     ({"tz": ""}, "tz"),
@@ -255,6 +265,43 @@ def test_bad_input_is_refused_before_anything_is_stored(store: Store) -> None:
         else:
             pytest.fail(f"accepted: {kwargs!r}")
         assert store.schedules() == [], kwargs
+
+
+def test_every_ten_seconds_fires_a_slot_each_ten_seconds(store: Store) -> None:
+    """Issue 59: schedules with seconds (``every`` or a six-field cron, seconds first), for
+    tests and short intervals."""
+    info = store.schedule_every(
+        "tick", every=timedelta(seconds=10), tenant="t", action="tick", now=T0
+    )
+    assert info.cron == "*/10 * * * * *"
+    assert info.next_slot.timestamp() == T0 + 10  # 09:00:40
+    assert store.fire_schedules(now=T0 + 9).fired == ()
+    fired = [store.fire_schedules(now=T0 + 10 * k + 1).fired for k in (1, 2, 3)]
+    assert [[s.slot.timestamp() for s in f] for f in fired] == [[T0 + 10], [T0 + 20], [T0 + 30]]
+    assert _jobs(store, "tick") == [f"tick@{_iso(T0 + 10 * k)}" for k in (1, 2, 3)]
+    # A six-field cron: second 15 of every other minute.
+    other = store.schedule_every("odd", cron="15  */2 * * * *", tenant="t", action="odd", now=T0)
+    assert other.cron == "15 */2 * * * *"
+    assert other.next_slot.timestamp() == T0 + 60 + 45  # 09:02:15
+    zone = check_zone("UTC")
+    assert next_slot("*/10 * * * * *", zone, T0 + 0.5) == T0 + 10
+
+
+@pytest.mark.parametrize(
+    ("every", "cron"),
+    [
+        (timedelta(seconds=1), "* * * * * *"),
+        (timedelta(seconds=30), "*/30 * * * * *"),
+        (60, "* * * * *"),
+        (timedelta(minutes=15), "*/15 * * * *"),
+        (timedelta(hours=1), "0 * * * *"),
+        (timedelta(hours=6), "0 */6 * * *"),
+        (timedelta(days=1), "0 0 * * *"),
+    ],
+)
+def test_every_is_stored_as_its_cron_expression(every: object, cron: str) -> None:
+    assert every_cron(every) == cron
+    assert check_cron(cron) == cron
 
 
 def test_slot_prints_as_the_action_suffix() -> None:
@@ -359,3 +406,33 @@ def test_skip_fires_every_slot_still_within_its_grace(store: Store) -> None:
     result = store.fire_schedules(now=first + 11 * 60)  # 09:15 are not
     assert [s.slot.timestamp() for s in result.fired] == [first + 300, first + 600]
     assert result.missed == {"tick": 1}
+
+
+def test_a_running_worker_fires_a_one_second_schedule_each_second(db_url: str) -> None:
+    """In real time: a Worker given ``every=1 s`` runs one job per second, each seeing its
+    slot (the firing duty waits for the next slot, not its 30 s ceiling)."""
+    from consumer import Worker
+    from consumer.jobs.context import JobContext
+    from tests.services import wait_for
+
+    store = Store(db_url)
+    seen: list[Slot] = []
+    worker = Worker(store, poll_interval=0.05)
+
+    @worker.handler("beat")
+    def beat(job: JobContext) -> None:
+        assert job.slot is not None
+        seen.append(job.slot)
+
+    store.schedule_every("beat", every=timedelta(seconds=1), tenant="t", action="beat")
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        wait_for(lambda: len(seen) >= 3, "three slots run", timeout=60)
+    finally:
+        worker.stop()
+        runner.join(30)
+        store.dispose()
+    assert not runner.is_alive()
+    stamps = [s.timestamp() for s in seen[:3]]
+    assert [b - a for a, b in pairwise(stamps)] == [1.0, 1.0]  # consecutive whole seconds

@@ -1,5 +1,5 @@
 """Steps as operators see them (issue 57): the console's trace API shows each job's parents
-and children with their states, and its result; ``outbox-worker job TENANT ACTION`` prints
+and children with their states, and its result; ``outbox-worker jobs show TENANT ACTION`` prints
 the same, as text or JSON."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_outbox_worker_job_prints_the_graph(sqlite_url: str) -> None:
     store.dispose()
     out = io.StringIO()
     with redirect_stdout(out):
-        code = consumer.jobs.cli.main(["job", "t", "b", "--json", "--database-url", sqlite_url])
+        code = consumer.jobs.cli.main(["jobs", "show", "t", "b", "--json", "--database-url", sqlite_url])
     assert code == 0
     shown = json.loads(out.getvalue())
     assert shown["state"] == "READY" and shown["parents_pending"] == 0
@@ -74,7 +74,7 @@ def test_outbox_worker_job_prints_the_graph(sqlite_url: str) -> None:
     assert [(c["action"], c["state"]) for c in shown["children"]] == [("d", "WAITING_PARENTS")]
     out = io.StringIO()
     with redirect_stdout(out):
-        assert consumer.jobs.cli.main(["job", "t", "a", "--database-url", sqlite_url]) == 0
+        assert consumer.jobs.cli.main(["jobs", "show", "t", "a", "--database-url", sqlite_url]) == 0
     text = out.getvalue()
     assert 'result: {"quote": 42}' in text and "t/b READY" in text and "parents: none" in text
-    assert consumer.jobs.cli.main(["job", "t", "nobody", "--database-url", sqlite_url]) == 1
+    assert consumer.jobs.cli.main(["jobs", "show", "t", "nobody", "--database-url", sqlite_url]) == 1

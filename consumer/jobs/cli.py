@@ -17,7 +17,9 @@ outbox-worker receipts [--state STATE] [--limit N] [--json]
 outbox-worker settle OPERATION_ID (--accepted REF | --not-sent) [--reason TEXT] [--by NAME]
 outbox-worker reconcile [MODULE:ATTRIBUTE] [--limit N] [--json]
 outbox-worker purge [--dry-run] [--json] [--batch-size N] [--job-retention S] ...
-outbox-worker job TENANT ACTION [--json]
+outbox-worker jobs reply JOB [ACTION] --reply-id ID --payload JSON [--source NAME] [--json]
+outbox-worker jobs cancel JOB [ACTION] --reason TEXT [--json]
+outbox-worker jobs show TENANT ACTION [--json]
 outbox-worker inbound serve [--host 127.0.0.1] [--port 8790] [--secret-file FILE]
                             [--max-body BYTES] [--window SECONDS]
 ```
@@ -33,6 +35,9 @@ alone and the rest of ``--concurrency`` for billing (``consumer.jobs.config``).
 ``queues pause NAME`` stops every worker claiming from queue NAME (the jobs in hand run to
 their end), ``queues resume NAME`` lets them claim again, ``queues list`` shows each queue's
 READY jobs, the oldest READY age and whether it is paused (``--json``).
+
+``jobs reply`` and ``jobs cancel`` answer or cancel one job (``consumer.jobs.job_cli``);
+``jobs show`` prints one, with its result, parents and children (``consumer.jobs.step_cli``).
 
 ``purge`` runs the job store's retention now (``consumer.jobs.purge`` has its flags; ``run``
 takes the same window flags for its retention duty).
@@ -68,6 +73,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from consumer.jobs.job_cli import add_jobs_command
 from consumer.jobs.purge import (
     WINDOWS,
     add_purge_command,
@@ -77,7 +83,6 @@ from consumer.jobs.purge import (
     retention_config,
 )
 from consumer.jobs.schedule_cli import add_schedules_command
-from consumer.jobs.step_cli import add_job_command
 from outbox.cli import (
     DATABASE,
     DATABASE_URL,
@@ -258,7 +263,7 @@ def build_parser() -> Parser:
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
     schedules = add_schedules_command(sub)  # consumer.jobs.schedule_cli
-    job = add_job_command(sub)  # consumer.jobs.step_cli
+    jobs = add_jobs_command(sub)  # consumer.jobs.job_cli
     inbound = sub.add_parser(
         "inbound",
         help="serve the signed inbound endpoint (replies, delivery callbacks)",
@@ -296,7 +301,7 @@ def build_parser() -> Parser:
     )
     inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules, job):
+    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules, jobs):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 

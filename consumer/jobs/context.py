@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from consumer.errors import Conflict, JobCancelled
 from consumer.jobs.cron import Slot
-from consumer.jobs.replies import Reply, unconsumed
+from consumer.jobs.replies import Reply, run_replies
 from consumer.jobs.schedules import schedule_slot
 from consumer.jobs.states import Outcome
 from consumer.jobs.store import Lease, Store, Time, Timer, valid_time
@@ -117,8 +117,7 @@ class JobContext:
             if self.lease.replies_received <= self.lease.replies_consumed:
                 self._replies = []
             else:
-                with self.store.driver.connect() as conn:
-                    self._replies = unconsumed(self.store.driver, conn, self.lease)
+                self._replies = run_replies(self.store.driver, self.lease)
         return list(self._replies)
 
     @property

@@ -1,4 +1,6 @@
-"""When a schedule's slots fall: a 5-field cron expression read in an IANA time zone.
+"""When a schedule's slots fall: a 5-field cron expression read in an IANA time zone, or a
+6-field one whose first field is the second (``*/10 * * * * *``: every 10 s), for tests and
+short intervals; ``every`` (a ``timedelta``) is written as one (:func:`every_cron`).
 
 Cron expressions are parsed and stepped by ``croniter`` (a well-kept library, used by
 Airflow, Celery beat's alternatives and many schedulers, with the usual extensions: ranges,
@@ -31,7 +33,8 @@ from consumer.errors import InvalidSchedule
 if TYPE_CHECKING:
     from croniter import croniter
 
-__all__ = ["Slot", "check_cron", "check_zone", "next_slot", "slot_from_text", "slot_text"]
+__all__ = ["Slot", "check_cron", "check_zone", "every_cron", "next_slot", "slot_from_text"]
+__all__ += ["slot_text"]
 
 # No zone moves its clocks by more than this at once (the largest DST shift in use is 2 h):
 # the window searched around a transition for slots that moved.
@@ -106,24 +109,78 @@ def _croniter() -> type[croniter]:
 
 
 def check_cron(cron: object) -> str:
-    """A 5-field cron expression (or one of croniter's ``@daily``-style macros), normalised
-    to single spaces; ``InvalidSchedule`` on the field ``cron`` otherwise. A seconds field
-    (6 fields) is refused: slots are minutes."""
+    """A 5-field cron expression (or one of croniter's ``@daily``-style macros), or a
+    6-field one with the second first, normalised to single spaces; ``InvalidSchedule`` on
+    the field ``cron`` otherwise."""
     if not isinstance(cron, str) or not cron.strip():
         raise InvalidSchedule("cron", f"must be a 5-field cron expression, got {cron!r}")
     text = " ".join(cron.split())
     if text.lower() in _MACROS:
         return text.lower()
-    if len(text.split(" ")) != 5:
-        raise InvalidSchedule("cron", f"{cron!r} must have 5 fields (minute hour day month dow)")
+    if len(text.split(" ")) not in (5, 6):
+        raise InvalidSchedule(
+            "cron",
+            f"{cron!r} must have 5 fields (minute hour day month dow), or 6 with the second "
+            "first (second minute hour day month dow)",
+        )
     croniter = _croniter()
-    if not croniter.is_valid(text):
+    seconds = _with_seconds(text)
+    if not croniter.is_valid(text, second_at_beginning=seconds):
         raise InvalidSchedule("cron", f"{cron!r} is not a valid cron expression")
     try:  # valid syntax that never matches (30 February) would loop: refuse it here
-        croniter(text, datetime(2000, 1, 1)).get_next(datetime)
+        croniter(text, datetime(2000, 1, 1), second_at_beginning=seconds).get_next(datetime)
     except Exception as exc:  # croniter's errors have no common public base
         raise InvalidSchedule("cron", f"{cron!r} never matches ({exc})") from None
     return text
+
+
+def _with_seconds(text: str) -> bool:
+    """Whether a (normalised) cron expression has the seconds field (6 fields)."""
+    return text.count(" ") == 5
+
+
+_DAY = 86400
+
+
+# (unit in seconds, the units in the next field up, the cron of every N units; "{n}" is N)
+_EVERY = (
+    (1, 60, "*/{n} * * * * *"),  # seconds: a six-field cron, the second first
+    (60, 60, "*/{n} * * * *"),
+    (3600, 24, "0 */{n} * * *"),
+)
+_EVERY_ONE = {1: "* * * * * *", 60: "* * * * *", 3600: "0 * * * *", 86400: "0 0 * * *"}
+
+
+def _interval_seconds(every: object) -> int:
+    """``every`` as a whole number of seconds > 0 (``InvalidSchedule`` on ``every``)."""
+    if isinstance(every, timedelta):
+        seconds = every.total_seconds()
+    elif isinstance(every, (int, float)) and not isinstance(every, bool):
+        seconds = float(every)
+    else:
+        raise InvalidSchedule("every", f"must be a timedelta or seconds, got {every!r}")
+    if not seconds > 0 or seconds != int(seconds):
+        raise InvalidSchedule("every", f"must be a whole number of seconds > 0, got {seconds:g}")
+    return int(seconds)
+
+
+def every_cron(every: object) -> str:
+    """The cron expression of a fixed interval (a ``timedelta``, or seconds): whole seconds
+    that divide a minute (``*/10 * * * * *``), whole minutes that divide an hour (``*/5 * *
+    * *``) or whole hours that divide a day (``0 */6 * * *``), counted from the start of
+    each minute, hour or day in the schedule's zone. ``InvalidSchedule`` on the field
+    ``every`` otherwise (a cron expression says any other rhythm)."""
+    whole = _interval_seconds(every)
+    if whole in _EVERY_ONE:
+        return _EVERY_ONE[whole]
+    for unit, per_next, template in _EVERY:
+        count, rest = divmod(whole, unit)
+        if rest == 0 and count < per_next and per_next % count == 0:
+            return template.format(n=count)
+    raise InvalidSchedule(
+        "every",
+        f"{whole} s divides no minute, hour or day evenly: use a cron expression for that rhythm",
+    )
 
 
 _per_thread = threading.local()
@@ -139,7 +196,9 @@ def _steps(cron: str) -> croniter:
     if found is None:
         if len(cache) >= 1024:
             cache.clear()
-        found = cache[cron] = _croniter()(cron, datetime(2000, 1, 1))
+        found = cache[cron] = _croniter()(
+            cron, datetime(2000, 1, 1), second_at_beginning=_with_seconds(cron)
+        )
     return found
 
 

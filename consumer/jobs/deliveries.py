@@ -35,6 +35,7 @@ from consumer.errors import JobError, JobNotFound
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.replies import record_reply
 from consumer.jobs.schema import db_epoch, jobs
+from consumer.jobs.states import LEASED, READY
 from outbox.validate import MAX_NAME_LENGTH, check_name, check_text
 
 __all__ = ["DELIVERY_STATUSES", "DeliveryResult", "apply_pending", "record_delivery"]
@@ -50,7 +51,8 @@ class DeliveryResult:
     """What ``record_delivery`` did: ``duplicate`` (this ``event_id`` was recorded before:
     nothing changed), ``applied`` (the receipt is ACCEPTED and carries it), the receipt's
     ``delivery_status`` after the call (None when not applied), and ``woke`` (a bounce that
-    was recorded as a reply to the job)."""
+    was recorded as a reply the job's next run sees: False for a finished job, which keeps
+    it without moving)."""
 
     event_id: str
     operation_id: str
@@ -59,6 +61,13 @@ class DeliveryResult:
     applied: bool
     delivery_status: str | None = None
     woke: bool = False
+
+    @property
+    def kept(self) -> bool:
+        """The callback is kept for later: its receipt is not ACCEPTED yet (or not written
+        yet), and the callback is applied when it is (or dropped by retention after
+        ``early_retention_seconds`` if it never is)."""
+        return not self.applied
 
 
 def check_delivery(
@@ -169,9 +178,12 @@ def _reply_bounce(
     driver: JobDriver, conn: Connection, receipt: Any, row: Any, when: float | None
 ) -> bool:
     """A bounce is a reply to the operation's job (``delivery:<event_id>``, source
-    ``delivery``); False when the job is gone (retention: the receipt keeps the outcome)."""
+    ``delivery``). True when it woke the job: a run of it will see the bounce (it is READY,
+    or LEASED and its next run sees it). False when the job only keeps it (finished,
+    cancelled, or waiting for a person), and when the job is gone (retention: the receipt
+    keeps the outcome)."""
     try:
-        record_reply(
+        result = record_reply(
             driver,
             conn,
             jobs.c.id == int(receipt.job_id),
@@ -188,4 +200,4 @@ def _reply_bounce(
         )
     except JobNotFound:
         return False
-    return True
+    return not result.duplicate and result.state in (READY, LEASED)

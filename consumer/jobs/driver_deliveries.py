@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.schema import deliveries, operations
@@ -48,6 +48,29 @@ class DeliveryStatements:
             )
             is not None
         )
+
+    def delivery_unapplied_due(self, conn: Connection, cutoff: float) -> int:
+        """Callbacks still waiting for their receipt, received before ``cutoff``."""
+        query = select(func.count()).where(
+            deliveries.c.applied_at.is_(None), deliveries.c.received_at < cutoff
+        )
+        return int(conn.execute(query).scalar_one())
+
+    def delivery_unapplied_purge(self, conn: Connection, cutoff: float, limit: int) -> int:
+        """Delete at most ``limit`` callbacks still waiting for their receipt, received
+        before ``cutoff`` (their receipt never came); how many."""
+        doomed = conn.execute(
+            select(deliveries.c.operation_id, deliveries.c.event_id)
+            .where(deliveries.c.applied_at.is_(None), deliveries.c.received_at < cutoff)
+            .limit(limit)
+        ).all()
+        for operation_id, event_id in doomed:  # keyed per operation (issue 53)
+            conn.execute(
+                delete(deliveries).where(
+                    deliveries.c.operation_id == operation_id, deliveries.c.event_id == event_id
+                )
+            )
+        return len(doomed)
 
     def delivery_applied_at(self, conn: Connection, operation_id: str, event_id: str) -> Any:
         """When a kept callback was applied (None: it waits)."""

@@ -60,18 +60,26 @@ class JobStatements(ABC):
     # -- jobs: insert ---------------------------------------------------------------------
 
     def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
-        """Insert one job or find the existing ``(tenant, action)``: ``(id, created)``.
+        """Insert one job or find the existing ``(tenant, action)``: ``(id, created)``."""
+        job_id, created, _ = self.job_insert_counted(conn, values)
+        return job_id, created
+
+    def job_insert_counted(
+        self, conn: Connection, values: Mapping[str, Any]
+    ) -> tuple[int, bool, int]:
+        """:meth:`job_insert`, and the ``replies_received`` its INSERT wrote (replies kept
+        before the job existed, counted by a subquery of ``values``; 0 when not created).
 
         ON CONFLICT DO NOTHING + RETURNING: SQLAlchemy 2.1 reports rowcount -1 for Core
         inserts, so RETURNING is how we learn whether this call created the row."""
         stmt = (
             insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
             .values(**values)
-            .returning(jobs.c.id)
+            .returning(jobs.c.id, jobs.c.replies_received)
         )
-        new_id = conn.execute(stmt).scalar()
-        if new_id is not None:
-            return int(new_id), True
+        new = conn.execute(stmt).first()
+        if new is not None:
+            return int(new[0]), True, int(new[1])
         existing = conn.execute(
             select(jobs.c.id).where(
                 jobs.c.tenant == values["tenant"], jobs.c.action == values["action"]
@@ -79,7 +87,7 @@ class JobStatements(ABC):
         ).scalar()
         if existing is None:  # pragma: no cover - the conflicting row vanished (deleted)
             raise LookupError(f"job {values['tenant']}/{values['action']} was deleted meanwhile")
-        return int(existing), False
+        return int(existing), False, 0
 
     def job_insert_many(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]

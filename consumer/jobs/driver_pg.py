@@ -67,21 +67,27 @@ class PostgresJobDriver(JobDriver):
         # with the hot tables' per-table autovacuum settings (issue 10).
         create_tables(conn)
 
-    def job_insert(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, bool]:
+    def job_insert_counted(
+        self, conn: Connection, values: Mapping[str, Any]
+    ) -> tuple[int, bool, int]:
         if not self.notify:
-            return super().job_insert(conn, values)
+            return super().job_insert_counted(conn, values)
         # The wake-up rides on the INSERT itself: RETURNING evaluates pg_notify only for a row
         # actually inserted (a duplicate notifies nobody), in the same round trip, delivered
         # at the caller's commit. No trigger, so nothing for migrations to carry.
         stmt = (
             insert_or_ignore(jobs, ("tenant", "action"), conn.dialect.name)
             .values(**values)
-            .returning(jobs.c.id, func.pg_notify(literal_column(READY_CHANNEL_SQL), ""))
+            .returning(
+                jobs.c.id,
+                jobs.c.replies_received,
+                func.pg_notify(literal_column(READY_CHANNEL_SQL), ""),
+            )
         )
-        new_id = conn.execute(stmt).scalar()
-        if new_id is not None:
-            return int(new_id), True
-        return super().job_insert(conn, values)
+        new = conn.execute(stmt).first()
+        if new is not None:
+            return int(new[0]), True, int(new[1])
+        return super().job_insert_counted(conn, values)
 
     def job_ids(
         self, conn: Connection, keys: Sequence[tuple[str, str]]

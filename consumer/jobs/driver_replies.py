@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, select, update
+from sqlalchemy import ColumnElement, delete, func, select, update
 from sqlalchemy.engine import Connection
 
-from consumer.jobs.schema import jobs, replies
+from consumer.jobs.schema import early_replies, jobs, replies
 from outbox.dialect import insert_new
 
 __all__ = ["ReplyStatements"]
@@ -21,11 +21,79 @@ class ReplyStatements:
     """The statements of ``outbox_job_replies`` and the job's reply counters."""
 
     def reply_job_lock(self, conn: Connection, where: ColumnElement[bool]) -> Any:
-        """Lock the job a reply is for: its ``id``, ``state`` and ``replies_received``, or
-        None when there is no such job."""
+        """Lock the job a reply is for: its ``id``, ``state``, ``replies_received``,
+        ``tenant`` and ``action``, or None when there is no such job."""
         return conn.execute(
-            select(jobs.c.id, jobs.c.state, jobs.c.replies_received).where(where).with_for_update()
+            select(jobs.c.id, jobs.c.state, jobs.c.replies_received, jobs.c.tenant, jobs.c.action)
+            .where(where)
+            .with_for_update()
         ).first()
+
+    # -- replies to a job not enqueued yet ---------------------------------------------------
+
+    def reply_keep(self, conn: Connection, values: Mapping[str, Any]) -> bool:
+        """Keep a reply to a ``(tenant, action)`` with no job, unless one with its
+        ``reply_id`` is kept already: True if inserted."""
+        key = ("tenant", "action", "reply_id")
+        return insert_new(conn, early_replies, key, values, early_replies.c.id) is not None
+
+    def reply_kept_take(self, conn: Connection, tenant: str, action: str) -> Sequence[Any]:
+        """The replies kept for ``(tenant, action)``, oldest first, deleted from the keep."""
+        key = (early_replies.c.tenant == tenant, early_replies.c.action == action)
+        rows = conn.execute(
+            select(early_replies).where(*key).order_by(early_replies.c.id).with_for_update()
+        ).all()
+        if rows:
+            conn.execute(delete(early_replies).where(early_replies.c.id.in_([r.id for r in rows])))
+        return rows
+
+    def reply_kept_keys(self, conn: Connection, tenants: Sequence[str]) -> set[tuple[str, str]]:
+        """The ``(tenant, action)`` keys of these tenants with replies kept for them (an
+        enqueue of many reads this once, on the keep's unique index; the keep is empty in
+        the usual case)."""
+        query = (
+            select(early_replies.c.tenant, early_replies.c.action)
+            .distinct()
+            .where(early_replies.c.tenant.in_(list(tenants)))
+        )
+        return {(str(t), str(a)) for t, a in conn.execute(query)}
+
+    def reply_kept_orphans(self, conn: Connection, limit: int) -> list[int]:
+        """Jobs that exist and still have replies kept for them (a reply that raced its
+        job's enqueue): the sweep moves them."""
+        query = (
+            select(jobs.c.id)
+            .distinct()
+            .select_from(
+                early_replies.join(
+                    jobs,
+                    (jobs.c.tenant == early_replies.c.tenant)
+                    & (jobs.c.action == early_replies.c.action),
+                )
+            )
+            .limit(limit)
+        )
+        return [int(job_id) for job_id in conn.execute(query).scalars()]
+
+    def reply_kept_due(self, conn: Connection, cutoff: float) -> int:
+        """Kept replies received before ``cutoff`` (retention's count)."""
+        query = select(func.count()).where(early_replies.c.received_at < cutoff)
+        return int(conn.execute(query).scalar_one())
+
+    def reply_kept_purge(self, conn: Connection, cutoff: float, limit: int) -> int:
+        """Delete at most ``limit`` kept replies received before ``cutoff``; how many."""
+        ids = conn.execute(
+            select(early_replies.c.id).where(early_replies.c.received_at < cutoff).limit(limit)
+        ).scalars()
+        doomed = list(ids)
+        if doomed:
+            conn.execute(delete(early_replies).where(early_replies.c.id.in_(doomed)))
+        return len(doomed)
+
+    def reply_seqs(self, conn: Connection, job_id: int) -> set[int]:
+        """The numbers the job's recorded replies carry."""
+        query = select(replies.c.seq).where(replies.c.job_id == job_id)
+        return {int(seq) for seq in conn.execute(query).scalars()}
 
     def reply_insert(
         self,

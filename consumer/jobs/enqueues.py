@@ -16,6 +16,7 @@ from consumer.bulk import deferred_writes
 from consumer.errors import Conflict
 from consumer.jobs.base import StoreBase
 from consumer.jobs.driver import JobDriver
+from consumer.jobs.replies import adopt, adopt_created, kept_count
 from consumer.jobs.rows import DeferredEnqueue, EnqueueResult
 
 __all__ = ["EnqueueBuffer", "enqueue_one", "enqueue_rows", "same_stamp"]
@@ -72,13 +73,25 @@ def same_stamp(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return not isinstance(x, (int, float)) and not isinstance(y, (int, float))
 
 
-def enqueue_one(driver: JobDriver, conn: Connection, values: dict[str, Any]) -> EnqueueResult:
-    """Insert one job in ``conn``'s transaction, or find its identity's existing job."""
+def enqueue_one(
+    driver: JobDriver, conn: Connection, values: dict[str, Any], *, adopting: bool = True
+) -> tuple[EnqueueResult, bool]:
+    """Insert one job in ``conn``'s transaction, or find its identity's existing job; and
+    whether replies kept before it existed wait to be moved into it. The INSERT counts them
+    (``replies_received``: its first run knows they are there); with ``adopting`` they are
+    moved here, in the same transaction (``consumer.jobs.replies.adopt``)."""
+    kept = kept_count(values["tenant"], values["action"])
     try:
-        job_id, created = driver.job_insert(conn, values)
+        job_id, created, counted = driver.job_insert_counted(
+            conn, {**values, "replies_received": kept}
+        )
     except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
         raise Conflict(str(exc)) from None
-    return EnqueueResult(job_id, not created)
+    waiting = created and counted > 0
+    if waiting and adopting:
+        adopt(driver, conn, job_id)
+        waiting = False
+    return EnqueueResult(job_id, not created), waiting
 
 
 def enqueue_rows(
@@ -93,6 +106,7 @@ def enqueue_rows(
     if any(row["created_at"] is not stamp for row in rows):
         rows = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
     created, existing = driver.job_insert_many(conn, rows)
+    adopt_created(driver, conn, created)
     keys = [(row["tenant"], row["action"]) for row in rows]
     results: list[EnqueueResult] = []
     seen: set[tuple[str, str]] = set()

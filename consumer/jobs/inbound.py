@@ -12,10 +12,13 @@ Routes (``POST``, JSON bodies):
 
 - ``/replies``: ``{"job": 17 | {"tenant": "studio", "action": "send-quote-17"}, "reply_id":
   "...", "payload": ..., "source": "..."}`` -> ``Store.reply``; answers ``{"job_id",
-  "reply_id", "duplicate", "resumed", "state"}``.
+  "reply_id", "duplicate", "resumed", "state", "kept"}``. A reply naming a ``{tenant,
+  action}`` not enqueued yet is kept for the job's first run: **202** with ``"kept": true``
+  (``job_id`` and ``state`` null).
 - ``/deliveries``: ``{"operation_id", "status", "event_id", "ref", "detail"}`` ->
   ``Operations.record_delivery``; answers ``{"event_id", "operation_id", "duplicate",
-  "applied", "delivery_status", "woke"}``.
+  "applied", "delivery_status", "woke", "kept"}``: **202** with ``"kept": true`` for a
+  callback whose receipt is not ACCEPTED yet (kept, applied when it is).
 - ``/webhooks/{name}``: a provider's own webhook (its own signature scheme), verified by the
   :class:`Webhook` the user registered under ``name``, then its ``parse`` turns the body into
   delivery callbacks (each as ``/deliveries`` takes them).
@@ -33,7 +36,7 @@ says ``duplicate``.
 
 **Bounds**: a body over ``max_body`` bytes (64 KiB) is refused with 413 before it is read
 whole (the declared length first, then while streaming). After authentication, bad input
-is a 400 naming the field, an unknown job 404; a database outage is a 503 with
+is a 400 naming the field, an unknown job id 404; a database outage is a 503 with
 ``Retry-After`` (the sender retries: nothing was recorded). Bad input is never a 5xx or a
 503 (issue 53): the timestamp and the length are read as ASCII digits, the body through the
 JSON gate (bounded depth, no NUL, no lone surrogate), a job id within a BIGINT, and a value
@@ -250,7 +253,9 @@ class InboundApp:
             return JSONResponse(
                 {"error": "database unavailable"}, status_code=503, headers={"Retry-After": "1"}
             )
-        return JSONResponse(result)
+        # 202: a reply to a job not enqueued yet, or a callback before its receipt: kept for
+        # later (nothing acted on it yet).
+        return JSONResponse(result, status_code=202 if result.get("kept") else 200)
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -292,6 +297,7 @@ class InboundApp:
             "duplicate": result.duplicate,
             "resumed": result.resumed,
             "state": result.state,
+            "kept": result.kept,
         }
 
     def _delivery(self, data: Any) -> dict[str, Any]:
@@ -314,6 +320,7 @@ class InboundApp:
             "applied": result.applied,
             "delivery_status": result.delivery_status,
             "woke": result.woke,
+            "kept": result.kept,
         }
 
     def _hooked(self, hook: Webhook) -> Callable[[Any], dict[str, Any]]:

@@ -1,9 +1,9 @@
 """Bringing an existing job store's tables up to date, at every start and in Alembic.
 
 ``metadata.create_all`` never alters a table that exists, so what the job tables gained after
-their first release is added by :func:`upgrade_schema` (it lives next to the tables, in
-``consumer.jobs.schema``, which creates them with it; re-exported here), each piece only when
-missing (idempotent):
+their first release is added by :func:`upgrade_schema` (``consumer.jobs.upgrades``, which
+``consumer.jobs.schema`` calls when it creates the tables; re-exported here), each piece only
+when missing (idempotent):
 
 - ``outbox_operations``: the call deadline and the operator's settlement (issue 11);
 - ``outbox_jobs.trace_context`` (issue 23);
@@ -19,6 +19,7 @@ missing (idempotent):
   ``outbox_job_steps`` with its indexes;
 - ``outbox_deliveries`` keyed by ``(operation_id, event_id)`` instead of ``event_id`` alone
   (issue 53: callbacks are deduplicated per operation); SQLite rebuilds the table;
+- replies to a job not enqueued yet (issue 59): the table ``outbox_kept_replies``;
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
@@ -46,10 +47,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from consumer.jobs.schema import ADDED_JOB_COLUMNS as ADDED_JOB_COLUMNS
-from consumer.jobs.schema import ADDED_OPERATION_COLUMNS as ADDED_OPERATION_COLUMNS
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION
-from consumer.jobs.schema import upgrade_schema as upgrade_schema
+from consumer.jobs.upgrades import ADDED_JOB_COLUMNS as ADDED_JOB_COLUMNS
+from consumer.jobs.upgrades import ADDED_OPERATION_COLUMNS as ADDED_OPERATION_COLUMNS
+from consumer.jobs.upgrades import upgrade_schema as upgrade_schema
 from outbox.dialect import is_postgresql
 
 

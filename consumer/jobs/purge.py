@@ -66,6 +66,8 @@ WINDOWS: tuple[tuple[str, str | None, str, float, str], ...] = (
      "replayed dead letters are kept this long (0: forever)"),
     ("audit-retention", "audit_retention_seconds", "AUDIT_RETENTION", DEFAULT_AUDIT_RETENTION,
      "the console's audit rows are kept this long (0: forever)"),
+    ("early-retention", "early_retention_seconds", "EARLY_RETENTION", DEFAULT_INBOX_WINDOW,
+     "replies to jobs not enqueued yet, callbacks whose receipt never came (0: forever)"),
 )  # fmt: skip
 
 

@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.driver_retention import PG_JOB_PURGE as PG_JOB_PURGE  # re-exported
+from consumer.jobs.replies import adopt
 from consumer.jobs.schema import (
     ATTEMPTS_TABLE,
+    EARLY_REPLIES_TABLE,
     FINISHED_JOBS_INDEX,
     JOB_OPERATIONS_INDEX,
     JOBS_TABLE,
@@ -95,6 +97,10 @@ class JobRetentionConfig:
       are deleted (default 1 hour; 0 never).
     - ``audit_retention_seconds``: the operator console's audit rows (``outbox_audit``, when
       that table is in the job store's database) go after this (default 90 days; 0 never).
+    - ``early_retention_seconds``: replies kept for a job not enqueued yet, and delivery
+      callbacks whose receipt never became ACCEPTED, go this long after they came (default
+      7 days, the consumers' inbox window: the longest an event may take to create its job;
+      0 keeps them forever).
     - ``purge_interval`` / ``purge_batch``: the duty's interval (default 60 s; 0 turns the
       duty off in the worker, ``outbox-worker purge`` still works) and the rows per
       statement (default 1,000).
@@ -107,6 +113,7 @@ class JobRetentionConfig:
     redelivery_margin_seconds: float = DEFAULT_REDELIVERY_MARGIN
     worker_grace_seconds: float = DEFAULT_WORKER_GRACE
     audit_retention_seconds: float = DEFAULT_AUDIT_RETENTION
+    early_retention_seconds: float = DEFAULT_INBOX_WINDOW
     purge_interval: float = DEFAULT_PURGE_INTERVAL
     purge_batch: int = DEFAULT_PURGE_BATCH
 
@@ -119,6 +126,7 @@ class JobRetentionConfig:
             "redelivery_margin_seconds",
             "worker_grace_seconds",
             "audit_retention_seconds",
+            "early_retention_seconds",
             "purge_interval",
         ):
             object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
@@ -188,6 +196,19 @@ class _GoneWorkers:
         return self.owner.purge_gone_workers(limit)
 
 
+class _EarlyReplies:
+    table = EARLY_REPLIES_TABLE
+
+    def __init__(self, owner: JobRetention) -> None:
+        self.owner = owner
+
+    def due(self) -> int:
+        return self.owner.count_early()
+
+    def purge(self, limit: int) -> int:
+        return self.owner.purge_early(limit)
+
+
 class JobRetention:
     """The job store's retention (module docstring): targets for a duty or a purge command.
 
@@ -213,6 +234,8 @@ class JobRetention:
             found.append(_FinishedJobs(self))
         if self.config.worker_grace_seconds > 0:
             found.append(_GoneWorkers(self))
+        if self.config.early_retention_seconds > 0:
+            found.append(_EarlyReplies(self))
         if self.config.audit_retention_seconds > 0:
             found.append(AuditRetention(self.store.engine, self.config.audit_retention_seconds))
         return found
@@ -283,6 +306,31 @@ class JobRetention:
         with self.store.driver.begin() as conn:
             cutoff = self._cutoff(conn, self.config.worker_grace_seconds, now)
             return self.store.driver.worker_gone_delete(conn, cutoff, limit)
+
+    # -- kept for a job or a receipt that never came ----------------------------------------
+
+    def count_early(self, *, now: float | None = None) -> int:
+        """Replies kept for a job not enqueued, and callbacks waiting for a receipt, older
+        than ``early_retention_seconds``."""
+        driver = self.store.driver
+        with driver.connect() as conn:
+            cutoff = self._cutoff(conn, self.config.early_retention_seconds, now)
+            return driver.reply_kept_due(conn, cutoff) + driver.delivery_unapplied_due(conn, cutoff)
+
+    def purge_early(self, limit: int, *, now: float | None = None) -> int:
+        """Move replies that raced their job's enqueue into it (the job exists now), then
+        delete at most ``limit`` kept replies and ``limit`` waiting callbacks past
+        ``early_retention_seconds``; how many were deleted."""
+        check_batch("limit", limit)
+        if self.config.early_retention_seconds <= 0:
+            return 0
+        driver = self.store.driver
+        with driver.begin() as conn:
+            for job_id in driver.reply_kept_orphans(conn, limit):
+                adopt(driver, conn, job_id)
+            cutoff = self._cutoff(conn, self.config.early_retention_seconds, now)
+            gone = driver.reply_kept_purge(conn, cutoff, limit)
+            return gone + driver.delivery_unapplied_purge(conn, cutoff, limit)
 
 
 def job_retention_duty(store: Store, config: JobRetentionConfig | None = None) -> RetentionDuty:

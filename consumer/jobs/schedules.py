@@ -38,13 +38,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.engine import Connection
 
 from consumer.errors import InvalidSchedule, JobError, ScheduleNotFound
 from consumer.jobs.checks import Time, valid_json, valid_time
-from consumer.jobs.cron import Slot, check_cron, check_zone, next_slot, slot_text
+from consumer.jobs.cron import Slot, check_cron, check_zone, every_cron, next_slot, slot_text
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import DEFAULT_QUEUE
 from outbox.logs import fields
@@ -237,7 +238,8 @@ class ScheduleMethods:
         self,
         name: str,
         *,
-        cron: str,
+        cron: str | None = None,
+        every: timedelta | float | None = None,
         tenant: str,
         action: str,
         payload: Any = None,
@@ -252,8 +254,15 @@ class ScheduleMethods:
         slot of ``cron`` read in zone ``tz`` enqueues one job ``(tenant, f"{action}@{slot}")``
         in ``queue`` with ``payload``, fleet-wide. ``missed``: ``"skip"`` or ``"catch_up"``
         (at most ``catch_up_limit`` missed slots fired); ``grace``: seconds after a slot
-        within which firing it is on time. ``InvalidSchedule`` names a bad field; nothing is
-        stored then."""
+        within which firing it is on time. ``every`` (a ``timedelta`` or seconds) instead of
+        ``cron``: a fixed interval that divides a minute, an hour or a day (stored as its cron
+        expression, ``every=timedelta(seconds=10)`` as ``*/10 * * * * *``). ``InvalidSchedule``
+        names a bad field; nothing is stored then."""
+        if (cron is None) == (every is None):
+            raise InvalidSchedule("cron", "give cron or every (one of them)")
+        if every is not None:
+            cron = every_cron(every)
+        assert cron is not None
         schedule = Schedule(
             name, cron, tenant, action, payload, tz, queue, missed, catch_up_limit, grace
         )

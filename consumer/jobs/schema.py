@@ -61,8 +61,6 @@ see ``consumer.jobs.operations``): ``operation_id`` (stable), ``job_id``, ``prov
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -76,7 +74,6 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
-    inspect,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -102,7 +99,6 @@ __all__ = [
     "attempts",
     "create_schema",
     "create_tables",
-    "upgrade_schema",
 ]
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
@@ -110,6 +106,7 @@ __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 __all__ += ["SCHEDULES_TABLE", "schedules"]
 __all__ += ["STEPS_TABLE", "job_steps"]
+__all__ += ["EARLY_REPLIES_TABLE", "early_replies"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -349,6 +346,25 @@ replies = Table(
 # A run reads its job's unconsumed replies by (job_id, seq).
 Index("ix_outbox_job_replies_job_seq", replies.c.job_id, replies.c.seq)
 
+EARLY_REPLIES_TABLE = "outbox_kept_replies"
+
+# Replies to a (tenant, action) not enqueued yet (consumer/jobs/replies.py): kept here,
+# deduplicated by reply_id, until the job's enqueue moves them into ``outbox_job_replies``
+# (same transaction), or retention drops them past its early-reply window.
+early_replies = Table(
+    EARLY_REPLIES_TABLE,
+    metadata,
+    Column("id", _id_type(), primary_key=True, autoincrement=True),
+    Column("tenant", String(NAME_LENGTH), nullable=False),
+    Column("action", String(NAME_LENGTH), nullable=False),
+    Column("reply_id", String(NAME_LENGTH * 2), nullable=False),
+    Column("payload", _json(), nullable=True),
+    Column("source", String(NAME_LENGTH), nullable=True),
+    Column("received_at", Double, nullable=False),
+    UniqueConstraint("tenant", "action", "reply_id", name="uq_outbox_kept_replies_key"),
+)
+Index("ix_outbox_kept_replies_received", early_replies.c.received_at)
+
 DELIVERIES_TABLE = "outbox_deliveries"
 
 # Delivery callbacks (``Operations.record_delivery``; consumer/jobs/deliveries.py): one row
@@ -492,114 +508,6 @@ leased in the queue now, ``p_cap`` the limit. Created by :func:`create_schema` a
 limit applies."""
 
 
-ADDED_OPERATION_COLUMNS = (
-    *("call_deadline", "settled_by", "settled_reason", "settled_at"),
-    *("delivery_status", "delivery_at"),
-)
-"""Nullable columns ``outbox_operations`` gained after its first release (issue 11; the
-delivery outcome, issue 38)."""
-ADDED_JOB_COLUMNS = (
-    *("trace_context", "cancel_requested_at", "cancel_reason"),
-    *("result", "on_parent_failure"),
-)
-"""Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
-23), the cancel request (issue 38). The queue (issue 27) and the reply counters (issue 38)
-are NOT NULL with a default: added on their own below."""
-COUNTED_JOB_COLUMNS = ("replies_received", "replies_consumed", "parents_pending", "children")
-"""``outbox_jobs``'s NOT NULL integer columns with default 0 added after its first release."""
-
-
-# complexity: one step per schema version, in order
-def upgrade_schema(conn: Connection) -> None:
-    """Add what the job tables gained since they were created (module docstring), in
-    ``conn``'s transaction. The tables themselves must exist (``metadata.create_all``)."""
-    inspector = inspect(conn)
-    prep = conn.dialect.identifier_preparer
-    if inspector.has_table(operations.name):
-        present = {c["name"] for c in inspector.get_columns(operations.name)}
-        _add_columns(conn, operations, [n for n in ADDED_OPERATION_COLUMNS if n not in present])
-        OPEN_RECEIPTS_INDEX.create(conn, checkfirst=True)
-
-    job_columns = {c["name"] for c in inspector.get_columns(jobs.name)}
-    _add_columns(conn, jobs, [n for n in ADDED_JOB_COLUMNS if n not in job_columns])
-    if "queue" not in job_columns:
-        queue = jobs.c.queue
-        conn.execute(
-            text(
-                f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN queue "
-                f"{queue.type.compile(dialect=conn.dialect)} NOT NULL DEFAULT '{DEFAULT_QUEUE}'"
-            )
-        )
-    ready = {i["name"]: i for i in inspector.get_indexes(jobs.name)}.get(str(READY_INDEX.name))
-    if ready is not None and list(ready["column_names"])[:1] != ["queue"]:
-        conn.execute(text(f"DROP INDEX {prep.quote(str(READY_INDEX.name))}"))
-        ready = None
-    if ready is None:
-        READY_INDEX.create(conn)
-    for name in COUNTED_JOB_COLUMNS:
-        if name not in job_columns:
-            conn.execute(
-                text(
-                    f"ALTER TABLE {prep.format_table(jobs)} ADD COLUMN "
-                    f"{prep.quote(name)} INTEGER NOT NULL DEFAULT 0"
-                )
-            )
-    LEASED_TENANT_INDEX.create(conn, checkfirst=True)
-    CANCEL_REQUESTED_INDEX.create(conn, checkfirst=True)
-    paused_queues.create(conn, checkfirst=True)
-    replies.create(conn, checkfirst=True)
-    if inspector.has_table(deliveries.name):
-        _deliveries_per_operation(conn, inspector)
-    deliveries.create(conn, checkfirst=True)
-    schedules.create(conn, checkfirst=True)
-    DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
-    job_steps.create(conn, checkfirst=True)  # steps (issue 57), with its indexes
-    if is_postgresql(conn.dialect.name):
-        conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
-
-
-def _deliveries_per_operation(conn: Connection, inspector: Any) -> None:
-    """``outbox_deliveries`` keyed by ``event_id`` alone (issue 38) becomes keyed by
-    ``(operation_id, event_id)`` (issue 53): PostgreSQL swaps the primary key in place;
-    SQLite, which cannot alter one, copies the rows into the table made anew."""
-    key = inspector.get_pk_constraint(deliveries.name)
-    if list(key.get("constrained_columns") or []) != ["event_id"]:
-        return
-    prep = conn.dialect.identifier_preparer
-    table = prep.format_table(deliveries)
-    if is_postgresql(conn.dialect.name):
-        conn.execute(
-            text(
-                f"ALTER TABLE {table} DROP CONSTRAINT {prep.quote(key['name'])}, "
-                f"ADD CONSTRAINT {prep.quote(DELIVERIES_KEY)} "
-                "PRIMARY KEY (operation_id, event_id)"
-            )
-        )
-        return
-    old = prep.quote(f"{deliveries.name}_before_53")
-    conn.execute(text(f"ALTER TABLE {table} RENAME TO {old}"))
-    for index in (DELIVERIES_OPERATION_INDEX, UNAPPLIED_DELIVERIES_INDEX):  # they moved along
-        conn.execute(text(f"DROP INDEX IF EXISTS {prep.quote(str(index.name))}"))
-    deliveries.create(conn)
-    names = ", ".join(prep.quote(c.name) for c in deliveries.columns)
-    conn.execute(text(f"INSERT INTO {table} ({names}) SELECT {names} FROM {old}"))
-    conn.execute(text(f"DROP TABLE {old}"))
-
-
-def _add_columns(conn: Connection, table: Table, names: list[str]) -> None:
-    """ALTER TABLE ... ADD COLUMN for each of ``names``: nullable columns, their type as the
-    table declares it."""
-    prep = conn.dialect.identifier_preparer
-    for name in names:
-        column_type = table.c[name].type.compile(dialect=conn.dialect)
-        conn.execute(
-            text(
-                f"ALTER TABLE {prep.format_table(table)} ADD COLUMN "
-                f"{prep.quote(name)} {column_type}"
-            )
-        )
-
-
 def create_tables(conn: Connection) -> None:
     """Create the job tables and indexes if missing and bring them up to date
     (:func:`upgrade_schema`), in ``conn``'s transaction; idempotent. PostgreSQL: concurrent
@@ -608,6 +516,8 @@ def create_tables(conn: Connection) -> None:
     postgres = is_postgresql(conn.dialect.name)
     if postgres:
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+    from consumer.jobs.upgrades import upgrade_schema  # it builds on this module's tables
+
     metadata.create_all(conn, checkfirst=True)
     upgrade_schema(conn)
     if postgres:

@@ -1,8 +1,8 @@
-"""``outbox-worker job TENANT ACTION``: one job with its result, its parents and its children
-(issue 57: steps).
+"""``outbox-worker jobs show TENANT ACTION``: one job with its result, its parents and its
+children (issue 57: steps; ``consumer.jobs.job_cli`` parses it).
 
 ```
-outbox-worker job TENANT ACTION [--json]
+outbox-worker jobs show TENANT ACTION [--json]
 ```
 
 Prints the job's id, state, attempts, wait reason and last error, its result (JSON) and the
@@ -14,27 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
-from outbox.cli import Flag, add_flags
-
-__all__ = ["add_job_command", "job_command"]
-
-
-def add_job_command(sub: Any) -> argparse.ArgumentParser:
-    """The ``job`` subcommand on ``outbox-worker``'s subparsers."""
-    command: argparse.ArgumentParser = sub.add_parser(
-        "job",
-        help="show one job: its state, result, parents and children",
-        description="Show one job (TENANT ACTION): its state, attempts, wait reason, last "
-        "error and result, the jobs it waits for (parents) and those waiting for it "
-        "(children), each with its state.",
-    )
-    command.add_argument("tenant", help="the job's tenant")
-    command.add_argument("job_action", metavar="action", help="the job's action")
-    add_flags(command, Flag("--json", bool, "one JSON object", env=None))
-    command.set_defaults(func=job_command)
-    return command
+__all__ = ["job_command"]
 
 
 def job_command(args: argparse.Namespace, url: str) -> int:

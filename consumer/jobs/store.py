@@ -75,7 +75,9 @@ from consumer.jobs.recovery import Recovery
 from consumer.jobs.replies import (
     Reply,
     ReplyResult,
+    adopt,
     check_reply,
+    early_key,
     listed,
     record_reply,
     reply_from_row,
@@ -251,10 +253,18 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
                 writers[self] = buffer
             return buffer.add(values)
         # Alone, the insert commits on its own (PostgreSQL: one round trip, not three); a
-        # duplicate's look-up after it is a read of the committed row.
-        return self._in_session(
-            session, lambda conn: enqueue_one(self.driver, conn, values), alone=True
+        # duplicate's look-up after it is a read of the committed row. Replies kept before
+        # the job existed are then moved right after (the INSERT counted them).
+        alone = session is None
+        result, waiting = self._in_session(
+            session,
+            lambda conn: enqueue_one(self.driver, conn, values, adopting=not alone),
+            alone=True,
         )
+        if waiting:
+            with self.driver.begin() as conn:
+                adopt(self.driver, conn, result.job_id)
+        return result
 
     def enqueue_many(
         self,
@@ -345,12 +355,15 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
         """Record a reply to ``job`` (a job id, or tenant with ``action``), deduplicated by
         ``reply_id`` per job, in one transaction with its move: a job in WAITING_EXTERNAL
         becomes READY; any other job keeps it for its next run (``JobContext.replies``), or,
-        finished, just keeps it (``consumer.jobs.replies`` has the contract). ``session``
-        joins the caller's transaction (``ConsumerTx.reply`` does). ``JobNotFound`` for an
-        unknown job."""
+        finished, just keeps it (``consumer.jobs.replies`` has the contract). A reply to a
+        ``(tenant, action)`` not enqueued yet is kept, deduplicated the same way, and its
+        first run sees it (``kept=True``; retention drops it if the job never comes).
+        ``session`` joins the caller's transaction (``ConsumerTx.reply`` does).
+        ``JobNotFound`` for a job id that does not exist."""
         check_reply(payload, reply_id, source)
         when = valid_time("now", now)
         where, label = job_key(job, action)
+        early = early_key(job, action)
 
         def work(conn: Connection) -> ReplyResult:
             return record_reply(
@@ -362,6 +375,7 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
                 reply_id=reply_id,
                 source=source,
                 when=when,
+                early=early,
             )
 
         return self._in_session(session, work)
