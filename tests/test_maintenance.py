@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from consumer.inbox import INBOX_TABLE, build_inbox_schema, create_inbox_schema
 from consumer.jobs.duties import VACUUM_CATCH_UP
 from consumer.jobs.schema import HOT_TABLES, JOBS_TABLE
-from consumer.jobs.schema import create_schema as create_job_schema
 from consumer.jobs.store import Store
+from consumer.jobs.upgrades import create_schema as create_job_schema
 from consumer.jobs.worker import Worker
 from outbox.db import make_engine
 from outbox.maintenance import (

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 import consumer.inbox
 import consumer.jobs.schema
+import consumer.jobs.upgrades
 from metrics import (
     DatabaseCollector,
     PrometheusHooks,
@@ -243,7 +244,7 @@ def test_dead_letter_gauges(engine: sa.Engine) -> None:
 
 
 def test_job_gauges(engine: sa.Engine) -> None:
-    consumer.jobs.schema.create_schema(engine)
+    consumer.jobs.upgrades.create_schema(engine)
     with engine.connect() as conn:
         now = float(
             conn.execute(sa.text("SELECT " + queries.epoch_sql(conn.dialect.name))).scalar_one()
@@ -532,8 +533,8 @@ def test_unknown_receipts_source_rejects_unsafe_names() -> None:
 
 
 def test_unknown_receipts_of_the_job_store_are_exported_by_default(engine: sa.Engine) -> None:
-    from consumer.jobs.schema import create_schema as create_job_tables
     from consumer.jobs.schema import db_epoch, operations
+    from consumer.jobs.upgrades import create_schema as create_job_tables
 
     collector_registry = CollectorRegistry()
     collector_registry.register(DatabaseCollector(engine, cache_seconds=0, table_recheck_seconds=0))

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 import consumer
 import consumer.inbox
-import consumer.jobs.schema
+import consumer.jobs.upgrades
 from metrics import build_metrics, resource_path, unknown_receipts_source
 from outbox.db import make_engine
 from outbox.hooks import Hooks
@@ -24,7 +24,7 @@ def exported_names(tmp_path: Path) -> set[str]:
     engine = make_engine(f"sqlite:///{tmp_path / 'names.db'}")
     create_schema(engine, build_schema())
     consumer.inbox.create_inbox_schema(engine, consumer.inbox.build_inbox_schema())
-    consumer.jobs.schema.create_schema(engine)
+    consumer.jobs.upgrades.create_schema(engine)
     with engine.begin() as conn:
         conn.execute(
             sa.text(

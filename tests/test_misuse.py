@@ -112,10 +112,10 @@ def _cli(name: str) -> Any:
 @pytest.mark.parametrize(
     ("cli", "argv", "says"),
     [
-        ("relay", ["run", "--metrics-port", "-5"], "--metrics-port: invalid port value"),
-        ("consumer", ["run", "a:b", "--metrics-port", "-5"], "invalid port value"),
-        ("worker", ["run", "a:b", "--metrics-port", "65536"], "invalid port value"),
-        ("relay", ["run", "--metrics-port", "\uff18\uff10"], "invalid port value"),
+        ("relay", ["run", "--metrics-port", "-5"], "--metrics-port: must be a whole number"),
+        ("consumer", ["run", "a:b", "--metrics-port", "-5"], "must be a whole number"),
+        ("worker", ["run", "a:b", "--metrics-port", "65536"], "must be from 0 to 65535"),
+        ("relay", ["run", "--metrics-port", "\uff18\uff10"], "in ASCII digits"),
         ("relay", ["status", "--log-level", "verbose"], "--log-level: invalid"),
         ("relay", ["init-db", "--log-level", "verbose"], "--log-level: invalid"),
         ("console", ["init-db", "--log-level", "loud"], "--log-level: invalid"),

@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from consumer.jobs import queries as job_queries
-from consumer.jobs.schema import create_schema as create_job_schema
+from consumer.jobs.upgrades import create_schema as create_job_schema
 from outbox import status
 from outbox.db import make_engine
 from outbox.maintenance import psycopg_connector

@@ -110,7 +110,7 @@ NOUNS = {
     },
     Inbox: {"inbox", "dead_letter", "clock", "schema"},
 }
-LIFECYCLE = {"connect", "close", "begin", "autocommit", "pinned", "session", "name"}
+LIFECYCLE = {"connect", "close", "begin", "autocommit", "pinned", "joined", "session", "name"}
 # Data the seams expose, not operations (the store's ``partitions`` is one of its nouns).
 ATTRIBUTES = {"payload_is_json", "supports_notify", "notify", "tables"}
 

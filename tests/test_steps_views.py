@@ -66,7 +66,9 @@ def test_outbox_worker_job_prints_the_graph(sqlite_url: str) -> None:
     store.dispose()
     out = io.StringIO()
     with redirect_stdout(out):
-        code = consumer.jobs.cli.main(["jobs", "show", "t", "b", "--json", "--database-url", sqlite_url])
+        code = consumer.jobs.cli.main(
+            ["jobs", "show", "t", "b", "--json", "--database-url", sqlite_url]
+        )
     assert code == 0
     shown = json.loads(out.getvalue())
     assert shown["state"] == "READY" and shown["parents_pending"] == 0
@@ -77,4 +79,6 @@ def test_outbox_worker_job_prints_the_graph(sqlite_url: str) -> None:
         assert consumer.jobs.cli.main(["jobs", "show", "t", "a", "--database-url", sqlite_url]) == 0
     text = out.getvalue()
     assert 'result: {"quote": 42}' in text and "t/b READY" in text and "parents: none" in text
-    assert consumer.jobs.cli.main(["jobs", "show", "t", "nobody", "--database-url", sqlite_url]) == 1
+    assert (
+        consumer.jobs.cli.main(["jobs", "show", "t", "nobody", "--database-url", sqlite_url]) == 1
+    )

@@ -30,13 +30,9 @@ from consumer.jobs.driver_base import READY_CHANNEL_SQL, JobDriver, ReadyListene
 from consumer.jobs.driver_operations import check_operation_columns
 from consumer.jobs.driver_retention import PG_JOB_PURGE
 from consumer.jobs.record_text import RecordStatements
-from consumer.jobs.schema import (
-    create_tables,
-    jobs,
-    operations,
-    provider_limits,
-)
+from consumer.jobs.schema import jobs, operations, provider_limits
 from consumer.jobs.states import LEASED
+from consumer.jobs.upgrades import create_tables
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, insert_or_ignore
 from outbox.outage import is_cut, retry_lost
 

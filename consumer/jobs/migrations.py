@@ -23,7 +23,7 @@ when missing (idempotent):
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
-``Store(...)``, ``outbox-worker init-db`` and ``consumer.jobs.schema.create_schema`` run
+``Store(...)``, ``outbox-worker init-db`` and ``consumer.jobs.upgrades.create_schema`` run
 :func:`upgrade_schema`. Alembic users add one line at the end of the migration's
 ``upgrade()``, after the generated operations (or instead of them, on a database made
 before queues)::

@@ -77,7 +77,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
 from consumer.jobs.states import (
     CANCELLED,
@@ -88,7 +88,7 @@ from consumer.jobs.states import (
     WAITING_EXTERNAL,
     WAITING_REVIEW,
 )
-from outbox.dialect import db_epoch, is_postgresql, quoted_table
+from outbox.dialect import db_epoch, quoted_table
 from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.validate import MAX_NAME_LENGTH as NAME_LENGTH
 
@@ -97,8 +97,6 @@ __all__ = [
     "JOBS_TABLE",
     "OPERATIONS_TABLE",
     "attempts",
-    "create_schema",
-    "create_tables",
 ]
 __all__ += ["WORKERS_TABLE", "db_epoch", "jobs", "metadata", "operations", "workers"]
 __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
@@ -506,29 +504,3 @@ $$"""
 leased in the queue now, ``p_cap`` the limit. Created by :func:`create_schema` and by
 ``consumer.jobs.migrations.create_job_extras`` (Alembic); the claim calls it only when a
 limit applies."""
-
-
-def create_tables(conn: Connection) -> None:
-    """Create the job tables and indexes if missing and bring them up to date
-    (:func:`upgrade_schema`), in ``conn``'s transaction; idempotent. PostgreSQL: concurrent
-    DDL serialised (CREATE TABLE IF NOT EXISTS races between processes starting together),
-    and the hot tables' per-table autovacuum settings (:func:`set_autovacuum`)."""
-    postgres = is_postgresql(conn.dialect.name)
-    if postgres:
-        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
-    from consumer.jobs.upgrades import upgrade_schema  # it builds on this module's tables
-
-    metadata.create_all(conn, checkfirst=True)
-    upgrade_schema(conn)
-    if postgres:
-        set_autovacuum(conn)
-
-
-def create_schema(bind: Engine | Connection) -> None:
-    """Create the job tables and indexes if missing (idempotent, safe at every start): in a
-    transaction of its own on an Engine, in the caller's on a Connection."""
-    if isinstance(bind, Engine):
-        with bind.begin() as conn:
-            create_tables(conn)
-    else:
-        create_tables(bind)

@@ -1,13 +1,14 @@
-"""What the job tables gained since their first release, added to a table made before
-(``consumer.jobs.migrations`` lists each step; ``consumer.jobs.schema`` holds the tables and
-calls :func:`upgrade_schema` when it creates them)."""
+"""Creating the job tables (:func:`create_schema`, :func:`create_tables`) and adding what
+they gained since their first release to a table made before (:func:`upgrade_schema`;
+``consumer.jobs.migrations`` lists each step). The tables themselves are declared in
+``consumer.jobs.schema``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sqlalchemy import Table, inspect, text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from consumer.jobs.schema import (
     CANCEL_REQUESTED_INDEX,
@@ -24,14 +25,23 @@ from consumer.jobs.schema import (
     early_replies,
     job_steps,
     jobs,
+    metadata,
     operations,
     paused_queues,
     replies,
     schedules,
+    set_autovacuum,
 )
 from outbox.dialect import is_postgresql
 
-__all__ = ["ADDED_JOB_COLUMNS", "ADDED_OPERATION_COLUMNS", "COUNTED_JOB_COLUMNS", "upgrade_schema"]
+__all__ = [
+    "ADDED_JOB_COLUMNS",
+    "ADDED_OPERATION_COLUMNS",
+    "COUNTED_JOB_COLUMNS",
+    "create_schema",
+    "create_tables",
+    "upgrade_schema",
+]
 
 
 ADDED_OPERATION_COLUMNS = (
@@ -141,3 +151,27 @@ def _add_columns(conn: Connection, table: Table, names: list[str]) -> None:
                 f"{prep.quote(name)} {column_type}"
             )
         )
+
+
+def create_tables(conn: Connection) -> None:
+    """Create the job tables and indexes if missing and bring them up to date
+    (:func:`upgrade_schema`), in ``conn``'s transaction; idempotent. PostgreSQL: concurrent
+    DDL serialised (CREATE TABLE IF NOT EXISTS races between processes starting together),
+    and the hot tables' per-table autovacuum settings (:func:`set_autovacuum`)."""
+    postgres = is_postgresql(conn.dialect.name)
+    if postgres:
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:n))"), {"n": "outbox-jobs-ddl"})
+    metadata.create_all(conn, checkfirst=True)
+    upgrade_schema(conn)
+    if postgres:
+        set_autovacuum(conn)
+
+
+def create_schema(bind: Engine | Connection) -> None:
+    """Create the job tables and indexes if missing (idempotent, safe at every start): in a
+    transaction of its own on an Engine, in the caller's on a Connection."""
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            create_tables(conn)
+    else:
+        create_tables(bind)
