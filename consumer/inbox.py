@@ -492,8 +492,10 @@ class MysqlInbox(Inbox):
     ) -> int:
         table = self.tables.inbox
         total = 0
+        # READ COMMITTED: no gap locks, so consumers inserting meanwhile never wait on it.
+        engine = self.engine.execution_options(isolation_level="READ COMMITTED")
         for _ in range(max_batches):
-            with self.engine.begin() as conn:
+            with engine.begin() as conn:
                 cutoff = self.clock_at(conn, now) - timedelta(seconds=retention_seconds)
                 removed = int(
                     conn.execute(

@@ -15,8 +15,11 @@ from typing import Any
 
 from sqlalchemy import DateTime, Double, Table
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import SchemaItem
+from sqlalchemy.sql.compiler import DDLCompiler
+from sqlalchemy.sql.ddl import BaseDDLElement
 from sqlalchemy.sql.functions import FunctionElement
 
 POSTGRESQL = "postgresql"
@@ -65,7 +68,11 @@ def is_mysql(dialect_name: str) -> bool:
     return dialect_name in MYSQL_DIALECTS
 
 
-MYSQL_TABLE = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
+MYSQL_TABLE: dict[str, Any] = {
+    "mysql_engine": "InnoDB",
+    "mysql_charset": "utf8mb4",
+    "mysql_collate": "utf8mb4_bin",
+}
 """MySQL table options (ignored elsewhere): InnoDB (transactions), and a binary collation,
 so keys and identities that differ only in case or accents are different, as on PostgreSQL
 and SQLite (the server's default collation compares them equal)."""
@@ -78,15 +85,35 @@ def timestamp_type() -> DateTime:
     return DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), *MYSQL_DIALECTS)
 
 
-def not_on_mysql(ddl: Any, target: Any, bind: Any, **kw: Any) -> bool:
+def not_on_mysql(
+    ddl: BaseDDLElement,
+    target: SchemaItem | str,
+    bind: Connection | None,
+    tables: list[Table] | None = None,
+    state: Any | None = None,
+    *,
+    dialect: Dialect,
+    compiler: DDLCompiler | None = None,
+    checkfirst: bool,
+) -> bool:
     """``Index.ddl_if(callable_=...)``: create this (partial) index everywhere but MySQL,
     which has no partial indexes (its own indexes say so beside them)."""
-    return not is_mysql(kw["dialect"].name)
+    return not is_mysql(dialect.name)
 
 
-def only_on_mysql(ddl: Any, target: Any, bind: Any, **kw: Any) -> bool:
+def only_on_mysql(
+    ddl: BaseDDLElement,
+    target: SchemaItem | str,
+    bind: Connection | None,
+    tables: list[Table] | None = None,
+    state: Any | None = None,
+    *,
+    dialect: Dialect,
+    compiler: DDLCompiler | None = None,
+    checkfirst: bool,
+) -> bool:
     """``Index.ddl_if(callable_=...)``: create this index on MySQL only."""
-    return is_mysql(kw["dialect"].name)
+    return is_mysql(dialect.name)
 
 
 class db_now(FunctionElement[datetime]):
@@ -185,11 +212,15 @@ def limit_statements(conn: Connection, timeout_ms: int) -> Callable[[], None]:
     if is_mysql(conn.dialect.name):
         # A session setting (MySQL has no SET LOCAL), put back by the undo: MariaDB bounds any
         # statement (max_statement_time, seconds), MySQL 8 bounds SELECTs (max_execution_time).
-        if getattr(conn.dialect, "is_mariadb", False):
-            conn.exec_driver_sql(f"SET SESSION max_statement_time = {timeout_ms / 1000.0:.3f}")
-            return lambda: conn.exec_driver_sql("SET SESSION max_statement_time = DEFAULT")
-        conn.exec_driver_sql(f"SET SESSION max_execution_time = {int(timeout_ms)}")
-        return lambda: conn.exec_driver_sql("SET SESSION max_execution_time = DEFAULT")
+        mariadb = getattr(conn.dialect, "is_mariadb", False)
+        name = "max_statement_time" if mariadb else "max_execution_time"
+        value = f"{timeout_ms / 1000.0:.3f}" if mariadb else str(int(timeout_ms))
+        conn.exec_driver_sql(f"SET SESSION {name} = {value}")
+
+        def restore() -> None:
+            conn.exec_driver_sql(f"SET SESSION {name} = DEFAULT")
+
+        return restore
     raw: Any = conn.connection.driver_connection
     deadline = time.monotonic() + timeout_ms / 1000.0
 

@@ -2,10 +2,11 @@
 
 Each test drives one seam's operations directly (no relay loop, no worker, no consumer
 around them) on PostgreSQL and on SQLite (the ``db_url`` fixture), the relay's store and the
-inbox on MariaDB too (``outbox_db_url``), and asserts the same observable result on each: the relay's store (``relay.store.store_for``), the job store's
-driver (``consumer.jobs.driver.driver_for``) and the consumer's inbox
-(``consumer.inbox.inbox_for``). A database-specific override that changes what a caller
-sees fails here on its database (docs/contributing.md, "Storage seams").
+inbox on MariaDB too (``outbox_db_url``), and asserts the same observable result on each:
+the relay's store (``relay.store.store_for``), the job store's driver
+(``consumer.jobs.driver.driver_for``) and the consumer's inbox (``consumer.inbox.inbox_for``).
+A database-specific override that changes what a caller sees fails here on its database
+(docs/contributing.md, "Storage seams").
 """
 
 from __future__ import annotations

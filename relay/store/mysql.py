@@ -52,7 +52,9 @@ def _statement(template: str, table: str) -> TextClause:
     parameters expanded (``IN :seqs``)."""
     body = template.replace("{t}", table)
     clause = text(body)
-    lists = [bindparam(name, expanding=True) for name in _EXPANDING if f":{name}" in body]
+    lists: list[Any] = [
+        bindparam(name, expanding=True) for name in _EXPANDING if f":{name}" in body
+    ]
     return clause.bindparams(*lists) if lists else clause
 
 
@@ -197,14 +199,17 @@ class MysqlStore:
                 if got == 1:
                     mine.add(p)
                     taken.add(p)
-            if taken:
+            orphans = [
+                r[0]
+                for r in conn.execute(
+                    self._sql["ORPHAN_INTENTS"],
+                    {"nparts": self.partitions, "parts": sorted(taken or {-1})},
+                )
+            ]
+            if orphans:
                 conn.execute(
                     self._sql["MARK_ORPHANS"],
-                    {
-                        "after_us": sql.micros(self.reconcile_after),
-                        "nparts": self.partitions,
-                        "parts": sorted(taken),
-                    },
+                    {"after_us": sql.micros(self.reconcile_after), "seqs": orphans},
                 )
 
         self._run(rebalance)
@@ -245,7 +250,8 @@ class MysqlStore:
         if not receipts:
             return 0
         doc = json.dumps([[s, st, sid] for s, st, sid in receipts])
-        return int(self._exec("PUBLISHED", {"doc": doc, "owner": owner, "epoch": epoch}).rowcount)
+        params = {"doc": doc, "owner": owner, "epoch": epoch, "seqs": [r[0] for r in receipts]}
+        return int(self._exec("PUBLISHED", params).rowcount)
 
     def outbox_mark_failed(
         self, owner: str, epoch: int, failures: Sequence[tuple[int, float, str, bool]]
@@ -254,14 +260,16 @@ class MysqlStore:
             doc = json.dumps(
                 [[s, sql.micros(d), e[:2000], 1 if keep else 0] for s, d, e, keep in failures]
             )
-            self._exec("FAILED", {"doc": doc, "owner": owner, "epoch": epoch})
+            seqs = [f[0] for f in failures]
+            self._exec("FAILED", {"doc": doc, "owner": owner, "epoch": epoch, "seqs": seqs})
 
     def outbox_quarantine(
         self, owner: str, epoch: int, failures: Sequence[tuple[int, str]]
     ) -> None:
         if failures:
             doc = json.dumps([[s, e[:2000]] for s, e in failures])
-            self._exec("QUARANTINE", {"doc": doc, "owner": owner, "epoch": epoch})
+            seqs = [f[0] for f in failures]
+            self._exec("QUARANTINE", {"doc": doc, "owner": owner, "epoch": epoch, "seqs": seqs})
 
     def outbox_release(self, owner: str, epoch: int, seqs: Sequence[int]) -> None:
         if seqs:
@@ -297,10 +305,10 @@ class MysqlStore:
     ) -> None:
         if found:
             doc = json.dumps([[o.seq, s, i, o.claimed_by, o.claim_epoch] for o, s, i in found])
-            self._exec("RESOLVE_FOUND", {"doc": doc})
+            self._exec("RESOLVE_FOUND", {"doc": doc, "seqs": [o.seq for o, _s, _i in found]})
         if missing:
             doc = json.dumps([[o.seq, o.claimed_by, o.claim_epoch] for o in missing])
-            self._exec("RESOLVE_MISSING", {"doc": doc})
+            self._exec("RESOLVE_MISSING", {"doc": doc, "seqs": [o.seq for o in missing]})
 
     def notify_wait(self, timeout: float) -> int:
         import time
@@ -377,7 +385,8 @@ def delete_published(engine: Engine, table: str, older_than_seconds: float, limi
     """One retention round on MySQL (``outbox-relay purge`` and the relay's retention):
     published rows past the age, oldest first, at most ``limit``."""
     age_us = sql.micros(older_than_seconds)
-    with engine.begin() as conn:
+    # READ COMMITTED: no gap locks, so writers inserting meanwhile never wait on the delete.
+    with engine.execution_options(isolation_level="READ COMMITTED").begin() as conn:
         stop = conn.execute(_statement(sql.RETENTION_STOP, table), {"age_us": age_us}).scalar()
         result = conn.execute(
             _statement(sql.RETENTION, table),

@@ -81,7 +81,10 @@ CLAIM_INTENT = (
 )
 
 # Receipts: compare-and-set on (claimed_by, claim_epoch), as on every database. The affected
-# count is rows matched (SQLAlchemy's MySQL dialect asks for CLIENT_FOUND_ROWS).
+# count is rows matched (SQLAlchemy's MySQL dialect asks for CLIENT_FOUND_ROWS). Every batch
+# UPDATE also names its rows in ``t.seq IN :seqs``: without it the optimizer may scan the
+# table for the join and wait on rows a writer has inserted and not yet committed (measured:
+# a receipt stuck behind an open domain transaction until innodb_lock_wait_timeout).
 PUBLISHED = (
     """
 UPDATE {t} t JOIN JSON_TABLE(:doc, '$[*]' COLUMNS (
@@ -90,7 +93,8 @@ UPDATE {t} t JOIN JSON_TABLE(:doc, '$[*]' COLUMNS (
 SET t.state = 'published', t.stream = u.stream, t.stream_id = u.sid, t.published_at = """
     + NOW
     + """
-WHERE t.claimed_by = :owner AND t.claim_epoch = :epoch AND t.state = 'pending'"""
+WHERE t.seq IN :seqs AND t.claimed_by = :owner AND t.claim_epoch = :epoch
+  AND t.state = 'pending'"""
 )
 
 # Transient failures: count the attempt, push available_at by the jittered delay (in
@@ -111,7 +115,8 @@ SET t.attempts = t.attempts + 1,
     t.claimed_at = CASE WHEN u.keep = 1 THEN t.claimed_at END,
     t.claim_epoch = CASE WHEN u.keep = 1 THEN t.claim_epoch END,
     t.claimed_by = CASE WHEN u.keep = 1 THEN t.claimed_by END
-WHERE t.claimed_by = :owner AND t.claim_epoch = :epoch AND t.state = 'pending'"""
+WHERE t.seq IN :seqs AND t.claimed_by = :owner AND t.claim_epoch = :epoch
+  AND t.state = 'pending'"""
 )
 
 QUARANTINE = """
@@ -120,7 +125,8 @@ UPDATE {t} t JOIN JSON_TABLE(:doc, '$[*]' COLUMNS (
     )) u ON t.seq = u.seq
 SET t.state = 'quarantined', t.attempts = t.attempts + 1, t.last_error = u.err,
     t.claimed_at = NULL, t.claim_epoch = NULL, t.claimed_by = NULL
-WHERE t.claimed_by = :owner AND t.claim_epoch = :epoch AND t.state = 'pending'"""
+WHERE t.seq IN :seqs AND t.claimed_by = :owner AND t.claim_epoch = :epoch
+  AND t.state = 'pending'"""
 
 RELEASE = """
 UPDATE {t} SET claimed_at = NULL, claim_epoch = NULL, claimed_by = NULL
@@ -135,12 +141,19 @@ RETRY_NOW = (
 
 # On taking over partitions: the intents found there belong to a relay that lost them (as on
 # PostgreSQL: counted as an attempt, so their keys wait, reconcilable once no XADD for them
-# can still arrive).
+# can still arrive). Found by a plain read first, then updated by primary key: an UPDATE
+# that scanned the pending rows itself would wait on every row a writer has inserted and
+# not yet committed (InnoDB locks what a locking scan meets), holding the relay as long as
+# the slowest domain transaction.
+ORPHAN_INTENTS = """
+SELECT seq FROM {t}
+WHERE state = 'pending' AND claimed_by IS NOT NULL AND MOD(key_hash, :nparts) IN :parts"""
+
 MARK_ORPHANS = """
 UPDATE {t} SET attempts = attempts + 1,
     available_at = GREATEST(available_at, claimed_at + INTERVAL :after_us MICROSECOND),
     last_error = CONCAT('relay ', claimed_by, ' left an intent without a receipt')
-WHERE state = 'pending' AND claimed_by IS NOT NULL AND MOD(key_hash, :nparts) IN :parts"""
+WHERE seq IN :seqs AND state = 'pending' AND claimed_by IS NOT NULL"""
 
 ORPHANS = (
     """
@@ -170,7 +183,8 @@ UPDATE {t} t JOIN JSON_TABLE(:doc, '$[*]' COLUMNS (
 SET t.state = 'published', t.stream = u.stream, t.stream_id = u.sid, t.published_at = """
     + NOW
     + """
-WHERE t.claimed_by = u.owner AND t.claim_epoch = u.epoch AND t.state = 'pending'"""
+WHERE t.seq IN :seqs AND t.claimed_by = u.owner AND t.claim_epoch = u.epoch
+  AND t.state = 'pending'"""
 )
 
 RESOLVE_MISSING = """
@@ -178,7 +192,8 @@ UPDATE {t} t JOIN JSON_TABLE(:doc, '$[*]' COLUMNS (
         seq BIGINT PATH '$[0]', owner VARCHAR(128) PATH '$[1]', epoch BIGINT PATH '$[2]'
     )) u ON t.seq = u.seq
 SET t.claimed_at = NULL, t.claim_epoch = NULL, t.claimed_by = NULL
-WHERE t.claimed_by = u.owner AND t.claim_epoch = u.epoch AND t.state = 'pending'"""
+WHERE t.seq IN :seqs AND t.claimed_by = u.owner AND t.claim_epoch = u.epoch
+  AND t.state = 'pending'"""
 
 # Retention: a single-table DELETE may take ORDER BY and LIMIT on MySQL, so a round walks the
 # primary key from the oldest row and deletes at most ``limit`` rows (short locks, bounded
