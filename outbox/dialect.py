@@ -94,7 +94,7 @@ def not_on_mysql(
     *,
     dialect: Dialect,
     compiler: DDLCompiler | None = None,
-    checkfirst: bool,
+    checkfirst: bool = False,
 ) -> bool:
     """``Index.ddl_if(callable_=...)``: create this (partial) index everywhere but MySQL,
     which has no partial indexes (its own indexes say so beside them)."""
@@ -110,7 +110,7 @@ def only_on_mysql(
     *,
     dialect: Dialect,
     compiler: DDLCompiler | None = None,
-    checkfirst: bool,
+    checkfirst: bool = False,
 ) -> bool:
     """``Index.ddl_if(callable_=...)``: create this index on MySQL only."""
     return is_mysql(dialect.name)
