@@ -99,7 +99,7 @@ def test_bad_arguments_and_unreachable_services() -> None:
     assert cli("run", "--no-such-flag").returncode == 2
     assert cli().returncode == 2
     assert cli("requeue", "--database-url", "sqlite:///x.db").returncode == 2
-    bad_url = cli("status", "--database-url", "mysql://localhost/x")
+    bad_url = cli("status", "--database-url", "oracle://localhost/x")
     assert bad_url.returncode == 2 and "unsupported backend" in bad_url.stderr
     down = cli("status", "--database-url", "postgresql://nobody@127.0.0.1:1/none", timeout=30)
     assert down.returncode == 1
