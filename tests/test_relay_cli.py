@@ -53,7 +53,8 @@ def target_client(redis_target: RedisTarget) -> Iterator[Any]:
 
 
 @pytest.mark.slow  # relay processes (11-28 s under load)
-def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
+def test_init_db_status_and_requeue(outbox_db_url: str, tmp_path: Path) -> None:
+    db_url = outbox_db_url
     result = cli("init-db", "--database-url", db_url)
     assert result.returncode == 0, result.stderr
     outbox = Outbox(db_url)
