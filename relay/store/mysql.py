@@ -9,8 +9,8 @@ Partitions. A relay holds one session-level named lock per partition it owns,
 SIGKILLed relay's included (its TCP connection closes). Replicas count each other through
 member slots: each live relay holds one ``member`` lock of a fixed range, and
 ``IS_USED_LOCK`` over that range is the number of replicas. Named locks need no table and no
-privilege beyond connecting, and take no row locks a writer could meet (measured against a
-leases table in docs/how-to/mysql.md).
+privilege beyond connecting, take no row locks a writer could meet, and cannot outlive their
+relay (a leases table would need expiry times and a clock to judge them by).
 """
 
 from __future__ import annotations
