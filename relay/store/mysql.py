@@ -171,17 +171,8 @@ class MysqlStore:
         members = 1
 
         def rebalance(conn: Connection) -> None:
-            nonlocal members, mine
-            names = self._members + self._names
-            probes = ", ".join(f"IS_USED_LOCK(:n{i})" for i in range(len(names)))
-            row = conn.execute(
-                text(f"SELECT CONNECTION_ID(), {probes}"),
-                {f"n{i}": n for i, n in enumerate(names)},
-            ).one()
-            me, holders = row[0], list(row[1:])
-            members = max(1, sum(h is not None for h in holders[: len(self._members)]))
-            parts = holders[len(self._members) :]
-            mine = {p for p, h in enumerate(parts) if h == me}
+            nonlocal members, mine, taken
+            members, mine, free = self._read_locks(conn)
             target = math.ceil(self.partitions / members)
             if len(mine) > target:
                 extra = sorted(mine)[target:]
@@ -189,28 +180,10 @@ class MysqlStore:
                 for p in extra:
                     conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._names[p]})
                 mine -= set(extra)
-                return
-            free = [p for p, h in enumerate(parts) if h is None]
-            random.shuffle(free)
-            for p in free:
-                if len(mine) >= target:
-                    break
-                got = conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": self._names[p]}).scalar()
-                if got == 1:
-                    mine.add(p)
-                    taken.add(p)
-            orphans = [
-                r[0]
-                for r in conn.execute(
-                    self._sql["ORPHAN_INTENTS"],
-                    {"nparts": self.partitions, "parts": sorted(taken or {-1})},
-                )
-            ]
-            if orphans:
-                conn.execute(
-                    self._sql["MARK_ORPHANS"],
-                    {"after_us": sql.micros(self.reconcile_after), "seqs": orphans},
-                )
+            elif len(mine) < target:
+                taken = self._take(conn, free, target - len(mine))
+                mine |= taken
+                self._mark_orphans(conn, taken)
 
         self._run(rebalance)
         changed = frozenset(mine) != self._owned
@@ -218,6 +191,44 @@ class MysqlStore:
         if changed:
             log.info("partitions", extra=fields(owned=sorted(self._owned), replicas=members))
         return bool(taken)
+
+    def _read_locks(self, conn: Connection) -> tuple[int, set[int], list[int]]:
+        """(replicas alive, partitions this session holds, partitions nobody holds), from
+        one ``IS_USED_LOCK`` probe of every member slot and partition lock."""
+        names = self._members + self._names
+        probes = ", ".join(f"IS_USED_LOCK(:n{i})" for i in range(len(names)))
+        row = conn.execute(
+            text(f"SELECT CONNECTION_ID(), {probes}"), {f"n{i}": n for i, n in enumerate(names)}
+        ).one()
+        me, holders = row[0], list(row[1:])
+        members = max(1, sum(h is not None for h in holders[: len(self._members)]))
+        parts = holders[len(self._members) :]
+        mine = {p for p, h in enumerate(parts) if h == me}
+        return members, mine, [p for p, h in enumerate(parts) if h is None]
+
+    def _take(self, conn: Connection, free: list[int], wanted: int) -> set[int]:
+        """Up to ``wanted`` of the ``free`` partitions, in random order (replicas starting
+        together do not all try the same ones); ``GET_LOCK(name, 0)`` never waits."""
+        random.shuffle(free)
+        taken: set[int] = set()
+        for p in free:
+            if len(taken) >= wanted:
+                break
+            if conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": self._names[p]}).scalar() == 1:
+                taken.add(p)
+        return taken
+
+    def _mark_orphans(self, conn: Connection, taken: set[int]) -> None:
+        """The intents left in partitions just taken: a relay that lost them left them."""
+        if not taken:
+            return
+        params = {"nparts": self.partitions, "parts": sorted(taken)}
+        orphans = [r[0] for r in conn.execute(self._sql["ORPHAN_INTENTS"], params)]
+        if orphans:
+            conn.execute(
+                self._sql["MARK_ORPHANS"],
+                {"after_us": sql.micros(self.reconcile_after), "seqs": orphans},
+            )
 
     # -- claim and outcomes -----------------------------------------------------------------
 
