@@ -438,11 +438,11 @@ def _record(r: Sequence[Any]) -> Record:
 
 
 def _is_connection_error(exc: DBAPIError) -> bool:
-    """A lost or unusable connection (PyMySQL's OperationalError codes 2006/2013/...)."""
-    import pymysql
-
-    inner = exc.orig
-    if isinstance(inner, pymysql.err.InterfaceError):
-        return True
-    code = inner.args[0] if isinstance(inner, pymysql.err.OperationalError) and inner.args else 0
-    return code in (2003, 2006, 2013, 2055, 1927)
+    """A lost or unusable connection: the client error codes every MySQL driver reports
+    (2003 cannot connect, 2006 server gone, 2013 lost during a query, 2055 lost at a
+    handshake), or the server shutting down (1053) or killing the session (1927)."""
+    args = getattr(exc.orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else 0
+    return code in (1053, 1927, 2003, 2006, 2013, 2055) or type(exc.orig).__name__ == (
+        "InterfaceError"
+    )
