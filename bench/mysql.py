@@ -178,7 +178,7 @@ def write_rate(url: str, threads: int, seconds: float, way: str) -> float:
             agg = n * 1000 + counts[n] % 1000
             if way == "outbox":
                 with outbox.transaction() as tx:
-                    tx.execute(bump, {"id": agg})
+                    tx.session.execute(bump, {"id": agg})
                     tx.emit("bench.a", key=f"agg-{agg}", payload={"n": counts[n]})
             else:
                 with engine.begin() as conn:
