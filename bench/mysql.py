@@ -10,8 +10,9 @@ the same table, and the writer against a minimal hand-written INSERT.
 
 ``python -m bench mysql write [--seconds 10] [--threads 1 8]``
     Domain transactions (an aggregate row locked and bumped, one event) for ``--seconds`` at
-    each thread count: through ``outbox.transaction()`` on the default schema, and with a
-    minimal hand-written INSERT into a table of the same columns and only a primary key.
+    each thread count: through ``outbox.transaction()`` (a Session), through
+    ``outbox.emit(conn, ...)`` in the caller's Core transaction, on the default schema, and
+    with a minimal hand-written INSERT into a table of a primary key and four columns.
     Ratio: the hand-written transactions/s over the outbox's (1.00 = no overhead).
 
 MariaDB at ``OUTBOX_BENCH_MYSQL`` (default ``mysql+pymysql://root@127.0.0.1:3306``), Redis at
@@ -180,6 +181,10 @@ def write_rate(url: str, threads: int, seconds: float, way: str) -> float:
                 with outbox.transaction() as tx:
                     tx.session.execute(bump, {"id": agg})
                     tx.emit("bench.a", key=f"agg-{agg}", payload={"n": counts[n]})
+            elif way == "emit":  # the connection path: the caller's own transaction
+                with engine.begin() as conn:
+                    conn.execute(bump, {"id": agg})
+                    outbox.emit(conn, "bench.a", key=f"agg-{agg}", payload={"n": counts[n]})
             else:
                 with engine.begin() as conn:
                     conn.execute(bump, {"id": agg})
@@ -219,16 +224,20 @@ def write(seconds: float, thread_counts: list[int]) -> None:
         engine.dispose()
         for threads in thread_counts:
             # Alternated, twice each: the machine's load drifts between runs.
-            rates = {"hand": [0.0, 0.0], "outbox": [0.0, 0.0]}
-            for i in range(2):
-                for way in ("hand", "outbox"):
-                    rates[way][i] = write_rate(url, threads, seconds, way)
-            hand, box = sum(rates["hand"]) / 2, sum(rates["outbox"]) / 2
-            print(
-                f"writer, {threads} thread(s): hand-written {hand:,.0f} tx/s, "
-                f"outbox {box:,.0f} tx/s, overhead x{hand / box:.2f} "
-                f"(rounds: {rates})"
-            )
+            ways = ("hand", "outbox", "emit")
+            rates: dict[str, list[float]] = {way: [] for way in ways}
+            for _ in range(2):
+                for way in ways:
+                    rates[way].append(write_rate(url, threads, seconds, way))
+            hand = sum(rates["hand"]) / 2
+            for way in ("outbox", "emit"):
+                box = sum(rates[way]) / 2
+                print(
+                    f"writer, {threads} thread(s), {way}: {box:,.0f} tx/s against hand-written "
+                    f"{hand:,.0f}: x{hand / box:.2f} "
+                    f"(rounds: {[round(r) for r in rates[way]]} / "
+                    f"{[round(r) for r in rates['hand']]})"
+                )
 
 
 def main(argv: list[str]) -> int:
