@@ -101,21 +101,6 @@ def not_on_mysql(
     return not is_mysql(dialect.name)
 
 
-def only_on_mysql(
-    ddl: BaseDDLElement,
-    target: SchemaItem | str,
-    bind: Connection | None,
-    tables: list[Table] | None = None,
-    state: Any | None = None,
-    *,
-    dialect: Dialect,
-    compiler: DDLCompiler | None = None,
-    checkfirst: bool = False,
-) -> bool:
-    """``Index.ddl_if(callable_=...)``: create this index on MySQL only."""
-    return is_mysql(dialect.name)
-
-
 class db_now(FunctionElement[datetime]):
     """The database clock as a timestamp, as a column default or in queries (:data:`NOW_SQL`)."""
 

@@ -43,7 +43,7 @@ from sqlalchemy.sql.elements import TextClause
 
 from outbox import partitions
 from outbox.db import write_locked
-from outbox.dialect import MYSQL_TABLE, is_mysql, not_on_mysql, only_on_mysql, timestamp_type
+from outbox.dialect import MYSQL_TABLE, is_mysql, not_on_mysql, timestamp_type
 from outbox.dialect import (
     db_now as db_now,
 )  # re-exported: the column default lives in outbox.dialect
@@ -201,15 +201,6 @@ def build_schema(
         postgresql_where=_blocked_predicate(table),
         sqlite_where=_blocked_predicate(table),
     ).ddl_if(callable_=not_on_mysql)
-    # MySQL has no partial index: the three above become two whole-table indexes there. The
-    # claim, status and metrics walk (state, seq): the pending rows in seq order, the
-    # quarantined ones apart. The blocked-key probe looks up (key, state, seq): for one key,
-    # its quarantined and its pending rows below a seq, never the key's published history.
-    # Two indexes, not three: each one costs every writer (docs/how-to/mysql.md).
-    Index(f"ix_{name}_state_seq", table.c.state, table.c.seq).ddl_if(callable_=only_on_mysql)
-    Index(f"ix_{name}_key_state", table.c.key, table.c.state, table.c.seq).ddl_if(
-        callable_=only_on_mysql
-    )
     return OutboxSchema(
         metadata=md, table=table, table_name=name, schema=schema_name, partitioned=length
     )
@@ -354,7 +345,8 @@ def create_extras(
     name = outbox_schema.table_name
     qualified = _qualified(outbox_schema)
     if is_mysql(conn.dialect.name):
-        return  # its indexes come with the table (build_schema); nothing else to add
+        _mysql_indexes(conn, outbox_schema)
+        return
     blocked = next(i for i in table.indexes if i.name == f"ix_{name}_blocked")
     blocked.create(conn, checkfirst=True)
     if conn.dialect.name != "postgresql":
@@ -413,6 +405,41 @@ def create_extras(
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
             )
         )
+
+
+def mysql_index_columns(name: str) -> dict[str, tuple[str, ...]]:
+    """The outbox table's indexes on MySQL, which has no partial index: the three partial
+    ones of :func:`build_schema` become two whole-table indexes there. The claim, status and
+    the metrics walk (state, seq): the pending rows in seq order, the quarantined ones apart.
+    The blocked-key probe looks up (key, state, seq): for one key, its quarantined and its
+    pending rows below a seq, never the key's published history. Two, not three: each costs
+    every writer. They are not in the table's metadata (Alembic's autogenerate would put them
+    on PostgreSQL too): :func:`create_extras` adds them on MySQL, as it adds the blocked-key
+    index elsewhere."""
+    return {
+        f"ix_{name}_state_seq": ("state", "seq"),
+        f"ix_{name}_key_state": ("key", "state", "seq"),
+    }
+
+
+def _mysql_indexes(conn: Connection, outbox_schema: OutboxSchema) -> None:
+    table = outbox_schema.table_name
+    present = {
+        str(r[0])
+        for r in conn.execute(
+            text(
+                "SELECT DISTINCT index_name FROM information_schema.statistics "
+                "WHERE table_schema = coalesce(:s, DATABASE()) AND table_name = :t"
+            ),
+            {"s": outbox_schema.schema, "t": table},
+        )
+    }
+    # Backticks: the caller's connection (an Alembic migration's) may not run ANSI_QUOTES.
+    target = f"`{outbox_schema.schema}`.`{table}`" if outbox_schema.schema else f"`{table}`"
+    for index, columns in mysql_index_columns(table).items():
+        if index not in present:
+            listed = ", ".join(f"`{c}`" for c in columns)
+            conn.execute(text(f"CREATE INDEX `{index}` ON {target} ({listed})"))
 
 
 def _partition_extras(conn: Connection, outbox_schema: OutboxSchema, length: int | None) -> None:
