@@ -63,7 +63,6 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
-    DateTime,
     Index,
     Integer,
     MetaData,
@@ -79,12 +78,21 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from consumer.bulk import bulk_insert
 from outbox.db import write_locked
-from outbox.dialect import db_now, insert_or_ignore, is_postgresql, quoted_table
+from outbox.dialect import (
+    MYSQL_TABLE,
+    db_now,
+    insert_or_ignore,
+    is_mysql,
+    is_postgresql,
+    quoted_table,
+    timestamp_type,
+)
 from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
 from outbox.schema import check_identifier
 from outbox.validate import MAX_EVENT_ID_LENGTH, MAX_NAME_LENGTH
@@ -128,8 +136,9 @@ def build_inbox_schema(schema: str | None = None, metadata: MetaData | None = No
         Column("topic", String(NAME_WIDTH), nullable=False),
         Column("stream", String(STREAM_WIDTH), nullable=False),
         Column("entry_id", String(ID_WIDTH), nullable=False),
-        Column("processed_at", DateTime(timezone=True), nullable=False, server_default=db_now()),
+        Column("processed_at", timestamp_type(), nullable=False, server_default=db_now()),
         schema=schema_name,
+        **MYSQL_TABLE,
     )
     # The retention purge deletes the oldest rows of one group in bounded batches.
     Index(f"ix_{INBOX_TABLE}_processed", inbox.c.group_name, inbox.c.processed_at)
@@ -144,7 +153,15 @@ def build_inbox_schema(schema: str | None = None, metadata: MetaData | None = No
         ),
         Column("group_name", String(NAME_WIDTH), nullable=False),
         Column("stream", String(STREAM_WIDTH), nullable=False),
-        Column("entry_id", String(ID_WIDTH), nullable=False),
+        # ASCII on MySQL (entry ids are digits and a dash): the unique key below must fit
+        # InnoDB's 3,072 bytes, at 4 bytes a character for utf8mb4 columns.
+        Column(
+            "entry_id",
+            String(ID_WIDTH).with_variant(
+                mysql.VARCHAR(ID_WIDTH, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+            ),
+            nullable=False,
+        ),
         Column("event_id", String(ID_WIDTH), nullable=True),
         Column("topic", String(NAME_WIDTH), nullable=True),
         Column("identity", String(NAME_WIDTH), nullable=True),
@@ -154,11 +171,12 @@ def build_inbox_schema(schema: str | None = None, metadata: MetaData | None = No
         Column("payload", Text, nullable=False),
         Column("state", String(16), nullable=False, server_default=text(f"'{NEEDS_ATTENTION}'")),
         Column("dead_letter_stream", String(STREAM_WIDTH), nullable=False),
-        Column("created_at", DateTime(timezone=True), nullable=False, server_default=db_now()),
-        Column("replayed_at", DateTime(timezone=True), nullable=True),
+        Column("created_at", timestamp_type(), nullable=False, server_default=db_now()),
+        Column("replayed_at", timestamp_type(), nullable=True),
         Column("replayed_entry_id", String(ID_WIDTH), nullable=True),
         UniqueConstraint("group_name", "stream", "entry_id", name="uq_consumer_dead_letters_entry"),
         schema=schema_name,
+        **MYSQL_TABLE,
     )
     Index(f"ix_{DEAD_LETTER_TABLE}_state", dead.c.state, dead.c.group_name)
     # Retention (consumer.retention) deletes replayed records oldest first: a range of this.
@@ -450,11 +468,55 @@ class SqliteInbox(Inbox):
         return moment
 
 
+class MysqlInbox(Inbox):
+    """MySQL/MariaDB: replay locks its record; timestamps are naive UTC DATETIME(6); the
+    purge is a single-table DELETE with ORDER BY and LIMIT (MySQL takes no LIMIT in an IN
+    subquery)."""
+
+    def _lock_rows(self, query: Any) -> Any:
+        return query.with_for_update()
+
+    def _comparable(self, moment: datetime) -> datetime:
+        if moment.tzinfo is not None:
+            return moment.astimezone(UTC).replace(tzinfo=None)
+        return moment
+
+    def inbox_purge(
+        self,
+        group: str,
+        retention_seconds: float,
+        *,
+        batch: int,
+        max_batches: int,
+        now: datetime | None = None,
+    ) -> int:
+        table = self.tables.inbox
+        total = 0
+        # READ COMMITTED: no gap locks, so consumers inserting meanwhile never wait on it.
+        engine = self.engine.execution_options(isolation_level="READ COMMITTED")
+        for _ in range(max_batches):
+            with engine.begin() as conn:
+                cutoff = self.clock_at(conn, now) - timedelta(seconds=retention_seconds)
+                removed = int(
+                    conn.execute(
+                        delete(table)
+                        .where(table.c.group_name == group, table.c.processed_at < cutoff)
+                        .with_dialect_options(mysql_limit=batch)
+                    ).rowcount
+                )
+            total += removed
+            if removed < batch:
+                break
+        return total
+
+
 def inbox_for(engine: Engine, tables: InboxSchema | None = None) -> Inbox:
     """The inbox seam for ``engine``'s database: the one dialect check of the consumer."""
     tables = tables if tables is not None else build_inbox_schema()
     if is_postgresql(engine.dialect.name):
         return PostgresInbox(engine, tables)
+    if is_mysql(engine.dialect.name):
+        return MysqlInbox(engine, tables)
     return SqliteInbox(engine, tables)
 
 

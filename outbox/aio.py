@@ -16,7 +16,8 @@ ones in ``outbox.core``. This module only opens sessions and awaits.
 
 Drivers: psycopg 3's async mode for PostgreSQL (``postgresql+psycopg://``, also what plain
 ``postgresql://`` maps to), aiosqlite for SQLite (``sqlite:///file`` maps to
-``sqlite+aiosqlite:///file``), with the engine settings of :func:`outbox.db.make_engine`.
+``sqlite+aiosqlite:///file``), aiomysql for MySQL and MariaDB (``mysql://`` maps to
+``mysql+aiomysql://``), with the engine settings of :func:`outbox.db.make_engine`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from outbox.core import PENDING_EVENTS_KEY, EventBuffer, EventSpec, Outbox
-from outbox.db import configure_sqlite, default_database_url, normalise_url, write_locked
+from outbox.db import (
+    configure_sqlite,
+    default_database_url,
+    mysql_connect_args,
+    normalise_url,
+    write_locked,
+)
+from outbox.dialect import MYSQL_DIALECTS
 from outbox.errors import ConfigError
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent
 from outbox.partitions import partition_length
@@ -64,6 +72,13 @@ def make_async_engine(url: str | URL | None = None, **kwargs: Any) -> AsyncEngin
         engine = create_async_engine(parsed, connect_args=connect_args, **kwargs)
         configure_sqlite(engine.sync_engine)
         return engine
+    backend = parsed.get_backend_name()
+    if backend in MYSQL_DIALECTS:
+        # aiomysql: PyMySQL's protocol code under asyncio (the sync engine's driver).
+        if parsed.drivername == f"{backend}+pymysql":
+            parsed = parsed.set(drivername=f"{backend}+aiomysql")
+        kwargs["connect_args"] = mysql_connect_args(kwargs.pop("connect_args", {}))
+        kwargs.setdefault("pool_recycle", 3600)
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
     return create_async_engine(parsed, **kwargs)

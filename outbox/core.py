@@ -34,6 +34,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from outbox.db import make_engine
+from outbox.dialect import is_mysql
 from outbox.errors import ConfigError, InvalidEvent
 from outbox.event import DEFAULT_MAX_PAYLOAD_BYTES, NewEvent, key_hash, make_event
 from outbox.schema import DEFAULT_TABLE, OutboxSchema, build_schema, create_schema
@@ -60,6 +61,7 @@ INSERT_COLUMNS = (
     "headers",
 )
 _PG_ROW = "(%s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)"
+_MYSQL_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 _UNNEST = (
@@ -174,7 +176,8 @@ class Outbox:
         event.listen(self._sessions, "before_commit", self._before_commit)
         self._insert_head = self._build_fast_insert_head()
         head = self._insert_head or ""  # unused without psycopg (SQLite: SQLAlchemy's insert)
-        self._insert_one = f"{head} VALUES {_PG_ROW}"
+        self._mysql = is_mysql(self.engine.dialect.name)
+        self._insert_one = f"{head} VALUES {_MYSQL_ROW if self._mysql else _PG_ROW}"
         self._unnest_sql = f"{head}{_UNNEST}"
         # The sync psycopg driver (the async one is reached through SQLAlchemy's adaptation).
         self._raw_driver = self.engine.dialect.driver == "psycopg"
@@ -311,6 +314,15 @@ class Outbox:
                 # executemany: SQLite runs it in-process; one statement.
                 connection.execute(statement, [event.row() for event in events])
             return
+        if self._mysql:
+            # MySQL: the same hand-written INSERT, the payload text from validation as it is
+            # (a JSON column parses it); several rows go as one executemany, which PyMySQL
+            # and aiomysql send as one multi-row INSERT.
+            params = row_params(events)
+            width = len(INSERT_COLUMNS)
+            rows = [tuple(params[i : i + width]) for i in range(0, len(params), width)]
+            connection.exec_driver_sql(self._insert_one, rows if len(rows) > 1 else rows[0])
+            return
         # psycopg: a hand-written INSERT sent straight to the driver. Through insert(table)
         # a Connection transaction spent more client CPU on the INSERT than a hand-written
         # text() INSERT did (per transaction: bare 441 us, + text() INSERT 732, +
@@ -411,7 +423,10 @@ class Outbox:
 
     def _build_fast_insert_head(self) -> str | None:
         dialect = self.engine.dialect
-        if dialect.name != "postgresql" or dialect.driver not in ("psycopg", "psycopg_async"):
+        fast_pg = dialect.name == "postgresql" and dialect.driver in ("psycopg", "psycopg_async")
+        # MySQL drivers (PyMySQL, aiomysql, mysqlclient) all take %s placeholders.
+        fast_mysql = is_mysql(dialect.name) and dialect.paramstyle in ("format", "pyformat")
+        if not (fast_pg or fast_mysql):
             return None
         preparer = dialect.identifier_preparer
         columns = ", ".join(preparer.quote(name) for name in INSERT_COLUMNS)

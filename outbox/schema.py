@@ -27,7 +27,6 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Column,
-    DateTime,
     Index,
     Integer,
     MetaData,
@@ -44,6 +43,7 @@ from sqlalchemy.sql.elements import TextClause
 
 from outbox import partitions
 from outbox.db import write_locked
+from outbox.dialect import MYSQL_TABLE, is_mysql, not_on_mysql, timestamp_type
 from outbox.dialect import (
     db_now as db_now,
 )  # re-exported: the column default lives in outbox.dialect
@@ -146,22 +146,23 @@ def build_schema(
         Column("headers", json_type(), nullable=True),
         Column(
             "created_at",
-            DateTime(timezone=True),
+            timestamp_type(),
             nullable=False,
             server_default=db_now(),
             primary_key=bool(length),
         ),
-        Column("available_at", DateTime(timezone=True), nullable=False, server_default=db_now()),
+        Column("available_at", timestamp_type(), nullable=False, server_default=db_now()),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
         Column("state", String(16), nullable=False, server_default=text(f"'{PENDING}'")),
         Column("claimed_by", String(128), nullable=True),
         Column("claim_epoch", BigInteger, nullable=True),
-        Column("claimed_at", DateTime(timezone=True), nullable=True),
+        Column("claimed_at", timestamp_type(), nullable=True),
         Column("stream", String(512), nullable=True),
         Column("stream_id", String(64), nullable=True),
-        Column("published_at", DateTime(timezone=True), nullable=True),
+        Column("published_at", timestamp_type(), nullable=True),
         schema=schema_name,
+        **MYSQL_TABLE,
         **extra,
     )
     if length:
@@ -175,7 +176,7 @@ def build_schema(
         table.c.seq,
         postgresql_where=table.c.state == PENDING,
         sqlite_where=table.c.state == PENDING,
-    )
+    ).ddl_if(callable_=not_on_mysql)
     # No index on the pending rows' topic: `status` and the metrics group the backlog by
     # topic through the pending index above (heap fetches, proportional to the backlog, as
     # their attempts histogram already was). Every index is paid by every writer: with a
@@ -188,7 +189,7 @@ def build_schema(
         table.c.seq,
         postgresql_where=table.c.state == QUARANTINED,
         sqlite_where=table.c.state == QUARANTINED,
-    )
+    ).ddl_if(callable_=not_on_mysql)
     # The relay's per-key hold: a row that is failing (pending with attempts > 0: in backoff
     # or awaiting reconciliation) or quarantined holds back the later rows of its key. The
     # claim probes this index for an earlier such row of the candidate's key; it holds only
@@ -199,7 +200,7 @@ def build_schema(
         table.c.seq,
         postgresql_where=_blocked_predicate(table),
         sqlite_where=_blocked_predicate(table),
-    )
+    ).ddl_if(callable_=not_on_mysql)
     return OutboxSchema(
         metadata=md, table=table, table_name=name, schema=schema_name, partitioned=length
     )
@@ -343,6 +344,9 @@ def create_extras(
     table = outbox_schema.table
     name = outbox_schema.table_name
     qualified = _qualified(outbox_schema)
+    if is_mysql(conn.dialect.name):
+        _mysql_indexes(conn, outbox_schema)
+        return
     blocked = next(i for i in table.indexes if i.name == f"ix_{name}_blocked")
     blocked.create(conn, checkfirst=True)
     if conn.dialect.name != "postgresql":
@@ -401,6 +405,41 @@ def create_extras(
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
             )
         )
+
+
+def mysql_index_columns(name: str) -> dict[str, tuple[str, ...]]:
+    """The outbox table's indexes on MySQL, which has no partial index: the three partial
+    ones of :func:`build_schema` become two whole-table indexes there. The claim, status and
+    the metrics walk (state, seq): the pending rows in seq order, the quarantined ones apart.
+    The blocked-key probe looks up (key, state, seq): for one key, its quarantined and its
+    pending rows below a seq, never the key's published history. Two, not three: each costs
+    every writer. They are not in the table's metadata (Alembic's autogenerate would put them
+    on PostgreSQL too): :func:`create_extras` adds them on MySQL, as it adds the blocked-key
+    index elsewhere."""
+    return {
+        f"ix_{name}_state_seq": ("state", "seq"),
+        f"ix_{name}_key_state": ("key", "state", "seq"),
+    }
+
+
+def _mysql_indexes(conn: Connection, outbox_schema: OutboxSchema) -> None:
+    table = outbox_schema.table_name
+    present = {
+        str(r[0])
+        for r in conn.execute(
+            text(
+                "SELECT DISTINCT index_name FROM information_schema.statistics "
+                "WHERE table_schema = coalesce(:s, DATABASE()) AND table_name = :t"
+            ),
+            {"s": outbox_schema.schema, "t": table},
+        )
+    }
+    # Backticks: the caller's connection (an Alembic migration's) may not run ANSI_QUOTES.
+    target = f"`{outbox_schema.schema}`.`{table}`" if outbox_schema.schema else f"`{table}`"
+    for index, columns in mysql_index_columns(table).items():
+        if index not in present:
+            listed = ", ".join(f"`{c}`" for c in columns)
+            conn.execute(text(f"CREATE INDEX `{index}` ON {target} ({listed})"))
 
 
 def _partition_extras(conn: Connection, outbox_schema: OutboxSchema, length: int | None) -> None:

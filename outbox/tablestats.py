@@ -21,7 +21,8 @@ the inbox's a loose scan over its groups), never a scan of the table. On Postgre
 counts and sizes come from the statistics views (``n_live_tup``, ``n_dead_tup``,
 ``pg_table_size``, ``pg_indexes_size``): estimates, free to read at any size. On SQLite the
 rows are counted (an embedded database is small) and the sizes come from ``dbstat`` when the
-library has it (None otherwise). Used by ``outbox-relay status`` and the metrics collector.
+library has it (None otherwise). On MySQL they are information_schema's estimates. Used by
+``outbox-relay status`` and the metrics collector.
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from outbox.dialect import EPOCH_SQL, POSTGRESQL, SQLITE, is_postgresql, quoted_table
+from outbox.dialect import (
+    EPOCH_SQL,
+    MYSQL,
+    POSTGRESQL,
+    SQLITE,
+    is_mysql,
+    is_postgresql,
+    quoted_table,
+)
 from outbox.retention import (
     DEFAULT_AUDIT_RETENTION,
     DEFAULT_DEAD_LETTER_RETENTION,
@@ -147,7 +156,11 @@ def table_stats(
     wanted = list(tables) if tables is not None else known_tables()
     window = {**DEFAULT_WINDOWS, **(windows or {})}
     dialect = POSTGRESQL if is_postgresql(conn.dialect.name) else SQLITE
-    sizes = _pg_sizes(conn, wanted) if dialect == POSTGRESQL else _sqlite_sizes(conn, wanted)
+    if is_mysql(conn.dialect.name):
+        dialect = MYSQL
+    sizes = {POSTGRESQL: _pg_sizes, SQLITE: _sqlite_sizes, MYSQL: _mysql_sizes}[dialect](
+        conn, wanted
+    )
     if not sizes:
         return []
     clock = float(conn.execute(text(f"SELECT {EPOCH_SQL[dialect]}")).scalar_one())
@@ -214,6 +227,24 @@ def _pg_sizes(conn: Connection, wanted: Sequence[tuple[str, str | None, str]]) -
         )
         for r in rows
     }
+
+
+def _mysql_sizes(conn: Connection, wanted: Sequence[tuple[str, str | None, str]]) -> Sizes:
+    """MySQL/MariaDB: information_schema's estimates (InnoDB's sampled row count and its
+    data and index lengths), free to read at any size; no dead-row count (InnoDB's purge
+    is not reported per table)."""
+    out: Sizes = {}
+    for name, schema, _kind in wanted:
+        row = conn.execute(
+            text(
+                "SELECT table_rows, data_length, index_length FROM information_schema.tables "
+                "WHERE table_schema = coalesce(:s, DATABASE()) AND table_name = :n"
+            ),
+            {"s": schema, "n": name},
+        ).first()
+        if row is not None:
+            out[(name, schema)] = (int(row[0] or 0), None, int(row[1] or 0), int(row[2] or 0))
+    return out
 
 
 def _sqlite_sizes(conn: Connection, wanted: Sequence[tuple[str, str | None, str]]) -> Sizes:

@@ -4,8 +4,10 @@ The relay's own loop deletes published rows older than ``RelayConfig.retention_s
 (default one day) every ``retention_interval`` (the replica owning partition 0); this is the
 same deletion, on demand, with a count of what would go (``--dry-run``). The SQL is the
 relay store's: ``relay.store.PG_RETENTION`` on PostgreSQL (it walks the table from its
-oldest rows and stops at the first row created after the cutoff), the SQLite store's
-``outbox_delete_published`` elsewhere. Pending and quarantined rows are never deleted.
+oldest rows and stops at the first row created after the cutoff), the MySQL store's
+:func:`relay.store.mysql.delete_published` (the same walk, a DELETE ... ORDER BY seq LIMIT n),
+the SQLite store's ``outbox_delete_published`` elsewhere. Pending and quarantined rows are
+never deleted.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from outbox.dialect import is_postgresql, quoted_table
+from outbox.dialect import is_mysql, is_postgresql, quoted_table
 from outbox.purge import run_purge
 from outbox.retention import check_batch, check_seconds, purge_all
 from outbox.schema import OutboxSchema
 from relay.config import RelayConfig
 from relay.partitions import PartitionRetention, PartitionUpkeep
 from relay.store import PG_RETENTION, SqliteStore
+from relay.store.mysql import count_published_due, delete_published
 
 # What PG_RETENTION would delete, counted with the same bounds (a range of the primary key
 # up to the first row created after the cutoff).
@@ -51,6 +54,8 @@ class OutboxRetention:
     def due(self) -> int:
         if self.retention_seconds <= 0:
             return 0
+        if is_mysql(self.engine.dialect.name):
+            return count_published_due(self.engine, self.quoted, self.retention_seconds)
         with self.engine.connect() as conn:
             if is_postgresql(self.engine.dialect.name):
                 sql = PG_RETENTION_DUE.replace("{t}", self.quoted)
@@ -64,6 +69,8 @@ class OutboxRetention:
         check_batch("limit", limit)
         if self.retention_seconds <= 0:
             return 0
+        if is_mysql(self.engine.dialect.name):
+            return delete_published(self.engine, self.quoted, self.retention_seconds, limit)
         if not is_postgresql(self.engine.dialect.name):
             store = SqliteStore(
                 self.engine, self.schema, reconcile_after=RelayConfig().reconcile_after

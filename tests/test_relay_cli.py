@@ -53,7 +53,8 @@ def target_client(redis_target: RedisTarget) -> Iterator[Any]:
 
 
 @pytest.mark.slow  # relay processes (11-28 s under load)
-def test_init_db_status_and_requeue(db_url: str, tmp_path: Path) -> None:
+def test_init_db_status_and_requeue(outbox_db_url: str, tmp_path: Path) -> None:
+    db_url = outbox_db_url
     result = cli("init-db", "--database-url", db_url)
     assert result.returncode == 0, result.stderr
     outbox = Outbox(db_url)
@@ -99,7 +100,7 @@ def test_bad_arguments_and_unreachable_services() -> None:
     assert cli("run", "--no-such-flag").returncode == 2
     assert cli().returncode == 2
     assert cli("requeue", "--database-url", "sqlite:///x.db").returncode == 2
-    bad_url = cli("status", "--database-url", "mysql://localhost/x")
+    bad_url = cli("status", "--database-url", "oracle://localhost/x")
     assert bad_url.returncode == 2 and "unsupported backend" in bad_url.stderr
     down = cli("status", "--database-url", "postgresql://nobody@127.0.0.1:1/none", timeout=30)
     assert down.returncode == 1

@@ -101,10 +101,13 @@ def test_windows_that_keep_the_rule_are_accepted() -> None:
 def age(engine: sa.Engine, seconds: float) -> None:
     """Time passes: every stored timestamp moves ``seconds`` into the past."""
     pg = engine.dialect.name == "postgresql"
+    mysql = engine.dialect.name in ("mysql", "mariadb")
 
     def ts(col: str) -> str:
         if pg:
             return f"{col} = {col} - make_interval(secs => {seconds})"
+        if mysql:
+            return f"{col} = {col} - INTERVAL {int(seconds * 1e6)} MICROSECOND"
         return f"{col} = strftime('%Y-%m-%d %H:%M:%f', {col}, '-{seconds} seconds')"
 
     statements = [
@@ -529,9 +532,14 @@ def test_outbox_worker_purge_dry_run_then_purge(
 
 
 def test_outbox_relay_purge_dry_run_then_purge(
-    db_url: str, redis_client: redis.Redis, stream_prefix: str, capsys: pytest.CaptureFixture[str]
+    outbox_db_url: str,
+    redis_client: redis.Redis,
+    stream_prefix: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     import json
+
+    db_url = outbox_db_url
 
     from relay.cli import main
 
@@ -556,6 +564,22 @@ def test_outbox_relay_purge_dry_run_then_purge(
     assert count(outbox.engine, "outbox_events") == 1
     assert main(["purge", "--database-url", db_url, "--retention", "-1"]) == 2
     outbox.engine.dispose()
+
+
+def test_the_job_store_refuses_a_mysql_url(mysql_url: str) -> None:
+    """The job store stays on PostgreSQL and SQLite (issue 58): a MySQL URL is a typed error
+    naming the setting, the database and the URL, before anything is created."""
+    with pytest.raises(ConfigError) as caught:
+        Store(mysql_url)
+    assert caught.value.setting == "database_url"
+    message = str(caught.value)
+    assert "PostgreSQL or SQLite" in message and "mysql" in message
+    assert mysql_url.rsplit("/", 1)[1] in message  # the database named
+    engine = sa.create_engine(mysql_url)
+    try:
+        assert sa.inspect(engine).get_table_names() == []  # nothing created
+    finally:
+        engine.dispose()
 
 
 # -- the console's audit ---------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """The storage seams' contract suites, in the spirit of River's ``riverdrivertest``.
 
 Each test drives one seam's operations directly (no relay loop, no worker, no consumer
-around them) on PostgreSQL and on SQLite (the ``db_url`` fixture) and asserts the same
-observable result on both: the relay's store (``relay.store.store_for``), the job store's
-driver (``consumer.jobs.driver.driver_for``) and the consumer's inbox
-(``consumer.inbox.inbox_for``). A database-specific override that changes what a caller
-sees fails here on its database (docs/contributing.md, "Storage seams").
+around them) on PostgreSQL and on SQLite (the ``db_url`` fixture), the relay's store and the
+inbox on MariaDB too (``outbox_db_url``), and asserts the same observable result on each:
+the relay's store (``relay.store.store_for``), the job store's driver
+(``consumer.jobs.driver.driver_for``) and the consumer's inbox (``consumer.inbox.inbox_for``).
+A database-specific override that changes what a caller sees fails here on its database
+(docs/contributing.md, "Storage seams").
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import pytest
 from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 
-from consumer.inbox import Inbox, PostgresInbox, SqliteInbox, build_inbox_schema, inbox_for
+from consumer.inbox import (
+    Inbox,
+    MysqlInbox,
+    PostgresInbox,
+    SqliteInbox,
+    build_inbox_schema,
+    inbox_for,
+)
 from consumer.jobs.base import StoreConfig
 from consumer.jobs.checks import job_values
 from consumer.jobs.driver import JobDriver, PostgresJobDriver, SqliteJobDriver, driver_for
@@ -28,9 +36,10 @@ from consumer.jobs.states import DONE, LEASED, READY
 from consumer.jobs.store import Store as JobStore
 from outbox import Outbox
 from outbox.db import make_engine
-from outbox.dialect import is_postgresql
+from outbox.dialect import is_mysql, is_postgresql
+from outbox.errors import ConfigError
 from relay import RelayConfig
-from relay.store import PostgresStore, SqliteStore, Store, open_store, store_for
+from relay.store import MysqlStore, PostgresStore, SqliteStore, Store, open_store, store_for
 
 OWNER = "relay-seams"
 WORKER = "worker-seams"
@@ -150,14 +159,31 @@ def test_each_factory_picks_its_database_class(db_url: str) -> None:
         outbox.engine.dispose()
 
 
+def test_mysql_gets_its_relay_store_and_inbox_and_no_job_driver(mysql_url: str) -> None:
+    outbox = Outbox(mysql_url)
+    engine = make_engine(mysql_url)
+    try:
+        assert is_mysql(engine.dialect.name)
+        assert type(store_for(outbox.engine, outbox.schema)) is MysqlStore
+        assert type(inbox_for(engine)) is MysqlInbox
+        with pytest.raises(ConfigError) as caught:
+            driver_for(engine)
+        assert caught.value.setting == "database_url"
+        assert "mysql" in str(caught.value).lower()
+    finally:
+        engine.dispose()
+        outbox.engine.dispose()
+
+
 # -- the relay's store --------------------------------------------------------------------
 
 
 @pytest.fixture
-def outbox(db_url: str) -> Outbox:
-    o = Outbox(db_url)
+def outbox(outbox_db_url: str) -> Iterator[Outbox]:
+    o = Outbox(outbox_db_url)
     o.create_schema()
-    return o
+    yield o
+    o.engine.dispose()
 
 
 @pytest.fixture
@@ -409,8 +435,8 @@ def test_driver_purges_finished_jobs_oldest_first_in_batches(driver: JobDriver) 
 
 
 @pytest.fixture
-def inbox(db_url: str) -> Iterator[Inbox]:
-    engine: Engine = make_engine(db_url)
+def inbox(outbox_db_url: str) -> Iterator[Inbox]:
+    engine: Engine = make_engine(outbox_db_url)
     box = inbox_for(engine, build_inbox_schema())
     box.schema_create()
     try:

@@ -33,8 +33,9 @@ from sqlalchemy.pool import StaticPool
 from consumer.jobs.driver_base import INSERT_CHUNK, READY_CHANNEL_SQL, JobDriver, ReadyListener
 from consumer.jobs.driver_pg import PostgresJobDriver, no_jit
 from consumer.jobs.driver_sqlite import SqliteJobDriver
-from outbox.db import configure_sqlite, make_engine, normalise_url
-from outbox.dialect import is_postgresql
+from outbox.db import configure_sqlite, describe_url, make_engine, normalise_url
+from outbox.dialect import SQLITE, is_postgresql
+from outbox.errors import ConfigError
 
 __all__ = [
     "INSERT_CHUNK",
@@ -49,10 +50,21 @@ __all__ = [
 
 
 def driver_for(engine: Engine, *, notify: bool = True) -> JobDriver:
-    """The driver for ``engine``'s database: the one dialect check of the job store."""
+    """The driver for ``engine``'s database: the one dialect check of the job store.
+
+    ConfigError for any database but PostgreSQL and SQLite: the job store's fenced leases,
+    claims and timers are built on their SQL. (MySQL and MariaDB carry the outbox, the relay
+    and the consumer's inbox; the jobs of a MySQL service live in PostgreSQL or SQLite.)"""
     if is_postgresql(engine.dialect.name):
         return PostgresJobDriver(engine, notify=notify)
-    return SqliteJobDriver(engine, notify=notify)
+    if engine.dialect.name == SQLITE:
+        return SqliteJobDriver(engine, notify=notify)
+    raise ConfigError(
+        "database_url",
+        f"the job store runs on PostgreSQL or SQLite, not {engine.dialect.name} "
+        f"({describe_url(engine.url)}); give it a postgresql:// or sqlite:// URL "
+        "(the outbox, the relay and the inbox do run on MySQL/MariaDB)",
+    )
 
 
 def engine_for(url: str | URL | None) -> Engine:

@@ -116,9 +116,22 @@ def _dialect_url(alias: str) -> str:
         return "sqlite://"
     if vendor == "postgresql":
         return "postgresql+psycopg://"
+    if vendor == "mysql":
+        return f"mysql+{_mysql_driver(alias)}://"
     raise ConfigError(
-        "using", f"database {alias!r} is {vendor}: the outbox runs on PostgreSQL or SQLite"
+        "using",
+        f"database {alias!r} is {vendor}: the outbox runs on PostgreSQL, MySQL or SQLite",
     )
+
+
+def _mysql_driver(alias: str) -> str:
+    """The SQLAlchemy driver matching Django's MySQL connection: Django imports MySQLdb,
+    which is mysqlclient or PyMySQL installed under that name (``pymysql.install_as_MySQLdb``);
+    the engine must speak to the connection object it is lent."""
+    import importlib
+
+    module = importlib.import_module("MySQLdb")  # what Django's backend imported
+    return "pymysql" if module.__name__.startswith("pymysql") else "mysqldb"
 
 
 def engine(using: str | None = None) -> Engine:
@@ -151,7 +164,11 @@ def database_url(using: str | None = None) -> str:
         return _sqlite_url(alias, str(conn.settings_dict["NAME"]))
     if conn.vendor == "postgresql":
         return _postgresql_url(conn.settings_dict)
-    raise ConfigError("DATABASES", f"{alias!r} is {conn.vendor}: PostgreSQL or SQLite only")
+    if conn.vendor == "mysql":
+        # The toolkit's own processes connect with PyMySQL (the mysql extra), whatever
+        # driver Django uses.
+        return _server_url("mysql+pymysql", conn.settings_dict, {})
+    raise ConfigError("DATABASES", f"{alias!r} is {conn.vendor}: PostgreSQL, MySQL or SQLite")
 
 
 def _sqlite_url(alias: str, name: str) -> str:
@@ -171,8 +188,12 @@ def _postgresql_url(settings: dict[str, Any]) -> str:
         for key, value in options.items()
         if key not in _DJANGO_OPTIONS and isinstance(value, (str, int))
     }
+    return _server_url("postgresql+psycopg", settings, query)
+
+
+def _server_url(driver: str, settings: dict[str, Any], query: dict[str, str]) -> str:
     url = URL.create(
-        "postgresql+psycopg",
+        driver,
         username=settings.get("USER") or None,
         password=settings.get("PASSWORD") or None,
         host=settings.get("HOST") or None,

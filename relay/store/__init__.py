@@ -1,4 +1,5 @@
-"""The relay's storage seam: every SQL statement the relay runs, PostgreSQL and SQLite.
+"""The relay's storage seam: every SQL statement the relay runs, PostgreSQL, SQLite and
+MySQL/MariaDB.
 
 Why the statements look as they do (partitions owned through advisory locks, the claim in
 ``seq`` order that also writes the intent, the ``blocked`` index that holds back a failing
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from sqlalchemy.engine import Engine
 
-from outbox.dialect import SQLITE, is_postgresql
+from outbox.dialect import SQLITE, is_mysql, is_postgresql
 from outbox.errors import ConfigError
 from outbox.schema import OutboxSchema
 from outbox.status import age_seconds as age_seconds
@@ -25,6 +26,7 @@ from outbox.status import quarantined_by_topic as quarantined_by_topic
 from outbox.status import quarantined_count as quarantined_count
 from relay.config import RelayConfig
 from relay.store.base import Store as Store
+from relay.store.mysql import MysqlStore as MysqlStore
 from relay.store.pg_statements import PG_BACKLOG as PG_BACKLOG
 from relay.store.pg_statements import PG_CLAIM as PG_CLAIM
 from relay.store.pg_statements import PG_FAILED as PG_FAILED
@@ -64,6 +66,14 @@ def store_for(engine: Engine, schema: OutboxSchema, config: RelayConfig | None =
         )
     if engine.dialect.name == SQLITE:
         return SqliteStore(engine, schema, reconcile_after=config.reconcile_after)
+    if is_mysql(engine.dialect.name):
+        return MysqlStore(
+            engine,
+            schema,
+            partitions=config.partitions,
+            reconcile_after=config.reconcile_after,
+            rebalance_interval=config.rebalance_interval,
+        )
     raise ConfigError("database_url", f"unsupported database {engine.dialect.name}")
 
 
