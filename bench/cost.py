@@ -122,7 +122,13 @@ def measure(loop: Loop, rate: float, warmup: float, seconds: float, statements: 
     # One writer per 50/s: on a loaded 2-core machine a writer's round trips wait for the
     # scheduler, and one writer made ~60 commits/s when asked for 100.
     loop.settings.writers = max(1, round(rate / 50))
+    before = loop.samples[-1].committed or 0
     loop.start_load()
+    # The writers are Python processes: on a loaded machine they take seconds to start.
+    # The warm-up counts from their first second of commits.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (loop.samples[-1].committed or 0) < before + rate:
+        time.sleep(0.2)
     time.sleep(warmup)
     if statements:
         reset_statements(loop)
@@ -240,6 +246,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--rollback", type=float, default=0.0, help="fraction of approvals rolled back"
     )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="processes log at info; their logs are kept"
+    )
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with os.popen("uptime") as uptime:
@@ -257,6 +266,8 @@ def main(argv: Sequence[str]) -> int:
                 conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
             admin.dispose()
         env = {"LOOP_PROVIDER": args.provider}
+        if args.keep_logs:
+            env["OUTBOX_LOG_LEVEL"] = "info"
         loop = Loop(pg, "cost", LoopSettings(rollback=args.rollback, duplicates=0.0, env=env))
         try:
             loop.start(load=False)
@@ -273,7 +284,7 @@ def main(argv: Sequence[str]) -> int:
                 print()
                 print(idle_table(idle(loop, args.idle)))
         finally:
-            loop.close()
+            loop.close(keep=args.keep_logs)
     finally:
         pg.close()
     return 0 if all(r["books"] == "ok" for r in rows) else 1
