@@ -3,9 +3,12 @@
 A worker's permits for one provider (``consumer.jobs.limits.ProviderGate`` holds one): the
 limit starts at the worker's slots, halves on a timeout, takes 10 % off when the median
 latency of the last :data:`RECENT` calls exceeds ``tolerance`` times the provider's unloaded
-latency (a low percentile of its last 100 calls), and grows by about one per round of
-successes otherwise. A job that finds no permit waits for one (a thread, or a coroutine on
-the worker's loop); a worker slot whose job was handed back can park here too
+latency (a low percentile of its last 100 calls) while such cuts shorten the latency
+(:meth:`AdaptiveLimit._cut_helps`: a queue of this process's calls shortens as they are
+cut; latency that stays after the limit halved is the machine's or other clients'), and
+grows by about one per round of successes otherwise. A job that finds no permit waits for
+one (a thread, or a coroutine on the worker's loop); a worker slot whose job was handed
+back can park here too
 (:meth:`AdaptiveLimit.aparked`), woken by a permit no waiting job takes. Why each rule is so:
 the module docstring of ``consumer.jobs.limits`` and docs/how-to/effects.md.
 """
@@ -209,6 +212,9 @@ class AdaptiveLimit:
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._best = 0.0
         self._last_decrease = 0.0
+        # (limit, median latency) when the latency first passed its threshold: cuts go on
+        # while they bring the latency down (:meth:`_cut_helps`).
+        self._slow_since: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -357,7 +363,7 @@ class AdaptiveLimit:
             self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
             self._last_decrease = now
             reason = f"a call timed out after {latency:.3f} s"
-        elif median > threshold:
+        elif median > threshold and self._cut_helps(median):
             # The median of the last RECENT calls, not one call: a queue at the provider
             # slows every call, a busy machine or a provider's jitter only some of them.
             if cooled:
@@ -370,8 +376,25 @@ class AdaptiveLimit:
                     "delay)"
                 )
         else:
+            if median <= threshold:
+                self._slow_since = None
             self.limit = min(float(self.maximum), self.limit + 1.0 / max(self.limit, 1.0))
         return reason
+
+    def _cut_helps(self, median: float) -> bool:
+        """Whether a latency over its threshold is a queue of this process's own calls: a
+        queue shortens as the calls in flight are cut. Once the cuts halved the limit it
+        had when the latency first passed its threshold and the median fell by less than a
+        quarter, the provider is slow whatever this process sends (a loaded machine, other
+        clients): the limit stops falling and grows back, so it does not sit far below the
+        offered rate while the provider has room (issue 54: at load 20 a provider answering
+        at once was held at 2-19 calls in flight, its latency that of the machine). A
+        median half as bad again since then starts the judgement over."""
+        if self._slow_since is None or median > 1.5 * self._slow_since[1]:
+            self._slow_since = (self.limit, median)
+            return True
+        limit, slow = self._slow_since
+        return not (self.limit <= limit / 2 and median >= 0.75 * slow)
 
     def _threshold(self) -> float:
         """The median latency above which the provider is queueing: ``tolerance`` times its
