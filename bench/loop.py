@@ -331,8 +331,11 @@ class Loop:
         ):
             for index in range(count):
                 name = f"{role}-{index}"
+                # PGAPPNAME names the process's sessions in pg_stat_activity, so the CPU
+                # of PostgreSQL's backends can be laid at each kind of process's door.
+                proc_env = {**env, "PGAPPNAME": name}
                 self.procs[role].append(
-                    Proc(name, argv, env, self.directory / f"{name}.log").start()
+                    Proc(name, argv, proc_env, self.directory / f"{name}.log").start()
                 )
         self._sampler = threading.Thread(target=self._sample_loop, daemon=True)
         self._sampler.start()
@@ -400,7 +403,8 @@ class Loop:
                 str(self.settings.poison if poison is None else poison),
             ]
             name = f"{tag}-{sum(1 for w in self.writers if w.name.startswith(tag))}"
-            proc = Proc(name, argv, self.env(), self.directory / f"{name}.log").start()
+            env = {**self.env(), "PGAPPNAME": name}
+            proc = Proc(name, argv, env, self.directory / f"{name}.log").start()
             self.writers.append(proc)
             started.append(proc)
         return started

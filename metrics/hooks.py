@@ -229,6 +229,13 @@ class PrometheusHooks(Hooks):
             ["provider"],
             registry=r,
         )
+        self.provider_limit_calls = Gauge(
+            "outbox_provider_limit",
+            "Calls in flight this process allows a provider (its adaptive limit), from its "
+            "first change; the log line 'provider limit fell' says why it fell.",
+            ["provider"],
+            registry=r,
+        )
         self.provider_pauses_total = Counter(
             "outbox_provider_pauses",
             "Times a provider answered 429/503 with Retry-After and was paused for the fleet.",
@@ -420,6 +427,9 @@ class PrometheusHooks(Hooks):
 
     def provider_limit_waiting(self, provider: str, delta: int) -> None:
         self.provider_limit_waiting_jobs.labels(_label(provider)).inc(int(delta))
+
+    def provider_limit(self, provider: str, limit: int, *, reason: str | None) -> None:
+        self.provider_limit_calls.labels(_label(provider)).set(int(limit))
 
     def provider_paused(self, provider: str, seconds: float, until: float) -> None:
         self.provider_pauses_total.labels(_label(provider)).inc()

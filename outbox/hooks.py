@@ -117,6 +117,11 @@ class Hooks:
     def provider_paused(self, provider: str, seconds: float, until: float) -> None:
         """A 429/503 with Retry-After paused ``provider`` for every worker until ``until``."""
 
+    def provider_limit(self, provider: str, limit: int, *, reason: str | None) -> None:
+        """The calls in flight this process allows ``provider`` changed to ``limit``:
+        ``reason`` says why it fell (a timeout, or the median latency over its threshold);
+        None when it grew."""
+
 
 NO_HOOKS = Hooks()
 

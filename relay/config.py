@@ -20,7 +20,9 @@ DEFAULT_POLL_INTERVAL = 0.005
 wait, up to ``max_poll_interval``). Short, because the outbox table has no NOTIFY trigger by
 default (issue 25: NOTIFY's commit lock halved 8 concurrent writers): while events flow,
 the relay finds each within a few milliseconds of its commit, for one claim statement per
-poll; once the flow stops, eight idle cycles back it off to ``max_poll_interval``."""
+poll. The pace follows the flow (``relay.loop``): a cycle that finds fewer than ``FEW``
+events doubles the wait, up to 4 x this (20 ms) while work trickles in; once the flow stops,
+a second without work backs it off to ``max_poll_interval``."""
 
 
 def _positive(name: str, value: float, *, integer: bool = False, zero: bool = False) -> None:
@@ -37,9 +39,11 @@ class RelayConfig:
       ``key_hash % partitions``; each partition is owned by one replica at a time (see
       :mod:`relay.store`). Every replica of one outbox must use the same number.
     - ``poll_interval`` / ``max_poll_interval``: adaptive polling. After a cycle that found
-      work the relay polls again ``poll_interval`` (5 ms) after that cycle began; each idle
-      cycle doubles the wait up to ``max_poll_interval`` (1 s). With ``listen`` and a table
-      that has the NOTIFY trigger (``init-db --notify``), a commit wakes the relay at once.
+      a few events (4 or more) the relay polls again ``poll_interval`` (5 ms) after that
+      cycle began; a cycle that found fewer doubles the wait up to 4 x ``poll_interval``
+      while work flows; a second without work doubles it up to ``max_poll_interval`` (1 s).
+      With ``listen`` and a table that has the NOTIFY trigger (``init-db --notify``), a
+      commit wakes the relay at once.
     - ``retention_seconds``: published rows older than this are deleted, in batches of
       ``retention_batch`` rows, every ``retention_interval`` seconds. ``0`` disables
       retention. Quarantined rows are never deleted.

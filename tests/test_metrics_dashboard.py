@@ -80,6 +80,8 @@ def exported_names(tmp_path: Path) -> set[str]:
             hooks.worker_queue_slots("mail", 1, 2)
         elif name == "provider_limit_waiting":
             hooks.provider_limit_waiting("mail", 1)
+        elif name == "provider_limit":
+            hooks.provider_limit("mail", 3, reason="a call timed out")
         elif name == "provider_paused":
             hooks.provider_paused("mail", 3.0, 1.0)
         elif name == "worker_lease_conflict":

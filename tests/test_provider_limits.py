@@ -11,6 +11,7 @@ an ``HttpProvider`` that could write its first byte only past :func:`send_by` se
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,17 +156,18 @@ def test_a_fast_providers_permits_do_not_shrink_on_the_workers_own_delays() -> N
 
 def test_a_slow_providers_queue_still_shrinks_the_permits() -> None:
     """The floor leaves real providers alone: a 100 ms provider that starts answering in
-    1 s (a queue at it) loses permits, and a timeout halves them."""
+    1 s (a queue at it, which shortens as the calls are cut) loses permits, and a timeout
+    halves them."""
     permits = limits.AdaptiveLimit(16)
     for _ in range(20):
         assert permits.try_acquire()
         permits.release(0.1)
     assert permits.limit == 16
-    for _ in range(20):
+    for _ in range(40):
         assert permits.try_acquire()
         permits._last_decrease = 0.0  # each slow answer comes after the cool-down
-        permits.release(1.0)
-    assert permits.limit < 16 * 0.9**10
+        permits.release(1.0 * permits.limit / 16)  # the queue: as long as our calls
+    assert permits.limit < 16 * 0.9**7
     before = permits.limit
     assert permits.try_acquire()
     permits._last_decrease = 0.0
@@ -500,3 +502,59 @@ def test_any_failure_with_retry_after_pauses_the_provider(store: Store, failure:
     else:
         assert paused is not None
         other.limits.unpause("mail")
+
+
+def test_a_falling_limit_sets_the_gauge_and_logs_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 54: the calls in flight a provider is allowed are visible when they fall: the
+    ``outbox_provider_limit`` gauge, and one line ``provider limit fell`` with the reason
+    (at most one per ``FALL_LOG_EVERY`` seconds, counting the falls it stands for)."""
+    from metrics.hooks import PrometheusHooks
+
+    hooks = PrometheusHooks()
+    gate = ProviderGate("mail", None, rate_limit=None, slots=16, hooks=hooks)
+    permits = gate.permits
+    caplog.set_level(logging.INFO, logger="consumer.jobs.permits")
+    assert permits.try_acquire()
+    permits.release(5.0, timed_out=True)  # a timeout halves the limit
+    assert hooks.registry.get_sample_value("outbox_provider_limit", {"provider": "mail"}) == 8
+    for _ in range(30):  # a queue at the provider: every answer 10 x slower than before
+        assert permits.try_acquire()
+        permits._last_decrease = 0.0
+        permits.release(0.02 if _ < 10 else 2.0)
+    fallen = hooks.registry.get_sample_value("outbox_provider_limit", {"provider": "mail"})
+    assert fallen is not None and fallen == int(permits.limit) < 8
+    lines = [r for r in caplog.records if r.getMessage() == "provider limit fell"]
+    assert len(lines) == 1  # the first fall at once; the others within FALL_LOG_EVERY wait
+    said = lines[0].fields  # type: ignore[attr-defined]
+    assert said["provider"] == "mail" and said["limit"] == 8 and said["falls"] == 1
+    assert "timed out" in said["reason"]
+    gate.permits._samples.clear()
+    for _ in range(200):  # fast again: it grows back, and the gauge follows
+        assert permits.try_acquire()
+        permits.release(0.01)
+    grown = hooks.registry.get_sample_value("outbox_provider_limit", {"provider": "mail"})
+    assert grown == int(permits.limit) > fallen
+
+
+def test_cuts_that_do_not_shorten_the_latency_stop_at_half() -> None:
+    """Issue 54: a provider slow whatever this process sends (the machine's load, other
+    clients) is not a queue of its calls. The limit falls while the cuts bring the latency
+    down; once they halved it with the latency as bad, it stops falling and grows back,
+    instead of sitting at 2 calls in flight below the offered rate."""
+    permits = limits.AdaptiveLimit(64)
+    for _ in range(20):
+        assert permits.try_acquire()
+        permits.release(0.03)
+    lowest = permits.limit
+    for _ in range(300):
+        assert permits.try_acquire()
+        permits._last_decrease = 0.0
+        permits.release(1.0)  # as slow at 64 calls in flight as at 8
+        lowest = min(lowest, permits.limit)
+    assert 64 / 2 * 0.9 <= lowest <= 64 / 2  # cut to half the limit, no further
+    assert permits.limit > lowest  # and growing back
+    for _ in range(300):  # a real queue after all: worse as the calls grow back
+        assert permits.try_acquire()
+        permits._last_decrease = 0.0
+        permits.release(3.0 * permits.limit / 32)
+    assert permits.limit < lowest

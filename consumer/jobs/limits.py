@@ -95,7 +95,7 @@ from typing import Any
 
 from consumer.errors import ProviderThrottled
 from consumer.jobs.fleet import FleetTable
-from consumer.jobs.permits import SCHEDULING, AdaptiveLimit, SchedulingDelay, Waiter
+from consumer.jobs.permits import SCHEDULING, AdaptiveLimit, FallLog, SchedulingDelay, Waiter
 from consumer.jobs.plan import Runner, Step
 from consumer.jobs.store import Store
 from outbox.hooks import NO_HOOKS, Hooks, call_hook
@@ -229,7 +229,9 @@ class ProviderGate:
         self.fleet = fleet
         self.spacing = RATE_MARGIN / rate_limit if rate_limit else 0.0
         self.permits = AdaptiveLimit(slots, delay=SCHEDULING)
+        self.permits.on_change = self._limit_changed
         self.hooks = hooks if hooks is not None else NO_HOOKS
+        self._fall_log = FallLog(name)
         self.handed_back = 0  # jobs handed back since a call found a permit free (aparked)
         self._line: deque[Waiter] = deque()  # jobs waiting here for a start (rate_limit)
         self._line_lock = threading.Lock()
@@ -244,6 +246,12 @@ class ProviderGate:
         self.permits.widen(slots)
         if hooks is not None and hooks is not NO_HOOKS and self.hooks is NO_HOOKS:
             self.hooks = hooks
+
+    def _limit_changed(self, limit: int, reason: str | None) -> None:
+        """The calls in flight this process allows changed: the gauge; a fall, a line too."""
+        call_hook(self.hooks, "provider_limit", self.name, limit, reason=reason)
+        if reason is not None:
+            self._fall_log.fell(limit, self.permits.maximum, reason)
 
     def _throttled(self, why: str, until: float) -> ProviderThrottled:
         return ProviderThrottled(f"provider {self.name!r} {why}", self.name, until)

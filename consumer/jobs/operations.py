@@ -73,7 +73,7 @@ from consumer.jobs import deliveries, settlement
 from consumer.jobs.checks import valid_time
 from consumer.jobs.config import DEFAULT_CONCURRENCY
 from consumer.jobs.limits import ProviderGate, Ticket, shared_limits
-from consumer.jobs.plan import Plan, Step, arun_plan, provider_step, run_plan
+from consumer.jobs.plan import Plan, Step, arun_plan, pause_step, provider_step, run_plan
 from consumer.jobs.receipts import (
     ACCEPTED,
     FAILED,
@@ -106,6 +106,15 @@ log = logging.getLogger("outbox.worker")
 
 
 _MAX_RESTARTS = 3  # a dispatch re-reads its intent when the sweep changed it meanwhile
+LATE_LOOKUPS = (0.0, 0.3, 0.6)
+"""Pauses before each lookup of an effect whose call ran out its timeout: the first at once,
+the last about a second after the deadline."""
+
+
+def _ran_out(ticket: Ticket, timeout: float) -> bool:
+    """The call took its whole ``timeout`` (so the deadline, which counts the wait for its
+    start, has passed): a timeout, not an answer lost early (a reset after sending)."""
+    return ticket.answered - ticket.called >= timeout * 0.98  # a timer may fire a hair early
 
 
 def _positive(field_name: str, value: object) -> float:
@@ -362,6 +371,11 @@ class Operations:
             record_outcome(
                 self.store.driver, operation_id, failed_state(exc), None, failure_text(exc)
             )
+            own = self.timeout_of(connector)
+            if ticket.timed_out and connector.supports_lookup and _ran_out(ticket, own):
+                found = yield from self._look_up_late(connector, ticket, operation_id, progress)
+                if found is not None:
+                    return self._settled_late(lease, connector, operation_id, found)
             raise
         if not isinstance(ref, str) or not ref:
             record_outcome(
@@ -374,6 +388,66 @@ class Operations:
             raise ProviderTimeout(f"operation {operation_id}: the provider returned no reference")
         record_outcome(self.store.driver, operation_id, ACCEPTED, ref, None)
         return Receipt(operation_id, ACCEPTED, ref, reconciled=resend and key is not None)
+
+    def _look_up_late(
+        self,
+        connector: Provider,
+        ticket: Ticket,
+        operation_id: str,
+        progress: Any,
+    ) -> Generator[Step, Any, str | None]:
+        """The call ran out its timeout, so its deadline has passed: look the effect up now
+        (and again, ``LATE_LOOKUPS``, within about a second, while a loaded provider records
+        it), instead of leaving it UNKNOWN for a retry after backoff (issue 54: 4-5 s per
+        such effect). Only "found" settles it: "not found" so soon after the deadline may
+        be a request the provider still processes, so that answer is left to the reconcile
+        path as before. The ticket's timing stays the send's (the limit learns from it)."""
+        gate = self.gate(connector)
+        timing = (ticket.called, ticket.answered)
+        try:
+            for pause in LATE_LOOKUPS:
+                if pause:
+                    yield pause_step(pause)
+                lookup = provider_step(connector, "lookup", operation_id)
+                try:
+                    found = yield gate.call(ticket, lookup, progress)
+                except ProviderThrottled:
+                    return None  # no start to be had: the reconcile path looks it up later
+                except Exception as exc:  # the provider is struggling: the same, later
+                    log.debug("lookup after a timeout failed", extra=fields(error=str(exc)))
+                    continue
+                if found is not None:
+                    return str(found)
+            return None
+        finally:
+            ticket.called, ticket.answered = timing
+
+    def _settled_late(
+        self, lease: Lease, connector: Provider, operation_id: str, found: str
+    ) -> Receipt | None:
+        """Record what :meth:`_look_up_late` found (None: the receipt changed meanwhile,
+        re-read it)."""
+        note = "lookup right after the call's timeout found its effect"
+        if not record_outcome(
+            self.store.driver,
+            operation_id,
+            ACCEPTED,
+            found,
+            None,
+            if_states=(UNKNOWN,),
+            settled=("reconciler", note),
+        ):
+            return None
+        log.info(
+            "receipt reconciled after a timeout: not sent again",
+            extra=fields(
+                operation_id=operation_id,
+                job_id=lease.job_id,
+                provider=connector.name,
+                provider_ref=found,
+            ),
+        )
+        return Receipt(operation_id, ACCEPTED, found, reconciled=True)
 
     # -- what the provider says later (consumer.jobs.deliveries) ----------------------------
 

@@ -3,9 +3,12 @@
 A worker's permits for one provider (``consumer.jobs.limits.ProviderGate`` holds one): the
 limit starts at the worker's slots, halves on a timeout, takes 10 % off when the median
 latency of the last :data:`RECENT` calls exceeds ``tolerance`` times the provider's unloaded
-latency (a low percentile of its last 100 calls), and grows by about one per round of
-successes otherwise. A job that finds no permit waits for one (a thread, or a coroutine on
-the worker's loop); a worker slot whose job was handed back can park here too
+latency (a low percentile of its last 100 calls) while such cuts shorten the latency
+(:meth:`AdaptiveLimit._cut_helps`: a queue of this process's calls shortens as they are
+cut; latency that stays after the limit halved is the machine's or other clients'), and
+grows by about one per round of successes otherwise. A job that finds no permit waits for
+one (a thread, or a coroutine on the worker's loop); a worker slot whose job was handed
+back can park here too
 (:meth:`AdaptiveLimit.aparked`), woken by a permit no waiting job takes. Why each rule is so:
 the module docstring of ``consumer.jobs.limits`` and docs/how-to/effects.md.
 """
@@ -14,12 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["LATENCY_FLOOR", "RECENT", "AdaptiveLimit", "SchedulingDelay", "Waiter"]
+from outbox.logs import fields
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FALL_LOG_EVERY",
+    "LATENCY_FLOOR",
+    "RECENT",
+    "AdaptiveLimit",
+    "FallLog",
+    "SchedulingDelay",
+    "Waiter",
+]
 
 
 class Waiter:
@@ -85,19 +102,27 @@ class SchedulingDelay:
     a starved machine every call looks slow by about this much: that is the machine, not a
     queue at the provider, and :class:`AdaptiveLimit` allows for it (issue 37: at load 25
     two workers held about one call in flight each against a 100 ms provider). Started at
-    the first :meth:`recent`; one per process, :data:`SCHEDULING`."""
+    the first :meth:`recent`, resting after ``rest_after`` seconds without one; one per
+    process, :data:`SCHEDULING`."""
 
-    def __init__(self, tick: float = 0.02, window: int = 50) -> None:
+    def __init__(self, tick: float = 0.02, window: int = 50, rest_after: float = 10.0) -> None:
         self.tick = tick
+        self.rest_after = rest_after
         self._late: deque[float] = deque(maxlen=window)
         self._started = False
+        self._asked = 0.0  # monotonic: the last recent()
         self._lock = threading.Lock()
 
     def _probe(self) -> None:
-        while True:
+        # The probe rests once nobody asked for ``rest_after`` seconds (no provider call
+        # learnt from): 50 wake-ups a second of an idle worker are CPU for nothing (issue
+        # 54); the next recent() starts it again, on the samples it kept.
+        while time.monotonic() - self._asked < self.rest_after:
             began = time.monotonic()
             time.sleep(self.tick)
             self._late.append(max(0.0, time.monotonic() - began - self.tick))
+        with self._lock:
+            self._started = False
 
     def note(self, late: float) -> None:
         """A delay measured elsewhere (an event loop's lag): counted like the probe's."""
@@ -105,6 +130,7 @@ class SchedulingDelay:
 
     def recent(self) -> float:
         """Seconds: the 90th percentile of the recent overruns (about the last second)."""
+        self._asked = time.monotonic()
         if not self._started:
             with self._lock:
                 if not self._started:
@@ -114,6 +140,36 @@ class SchedulingDelay:
                     ).start()
         samples = sorted(self._late)
         return samples[int(len(samples) * 0.9)] if samples else 0.0
+
+
+FALL_LOG_EVERY = 10.0
+"""Seconds between two log lines about one provider's limit falling (it may fall every
+50 ms): each line says how many falls it stands for."""
+
+
+class FallLog:
+    """The log lines of one provider's falling limit: the first at once, then at most one
+    per :data:`FALL_LOG_EVERY` seconds, with the reason of the last fall and the count."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        self._falls = 0  # falls not logged yet
+        self._logged = -math.inf  # monotonic: the last line
+        self._lock = threading.Lock()
+
+    def fell(self, limit: int, most: int, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._falls += 1
+            if now - self._logged < FALL_LOG_EVERY:
+                return
+            falls, self._falls, self._logged = self._falls, 0, now
+        log.info(
+            "provider limit fell",
+            extra=fields(
+                provider=self.provider, limit=limit, most=most, reason=reason, falls=falls
+            ),
+        )
 
 
 SCHEDULING = SchedulingDelay()
@@ -146,12 +202,19 @@ class AdaptiveLimit:
         self.timeout_backoff = timeout_backoff
         self.limit = float(self.maximum)
         self.in_flight = 0
+        # Told (outside the lock) each time the whole number of calls allowed changes: the
+        # new limit, and the reason when it fell (None when it grew).
+        # ``consumer.jobs.limits.ProviderGate`` sets a gauge and logs a line for a fall.
+        self.on_change: Callable[[int, str | None], None] | None = None
         self._waiters: deque[Waiter] = deque()
         self._parked: deque[Waiter] = deque()  # worker slots waiting to claim (aparked)
         self._samples: deque[float] = deque(maxlen=100)
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._best = 0.0
         self._last_decrease = 0.0
+        # (limit, median latency) when the latency first passed its threshold: cuts go on
+        # while they bring the latency down (:meth:`_cut_helps`).
+        self._slow_since: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -267,15 +330,22 @@ class AdaptiveLimit:
     def release(self, latency: float | None, *, timed_out: bool = False) -> None:
         """A call ended after ``latency`` seconds (None: not made); ``timed_out``: no answer
         in time, the strongest sign of overload."""
+        changed = None
         with self._lock:
             self.in_flight -= 1
             if latency is not None:
-                self._learn(latency, timed_out)
+                before = int(self.limit)
+                reason = self._learn(latency, timed_out)
+                if int(self.limit) != before:
+                    changed = (int(self.limit), reason)
             self._grant()
             if self._parked and self.in_flight < int(self.limit):  # room no waiter took
                 self._parked.popleft().wake()
+        if changed is not None and self.on_change is not None:
+            self.on_change(*changed)
 
-    def _learn(self, latency: float, timed_out: bool) -> None:
+    def _learn(self, latency: float, timed_out: bool) -> str | None:
+        """Learn from one call; the reason when the limit was cut."""
         now = time.monotonic()
         self._samples.append(latency)
         self._recent.append(latency)
@@ -286,19 +356,45 @@ class AdaptiveLimit:
             ordered = sorted(self._samples)
             self._best = ordered[len(ordered) // 10]
         cooled = now - self._last_decrease >= max(self._best, 0.05)
+        reason = None
+        median = sorted(self._recent)[RECENT // 2] if len(self._recent) == RECENT else 0.0
+        threshold = self._threshold() if median else 0.0
         if timed_out and cooled:
             self.limit = max(float(self.minimum), self.limit * self.timeout_backoff)
             self._last_decrease = now
-        elif len(self._recent) == RECENT and (
-            sorted(self._recent)[RECENT // 2] > self._threshold()
-        ):
+            reason = f"a call timed out after {latency:.3f} s"
+        elif median > threshold and self._cut_helps(median):
             # The median of the last RECENT calls, not one call: a queue at the provider
             # slows every call, a busy machine or a provider's jitter only some of them.
             if cooled:
                 self.limit = max(float(self.minimum), self.limit * self.backoff)
                 self._last_decrease = now
+                reason = (
+                    f"median latency of the last {RECENT} calls {median * 1000:.0f} ms "
+                    f"over {threshold * 1000:.0f} ms ({self.tolerance:g} x the unloaded "
+                    f"{max(self._best, self.latency_floor) * 1000:.0f} ms, with the machine's "
+                    "delay)"
+                )
         else:
+            if median <= threshold:
+                self._slow_since = None
             self.limit = min(float(self.maximum), self.limit + 1.0 / max(self.limit, 1.0))
+        return reason
+
+    def _cut_helps(self, median: float) -> bool:
+        """Whether a latency over its threshold is a queue of this process's own calls: a
+        queue shortens as the calls in flight are cut. Once the cuts halved the limit it
+        had when the latency first passed its threshold and the median fell by less than a
+        quarter, the provider is slow whatever this process sends (a loaded machine, other
+        clients): the limit stops falling and grows back, so it does not sit far below the
+        offered rate while the provider has room (issue 54: at load 20 a provider answering
+        at once was held at 2-19 calls in flight, its latency that of the machine). A
+        median half as bad again since then starts the judgement over."""
+        if self._slow_since is None or median > 1.5 * self._slow_since[1]:
+            self._slow_since = (self.limit, median)
+            return True
+        limit, slow = self._slow_since
+        return not (self.limit <= limit / 2 and median >= 0.75 * slow)
 
     def _threshold(self) -> float:
         """The median latency above which the provider is queueing: ``tolerance`` times its

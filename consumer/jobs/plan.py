@@ -21,12 +21,13 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import time
 from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Plan", "Runner", "Step", "arun_plan", "provider_step", "run_plan"]
+__all__ = ["Plan", "Runner", "Step", "arun_plan", "pause_step", "provider_step", "run_plan"]
 
 Runner = Callable[..., Awaitable[Any]]  # run(fn, *args) in the executor, awaited
 
@@ -55,6 +56,15 @@ def provider_step(connector: Any, method: str, *args: Any, **kwargs: Any) -> Ste
         return await run(sync)
 
     return Step(sync, aio)
+
+
+def pause_step(seconds: float) -> Step:
+    """Wait ``seconds``: a sleep in a thread, ``asyncio.sleep`` on the loop."""
+
+    async def aio(run: Runner) -> None:
+        await asyncio.sleep(seconds)
+
+    return Step(functools.partial(time.sleep, seconds), aio)
 
 
 def run_plan(plan: Plan) -> Any:
