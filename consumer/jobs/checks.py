@@ -15,9 +15,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_
 
 from consumer.errors import JobError
+from consumer.jobs.order_keys import hold_value
 from consumer.jobs.rows import Lease
 from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
-from consumer.jobs.states import READY
+from consumer.jobs.states import HELD, READY
 from outbox import tracing
 from outbox.errors import ConfigError
 from outbox.validate import check_name, check_number
@@ -45,6 +46,8 @@ SPEC_FIELDS = frozenset(
         "kind",
         "provider",
         "queue",
+        "order_key",
+        "hold",
     }
 )
 
@@ -66,9 +69,13 @@ def job_values(
     kind: str | None = None,
     provider: str | None = None,
     queue: str = DEFAULT_QUEUE,
+    order_key: str | None = None,
+    hold: str = "wait",
     now: Time | None = None,
 ) -> dict[str, Any]:
-    """Validate one job's fields (raising JobError naming the field); its row values."""
+    """Validate one job's fields (raising JobError naming the field); its row values. A job
+    with an ``order_key`` is written HELD: the enqueue's promotion
+    (``consumer.jobs.order_keys.release``) makes it READY when its key has no head."""
     # The natural consumer handler calls this once per event: the absent optional fields
     # (most of them) skip their checks.
     valid_name("tenant", tenant)
@@ -82,6 +89,7 @@ def job_values(
         valid_name("kind", kind)
     if provider is not None:
         valid_name("provider", provider)
+    order_hold = hold_value(order_key, hold)
     if priority.__class__ is not int and (
         isinstance(priority, bool) or not isinstance(priority, int)
     ):
@@ -101,12 +109,14 @@ def job_values(
         "subject_version": version,
         "payload": payload,
         "provider": provider,
-        "state": READY,
+        "state": READY if order_key is None else HELD,
         "priority": priority,
         "run_after": after,
         "created_at": stamp,
         "updated_at": stamp,
         "trace_context": tracing.job_trace_context(),  # the enqueuing span's, if any
+        "order_key": order_key,
+        "order_hold": order_hold,
     }
 
 

@@ -16,6 +16,7 @@ from consumer.bulk import deferred_writes
 from consumer.errors import Conflict
 from consumer.jobs.base import StoreBase
 from consumer.jobs.driver import JobDriver
+from consumer.jobs.order_keys import release
 from consumer.jobs.rows import DeferredEnqueue, EnqueueResult
 
 __all__ = ["EnqueueBuffer", "enqueue_one", "enqueue_rows", "same_stamp"]
@@ -64,6 +65,12 @@ class EnqueueBuffer:
         return found
 
 
+def _stamp(values: Mapping[str, Any]) -> float | None:
+    """The row's timestamp when it is a number (``now`` given), else None (the clock)."""
+    stamp = values["created_at"]
+    return float(stamp) if isinstance(stamp, (int, float)) else None
+
+
 def same_stamp(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two rows share their timestamp (the same number, or both the database clock)."""
     x, y = a["created_at"], b["created_at"]
@@ -78,6 +85,8 @@ def enqueue_one(driver: JobDriver, conn: Connection, values: dict[str, Any]) -> 
         job_id, created = driver.job_insert(conn, values)
     except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
         raise Conflict(str(exc)) from None
+    if created and values.get("order_key") is not None:  # written HELD: its key's turn?
+        release(conn, [job_id], ended=False, now=_stamp(values))
     return EnqueueResult(job_id, not created)
 
 
@@ -94,6 +103,13 @@ def enqueue_rows(
         rows = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
     created, existing = driver.job_insert_many(conn, rows)
     keys = [(row["tenant"], row["action"]) for row in rows]
+    ordered = [
+        created[key]
+        for key, row in zip(keys, rows, strict=True)
+        if key in created and row.get("order_key") is not None
+    ]
+    if ordered:  # written HELD: each new key's first job becomes its head
+        release(conn, sorted(set(ordered)), ended=False, now=_stamp(rows[0]))
     results: list[EnqueueResult] = []
     seen: set[tuple[str, str]] = set()
     for key in keys:

@@ -14,6 +14,9 @@ missing (idempotent):
   counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
   outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
   index of LEASED jobs with a cancel request;
+- order keys (issue 56): ``outbox_jobs.order_key`` and ``order_hold``, the partial index of
+  HELD jobs by key, the table ``outbox_order_keys`` and (PostgreSQL) the promotion's function
+  (``consumer.jobs.order_ddl``);
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from consumer.jobs.order_ddl import ORDER_RELEASE_FUNCTION
 from consumer.jobs.schema import ADDED_JOB_COLUMNS as ADDED_JOB_COLUMNS
 from consumer.jobs.schema import ADDED_OPERATION_COLUMNS as ADDED_OPERATION_COLUMNS
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION
@@ -55,8 +59,11 @@ def create_job_extras(op: Any) -> None:
 
 
 def drop_job_extras(op: Any) -> None:
-    """In an Alembic downgrade: the tenant limit's function (PostgreSQL), which no MetaData
-    holds; the tables and indexes go with the generated operations."""
+    """In an Alembic downgrade: the tenant limit's and the order keys' functions (PostgreSQL),
+    which no MetaData holds; the tables and indexes go with the generated operations."""
     bind = op.get_bind()
     if is_postgresql(bind.dialect.name):
         bind.exec_driver_sql(f"DROP FUNCTION IF EXISTS {TENANT_ROOM_FUNCTION}(text, text, integer)")
+        bind.exec_driver_sql(
+            f"DROP FUNCTION IF EXISTS {ORDER_RELEASE_FUNCTION}(bigint[], boolean, double precision)"
+        )

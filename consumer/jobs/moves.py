@@ -17,6 +17,7 @@ from sqlalchemy import ColumnElement, case, func
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, JobError, JobNotFound
+from consumer.jobs import order_keys
 from consumer.jobs import replies as talk
 from consumer.jobs.batch_moves import BatchMoves
 from consumer.jobs.checks import (
@@ -369,6 +370,8 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             moved = self.driver.job_update_from(
                 conn, where, (READY, *WAITING), {**timer_values, "updated_at": clock}
             )
+            if moved is not None:  # a timer: a head with hold="run" lets its line pass
+                order_keys.release(conn, [moved], ended=False, now=clock)
             if moved is None:
                 state = self._state(conn, where, label)
                 # A timer on a leased, finished or attention-needing job is not ours to set.
@@ -472,6 +475,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             if ended is not None:
                 note = f"cancel requested; the run ended {outcome}"
                 self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
+                order_keys.release(conn, [ended], ended=True, now=clock)
                 return CANCELLED
         moved = {**values, "state": target, "lease_owner": None, "lease_expires_at": None}
         if clear_timer:
@@ -480,6 +484,8 @@ class LeaseMoves(BatchMoves, OperatorMoves):
         self.driver.attempt_insert(conn, job_id, epoch, worker, outcome, note, clock)
         if consume is not None:  # the callers pass it for the ends that consume
             talk.consume(self.driver, conn, job_id, consume, clock)
+        if order_keys.releases(target, values.get("timer_scheduled_for") is not None):
+            order_keys.release(conn, [job_id], ended=target in (CANCELLED, DONE), now=clock)
         return target
 
     def _cas(

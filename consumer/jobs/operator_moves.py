@@ -13,6 +13,7 @@ from sqlalchemy import ColumnElement
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.jobs import order_keys
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import NO_TIMER, Time, job_key, valid_time
 from consumer.jobs.states import (
@@ -120,6 +121,8 @@ class OperatorMoves(StoreBase):
                     raise IllegalTransition(label, state, target)
                 raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
             self.driver.attempt_insert(conn, job_id, None, None, outcome, note, clock)
+            if target == CANCELLED:  # a key's head cancelled: the next job of the key's turn
+                order_keys.release(conn, [job_id], ended=True, now=clock)
             if target == READY:
                 self.driver.job_ready_notify(conn)
 

@@ -138,6 +138,10 @@ class Job:
     cancel_requested_at: float | None = None
     """When a cancel was requested while the job was LEASED (``Store.cancel``), or None."""
     cancel_reason: str | None = None
+    order_key: str | None = None
+    """The job's order key (``consumer.jobs.order_keys``), or None."""
+    hold: str = "wait"
+    """``"run"``: later jobs of its order key pass it while it waits; ``"wait"``: they do not."""
 
 
 @dataclass(frozen=True)
@@ -292,4 +296,6 @@ def job_from_row(row: Any) -> Job:
             None if row.cancel_requested_at is None else float(row.cancel_requested_at)
         ),
         cancel_reason=row.cancel_reason,
+        order_key=row.order_key,
+        hold=row.order_hold or "wait",
     )

@@ -11,6 +11,9 @@ move also filters on the allowed source states, so a race cannot sneak past the 
   operation). ``resume`` (the decision) or ``cancel`` ends the wait.
 - ``NEEDS_ATTENTION``: the attempts or the recovery window are spent, or credentials were
   refused repeatedly; an operator fixes the cause, then ``resume``.
+- ``HELD``: a job of an order key (``order_key``) behind an earlier job of that key that
+  has not finished (``consumer.jobs.order_keys``); no claim sees it. The move that ends the
+  earlier job's hold makes it READY, in the same transaction; an operator may cancel it.
 - ``DONE`` and ``CANCELLED``: terminal. ``CANCELLED`` is the extra state this store adds:
   a timer whose subject changed or whose cancellation condition holds, or an operator's
   ``cancel``, ends the job without acting.
@@ -29,8 +32,12 @@ WAITING_REVIEW: Final = "WAITING_REVIEW"
 NEEDS_ATTENTION: Final = "NEEDS_ATTENTION"
 DONE: Final = "DONE"
 CANCELLED: Final = "CANCELLED"
+HELD: Final = "HELD"
 
-STATES: Final = (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED)
+STATES: Final = (
+    *(READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED),
+    HELD,
+)
 WAITING: Final = (WAITING_EXTERNAL, WAITING_REVIEW)
 TERMINAL: Final = (DONE, CANCELLED)
 
@@ -48,6 +55,8 @@ TRANSITIONS: Final[dict[str, frozenset[str]]] = {
     # An operator's decision: retry (READY) or give up (CANCELLED).
     WAITING_REVIEW: frozenset({READY, CANCELLED}),
     NEEDS_ATTENTION: frozenset({READY, CANCELLED}),
+    # Its order key's line reaches it (READY), or an operator gives it up.
+    HELD: frozenset({READY, CANCELLED}),
     DONE: frozenset(),
     CANCELLED: frozenset(),
 }

@@ -92,6 +92,7 @@ from consumer.jobs.schema import DEFAULT_QUEUE
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
+    HELD,
     LEASED,
     NEEDS_ATTENTION,
     READY,
@@ -200,6 +201,8 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         kind: str | None = None,
         provider: str | None = None,
         queue: str = DEFAULT_QUEUE,
+        order_key: str | None = None,
+        hold: str = "wait",
         session: Session | Connection | None = None,
         now: Time | None = None,
     ) -> EnqueueResult:
@@ -214,7 +217,10 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         ``run_after`` delays eligibility; ``kind`` names the handler (default: routed by the
         action's prefix); ``provider`` selects a per-provider backoff ceiling; ``queue``
         names the queue the job waits in (``"default"``): workers claim from the queues they
-        are given.
+        are given. ``order_key``: the jobs of one key run one at a time in enqueue order,
+        a later one HELD until the earlier ones finished; ``hold="run"`` lets later jobs of
+        the key pass this one while it waits on a reply or a timer
+        (``consumer.jobs.order_keys`` has the contract).
         """
         values = job_values(
             tenant,
@@ -227,6 +233,8 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
             kind=kind,
             provider=provider,
             queue=queue,
+            order_key=order_key,
+            hold=hold,
             now=now,
         )
         writers = deferred_writes(session)
@@ -361,7 +369,17 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         with self.driver.connect() as conn:
             found = self.driver.job_count_by_state(conn)
         result = dict.fromkeys(
-            (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED), 0
+            (
+                READY,
+                LEASED,
+                WAITING_EXTERNAL,
+                WAITING_REVIEW,
+                NEEDS_ATTENTION,
+                DONE,
+                CANCELLED,
+                HELD,
+            ),
+            0,
         )
         result.update(found)
         return result

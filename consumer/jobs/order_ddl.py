@@ -1,0 +1,86 @@
+"""The order keys' PostgreSQL function (``consumer.jobs.order_keys`` has the contract): the
+text of its DDL, run by ``consumer.jobs.schema.upgrade_schema`` and so by Alembic's
+``create_job_extras``. A module of its own so that the schema module imports it, not the
+other way round.
+"""
+
+from __future__ import annotations
+
+from consumer.jobs.states import CANCELLED, DONE, HELD, READY, WAITING_EXTERNAL
+
+__all__ = ["ORDER_KEYS_TABLE", "ORDER_RELEASE_FUNCTION", "holds_sql", "pg_order_release_sql"]
+
+ORDER_KEYS_TABLE = "outbox_order_keys"
+ORDER_RELEASE_FUNCTION = "outbox_jobs_order_release"
+
+
+def holds_sql(job: str, now: str) -> str:
+    """Whether the job row ``job`` (an alias) still holds its key's later jobs at ``now``: it
+    is not finished, and it does not wait on a reply or a timer with ``order_hold = 'run'``."""
+    passing = (
+        f"coalesce({job}.order_hold, '') = 'run' AND ({job}.state = '{WAITING_EXTERNAL}'"
+        f" OR ({job}.state = '{READY}' AND {job}.timer_scheduled_for IS NOT NULL"
+        f" AND {job}.run_after > {now}))"
+    )
+    # Never NULL: a row read decides (a NULL column must not read as "holds nothing").
+    return f"coalesce(NOT ({job}.state IN ('{DONE}', '{CANCELLED}') OR ({passing})), true)"
+
+
+def pg_order_release_sql(jobs_table: str) -> str:
+    """``CREATE OR REPLACE FUNCTION outbox_jobs_order_release(p_ids, p_ended, p_now)``: for
+    each order key of the jobs ``p_ids`` (that just moved; ``p_ended``: they are finished,
+    whatever the snapshot shows), keys in sorted order:
+
+    1. lock the key's row (an upsert, so a key seen for the first time gets one): every
+       change of a key's line takes this lock first, so they happen one at a time;
+    2. in statements that come after the lock (a VOLATILE function takes a fresh snapshot
+       per statement under READ COMMITTED, so they see every change committed by whoever
+       held the lock before, even when the calling statement's snapshot is older), read
+       whether the key's head still holds its line, and if not make the first HELD job of
+       the key READY and the key's head (a HELD row cancelled meanwhile is skipped: its
+       UPDATE finds it no longer HELD).
+
+    Called inside the statements that finish jobs (``consumer.jobs.queries``), so a finish
+    and its promotion are one statement and one commit, and by
+    ``consumer.jobs.order_keys.release`` after the other moves. Returns the jobs promoted."""
+    holding = holds_sql("j", "p_now")
+    return f"""
+CREATE OR REPLACE FUNCTION {ORDER_RELEASE_FUNCTION}(
+    p_ids bigint[], p_ended boolean, p_now double precision)
+RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    line_key text;
+    head bigint;
+    holding boolean;
+    next_id bigint;
+    promoted integer := 0;
+BEGIN
+    FOR line_key IN
+        SELECT DISTINCT order_key FROM {jobs_table}
+        WHERE id = ANY(p_ids) AND order_key IS NOT NULL ORDER BY 1
+    LOOP
+        INSERT INTO {ORDER_KEYS_TABLE} AS k (order_key, head_id, updated_at)
+        VALUES (line_key, NULL, p_now)
+        ON CONFLICT (order_key) DO UPDATE SET updated_at = excluded.updated_at
+        RETURNING k.head_id INTO head;
+        IF head IS NOT NULL AND NOT (p_ended AND head = ANY(p_ids)) THEN
+            holding := NULL;
+            SELECT {holding} INTO holding FROM {jobs_table} j WHERE j.id = head;
+            CONTINUE WHEN holding;  -- NULL: the head is gone (retention), it holds nothing
+        END IF;
+        LOOP
+            SELECT id INTO next_id FROM {jobs_table}
+            WHERE order_key = line_key AND state = '{HELD}' ORDER BY id LIMIT 1;
+            EXIT WHEN next_id IS NULL;
+            UPDATE {jobs_table} SET state = '{READY}', updated_at = p_now
+            WHERE id = next_id AND state = '{HELD}';
+            EXIT WHEN FOUND;
+        END LOOP;
+        UPDATE {ORDER_KEYS_TABLE} SET head_id = next_id WHERE order_key = line_key;
+        IF next_id IS NOT NULL THEN
+            promoted := promoted + 1;
+        END IF;
+    END LOOP;
+    RETURN promoted;
+END
+$$"""

@@ -1,0 +1,178 @@
+"""Order keys: the jobs of one key run one at a time, in enqueue order (issue 56).
+
+``Store.enqueue(..., order_key="invoice-42")`` (an ``"order_key"`` item in ``enqueue_many``)
+puts the job in its key's **line**. Contract:
+
+- **One at a time, in enqueue order.** At most one job of a key is its **head**: the only one
+  a claim can see. Every later job of the key waits in the state HELD, which no claim reads
+  (the claim statement is the same indexed statement as without keys). "Earlier" is the order
+  in which the enqueues took the key's lock: commit order, which for a consumer's jobs is
+  stream order.
+- **What ends a head's hold.** DONE and CANCELLED. A head waiting on a reply
+  (WAITING_EXTERNAL) or a timer (``schedule``) holds the line, unless it was enqueued with
+  ``hold="run"``: then the later jobs pass it while it waits (it leaves the line and runs
+  when its wait ends). A head in NEEDS_ATTENTION or WAITING_REVIEW always holds: a person
+  decides (``resume`` or ``cancel``). A retry's backoff, a defer, a drain's hand-back and an
+  expired lease keep the head in place.
+- **Promotion in the same transaction.** The move that ends a head's hold makes the key's
+  first HELD job READY and the new head in the same transaction (:func:`release`, and on
+  PostgreSQL inside the batch finish's statement itself: ``consumer.jobs.order_ddl``). A
+  crash cannot leave a line without a head.
+- **Race-safe.** Every change of a key's line (an enqueue, a finish, a cancel, a wait) first
+  locks the key's row in ``outbox_order_keys`` and reads the line after the lock; SQLite's
+  write lock does the same. Keys are locked in sorted order. An operator's cancel of a HELD
+  job takes no key lock: the promotion skips a row that is no longer HELD.
+- **Cost.** A job without an order key pays nothing but two NULL columns; the finish of a
+  keyed job runs the promotion (a few index probes) in its own statement or transaction.
+
+What is NOT ordered: jobs of different keys (they run in parallel, fairly across tenants),
+jobs without a key, and the queue, tenant or priority of a keyed job decide nothing about its
+turn within the key (only when its turn came, whether a worker of its queue claims it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import insert, select, text, update
+from sqlalchemy.engine import Connection
+
+from consumer.errors import JobError
+from consumer.jobs.order_ddl import ORDER_RELEASE_FUNCTION
+from consumer.jobs.schema import db_epoch, jobs, order_keys
+from consumer.jobs.states import CANCELLED, DONE, HELD, READY, WAITING_EXTERNAL
+from outbox.dialect import EPOCH_SQL, POSTGRESQL, is_postgresql
+from outbox.validate import check_name
+
+__all__ = ["HOLDS", "KeyLine", "hold_value", "release", "releases"]
+
+HOLDS = ("wait", "run")
+"""``hold=``: ``"wait"`` (the default: a waiting head holds its key's later jobs) or
+``"run"`` (they pass it while it waits on a reply or a timer)."""
+
+_PG_RELEASE = text(
+    f"SELECT {ORDER_RELEASE_FUNCTION}(CAST(:ids AS bigint[]), :ended,"
+    f" coalesce(CAST(:now AS double precision), {EPOCH_SQL[POSTGRESQL]}))"
+)
+
+
+def hold_value(order_key: str | None, hold: str) -> str | None:
+    """The ``order_hold`` column for ``hold=``, the order key checked too: NULL for the
+    default."""
+    if order_key is None and hold == "wait":  # the usual job: nothing to check
+        return None
+    if order_key is not None:
+        check_name("order_key", order_key, JobError)
+    if hold not in HOLDS:
+        raise JobError("hold", f"must be 'wait' or 'run', got {hold!r}")
+    if hold == "run" and order_key is None:
+        raise JobError("hold", "applies to a job with an order_key only")
+    return "run" if hold == "run" else None
+
+
+def releases(target: str, timer: bool) -> bool:
+    """Whether a move to ``target`` may end a head's hold (and so calls :func:`release`):
+    a finish, a cancel, a wait on a reply, a timer. Retries, defers, hand-backs and waits
+    for a person never do."""
+    return target in (DONE, CANCELLED, WAITING_EXTERNAL) or (target == READY and timer)
+
+
+def release(conn: Connection, ids: Sequence[int], *, ended: bool, now: float | None) -> int:
+    """After the jobs ``ids`` moved, in the mover's transaction: for each of their order keys
+    whose head no longer holds its line, make the key's first HELD job READY and its head.
+    ``ended``: the jobs finished (DONE or CANCELLED). Jobs without a key cost one probe by
+    primary key. Returns the jobs promoted."""
+    if not ids:
+        return 0
+    if is_postgresql(conn.dialect.name):
+        params = {"ids": list(ids), "ended": ended, "now": now}
+        return int(conn.execute(_PG_RELEASE, params).scalar_one())
+    return _release_sqlite(conn, ids, ended=ended, now=now)
+
+
+def _release_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: float | None) -> int:
+    # The caller holds SQLite's write lock (BEGIN IMMEDIATE): nothing changes under this.
+    keys = sorted(
+        {
+            str(key)
+            for (key,) in conn.execute(
+                select(jobs.c.order_key).where(
+                    jobs.c.id.in_(list(ids)), jobs.c.order_key.is_not(None)
+                )
+            )
+        }
+    )
+    if not keys:
+        return 0
+    clock = now if now is not None else float(conn.execute(select(db_epoch())).scalar_one())
+    promoted = 0
+    for key in keys:
+        row = conn.execute(
+            select(order_keys.c.head_id).where(order_keys.c.order_key == key)
+        ).first()
+        if row is None:
+            conn.execute(insert(order_keys).values(order_key=key, head_id=None, updated_at=clock))
+            head = None
+        else:
+            head = row[0]
+        if head is not None and not (ended and int(head) in ids) and _holds(conn, int(head), clock):
+            continue
+        next_id = conn.execute(
+            select(jobs.c.id)
+            .where(jobs.c.order_key == key, jobs.c.state == HELD)
+            .order_by(jobs.c.id)
+            .limit(1)
+        ).scalar()
+        if next_id is not None:
+            conn.execute(
+                update(jobs).where(jobs.c.id == next_id).values(state=READY, updated_at=clock)
+            )
+            promoted += 1
+        conn.execute(
+            update(order_keys)
+            .where(order_keys.c.order_key == key)
+            .values(head_id=next_id, updated_at=clock)
+        )
+    return promoted
+
+
+def _holds(conn: Connection, job_id: int, clock: float) -> bool:
+    """Whether the head ``job_id`` still holds its line (``order_ddl.holds_sql``'s rule)."""
+    row = conn.execute(
+        select(jobs.c.state, jobs.c.order_hold, jobs.c.timer_scheduled_for, jobs.c.run_after).where(
+            jobs.c.id == job_id
+        )
+    ).first()
+    if row is None or row.state in (DONE, CANCELLED):
+        return False
+    if row.order_hold != "run":
+        return True
+    if row.state == WAITING_EXTERNAL:
+        return False
+    timed = row.state == READY and row.timer_scheduled_for is not None
+    return not (timed and row.run_after is not None and row.run_after > clock)
+
+
+# -- reading a key's line (the CLI and the console) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyLine:
+    """One order key's line: its ``head`` (the job that runs or may run now, and holds the
+    others while it is unfinished; None when the key has none), the jobs ``held`` behind
+    it in the order they will run (at most ``limit``), and ``held_count``."""
+
+    order_key: str
+    head: dict[str, Any] | None
+    held: list[dict[str, Any]]
+    held_count: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "order_key": self.order_key,
+            "head": self.head,
+            "held": self.held,
+            "held_count": self.held_count,
+        }
