@@ -69,12 +69,16 @@ BEGIN
             CONTINUE WHEN holding;  -- NULL: the head is gone (retention), it holds nothing
         END IF;
         LOOP
-            SELECT id INTO next_id FROM {jobs_table}
-            WHERE order_key = line_key AND state = '{HELD}' ORDER BY id LIMIT 1;
-            EXIT WHEN next_id IS NULL;
+            next_id := NULL;
             UPDATE {jobs_table} SET state = '{READY}', updated_at = p_now
-            WHERE id = next_id AND state = '{HELD}';
-            EXIT WHEN FOUND;
+            WHERE id = (SELECT id FROM {jobs_table} WHERE order_key = line_key
+                        AND state = '{HELD}' ORDER BY id LIMIT 1)
+              AND state = '{HELD}'
+            RETURNING id INTO next_id;
+            -- Not found: no HELD job, or the first was cancelled under this UPDATE (it found
+            -- it no longer HELD): the next one, if any, in a fresh snapshot.
+            EXIT WHEN next_id IS NOT NULL OR NOT EXISTS (
+                SELECT 1 FROM {jobs_table} WHERE order_key = line_key AND state = '{HELD}');
         END LOOP;
         UPDATE {ORDER_KEYS_TABLE} SET head_id = next_id WHERE order_key = line_key;
         IF next_id IS NOT NULL THEN
