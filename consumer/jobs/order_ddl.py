@@ -59,10 +59,16 @@ BEGIN
         SELECT DISTINCT order_key FROM {jobs_table}
         WHERE id = ANY(p_ids) AND order_key IS NOT NULL ORDER BY 1
     LOOP
-        INSERT INTO {ORDER_KEYS_TABLE} AS k (order_key, head_id, updated_at)
-        VALUES (line_key, NULL, p_now)
-        ON CONFLICT (order_key) DO UPDATE SET updated_at = excluded.updated_at
-        RETURNING k.head_id INTO head;
+        -- The lock: FOR UPDATE waits for the key's current holder and then reads the row
+        -- as it committed (no new row version for the lock alone); a new key's row first.
+        SELECT k.head_id INTO head FROM {ORDER_KEYS_TABLE} k
+        WHERE k.order_key = line_key FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO {ORDER_KEYS_TABLE} AS k (order_key, head_id, updated_at)
+            VALUES (line_key, NULL, p_now)
+            ON CONFLICT (order_key) DO UPDATE SET updated_at = excluded.updated_at
+            RETURNING k.head_id INTO head;
+        END IF;
         IF head IS NOT NULL AND NOT (p_ended AND head = ANY(p_ids)) THEN
             holding := NULL;
             SELECT {holding} INTO holding FROM {jobs_table} j WHERE j.id = head;
@@ -80,7 +86,8 @@ BEGIN
             EXIT WHEN next_id IS NOT NULL OR NOT EXISTS (
                 SELECT 1 FROM {jobs_table} WHERE order_key = line_key AND state = '{HELD}');
         END LOOP;
-        UPDATE {ORDER_KEYS_TABLE} SET head_id = next_id WHERE order_key = line_key;
+        UPDATE {ORDER_KEYS_TABLE} SET head_id = next_id, updated_at = p_now
+        WHERE order_key = line_key;
         IF next_id IS NOT NULL THEN
             promoted := promoted + 1;
         END IF;
