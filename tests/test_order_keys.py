@@ -264,3 +264,30 @@ def test_an_older_table_gains_the_order_columns(pg_url: str) -> None:
     store.finish(store.claim_batch("w", 5)[0])
     assert [x.action for x in store.claim_batch("w", 5)] == ["a-1"]
     store.dispose()
+
+
+def test_a_keys_line_says_what_runs_what_waits_and_what_holds_it(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from consumer.jobs.cli import main
+
+    store = Store(db_url)
+    ids = [store.enqueue("acme", f"send-{i}", order_key="invoice-42").job_id for i in range(3)]
+    lease = store.claim_batch("w", 5)[0]
+    store.wait_external(lease, reason="customer reply")
+    line = store.order_line("invoice-42")
+    assert line.head is not None and line.head["id"] == ids[0]
+    assert line.head["state"] == "WAITING_EXTERNAL" and line.holding
+    assert [job["id"] for job in line.held] == ids[1:] and line.held_count == 2
+    assert "WAITING_EXTERNAL (customer reply); 2 job(s) HELD" in line.why
+    assert main(["keys", "invoice-42", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert f"job {ids[0]} (acme/send-0) is WAITING_EXTERNAL" in out
+    assert f"2. job {ids[2]} (acme/send-2) HELD" in out
+    assert main(["keys", "invoice-42", "--json", "--database-url", db_url]) == 0
+    assert '"held_count": 2' in capsys.readouterr().out
+    assert main(["keys", "no-such-key", "--database-url", db_url]) == 1
+    store.cancel(ids[0], reason="obsolete")
+    line = store.order_line("invoice-42")
+    assert line.head is not None and line.head["id"] == ids[1] and line.held_count == 1
+    store.dispose()

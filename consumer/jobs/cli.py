@@ -67,6 +67,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from consumer.jobs.order_cli import add_keys_command
 from consumer.jobs.purge import (
     WINDOWS,
     add_purge_command,
@@ -255,6 +256,7 @@ def build_parser() -> Parser:
     purge = add_purge_command(sub)
     purge.set_defaults(func=purge_command)
     schedules = add_schedules_command(sub)  # consumer.jobs.schedule_cli
+    keys = add_keys_command(sub)  # consumer.jobs.order_cli
     inbound = sub.add_parser(
         "inbound",
         help="serve the signed inbound endpoint (replies, delivery callbacks)",
@@ -292,7 +294,7 @@ def build_parser() -> Parser:
     )
     inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules):
+    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules, keys):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError
@@ -46,7 +46,7 @@ from consumer.jobs.states import CANCELLED, DONE, HELD, READY, WAITING_EXTERNAL
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, is_postgresql
 from outbox.validate import check_name
 
-__all__ = ["HOLDS", "KeyLine", "hold_value", "release", "releases"]
+__all__ = ["HOLDS", "KeyLine", "hold_value", "read_line", "release", "releases"]
 
 HOLDS = ("wait", "run")
 """``hold=``: ``"wait"`` (the default: a waiting head holds its key's later jobs) or
@@ -160,19 +160,80 @@ def _holds(conn: Connection, job_id: int, clock: float) -> bool:
 
 @dataclass(frozen=True)
 class KeyLine:
-    """One order key's line: its ``head`` (the job that runs or may run now, and holds the
-    others while it is unfinished; None when the key has none), the jobs ``held`` behind
-    it in the order they will run (at most ``limit``), and ``held_count``."""
+    """One order key's line (``Store.order_line``): ``head``, the key's job that runs or may
+    run now (its ``id``, ``tenant``, ``action``, ``state``, ``wait_reason``, ``hold``), or
+    None; ``holding``: whether the head holds the jobs behind it now (False once it
+    finished, or while it waits with ``hold="run"``); ``held``: the jobs HELD behind it, in
+    the order they will run (at most the ``limit`` asked for; ``id``, ``tenant``,
+    ``action``); ``held_count``: all of them."""
 
     order_key: str
     head: dict[str, Any] | None
+    holding: bool
     held: list[dict[str, Any]]
     held_count: int
+
+    @property
+    def why(self) -> str:
+        """The line in words: what runs, what waits, and what holds it."""
+        behind = f"{self.held_count} job(s) HELD behind it"
+        if self.head is None:
+            return f"order key {self.order_key}: no job runs; {behind}"
+        head = self.head
+        what = f"job {head['id']} ({head['tenant']}/{head['action']}) is {head['state']}"
+        if head["wait_reason"]:
+            what += f" ({head['wait_reason']})"
+        if not self.holding:
+            return f"order key {self.order_key}: {what} and holds nothing; {behind}"
+        return f"order key {self.order_key}: {what}; {behind}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "order_key": self.order_key,
             "head": self.head,
+            "holding": self.holding,
             "held": self.held,
             "held_count": self.held_count,
+            "why": self.why,
         }
+
+
+def read_line(conn: Connection, order_key: str, limit: int = 50) -> KeyLine:
+    """The line of ``order_key`` as it stands (reads only: the head by its key's row, the
+    HELD jobs by ``ix_outbox_jobs_order_held``)."""
+    check_name("order_key", order_key, JobError)
+    head_id = conn.execute(
+        select(order_keys.c.head_id).where(order_keys.c.order_key == order_key)
+    ).scalar()
+    head: dict[str, Any] | None = None
+    holding = False
+    if head_id is not None:
+        row = conn.execute(
+            select(
+                *(jobs.c.id, jobs.c.tenant, jobs.c.action, jobs.c.state, jobs.c.wait_reason),
+                jobs.c.order_hold,
+            ).where(jobs.c.id == head_id)
+        ).first()
+        if row is not None:
+            head = {
+                "id": int(row.id),
+                "tenant": row.tenant,
+                "action": row.action,
+                "state": row.state,
+                "wait_reason": row.wait_reason,
+                "hold": row.order_hold or "wait",
+            }
+            clock = float(conn.execute(select(db_epoch())).scalar_one())
+            holding = _holds(conn, int(head_id), clock)
+    waiting = (jobs.c.order_key == order_key) & (jobs.c.state == HELD)
+    held = [
+        {"id": int(r.id), "tenant": r.tenant, "action": r.action}
+        for r in conn.execute(
+            select(jobs.c.id, jobs.c.tenant, jobs.c.action)
+            .where(waiting)
+            .order_by(jobs.c.id)
+            .limit(limit)
+        )
+    ]
+    count = int(conn.execute(select(func.count()).select_from(jobs).where(waiting)).scalar_one())
+    return KeyLine(order_key, head, holding, held, count)

@@ -65,6 +65,7 @@ from consumer.jobs.claims import BatchClaims
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.enqueues import EnqueueBuffer, enqueue_one, enqueue_rows
 from consumer.jobs.moves import LeaseMoves
+from consumer.jobs.order_keys import KeyLine, read_line
 from consumer.jobs.queues import QueueMethods
 from consumer.jobs.recovery import Recovery
 from consumer.jobs.replies import (
@@ -100,6 +101,7 @@ from consumer.jobs.states import (
     WAITING_REVIEW,
 )
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 __all__ = [
     "Attempt",
@@ -107,6 +109,7 @@ __all__ = [
     "DeferredEnqueue",
     "EnqueueResult",
     "Job",
+    "KeyLine",
     "Lease",
     "QueueDepth",
     "RecoveryResult",
@@ -383,6 +386,13 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         )
         result.update(found)
         return result
+
+    def order_line(self, order_key: str, *, limit: int = 50) -> KeyLine:
+        """The line of ``order_key`` (``consumer.jobs.order_keys.KeyLine``): what runs, what
+        waits HELD behind it (the first ``limit``), and whether the head holds them."""
+        check_number("limit", limit, JobError, integer=True)
+        with self.driver.connect() as conn:
+            return read_line(conn, order_key, limit)
 
     def next_timer(self) -> float | None:
         """When the earliest timer of a waiting job comes due (unix seconds), or None: a
