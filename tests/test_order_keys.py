@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -291,3 +292,27 @@ def test_a_keys_line_says_what_runs_what_waits_and_what_holds_it(
     line = store.order_line("invoice-42")
     assert line.head is not None and line.head["id"] == ids[1] and line.held_count == 1
     store.dispose()
+
+
+def test_the_console_lists_a_jobs_order_key_and_its_held_state(
+    db_url: str, redis_client: Any, stream_prefix: str
+) -> None:
+    from starlette.testclient import TestClient
+
+    from outbox.console.app import Console
+    from tests.console_support import World
+
+    world = World(db_url, redis_client, stream_prefix)
+    try:
+        first = world.store.enqueue("acme", "send-a", order_key="invoice-42").job_id
+        second = world.store.enqueue("acme", "send-b", order_key="invoice-42").job_id
+        token = "order-token-" + "x" * 20
+        with TestClient(Console(world.engine, world.client, token).app) as api:
+            answer = api.get("/api/jobs", headers={"Authorization": f"Bearer {token}"})
+            held = api.get("/api/jobs?state=HELD", headers={"Authorization": f"Bearer {token}"})
+        rows = {row["id"]: row for row in answer.json()["rows"]}
+        assert rows[first]["order_key"] == rows[second]["order_key"] == "invoice-42"
+        assert (rows[first]["state"], rows[second]["state"]) == ("READY", "HELD")
+        assert [row["id"] for row in held.json()["rows"]] == [second]
+    finally:
+        world.close()
