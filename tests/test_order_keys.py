@@ -316,3 +316,103 @@ def test_the_console_lists_a_jobs_order_key_and_its_held_state(
         assert [row["id"] for row in held.json()["rows"]] == [second]
     finally:
         world.close()
+
+
+def test_a_concurrency_key_admits_at_most_its_limit_in_enqueue_order(db_url: str) -> None:
+    store = Store(db_url)
+    ids = [
+        store.enqueue("t", f"c-{i}", concurrency_key="acct-7", concurrency_limit=2).job_id
+        for i in range(5)
+    ]
+    store.enqueue_many(
+        [{"tenant": "t", "action": "d-0", "concurrency_key": "acct-8", "concurrency_limit": 1}]
+    )
+    assert [_state(store, i) for i in ids] == ["READY", "READY", "HELD", "HELD", "HELD"]
+    leases = {x.action: x for x in store.claim_batch("w", 10)}
+    assert sorted(leases) == ["c-0", "c-1", "d-0"]
+    store.wait_external(leases["c-0"], reason="waits keep their place")
+    assert store.claim_batch("w", 10) == []
+    assert store.cancel(ids[3], reason="not needed") == "CANCELLED"  # HELD: no place freed
+    assert store.claim_batch("w", 10) == []
+    store.finish(leases["c-1"])
+    assert [x.action for x in store.claim_batch("w", 10)] == ["c-2"]
+    store.cancel(ids[0], reason="gave up")  # the waiting one: its place frees too
+    assert [x.action for x in store.claim_batch("w", 10)] == ["c-4"]
+    store.dispose()
+
+
+def test_concurrent_claimers_never_exceed_a_concurrency_limit(db_url: str) -> None:
+    store = Store(db_url)
+    store.enqueue_many(
+        [
+            {
+                "tenant": f"t{i % 3}",
+                "action": f"c-{i}",
+                "concurrency_key": f"k{i % 2}",
+                "concurrency_limit": 3,
+            }
+            for i in range(60)
+        ]
+    )
+    admitted = sa.text(
+        "SELECT concurrency_key, count(*) FROM outbox_jobs WHERE state IN ('READY', 'LEASED')"
+        " GROUP BY concurrency_key"
+    )
+    lock = threading.Lock()
+    running: dict[str, int] = defaultdict(int)
+    peak: dict[str, int] = defaultdict(int)
+    done: list[int] = []
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            idle = 0
+            while idle < 200 and len(done) < 60:
+                leases = store.claim_batch(name, 2)
+                idle = idle + 1 if not leases else 0
+                with store.engine.connect() as conn:  # the admitted jobs, as committed
+                    for key, n in conn.execute(admitted):
+                        with lock:
+                            peak[f"db {key}"] = max(peak[f"db {key}"], int(n))
+                with lock:
+                    for lease in leases:
+                        key = f"k{int(lease.action.split('-')[1]) % 2}"
+                        running[key] += 1
+                        peak[key] = max(peak[key], running[key])
+                with lock:
+                    for lease in leases:
+                        running[f"k{int(lease.action.split('-')[1]) % 2}"] -= 1
+                        done.append(lease.job_id)
+                store.finish_batch(leases)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(f"w{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert store.counts()["DONE"] == 60
+    assert peak and max(peak.values()) <= 3, dict(peak)
+    assert peak["db k0"] == 3  # the limit was reached, not only respected
+    with store.engine.connect() as conn:
+        leased = conn.execute(
+            sa.text("SELECT concurrency_key, active FROM outbox_concurrency_keys ORDER BY 1")
+        ).all()
+    assert [tuple(row) for row in leased] == [("k0", 0), ("k1", 0)]
+    store.dispose()
+
+
+def test_bad_concurrency_arguments_are_typed_errors(db_url: str) -> None:
+    store = Store(db_url)
+    for kwargs, field in (
+        ({"concurrency_key": "k"}, "concurrency_limit"),
+        ({"concurrency_key": "k", "concurrency_limit": 0}, "concurrency_limit"),
+        ({"concurrency_limit": 2}, "concurrency_limit"),
+        ({"concurrency_key": "k", "concurrency_limit": 2, "order_key": "o"}, "concurrency_key"),
+    ):
+        with pytest.raises(JobError) as bad:
+            store.enqueue("t", "a", **kwargs)  # type: ignore[arg-type]
+        assert bad.value.field == field
+    store.dispose()

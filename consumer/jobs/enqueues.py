@@ -18,6 +18,7 @@ from consumer.jobs.base import StoreBase
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.order_keys import release
 from consumer.jobs.rows import DeferredEnqueue, EnqueueResult
+from consumer.jobs.states import HELD
 
 __all__ = ["EnqueueBuffer", "enqueue_one", "enqueue_rows", "same_stamp"]
 
@@ -85,7 +86,7 @@ def enqueue_one(driver: JobDriver, conn: Connection, values: dict[str, Any]) -> 
         job_id, created = driver.job_insert(conn, values)
     except LookupError as exc:  # pragma: no cover - the conflicting row was deleted
         raise Conflict(str(exc)) from None
-    if created and values.get("order_key") is not None:  # written HELD: its key's turn?
+    if created and values["state"] == HELD:  # a key's job: its key's turn, or room?
         release(conn, [job_id], ended=False, now=_stamp(values))
     return EnqueueResult(job_id, not created)
 
@@ -106,7 +107,7 @@ def enqueue_rows(
     ordered = [
         created[key]
         for key, row in zip(keys, rows, strict=True)
-        if key in created and row.get("order_key") is not None
+        if key in created and row["state"] == HELD
     ]
     if ordered:  # written HELD: each new key's first job becomes its head
         release(conn, sorted(set(ordered)), ended=False, now=_stamp(rows[0]))

@@ -14,9 +14,10 @@ missing (idempotent):
   counters (NOT NULL, default 0) and cancel request, ``outbox_operations``' delivery
   outcome, the tables ``outbox_job_replies`` and ``outbox_deliveries``, and the partial
   index of LEASED jobs with a cancel request;
-- order keys (issue 56): ``outbox_jobs.order_key`` and ``order_hold``, the partial index of
-  HELD jobs by key, the table ``outbox_order_keys`` and (PostgreSQL) the promotion's function
-  (``consumer.jobs.order_ddl``);
+- order and concurrency keys (issue 56): ``outbox_jobs.order_key``, ``order_hold``,
+  ``concurrency_key`` and ``concurrency_limit``, the partial indexes of HELD jobs by key,
+  the tables ``outbox_order_keys`` and ``outbox_concurrency_keys`` and (PostgreSQL) their
+  functions (``consumer.jobs.order_ddl``);
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from consumer.jobs.order_ddl import ORDER_RELEASE_FUNCTION
+from consumer.jobs.order_ddl import CONCURRENCY_RELEASE_FUNCTION, ORDER_RELEASE_FUNCTION
 from consumer.jobs.schema import ADDED_JOB_COLUMNS as ADDED_JOB_COLUMNS
 from consumer.jobs.schema import ADDED_OPERATION_COLUMNS as ADDED_OPERATION_COLUMNS
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION
@@ -64,6 +65,7 @@ def drop_job_extras(op: Any) -> None:
     bind = op.get_bind()
     if is_postgresql(bind.dialect.name):
         bind.exec_driver_sql(f"DROP FUNCTION IF EXISTS {TENANT_ROOM_FUNCTION}(text, text, integer)")
-        bind.exec_driver_sql(
-            f"DROP FUNCTION IF EXISTS {ORDER_RELEASE_FUNCTION}(bigint[], boolean, double precision)"
-        )
+        for function in (ORDER_RELEASE_FUNCTION, CONCURRENCY_RELEASE_FUNCTION):
+            bind.exec_driver_sql(
+                f"DROP FUNCTION IF EXISTS {function}(bigint[], boolean, double precision)"
+            )

@@ -40,21 +40,26 @@ from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from consumer.errors import JobError
-from consumer.jobs.order_ddl import ORDER_RELEASE_FUNCTION
-from consumer.jobs.schema import db_epoch, jobs, order_keys
+from consumer.jobs.order_ddl import CONCURRENCY_RELEASE_FUNCTION, ORDER_RELEASE_FUNCTION
+from consumer.jobs.schema import concurrency_keys, db_epoch, jobs, order_keys
 from consumer.jobs.states import CANCELLED, DONE, HELD, READY, WAITING_EXTERNAL
 from outbox.dialect import EPOCH_SQL, POSTGRESQL, is_postgresql
 from outbox.validate import check_name
 
-__all__ = ["HOLDS", "KeyLine", "hold_value", "read_line", "release", "releases"]
+__all__ = ["HOLDS", "KeyLine", "concurrency_values", "hold_value", "key_values", "read_line"]
+__all__ += ["release"]
+__all__ += ["releases"]
 
 HOLDS = ("wait", "run")
 """``hold=``: ``"wait"`` (the default: a waiting head holds its key's later jobs) or
 ``"run"`` (they pass it while it waits on a reply or a timer)."""
 
+_PG_ARGS = (
+    f"CAST(:ids AS bigint[]), :ended, coalesce(CAST(:now AS double precision),"
+    f" {EPOCH_SQL[POSTGRESQL]})"
+)
 _PG_RELEASE = text(
-    f"SELECT {ORDER_RELEASE_FUNCTION}(CAST(:ids AS bigint[]), :ended,"
-    f" coalesce(CAST(:now AS double precision), {EPOCH_SQL[POSTGRESQL]}))"
+    f"SELECT {ORDER_RELEASE_FUNCTION}({_PG_ARGS}) + {CONCURRENCY_RELEASE_FUNCTION}({_PG_ARGS})"
 )
 
 
@@ -89,10 +94,12 @@ def release(conn: Connection, ids: Sequence[int], *, ended: bool, now: float | N
     if is_postgresql(conn.dialect.name):
         params = {"ids": list(ids), "ended": ended, "now": now}
         return int(conn.execute(_PG_RELEASE, params).scalar_one())
-    return _release_sqlite(conn, ids, ended=ended, now=now)
+    clock = now if now is not None else float(conn.execute(select(db_epoch())).scalar_one())
+    promoted = _release_sqlite(conn, ids, ended=ended, now=clock)
+    return promoted + _admit_sqlite(conn, ids, ended=ended, now=clock)
 
 
-def _release_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: float | None) -> int:
+def _release_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: float) -> int:
     # The caller holds SQLite's write lock (BEGIN IMMEDIATE): nothing changes under this.
     keys = sorted(
         {
@@ -106,7 +113,7 @@ def _release_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: f
     )
     if not keys:
         return 0
-    clock = now if now is not None else float(conn.execute(select(db_epoch())).scalar_one())
+    clock = now
     promoted = 0
     for key in keys:
         row = conn.execute(
@@ -136,6 +143,87 @@ def _release_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: f
             .values(head_id=next_id, updated_at=clock)
         )
     return promoted
+
+
+def _admit_sqlite(conn: Connection, ids: Sequence[int], *, ended: bool, now: float) -> int:
+    """SQLite: ``order_ddl.pg_concurrency_release_sql``'s rule, under the write lock."""
+    lines: dict[str, list[Any]] = {}
+    for key, cap in conn.execute(
+        select(jobs.c.concurrency_key, jobs.c.concurrency_limit)
+        .where(jobs.c.id.in_(list(ids)), jobs.c.concurrency_key.is_not(None))
+        .order_by(jobs.c.id)
+    ):
+        found = lines.setdefault(str(key), [0, cap])
+        found[0] += 1
+        found[1] = cap  # the latest job's limit
+    admitted = 0
+    for key in sorted(lines):
+        ended_here, cap = lines[key]
+        taken = conn.execute(
+            select(concurrency_keys.c.active).where(concurrency_keys.c.concurrency_key == key)
+        ).scalar()
+        if taken is None:
+            conn.execute(
+                insert(concurrency_keys).values(
+                    concurrency_key=key, active=0, concurrency_limit=cap, updated_at=now
+                )
+            )
+            taken = 0
+        taken = max(0, int(taken) - ended_here) if ended else int(taken)
+        room = int(cap) - taken
+        moved = []
+        if room > 0:
+            moved = [
+                int(r[0])
+                for r in conn.execute(
+                    select(jobs.c.id)
+                    .where(jobs.c.concurrency_key == key, jobs.c.state == HELD)
+                    .order_by(jobs.c.id)
+                    .limit(room)
+                )
+            ]
+        if moved:
+            conn.execute(
+                update(jobs).where(jobs.c.id.in_(moved)).values(state=READY, updated_at=now)
+            )
+        conn.execute(
+            update(concurrency_keys)
+            .where(concurrency_keys.c.concurrency_key == key)
+            .values(active=taken + len(moved), concurrency_limit=cap, updated_at=now)
+        )
+        admitted += len(moved)
+    return admitted
+
+
+def key_values(
+    order_key: str | None, hold: str, concurrency_key: str | None, concurrency_limit: int | None
+) -> dict[str, Any]:
+    """A new job's ``state`` and its keys' columns (checked): HELD for a job of an order or
+    concurrency key (its enqueue's :func:`release` admits it), else READY."""
+    values = {
+        "order_key": order_key,
+        "order_hold": hold_value(order_key, hold),
+        **concurrency_values(concurrency_key, concurrency_limit, order_key),
+    }
+    values["state"] = READY if order_key is None and concurrency_key is None else HELD
+    return values
+
+
+def concurrency_values(key: str | None, limit: int | None, order_key: str | None) -> dict[str, Any]:
+    """The concurrency columns for ``concurrency_key=`` / ``concurrency_limit=`` (checked)."""
+    if key is None and limit is None:
+        return {"concurrency_key": None, "concurrency_limit": None}
+    if key is None:
+        raise JobError("concurrency_limit", "applies to a job with a concurrency_key only")
+    check_name("concurrency_key", key, JobError)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise JobError("concurrency_limit", f"must be a positive integer, got {limit!r}")
+    if order_key is not None:
+        raise JobError(
+            "concurrency_key",
+            "cannot be combined with an order_key (the jobs of an order key run one at a time)",
+        )
+    return {"concurrency_key": key, "concurrency_limit": limit}
 
 
 def _holds(conn: Connection, job_id: int, clock: float) -> bool:

@@ -77,11 +77,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
-from consumer.jobs.order_ddl import ORDER_KEYS_TABLE, pg_order_release_sql
+from consumer.jobs.order_ddl import (
+    ORDER_KEYS_TABLE,
+    key_tables,
+    pg_concurrency_release_sql,
+    pg_order_release_sql,
+)
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
-    HELD,
     LEASED,
     NEEDS_ATTENTION,
     READY,
@@ -106,7 +110,7 @@ __all__ += ["PROVIDER_LIMITS_TABLE", "provider_limits"]
 __all__ += ["DEFAULT_QUEUE", "PAUSED_QUEUES_TABLE", "paused_queues"]
 __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 __all__ += ["SCHEDULES_TABLE", "schedules"]
-__all__ += ["ORDER_KEYS_TABLE", "order_keys"]
+__all__ += ["ORDER_KEYS_TABLE", "concurrency_keys", "order_keys"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -169,6 +173,10 @@ jobs = Table(
     # the key pass this one while it waits on a reply or a timer (NULL: it holds them).
     Column("order_key", String(NAME_LENGTH), nullable=True),
     Column("order_hold", String(8), nullable=True),
+    # The concurrency key and its limit: at most that many of the key's jobs admitted (not
+    # HELD) and unfinished at once, across the fleet (consumer.jobs.order_keys).
+    Column("concurrency_key", String(NAME_LENGTH), nullable=True),
+    Column("concurrency_limit", Integer, nullable=True),
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 
@@ -218,15 +226,9 @@ Index(
     sqlite_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
 )
 
-# An order key's HELD jobs in enqueue order: the move that ends its head's hold promotes the
-# first (consumer.jobs.order_keys); never a walk of the key's history.
-ORDER_HELD_INDEX = Index(
-    "ix_outbox_jobs_order_held",
-    jobs.c.order_key,
-    jobs.c.id,
-    postgresql_where=jobs.c.state == HELD,
-    sqlite_where=jobs.c.state == HELD,
-)
+# Order and concurrency keys (consumer/jobs/order_keys.py): their tables and the partial
+# indexes of HELD jobs by key (consumer.jobs.order_ddl has the reasons).
+order_keys, concurrency_keys, ORDER_HELD_INDEX, CONCURRENCY_HELD_INDEX = key_tables(metadata, jobs)
 
 # Retention (consumer.jobs.retention) deletes finished jobs oldest first: a walk of this
 # index, never a scan of the table. Partial: READY and LEASED rows never enter it.
@@ -425,16 +427,6 @@ DUE_SCHEDULES_INDEX = Index(
     sqlite_where=schedules.c.paused_at.is_(None),
 )
 
-# Order keys (consumer/jobs/order_keys.py): one row per key, locked first by every change of
-# its line; ``head_id``: the key's job that may run now (the later ones wait HELD), or NULL.
-order_keys = Table(
-    ORDER_KEYS_TABLE,
-    metadata,
-    Column("order_key", String(NAME_LENGTH), primary_key=True),
-    Column("head_id", BigInteger, nullable=True),
-    Column("updated_at", Double, nullable=False),
-)
-
 HOT_TABLES = (JOBS_TABLE, ATTEMPTS_TABLE, OPERATIONS_TABLE)
 """The job tables written all day (every claim and finish updates a job, every outcome adds
 a history row): they get the hot-table autovacuum settings, and the worker vacuums them
@@ -489,7 +481,7 @@ ADDED_OPERATION_COLUMNS = (
 delivery outcome, issue 38)."""
 ADDED_JOB_COLUMNS = (
     *("trace_context", "cancel_requested_at", "cancel_reason"),
-    *("order_key", "order_hold"),
+    *("order_key", "order_hold", "concurrency_key", "concurrency_limit"),
 )
 """Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
 23), the cancel request (issue 38), the order key and its hold (issue 56). The queue (issue
@@ -540,11 +532,12 @@ def upgrade_schema(conn: Connection) -> None:
     deliveries.create(conn, checkfirst=True)
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
-    ORDER_HELD_INDEX.create(conn, checkfirst=True)
-    order_keys.create(conn, checkfirst=True)
+    for extra in (ORDER_HELD_INDEX, CONCURRENCY_HELD_INDEX, order_keys, concurrency_keys):
+        extra.create(conn, checkfirst=True)
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
         conn.exec_driver_sql(pg_order_release_sql(JOBS_TABLE))
+        conn.exec_driver_sql(pg_concurrency_release_sql(JOBS_TABLE))
 
 
 def _add_columns(conn: Connection, table: Table, names: list[str]) -> None:

@@ -206,6 +206,8 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         queue: str = DEFAULT_QUEUE,
         order_key: str | None = None,
         hold: str = "wait",
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
         session: Session | Connection | None = None,
         now: Time | None = None,
     ) -> EnqueueResult:
@@ -223,7 +225,9 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
         are given. ``order_key``: the jobs of one key run one at a time in enqueue order,
         a later one HELD until the earlier ones finished; ``hold="run"`` lets later jobs of
         the key pass this one while it waits on a reply or a timer
-        (``consumer.jobs.order_keys`` has the contract).
+        ``concurrency_key`` with ``concurrency_limit``: at most that many jobs of the key
+        admitted and unfinished at once across every worker (the others wait HELD, in
+        enqueue order); ``consumer.jobs.order_keys`` has the contract of both.
         """
         values = job_values(
             tenant,
@@ -238,6 +242,8 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
             queue=queue,
             order_key=order_key,
             hold=hold,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
             now=now,
         )
         writers = deferred_writes(session)
