@@ -25,6 +25,13 @@ puts the job in its key's **line**. Contract:
 - **Cost.** A job without an order key pays nothing but two NULL columns; the finish of a
   keyed job runs the promotion (a few index probes) in its own statement or transaction.
 
+**Concurrency keys.** ``concurrency_key=`` with ``concurrency_limit=N``: at most N of the
+key's jobs are admitted (READY or further) and unfinished at once, across every worker. The
+others wait HELD and are admitted in enqueue order when a place frees: the finish or cancel
+of an admitted job, in its transaction (``order_ddl.pg_concurrency_release_sql``; the key's
+row in ``outbox_concurrency_keys`` counts the places taken). A job keeps its place while it
+waits or retries. A job has an order key or a concurrency key, not both.
+
 What is NOT ordered: jobs of different keys (they run in parallel, fairly across tenants),
 jobs without a key, and the queue, tenant or priority of a keyed job decide nothing about its
 turn within the key (only when its turn came, whether a worker of its queue claims it).
