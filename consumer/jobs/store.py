@@ -255,9 +255,12 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods):
                 writers[self] = buffer
             return buffer.add(values)
         # Alone, the insert commits on its own (PostgreSQL: one round trip, not three); a
-        # duplicate's look-up after it is a read of the committed row.
+        # duplicate's look-up after it is a read of the committed row. A key's job is
+        # written HELD and admitted by a second statement: one transaction for both.
         return self._in_session(
-            session, lambda conn: enqueue_one(self.driver, conn, values), alone=True
+            session,
+            lambda conn: enqueue_one(self.driver, conn, values),
+            alone=values["state"] != HELD,
         )
 
     def enqueue_many(
