@@ -328,6 +328,8 @@ def test_a_concurrency_key_admits_at_most_its_limit_in_enqueue_order(db_url: str
         [{"tenant": "t", "action": "d-0", "concurrency_key": "acct-8", "concurrency_limit": 1}]
     )
     assert [_state(store, i) for i in ids] == ["READY", "READY", "HELD", "HELD", "HELD"]
+    job = store.get(ids[2])
+    assert (job.concurrency_key, job.concurrency_limit) == ("acct-7", 2)
     leases = {x.action: x for x in store.claim_batch("w", 10)}
     assert sorted(leases) == ["c-0", "c-1", "d-0"]
     store.wait_external(leases["c-0"], reason="waits keep their place")

@@ -142,6 +142,9 @@ class Job:
     """The job's order key (``consumer.jobs.order_keys``), or None."""
     hold: str = "wait"
     """``"run"``: later jobs of its order key pass it while it waits; ``"wait"``: they do not."""
+    concurrency_key: str | None = None
+    """The job's concurrency key and its limit (``consumer.jobs.order_keys``), or None."""
+    concurrency_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -298,4 +301,6 @@ def job_from_row(row: Any) -> Job:
         cancel_reason=row.cancel_reason,
         order_key=row.order_key,
         hold=row.order_hold or "wait",
+        concurrency_key=row.concurrency_key,
+        concurrency_limit=row.concurrency_limit,
     )
