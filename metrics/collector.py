@@ -322,7 +322,7 @@ class DatabaseCollector(Collector):
             jobs = GaugeMetricFamily(
                 "outbox_jobs",
                 "Open jobs per state (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, "
-                "NEEDS_ATTENTION); DONE and CANCELLED are history and not counted.",
+                "NEEDS_ATTENTION, HELD); DONE and CANCELLED are history and not counted.",
                 labels=["state"],
             )
             counts = dict.fromkeys(queries.OPEN_JOB_STATES, 0)

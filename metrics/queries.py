@@ -82,7 +82,11 @@ OPERATIONS_TABLE = "outbox_operations"
 JOBS_TABLE = "outbox_jobs"
 # Open (non-terminal) states. DONE and CANCELLED are history: counting them would scan every
 # job ever run, so they are not exported (the workers' outcome counters show throughput).
-OPEN_JOB_STATES = ("READY", "LEASED", "WAITING_EXTERNAL", "WAITING_REVIEW", "NEEDS_ATTENTION")
+# HELD: jobs of an order key behind an earlier one (``ix_outbox_jobs_order_held``).
+OPEN_JOB_STATES = (
+    *("READY", "LEASED", "WAITING_EXTERNAL", "WAITING_REVIEW", "NEEDS_ATTENTION"),
+    "HELD",
+)
 
 
 def epoch_sql(dialect: str) -> str:

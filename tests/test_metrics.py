@@ -273,6 +273,7 @@ def test_job_gauges(engine: sa.Engine) -> None:
         dict(state="LEASED", created_at=now, lease_expires_at=now + 60),
         dict(state="NEEDS_ATTENTION", created_at=now),
         dict(state="NEEDS_ATTENTION", created_at=now),
+        dict(state="HELD", created_at=now),  # behind an earlier job of its order key
         dict(state="WAITING_REVIEW", created_at=now),
         dict(state="DONE", created_at=now),
         dict(state="CANCELLED", created_at=now),
@@ -291,6 +292,7 @@ def test_job_gauges(engine: sa.Engine) -> None:
         (("state", "WAITING_EXTERNAL"),): 0.0,
         (("state", "WAITING_REVIEW"),): 1.0,
         (("state", "NEEDS_ATTENTION"),): 2.0,
+        (("state", "HELD"),): 1.0,
     }
     age = value(registry, "outbox_oldest_ready_job_age_seconds")
     assert age is not None and 300.0 <= age < 360.0

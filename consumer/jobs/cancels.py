@@ -38,10 +38,11 @@ from sqlalchemy import ColumnElement, func
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, IllegalTransition, JobNotFound
+from consumer.jobs import order_keys
 from consumer.jobs.checks import NO_TIMER, job_values
 from consumer.jobs.driver import JobDriver
 from consumer.jobs.schema import jobs
-from consumer.jobs.states import CANCELLED, LEASED, check_transition, sources
+from consumer.jobs.states import CANCELLED, HELD, LEASED, check_transition, sources
 from consumer.jobs.steps import settle_children
 
 __all__ = ["CANCELLABLE", "ENDED_BY_CANCEL", "identity_of", "operator_cancel"]
@@ -100,10 +101,13 @@ def operator_cancel(
             driver.attempt_insert(conn, requested, None, None, "cancel_requested", reason, clock)
             return LEASED
         values = {"state": CANCELLED, "wait_reason": reason, "updated_at": clock, **NO_TIMER}
+        was = driver.job_state(conn, where)
         moved = driver.job_update_from(conn, where, CANCELLABLE, values)
         if moved is not None:
             driver.attempt_insert(conn, moved, None, None, "cancelled", reason, clock)
             settle_children(driver, conn, [moved], clock)  # its dependents, in this transaction
+            if was != HELD:  # a key's head (a HELD job held no place): the next one's turn
+                order_keys.release(conn, [moved], ended=True, now=clock)
             return CANCELLED
         state = driver.job_state(conn, where)
         if state is None:
@@ -159,4 +163,5 @@ def end_expired(
         return False
     driver.attempt_insert(conn, job_id, epoch, None, "cancelled", f"cancel requested; {how}", clock)
     settle_children(driver, conn, [job_id], clock)
+    order_keys.release(conn, [job_id], ended=True, now=clock)
     return True

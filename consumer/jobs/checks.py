@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_
 
 from consumer.errors import JobError
+from consumer.jobs.order_keys import key_values
 from consumer.jobs.rows import Lease
 from consumer.jobs.schema import DEFAULT_QUEUE, db_epoch, jobs
-from consumer.jobs.states import READY
 from outbox import tracing
 from outbox.errors import ConfigError
 from outbox.validate import check_name, check_number, json_problem
@@ -44,6 +44,10 @@ SPEC_FIELDS = frozenset(
         "kind",
         "provider",
         "queue",
+        "order_key",
+        "hold",
+        "concurrency_key",
+        "concurrency_limit",
     }
 )
 
@@ -65,9 +69,16 @@ def job_values(
     kind: str | None = None,
     provider: str | None = None,
     queue: str = DEFAULT_QUEUE,
+    order_key: str | None = None,
+    hold: str = "wait",
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
     now: Time | None = None,
 ) -> dict[str, Any]:
-    """Validate one job's fields (raising JobError naming the field); its row values."""
+    """Validate one job's fields (raising JobError naming the field); its row values. A job
+    with an ``order_key`` is written HELD: the enqueue's promotion
+    (``consumer.jobs.order_keys.release``) makes it READY when its key has no head; so is
+    a job with a ``concurrency_key``, admitted while its key has room."""
     # The natural consumer handler calls this once per event: the absent optional fields
     # (most of them) skip their checks.
     valid_name("tenant", tenant)
@@ -81,6 +92,7 @@ def job_values(
         valid_name("kind", kind)
     if provider is not None:
         valid_name("provider", provider)
+    keyed = key_values(order_key, hold, concurrency_key, concurrency_limit)
     if priority.__class__ is not int and (
         isinstance(priority, bool) or not isinstance(priority, int)
     ):
@@ -100,12 +112,12 @@ def job_values(
         "subject_version": version,
         "payload": payload,
         "provider": provider,
-        "state": READY,
         "priority": priority,
         "run_after": after,
         "created_at": stamp,
         "updated_at": stamp,
         "trace_context": tracing.job_trace_context(),  # the enqueuing span's, if any
+        **keyed,  # the state (HELD for a key's job) and the keys' columns
     }
 
 

@@ -74,6 +74,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from consumer.jobs.job_cli import add_jobs_command
+from consumer.jobs.order_cli import add_keys_command
 from consumer.jobs.purge import (
     WINDOWS,
     add_purge_command,
@@ -264,6 +265,7 @@ def build_parser() -> Parser:
     purge.set_defaults(func=purge_command)
     schedules = add_schedules_command(sub)  # consumer.jobs.schedule_cli
     jobs = add_jobs_command(sub)  # consumer.jobs.job_cli
+    keys = add_keys_command(sub)  # consumer.jobs.order_cli
     inbound = sub.add_parser(
         "inbound",
         help="serve the signed inbound endpoint (replies, delivery callbacks)",
@@ -301,7 +303,19 @@ def build_parser() -> Parser:
     )
     inbound.set_defaults(func=_inbound)
     add_window_flags(run)  # the retention duty's windows (consumer.jobs.purge)
-    for command in (run, init, queues, receipts, settle, sweep, purge, inbound, schedules, jobs):
+    for command in (
+        run,
+        init,
+        queues,
+        receipts,
+        settle,
+        sweep,
+        purge,
+        inbound,
+        schedules,
+        jobs,
+        keys,
+    ):
         add_flags(command, *DATABASE, *LOGGING)
     return parser
 

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Index, func, text
 from sqlalchemy.engine import Connection
 
+from consumer.jobs import order_keys
 from consumer.jobs import queries as q
 from consumer.jobs.driver_base import FencedOut, JobDriver
 from consumer.jobs.driver_operations import check_operation_columns
@@ -109,6 +110,8 @@ class SqliteJobDriver(JobDriver):
         done = [(job_id, epoch) for job_id, epoch in leases if job_id in finished]
         history = {"pairs": json.dumps(done), "worker": worker, "now": clock}
         conn.execute(q.sqlite_finish_history(), history)
+        # The finished heads' order keys: their next jobs promoted in this transaction.
+        order_keys.release(conn, [job_id for job_id, _ in done], ended=True, now=clock)
         return [job_id for job_id, _ in done]
 
     # -- provider limits (consumer.jobs.driver_fleet) ---------------------------------------

@@ -16,8 +16,10 @@ from consumer.bulk import deferred_writes
 from consumer.errors import Conflict
 from consumer.jobs.base import StoreBase
 from consumer.jobs.driver import JobDriver
+from consumer.jobs.order_keys import release
 from consumer.jobs.replies import adopt, adopt_created, kept_count
 from consumer.jobs.rows import DeferredEnqueue, EnqueueResult
+from consumer.jobs.states import HELD
 
 __all__ = ["EnqueueBuffer", "enqueue_one", "enqueue_rows", "same_stamp"]
 
@@ -65,6 +67,12 @@ class EnqueueBuffer:
         return found
 
 
+def _stamp(values: Mapping[str, Any]) -> float | None:
+    """The row's timestamp when it is a number (``now`` given), else None (the clock)."""
+    stamp = values["created_at"]
+    return float(stamp) if isinstance(stamp, (int, float)) else None
+
+
 def same_stamp(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two rows share their timestamp (the same number, or both the database clock)."""
     x, y = a["created_at"], b["created_at"]
@@ -91,6 +99,8 @@ def enqueue_one(
     if waiting and adopting:
         adopt(driver, conn, job_id)
         waiting = False
+    if created and values["state"] == HELD:  # a key's job: its key's turn, or room?
+        release(conn, [job_id], ended=False, now=_stamp(values))
     return EnqueueResult(job_id, not created), waiting
 
 
@@ -108,6 +118,13 @@ def enqueue_rows(
     created, existing = driver.job_insert_many(conn, rows)
     adopt_created(driver, conn, created)
     keys = [(row["tenant"], row["action"]) for row in rows]
+    ordered = [
+        created[key]
+        for key, row in zip(keys, rows, strict=True)
+        if key in created and row["state"] == HELD
+    ]
+    if ordered:  # written HELD: each new key's first job becomes its head
+        release(conn, sorted(set(ordered)), ended=False, now=_stamp(rows[0]))
     results: list[EnqueueResult] = []
     seen: set[tuple[str, str]] = set()
     for key in keys:

@@ -20,6 +20,10 @@ when missing (idempotent):
 - ``outbox_deliveries`` keyed by ``(operation_id, event_id)`` instead of ``event_id`` alone
   (issue 53: callbacks are deduplicated per operation); SQLite rebuilds the table;
 - replies to a job not enqueued yet (issue 59): the table ``outbox_kept_replies``;
+- order and concurrency keys (issue 56): ``outbox_jobs.order_key``, ``order_hold``,
+  ``concurrency_key`` and ``concurrency_limit``, the partial indexes of HELD jobs by key,
+  the tables ``outbox_order_keys`` and ``outbox_concurrency_keys`` and (PostgreSQL) their
+  functions (``consumer.jobs.order_ddl``);
 - PostgreSQL: the tenant limit's function (``consumer.jobs.schema.PG_TENANT_ROOM_SQL``),
   which no MetaData holds and Alembic's autogenerate never emits.
 
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from consumer.jobs.order_ddl import CONCURRENCY_RELEASE_FUNCTION, ORDER_RELEASE_FUNCTION
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION
 from consumer.jobs.upgrades import ADDED_JOB_COLUMNS as ADDED_JOB_COLUMNS
 from consumer.jobs.upgrades import ADDED_OPERATION_COLUMNS as ADDED_OPERATION_COLUMNS
@@ -61,8 +66,12 @@ def create_job_extras(op: Any) -> None:
 
 
 def drop_job_extras(op: Any) -> None:
-    """In an Alembic downgrade: the tenant limit's function (PostgreSQL), which no MetaData
-    holds; the tables and indexes go with the generated operations."""
+    """In an Alembic downgrade: the tenant limit's and the order keys' functions (PostgreSQL),
+    which no MetaData holds; the tables and indexes go with the generated operations."""
     bind = op.get_bind()
     if is_postgresql(bind.dialect.name):
         bind.exec_driver_sql(f"DROP FUNCTION IF EXISTS {TENANT_ROOM_FUNCTION}(text, text, integer)")
+        for function in (ORDER_RELEASE_FUNCTION, CONCURRENCY_RELEASE_FUNCTION):
+            bind.exec_driver_sql(
+                f"DROP FUNCTION IF EXISTS {function}(bigint[], boolean, double precision)"
+            )

@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, case
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, JobError, JobNotFound
-from consumer.jobs import cancels
+from consumer.jobs import cancels, order_keys
 from consumer.jobs import replies as talk
 from consumer.jobs.batch_moves import BatchMoves
 from consumer.jobs.checks import (
@@ -380,6 +380,8 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             moved = self.driver.job_update_from(
                 conn, where, (READY, *WAITING), {**timer_values, "updated_at": clock}
             )
+            if moved is not None:  # a timer: a head with hold="run" lets its line pass
+                order_keys.release(conn, [moved], ended=False, now=clock)
             if moved is None:
                 state = self._state(conn, where, label)
                 # A timer on a leased, finished or attention-needing job is not ours to set.
@@ -486,6 +488,7 @@ class LeaseMoves(BatchMoves, OperatorMoves):
                     note = f"cancel requested; the run ended {outcome}"
                     self.driver.attempt_insert(conn, ended, epoch, worker, "cancelled", note, clock)
                     settle_children(self.driver, conn, [ended], clock)
+                    order_keys.release(conn, [ended], ended=True, now=clock)
                     return CANCELLED
                 self._diagnose(conn, where, label, worker, epoch)
             assert found is not None
@@ -495,6 +498,8 @@ class LeaseMoves(BatchMoves, OperatorMoves):
             talk.consume(self.driver, conn, job_id, consume, clock)
         if target in _PARENT_ENDS:  # its dependents learn it in the same transaction
             settle_children(self.driver, conn, [job_id], clock)
+        if order_keys.releases(target, values.get("timer_scheduled_for") is not None):
+            order_keys.release(conn, [job_id], ended=target in (CANCELLED, DONE), now=clock)
         return target
 
     def _cas(

@@ -13,10 +13,12 @@ from sqlalchemy import ColumnElement
 from sqlalchemy.engine import Connection
 
 from consumer.errors import Conflict, IllegalTransition, JobError, JobNotFound
+from consumer.jobs import order_keys
 from consumer.jobs.base import StoreBase
 from consumer.jobs.checks import NO_TIMER, Time, job_key, valid_time
 from consumer.jobs.states import (
     CANCELLED,
+    HELD,
     LEASED,
     NEEDS_ATTENTION,
     READY,
@@ -106,6 +108,10 @@ class OperatorMoves(StoreBase):
         from_states = tuple(s for s in (allowed or sources(target)) if s != LEASED)
         with self.driver.begin() as conn:
             clock = self._clock(conn, when)
+            # A cancel frees its key's place unless the job was HELD (it held none): its state
+            # read under the row's lock (a promotion waits for it, and takes no key lock here).
+            row = self.driver.job_lock_for_claim(conn, where) if target == CANCELLED else None
+            was = None if row is None else row.state
             job_id = self.driver.job_update_from(
                 conn,
                 where,
@@ -121,6 +127,8 @@ class OperatorMoves(StoreBase):
                     raise IllegalTransition(label, state, target)
                 raise Conflict(f"job {label} changed meanwhile")  # pragma: no cover
             self.driver.attempt_insert(conn, job_id, None, None, outcome, note, clock)
+            if target == CANCELLED and was != HELD:  # a key's head: the next job's turn
+                order_keys.release(conn, [job_id], ended=True, now=clock)
             if target == READY:
                 self.driver.job_ready_notify(conn)
             else:  # cancelled or parked: its dependents follow (consumer.jobs.steps)

@@ -13,6 +13,7 @@ from functools import lru_cache
 from sqlalchemy import TextClause, text
 from sqlalchemy.sql.selectable import TextualSelect
 
+from consumer.jobs.order_ddl import CONCURRENCY_RELEASE_FUNCTION, ORDER_RELEASE_FUNCTION
 from consumer.jobs.schema import ATTEMPTS_TABLE, JOBS_TABLE, PAUSED_QUEUES_TABLE, jobs
 from consumer.jobs.schema import PG_TENANT_ROOM_SQL as PG_TENANT_ROOM_SQL  # the DDL lives there
 from consumer.jobs.schema import TENANT_ROOM_FUNCTION as TENANT_ROOM_FUNCTION
@@ -364,10 +365,18 @@ done AS (
     FROM input i
     WHERE f.id = i.id AND f.lease_epoch = i.epoch AND f.lease_owner = :worker
       AND f.state || '' = '{LEASED}'
-    RETURNING f.id, i.epoch, f.state
+    RETURNING f.id, i.epoch, f.state, f.order_key, f.concurrency_key
+),
+lines AS (
+    SELECT {ORDER_RELEASE_FUNCTION}(array_agg(id), true, {{now}})
+           + {CONCURRENCY_RELEASE_FUNCTION}(array_agg(id), true, {{now}}) AS promoted
+    FROM done WHERE order_key IS NOT NULL OR concurrency_key IS NOT NULL HAVING count(*) > 0
 )"""
+# The history rows; ``lines`` (the finished heads' order keys: their next jobs promoted,
+# consumer.jobs.order_keys) is referenced so that it runs, in the same statement.
 _FINISH_HISTORY = f"""INSERT INTO {ATTEMPTS_TABLE} (job_id, epoch, worker, outcome, error, at)
 SELECT id, epoch, :worker, {_OUTCOME}, {_NOTE}, {{now}} FROM done
+WHERE (SELECT count(*) FROM lines) >= 0
 RETURNING job_id"""
 _FINISHING = f""",
 {_FINISH_CTES},

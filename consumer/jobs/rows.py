@@ -148,6 +148,13 @@ class Job:
     """The result its handler returned (DONE jobs; ``Store.result`` waits for it)."""
     parents_pending: int = 0
     """Parents (``after=``) not DONE yet: the job is WAITING_PARENTS until none is left."""
+    order_key: str | None = None
+    """The job's order key (``consumer.jobs.order_keys``), or None."""
+    hold: str = "wait"
+    """``"run"``: later jobs of its order key pass it while it waits; ``"wait"``: they do not."""
+    concurrency_key: str | None = None
+    """The job's concurrency key and its limit (``consumer.jobs.order_keys``), or None."""
+    concurrency_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -306,4 +313,8 @@ def job_from_row(row: Any) -> Job:
         cancel_reason=row.cancel_reason,
         result=row.result,
         parents_pending=int(row.parents_pending or 0),
+        order_key=row.order_key,
+        hold=row.order_hold or "wait",
+        concurrency_key=row.concurrency_key,
+        concurrency_limit=row.concurrency_limit,
     )

@@ -79,6 +79,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection
 
+from consumer.jobs.order_ddl import (
+    ORDER_KEYS_TABLE,
+    key_tables,
+)
 from consumer.jobs.states import (
     CANCELLED,
     DONE,
@@ -105,6 +109,7 @@ __all__ += ["DELIVERIES_TABLE", "REPLIES_TABLE", "deliveries", "replies"]
 __all__ += ["SCHEDULES_TABLE", "schedules"]
 __all__ += ["STEPS_TABLE", "job_steps"]
 __all__ += ["EARLY_REPLIES_TABLE", "early_replies"]
+__all__ += ["ORDER_KEYS_TABLE", "concurrency_keys", "order_keys"]
 
 JOBS_TABLE = "outbox_jobs"
 ATTEMPTS_TABLE = "outbox_job_attempts"
@@ -170,6 +175,14 @@ jobs = Table(
     Column("parents_pending", Integer, nullable=False, server_default=text("0")),
     Column("children", Integer, nullable=False, server_default=text("0")),
     Column("on_parent_failure", String(16), nullable=True),
+    # The order key (consumer.jobs.order_keys) and ``order_hold``: 'run' lets later jobs of
+    # the key pass this one while it waits on a reply or a timer (NULL: it holds them).
+    Column("order_key", String(NAME_LENGTH), nullable=True),
+    Column("order_hold", String(8), nullable=True),
+    # The concurrency key and its limit: at most that many of the key's jobs admitted (not
+    # HELD) and unfinished at once, across the fleet (consumer.jobs.order_keys).
+    Column("concurrency_key", String(NAME_LENGTH), nullable=True),
+    Column("concurrency_limit", Integer, nullable=True),
     UniqueConstraint("tenant", "action", name="uq_outbox_jobs_tenant_action"),
 )
 
@@ -218,6 +231,10 @@ Index(
     postgresql_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
     sqlite_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
 )
+
+# Order and concurrency keys (consumer/jobs/order_keys.py): their tables and the partial
+# indexes of HELD jobs by key (consumer.jobs.order_ddl has the reasons).
+order_keys, concurrency_keys, ORDER_HELD_INDEX, CONCURRENCY_HELD_INDEX = key_tables(metadata, jobs)
 
 # Retention (consumer.jobs.retention) deletes finished jobs oldest first: a walk of this
 # index, never a scan of the table. Partial: READY and LEASED rows never enter it.

@@ -14,6 +14,9 @@ move also filters on the allowed source states, so a race cannot sneak past the 
 - ``WAITING_PARENTS``: enqueued ``after`` other jobs (``consumer.jobs.steps``) that are not
   all DONE; never claimed. The finish of its last parent makes it READY, in the same
   transaction; a failed parent sends it to WAITING_REVIEW (or CANCELLED, as asked).
+- ``HELD``: a job of an order key (``order_key``) behind an earlier job of that key that
+  has not finished (``consumer.jobs.order_keys``); no claim sees it. The move that ends the
+  earlier job's hold makes it READY, in the same transaction; an operator may cancel it.
 - ``DONE`` and ``CANCELLED``: terminal. ``CANCELLED`` is the extra state this store adds:
   a timer whose subject changed or whose cancellation condition holds, or an operator's
   ``cancel``, ends the job without acting.
@@ -34,10 +37,12 @@ NEEDS_ATTENTION: Final = "NEEDS_ATTENTION"
 DONE: Final = "DONE"
 CANCELLED: Final = "CANCELLED"
 WAITING_PARENTS: Final = "WAITING_PARENTS"
+HELD: Final = "HELD"
 
 STATES: Final = (
     *(READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, NEEDS_ATTENTION, DONE, CANCELLED),
     WAITING_PARENTS,
+    HELD,
 )
 WAITING: Final = (WAITING_EXTERNAL, WAITING_REVIEW)
 TERMINAL: Final = (DONE, CANCELLED)
@@ -58,6 +63,8 @@ TRANSITIONS: Final[dict[str, frozenset[str]]] = {
     NEEDS_ATTENTION: frozenset({READY, CANCELLED}),
     # Its last parent's finish (READY), a failed parent (review), a cancelled one.
     WAITING_PARENTS: frozenset({READY, WAITING_REVIEW, CANCELLED}),
+    # Its order key's line reaches it (READY), or an operator gives it up.
+    HELD: frozenset({READY, CANCELLED}),
     DONE: frozenset(),
     CANCELLED: frozenset(),
 }

@@ -70,6 +70,7 @@ from consumer.jobs.claims import BatchClaims
 from consumer.jobs.driver import JobDriver, driver_for, engine_for
 from consumer.jobs.enqueues import EnqueueBuffer, enqueue_one, enqueue_rows
 from consumer.jobs.moves import LeaseMoves
+from consumer.jobs.order_keys import KeyLine, read_line
 from consumer.jobs.queues import QueueMethods
 from consumer.jobs.recovery import Recovery
 from consumer.jobs.replies import (
@@ -96,10 +97,16 @@ from consumer.jobs.rows import (
 )
 from consumer.jobs.schedules import ScheduleMethods
 from consumer.jobs.schema import DEFAULT_QUEUE
-from consumer.jobs.states import LEASED, READY, STATES
+from consumer.jobs.states import (
+    HELD,
+    LEASED,
+    READY,
+    STATES,
+)
 from consumer.jobs.step_results import ResultMethods
 from consumer.jobs.steps import enqueue_graph, valid_after, valid_policy
 from outbox.errors import ConfigError
+from outbox.validate import check_number
 
 __all__ = [
     "Attempt",
@@ -107,6 +114,7 @@ __all__ = [
     "DeferredEnqueue",
     "EnqueueResult",
     "Job",
+    "KeyLine",
     "Lease",
     "QueueDepth",
     "RecoveryResult",
@@ -202,6 +210,10 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
         kind: str | None = None,
         provider: str | None = None,
         queue: str = DEFAULT_QUEUE,
+        order_key: str | None = None,
+        hold: str = "wait",
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
         session: Session | Connection | None = None,
         now: Time | None = None,
         after: Iterable[tuple[str, str]] | None = None,
@@ -221,6 +233,12 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
         are given. ``after``: the ``(tenant, action)`` of jobs it waits for (WAITING_PARENTS
         until every one is DONE; ``consumer.jobs.steps``), ``on_parent_failure``: ``review``
         (default) or ``cancel``.
+        are given. ``order_key``: the jobs of one key run one at a time in enqueue order,
+        a later one HELD until the earlier ones finished; ``hold="run"`` lets later jobs of
+        the key pass this one while it waits on a reply or a timer
+        ``concurrency_key`` with ``concurrency_limit``: at most that many jobs of the key
+        admitted and unfinished at once across every worker (the others wait HELD, in
+        enqueue order); ``consumer.jobs.order_keys`` has the contract of both.
         """
         values = job_values(
             tenant,
@@ -233,6 +251,10 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
             kind=kind,
             provider=provider,
             queue=queue,
+            order_key=order_key,
+            hold=hold,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
             now=now,
         )
         parents, policy = valid_after(after), valid_policy(on_parent_failure)
@@ -259,7 +281,7 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
         result, waiting = self._in_session(
             session,
             lambda conn: enqueue_one(self.driver, conn, values, adopting=not alone),
-            alone=True,
+            alone=values["state"] != HELD,
         )
         if waiting:
             with self.driver.begin() as conn:
@@ -402,6 +424,13 @@ class Store(LeaseMoves, BatchClaims, QueueMethods, Recovery, ScheduleMethods, Re
         result = dict.fromkeys(STATES, 0)
         result.update(found)
         return result
+
+    def order_line(self, order_key: str, *, limit: int = 50) -> KeyLine:
+        """The line of ``order_key`` (``consumer.jobs.order_keys.KeyLine``): what runs, what
+        waits HELD behind it (the first ``limit``), and whether the head holds them."""
+        check_number("limit", limit, JobError, integer=True)
+        with self.driver.connect() as conn:
+            return read_line(conn, order_key, limit)
 
     def next_timer(self) -> float | None:
         """When the earliest timer of a waiting job comes due (unix seconds), or None: a

@@ -10,23 +10,29 @@ from typing import Any
 from sqlalchemy import Table, inspect, text
 from sqlalchemy.engine import Connection, Engine
 
+from consumer.jobs.order_ddl import pg_concurrency_release_sql, pg_order_release_sql
 from consumer.jobs.schema import (
     CANCEL_REQUESTED_INDEX,
+    CONCURRENCY_HELD_INDEX,
     DEFAULT_QUEUE,
     DELIVERIES_KEY,
     DELIVERIES_OPERATION_INDEX,
     DUE_SCHEDULES_INDEX,
+    JOBS_TABLE,
     LEASED_TENANT_INDEX,
     OPEN_RECEIPTS_INDEX,
+    ORDER_HELD_INDEX,
     PG_TENANT_ROOM_SQL,
     READY_INDEX,
     UNAPPLIED_DELIVERIES_INDEX,
+    concurrency_keys,
     deliveries,
     early_replies,
     job_steps,
     jobs,
     metadata,
     operations,
+    order_keys,
     paused_queues,
     replies,
     schedules,
@@ -53,6 +59,7 @@ delivery outcome, issue 38)."""
 ADDED_JOB_COLUMNS = (
     *("trace_context", "cancel_requested_at", "cancel_reason"),
     *("result", "on_parent_failure"),
+    *("order_key", "order_hold", "concurrency_key", "concurrency_limit"),
 )
 """Nullable columns ``outbox_jobs`` gained after its first release: the trace context (issue
 23), the cancel request (issue 38). The queue (issue 27) and the reply counters (issue 38)
@@ -107,8 +114,12 @@ def upgrade_schema(conn: Connection) -> None:
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
     job_steps.create(conn, checkfirst=True)  # steps (issue 57), with its indexes
+    for extra in (ORDER_HELD_INDEX, CONCURRENCY_HELD_INDEX, order_keys, concurrency_keys):
+        extra.create(conn, checkfirst=True)  # order and concurrency keys (issue 56)
     if is_postgresql(conn.dialect.name):
         conn.exec_driver_sql(PG_TENANT_ROOM_SQL)
+        conn.exec_driver_sql(pg_order_release_sql(JOBS_TABLE))
+        conn.exec_driver_sql(pg_concurrency_release_sql(JOBS_TABLE))
 
 
 def _deliveries_per_operation(conn: Connection, inspector: Any) -> None:

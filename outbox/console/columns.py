@@ -36,6 +36,7 @@ JOB_LIST_COLUMNS = (
     "run_after",
     "timer_scheduled_for",
     "cancel_requested_at",
+    "order_key",  # issue 56: HELD jobs wait for an earlier job of this key
     "created_at",
     "updated_at",
 )

@@ -30,9 +30,9 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
 4. ``not sent``: a receipt NOT_SENT or FAILED;
 5. ``in progress``: a receipt PENDING within its deadline (the call may be in flight);
 6. then the jobs: WAITING_REVIEW or NEEDS_ATTENTION ``needs review``; WAITING_EXTERNAL,
-   WAITING_PARENTS, or a job with a timer or a ``run_after`` in the future, ``waiting``;
-   READY or LEASED ``in progress``; every job CANCELLED ``not sent``; DONE (no receipt
-   recorded: the handler finished) ``sent``;
+   WAITING_PARENTS, HELD (behind an earlier job of its order key), or a job with a timer or
+   a ``run_after`` in the future, ``waiting``; READY or LEASED ``in progress``; every job
+   CANCELLED ``not sent``; DONE (no receipt recorded: the handler finished) ``sent``;
 7. no job: a dead letter ``needs review``; an outbox row pending or quarantined
    ``not published yet``; published (in the stream, no job yet) ``in progress``.
 """
@@ -463,6 +463,8 @@ def _job_verdict(found: list[dict[str, Any]], now: float) -> tuple[str, str]:
     for job in found:
         if job["state"] in ("WAITING_EXTERNAL", "WAITING_PARENTS"):  # a reply, a step
             return WAITING, label(job)
+        if job["state"] == "HELD":  # issue 56: behind an earlier job of its order key
+            return WAITING, label(job) + ", behind an earlier job of its order key"
         future = job["run_after"] is not None and float(job["run_after"]) > now
         if job["state"] == "READY" and (job["timer_scheduled_for"] is not None or future):
             return WAITING, label(job) + " with a timer"

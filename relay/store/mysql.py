@@ -348,9 +348,14 @@ class MysqlStore:
             return topic_status(conn, self.t, NOW_SQL[MYSQL])
 
     def outbox_requeue(
-        self, event_ids: Sequence[str] | None, all_quarantined: bool
+        self,
+        event_ids: Sequence[str] | None,
+        all_quarantined: bool,
+        joined: Connection | None = None,
     ) -> RequeueResult:
-        return requeue_quarantined(self.engine, self.t, NOW_SQL[MYSQL], event_ids, all_quarantined)
+        return requeue_quarantined(
+            self.engine, self.t, NOW_SQL[MYSQL], event_ids, all_quarantined, None, joined
+        )
 
     def outbox_published_page(
         self,
