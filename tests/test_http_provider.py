@@ -522,7 +522,6 @@ def test_dispatch_through_http_accepts_then_returns_the_receipt(
         ({"kind": "unavailable"}, "NOT_SENT"),
         ({"kind": "error_before", "status": 500}, "UNKNOWN"),
         ({"kind": "error_after", "status": 502}, "UNKNOWN"),
-        ({"kind": "hang"}, "UNKNOWN"),
         ({"kind": "reset"}, "UNKNOWN"),
     ],
 )
@@ -541,6 +540,26 @@ def test_each_status_class_lands_in_its_receipt(
     receipt = ops.receipt(f"{lease.job_id}:email")
     assert receipt is not None and receipt.state == state
     assert receipt.attempts == 1
+    store.dispose()
+
+
+def test_a_call_that_runs_out_its_timeout_is_looked_up_at_once(
+    sim: SimulatorProcess, sqlite_url: str
+) -> None:
+    """The simulator acts, then never answers: the call runs out its timeout and, since the
+    provider has a lookup, is looked up right after it: ACCEPTED, one call, no retry."""
+    store = Store(sqlite_url)
+    store.enqueue("studio", "send-1")
+    lease = store.claim_next("worker-a", ttl=30)
+    assert lease is not None
+    sim.faults({"kind": "hang", "count": 1})
+    with provider(sim, timeout=0.5) as p:
+        ops = Operations(store, {"mail": p})
+        assert ops.dispatch(lease, "email", "mail", {"to": "a"}).state == "ACCEPTED"
+    receipt = ops.receipt(f"{lease.job_id}:email")
+    assert receipt is not None and receipt.state == "ACCEPTED"
+    assert receipt.attempts == 1  # the call; the lookup is not a second one
+    assert len(sim.effects()) == 1
     store.dispose()
 
 

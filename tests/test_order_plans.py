@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from consumer.jobs import queries as job_queries
-from consumer.jobs.schema import create_schema as create_job_schema
+from consumer.jobs.upgrades import create_schema as create_job_schema
 from outbox.db import make_engine
 from outbox.maintenance import psycopg_connector
 from tests.test_query_plans import _compiled, _describe, _explain, buffers, indexes, rows_read

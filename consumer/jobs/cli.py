@@ -2,15 +2,8 @@
 
 ```
 outbox-worker run MODULE:ATTRIBUTE [--database-url URL] [--concurrency N] [--threads N]
-                                   [--batch-size N]
-                                   [--ttl SECONDS] [--no-listen] [--claim-ahead]
-                                   [--reconcile-interval SECONDS]
-                                   [--recover-interval SECONDS] [--schedule-interval SECONDS]
-                                   [--liveness-ttl SECONDS]
-                                   [--liveness-interval SECONDS]
-                                   [--queues A,B=N] [--tenant-limit N]
-                                   [--metrics-port PORT] [--metrics-host HOST]
-                                   [--log-level LEVEL]
+                                   [--queues A,B=N] [--tenant-limit N] [--metrics-port PORT]
+                                   ... (docs/reference/cli.md lists every flag)
 outbox-worker init-db [--database-url URL]
 outbox-worker queues pause NAME | resume NAME | list [--json]
 outbox-worker receipts [--state STATE] [--limit N] [--json]
