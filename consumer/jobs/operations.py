@@ -308,27 +308,15 @@ class Operations:
                         self._hand_back(job, lease, exc)
                         raise
                 if found is not None:
-                    note = "lookup found the effect of an earlier attempt"
-                    if not record_outcome(
-                        self.store.driver,
+                    return self._accept_found(
+                        lease,
+                        connector,
                         operation_id,
-                        ACCEPTED,
                         found,
-                        None,
-                        if_attempts=int(row.attempts),
-                        settled=("reconciler", note),
-                    ):
-                        return None
-                    log.info(
+                        "lookup found the effect of an earlier attempt",
                         "receipt reconciled: not sent again",
-                        extra=fields(
-                            operation_id=operation_id,
-                            job_id=lease.job_id,
-                            provider=connector.name,
-                            provider_ref=found,
-                        ),
+                        if_attempts=int(row.attempts),
                     )
-                    return Receipt(operation_id, ACCEPTED, found, reconciled=True)
             elif not connector.supports_idempotency:
                 record_outcome(
                     self.store.driver,
@@ -427,19 +415,41 @@ class Operations:
     ) -> Receipt | None:
         """Record what :meth:`_look_up_late` found (None: the receipt changed meanwhile,
         re-read it)."""
-        note = "lookup right after the call's timeout found its effect"
+        return self._accept_found(
+            lease,
+            connector,
+            operation_id,
+            found,
+            "lookup right after the call's timeout found its effect",
+            "receipt reconciled after a timeout: not sent again",
+            if_states=(UNKNOWN,),
+        )
+
+    def _accept_found(
+        self,
+        lease: Lease,
+        connector: Provider,
+        operation_id: str,
+        found: str,
+        note: str,
+        said: str,
+        **guard: Any,
+    ) -> Receipt | None:
+        """A lookup found the operation's effect: ACCEPTED with the reconciler's ``note``,
+        if the receipt is still as ``guard`` (``record_outcome``'s ``if_attempts`` or
+        ``if_states``) says; None when it changed meanwhile (re-read it)."""
         if not record_outcome(
             self.store.driver,
             operation_id,
             ACCEPTED,
             found,
             None,
-            if_states=(UNKNOWN,),
             settled=("reconciler", note),
+            **guard,
         ):
             return None
         log.info(
-            "receipt reconciled after a timeout: not sent again",
+            said,
             extra=fields(
                 operation_id=operation_id,
                 job_id=lease.job_id,
