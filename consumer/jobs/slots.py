@@ -163,10 +163,11 @@ class SlotRunner:
         self.threads = ThreadPoolExecutor(
             self.thread_gate.most, thread_name_prefix=f"{config.name}-slot"
         )
-        # The statements, maintenance and the database work of async handlers: short
-        # statements, bounded by the store's connection pool anyway.
+        # The statements, maintenance and the database work of async handlers (their
+        # dispatches' intents and receipts): short statements, bounded by the store's
+        # connection pool anyway.
         self.db = ThreadPoolExecutor(
-            min(16, max(4, len(self.groups) + 3)), thread_name_prefix=f"{config.name}-db"
+            min(16, max(4, self.slots)), thread_name_prefix=f"{config.name}-db"
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._halt: asyncio.Event | None = None  # set at a stop: parked slots end their wait
