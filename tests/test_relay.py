@@ -188,6 +188,9 @@ def test_intent_without_receipt_is_reconciled_not_duplicated(
         unsent = tx.emit("t", key="B", payload={"n": 1})
         later = tx.emit("t", key="A", payload={"n": 2})
     stream = f"{stream_prefix}.t"
+    # Made first, with a 2-s publish window: the orphans must still block their keys at the
+    # first run_once on a loaded machine (0.5 s ran out there before it, on MariaDB).
+    relay = make_relay(outbox, redis_client, stream_prefix, publish_deadline=2.0)
     # A relay "died" after claiming both and XADDing one: write its intent by hand and put
     # the entry it sent in the stream.
     now = sql_now(outbox)
@@ -200,7 +203,6 @@ def test_intent_without_receipt_is_reconciled_not_duplicated(
             {"a": sent, "b": unsent},
         )
     redis_client.xadd(stream, {"id": sent, "type": "t", "subject": "A"})
-    relay = make_relay(outbox, redis_client, stream_prefix)
     relay.run_once()
     # The orphaned intents block their keys until the publish window has passed.
     assert [e["id"] for e in entries(redis_client, stream)] == [sent]
