@@ -536,18 +536,23 @@ def test_a_claim_that_finishes_reads_its_leases_by_key_after_churn(
     }
     statement = job_queries.pg_claim_batch(False, finishing=True)
     # The first scan after the churn marks the dead index entries it meets (any statement
-    # pays that once); measured after it, like the apart statements below.
+    # pays that once), and later scans still prune a little as they pass, so every
+    # statement's buffers are its fewest over three runs after a first one.
     _explain(conn, *_compiled(statement, params))
-    plan = _explain(conn, *_compiled(statement, params))
+    plan = min((_explain(conn, *_compiled(statement, params)) for _ in range(3)), key=buffers)
     assert plan["Plan"]["Actual Rows"] == 30, _describe(plan)  # 15 finished, 15 claimed
     used = indexes(plan, "outbox_jobs")
     assert "outbox_jobs_pkey" in used, _describe(plan)
     assert not used & {"ix_outbox_jobs_leased", "ix_outbox_jobs_leased_tenant"}, _describe(plan)
     # No dearer than the claim and the finish apart (the READY index's dead entries of the
     # churn are the claim's own cost, which the worker's catch-up vacuum bounds).
-    apart = buffers(_explain(conn, *_compiled(job_queries.pg_claim_batch(False), params)))
-    apart += buffers(_explain(conn, *_compiled(job_queries.pg_finish_batch(False), params)))
-    assert buffers(plan) <= apart + 40, f"{buffers(plan)} buffers, {apart} apart"
+    apart = 0
+    for alone in (job_queries.pg_claim_batch(False), job_queries.pg_finish_batch(False)):
+        apart += min(buffers(_explain(conn, *_compiled(alone, params))) for _ in range(3))
+    # 40 buffers and 5% of slack: a page pruned during one run and not another moves the
+    # count by a few dozen (1,625 against 1,577 apart on a loaded CI run), while reading the
+    # LEASED indexes' 20,000 dead entries would add hundreds.
+    assert buffers(plan) <= apart * 1.05 + 40, f"{buffers(plan)} buffers, {apart} apart"
 
 
 @pytest.mark.slow  # 20,000 jobs leased and finished by hand for EXPLAIN ANALYZE (~2 s)
