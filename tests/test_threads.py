@@ -4,49 +4,79 @@ its waiting jobs, which hold no thread. The processes' side is in tests/test_use
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from typing import Any
 
 from consumer.jobs import threads
 from consumer.jobs.config import WorkerConfig
-from consumer.jobs.threads import ThreadGate, default_threads
+from consumer.jobs.threads import HandlerThreads, ThreadGate, default_threads
 
 
-def test_jobs_beyond_the_size_wait_in_turn() -> None:
+def _ran(gate: ThreadGate, jobs: int, run: Any) -> list[tuple[int, Any, Any]]:
+    """Hand ``jobs`` jobs to HandlerThreads on a loop; their ends, in the order delivered."""
+    ended: list[tuple[int, Any, Any]] = []
+
+    async def scenario() -> None:
+        done = asyncio.Event()
+
+        def end(arg: int, key: str, result: Any, error: BaseException | None) -> None:
+            assert key == f"k{arg}" and threading.current_thread() is threading.main_thread()
+            ended.append((arg, result, error))
+            if len(ended) == jobs:
+                done.set()
+
+        pool: HandlerThreads[int, str] = HandlerThreads(gate, "test", run, end)
+        for i in range(jobs):
+            pool.submit(i, f"k{i}")
+        assert gate.running <= gate.size and pool.waiting == jobs - gate.running
+        await asyncio.wait_for(done.wait(), 60)
+        assert gate.running == 0 and pool.waiting == 0
+        pool.shutdown()
+
+    asyncio.run(scenario())
+    return ended
+
+
+def test_jobs_beyond_the_size_wait_in_turn_holding_no_thread() -> None:
     gate = ThreadGate(slots=256, fixed=2)
     inside: list[int] = []
     most = 0
-    order: list[int] = []
+    started: list[int] = []
+    lock = threading.Lock()
 
-    async def job(i: int) -> None:
+    def job(i: int) -> int:
         nonlocal most
-        async with gate:
+        with lock:
             inside.append(i)
+            started.append(i)
             most = max(most, len(inside))
-            order.append(i)
-            await asyncio.sleep(0.01)
+        time.sleep(0.01)
+        with lock:
             inside.remove(i)
+        return i * 10
 
-    async def scenario() -> None:
-        await asyncio.gather(*(job(i) for i in range(7)))
-
-    asyncio.run(scenario())
-    assert most == 2 and order == list(range(7)) and gate.running == 0 and gate.waiting == 0
+    ended = _ran(gate, 7, job)
+    assert most == 2 and started[2:] == list(range(2, 7))  # the waiting ones in turn
+    assert sorted(ended) == [(i, i * 10, None) for i in range(7)]
 
 
-def test_a_cancelled_wait_gives_its_turn_back() -> None:
-    gate = ThreadGate(slots=4, fixed=1)
+def test_every_end_comes_back_on_the_loop_errors_too() -> None:
+    """A handler's end is delivered on the loop's thread, once per job, with what it returned
+    or raised (a worker-side error is the loop's to handle, never lost on a thread)."""
 
-    async def scenario() -> None:
-        await gate.__aenter__()
-        waiting = asyncio.ensure_future(gate.__aenter__())
-        await asyncio.sleep(0)
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
-        await gate.__aexit__()
-        assert gate.running == 0 and gate.waiting == 0
-        async with gate:
-            assert gate.running == 1
+    def job(i: int) -> int:
+        if i % 3 == 0:
+            raise RuntimeError(f"job {i}")
+        return i
 
-    asyncio.run(scenario())
+    ended = _ran(ThreadGate(slots=64), 60, job)
+    assert sorted(arg for arg, _, _ in ended) == list(range(60))
+    for arg, result, error in ended:
+        if arg % 3 == 0:
+            assert isinstance(error, RuntimeError) and str(error) == f"job {arg}"
+        else:
+            assert result == arg and error is None
 
 
 def test_the_size_follows_the_jobs_wait_over_compute() -> None:

@@ -63,7 +63,7 @@ from consumer.jobs.limits import shared_limits
 from consumer.jobs.outcomes import WAITS, Outcome, Outcomes, Route, Settled
 from consumer.jobs.permits import SCHEDULING
 from consumer.jobs.store import Lease, Store
-from consumer.jobs.threads import ThreadGate, timed
+from consumer.jobs.threads import HandlerThreads, ThreadGate
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.lifecycle import GracefulStop
@@ -160,8 +160,8 @@ class SlotRunner:
         # def handlers: at most ``thread_gate.size`` at once (consumer.jobs.threads), not a
         # thread per slot (two workers of 256 on 2 cores: load average 25, issue 37).
         self.thread_gate = ThreadGate(self.slots, config.threads)
-        self.threads = ThreadPoolExecutor(
-            self.thread_gate.most, thread_name_prefix=f"{config.name}-slot"
+        self.threads: HandlerThreads[JobContext, SlotGroup] = HandlerThreads(
+            self.thread_gate, f"{config.name}-slot", parts.outcomes.run, self._def_ended
         )
         # The statements, maintenance and the database work of async handlers (their
         # dispatches' intents and receipts): short statements, bounded by the store's
@@ -201,7 +201,7 @@ class SlotRunner:
         try:
             asyncio.run(self._main())
         finally:
-            self.threads.shutdown(wait=True)
+            self.threads.shutdown()
             self.db.shutdown(wait=True)
 
     async def _db(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -376,32 +376,49 @@ class SlotRunner:
 
     # -- one job --------------------------------------------------------------------------
     def _start(self, ctx: JobContext, group: SlotGroup) -> None:
+        """Start a claimed job: a ``def`` handler on a thread (``HandlerThreads``: its end
+        comes back through :meth:`_def_ended`), an ``async def`` one as a task here."""
         group.running += 1
-        task = asyncio.ensure_future(self._run(ctx))
-        task.add_done_callback(lambda ended: self._ended(ctx, group, ended))
-
-    async def _run(self, ctx: JobContext) -> Settled:
-        """Run the job's handler, ``def`` or ``async def``, and settle it. A job its
-        provider's limit handed back keeps its slot while its provider is paused."""
         routed = self.parts.route(ctx.lease)
-        if routed is not None and self._is_async(routed[1]):
-            settled = await self._run_async(ctx, routed)
+        if routed is None or not self._is_async(routed[1]):
+            self.threads.submit(ctx, group)
+            return
+        task = asyncio.ensure_future(self._run_async_job(ctx, routed))
+        task.add_done_callback(lambda ended: self._task_ended(ctx, group, ended))
+
+    def _def_ended(
+        self, ctx: JobContext, group: SlotGroup, settled: Any, error: BaseException | None
+    ) -> None:
+        """A ``def`` handler's run ended on its thread (``Outcomes.run`` settled it)."""
+        if error is None and settled.outcome is Outcome.THROTTLED and ctx.throttled is not None:
+            self._spawn(self._parked(ctx, group, settled, ctx.throttled))
         else:
-            settled = await self._run_def(ctx)
+            self._ended(ctx, group, settled, error)
+
+    async def _run_async_job(self, ctx: JobContext, routed: tuple[str, Any]) -> Settled:
+        settled = await self._run_async(ctx, routed)
         if settled.outcome is Outcome.THROTTLED and ctx.throttled is not None:
             self._leave(ctx)  # handed back: no lease left to renew
             await self._park(ctx.throttled)
         return settled
 
-    async def _run_def(self, ctx: JobContext) -> Settled:
-        """A ``def`` handler on a thread of the pool (waiting on the loop for one)."""
-        assert self._loop is not None
-        async with self.thread_gate:  # waits on the loop for a thread, holding none
-            settled, wall, cpu = await self._loop.run_in_executor(
-                self.threads, timed, self.parts.outcomes.run, ctx
-            )
-        self.thread_gate.learn(wall, cpu)
-        return settled
+    async def _parked(
+        self, ctx: JobContext, group: SlotGroup, settled: Settled, throttled: ProviderThrottled
+    ) -> None:
+        """A job its provider's limit handed back keeps its slot while its provider is
+        paused (:meth:`_park`), then ends."""
+        self._leave(ctx)  # handed back: no lease left to renew
+        try:
+            await self._park(throttled)
+        finally:
+            self._ended(ctx, group, settled, None)
+
+    def _task_ended(self, ctx: JobContext, group: SlotGroup, task: asyncio.Future[Settled]) -> None:
+        if task.cancelled():
+            self._ended(ctx, group, None, None)
+        else:
+            error = task.exception()
+            self._ended(ctx, group, None if error else task.result(), error)
 
     async def _run_async(self, ctx: JobContext, routed: tuple[str, Any]) -> Settled:
         """An ``async def`` handler on this loop; its settle in the database executor."""
@@ -427,21 +444,26 @@ class SlotRunner:
             span.set("outbox.job.outcome", settled.outcome)
         return settled
 
-    def _ended(self, ctx: JobContext, group: SlotGroup, task: asyncio.Future[Settled]) -> None:
+    def _ended(
+        self,
+        ctx: JobContext,
+        group: SlotGroup,
+        settled: Settled | None,
+        error: BaseException | None,
+    ) -> None:
         """A job's run ended: a ``done`` waits for the group's next statement (its slot is
         freed there); any other outcome was written by its settle and leaves the hands now."""
         group.running -= 1
         group.wake.set()
-        settled = None if task.cancelled() else task.exception() or task.result()
-        if isinstance(settled, Settled) and settled.outcome is Outcome.DONE:
+        if settled is not None and error is None and settled.outcome is Outcome.DONE:
             ctx.outcome = Outcome.DONE  # renewed by the heartbeat until its finish commits
             group.done.append(settled)
             return
         self._changed()
-        if isinstance(settled, Settled):
+        if settled is not None and error is None:
             self._after(settled)
         else:
-            self._interrupted(ctx, settled)
+            self._interrupted(ctx, error)
 
     def _after(self, settled: Settled) -> None:
         """A run that did not end ``done``: its move is written; it leaves the hands."""

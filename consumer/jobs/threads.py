@@ -19,21 +19,26 @@ while the others wait on their providers, between :data:`MIN_PER_CPU` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "MAX_PER_CPU",
     "MIN_PER_CPU",
+    "HandlerThreads",
     "ThreadGate",
     "default_threads",
-    "timed",
 ]
 
 T = TypeVar("T")
+A = TypeVar("A")
+K = TypeVar("K")
 
 MIN_PER_CPU = 8  # threads per CPU the pool allows at least (and starts at, x2)
 MAX_PER_CPU = 64  # ... and at most: beyond, a 2-core machine spends itself switching
@@ -53,16 +58,9 @@ def default_threads(slots: int) -> int:
     return max(1, min(slots, MAX_PER_CPU * cpus()))
 
 
-def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
-    """Run ``fn(*args)`` in this thread: its result, its wall time and its CPU time."""
-    wall, cpu = time.monotonic(), time.thread_time()
-    result = fn(*args)
-    return result, time.monotonic() - wall, time.thread_time() - cpu
-
-
 class ThreadGate:
-    """How many ``def`` handlers run at once (module docstring): ``async with gate:`` around
-    the hand-off to the thread pool; :meth:`learn` after each job. ``fixed``: that many,
+    """How many ``def`` handlers run at once (module docstring): :class:`HandlerThreads`
+    admits a job while ``running < size``; :meth:`learn` after each job. ``fixed``: that many,
     always (``WorkerConfig.threads``); else sized from the jobs' wait / compute ratio within
     ``[MIN_PER_CPU, MAX_PER_CPU] x CPUs``, never more than ``slots``."""
 
@@ -75,41 +73,6 @@ class ThreadGate:
         self.running = 0
         self._ratios: deque[float] = deque(maxlen=SAMPLES)
         self._learned = 0
-        self._turn: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        """Jobs claimed and waiting for a thread (on the loop, holding none)."""
-        return len(self._turn)
-
-    async def __aenter__(self) -> None:
-        if self.running < self.size and not self._turn:
-            self.running += 1
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._turn.append(future)
-        try:
-            await future  # the thread is counted by whoever woke this job
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self._release()
-            else:
-                self._turn.remove(future)
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        self.running -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._turn and self.running < self.size:
-            future = self._turn.popleft()
-            if not future.done():
-                self.running += 1
-                future.set_result(None)
 
     def learn(self, wall: float, cpu: float) -> None:
         """A job's handler took ``wall`` seconds, ``cpu`` of them on a CPU: resize the pool
@@ -124,4 +87,98 @@ class ThreadGate:
             return  # resized every 8th job: the median of SAMPLES moves slowly anyway
         ratio = sorted(self._ratios)[len(self._ratios) // 2]
         self.size = max(self.least, min(self.most, round(self.cpus * (1 + ratio))))
-        self._wake()
+
+
+class HandlerThreads(Generic[A, K]):
+    """The threads ``def`` handlers run on (module docstring), fed through one queue.
+
+    :meth:`submit` (on the event loop) hands ``run(arg)`` to a thread while the gate has
+    room, else keeps it waiting on the loop's side, holding no thread. A thread that ends a
+    job puts its end on a list and wakes the loop once for every end since the last wake-up
+    (``call_soon_threadsafe`` per batch): ``ended(arg, key, result, error)`` is called there,
+    on the loop, for each. No future per job: the executor's futures and their callbacks were
+    a third of the worker's time with 1-ms jobs at 16 slots (issue 52). The threads are
+    started as the jobs running at once need them, at most ``gate.most``."""
+
+    def __init__(
+        self,
+        gate: ThreadGate,
+        name: str,
+        run: Callable[[A], Any],
+        ended: Callable[[A, K, Any, BaseException | None], None],
+    ) -> None:
+        self.gate = gate
+        self._name = name
+        self._run = run
+        self._ended = ended
+        self._queue: queue.SimpleQueue[tuple[A, K] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._waiting: deque[tuple[A, K]] = deque()
+        self._lock = threading.Lock()
+        self._ends: list[tuple[A, K, Any, BaseException | None, float, float]] = []
+        self._woken = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Jobs handed over and waiting for a thread (on the loop's side, holding none)."""
+        return len(self._waiting)
+
+    def submit(self, arg: A, key: K) -> None:
+        """Run ``run(arg)`` on a thread, now if the gate has room, else in turn. On the loop."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self.gate.running < self.gate.size and not self._waiting:
+            self._hand(arg, key)
+        else:
+            self._waiting.append((arg, key))
+
+    def _hand(self, arg: A, key: K) -> None:
+        self.gate.running += 1
+        if len(self._threads) < min(self.gate.running, self.gate.most):
+            thread = threading.Thread(
+                target=self._serve, name=f"{self._name}-{len(self._threads)}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        self._queue.put((arg, key))
+
+    def _serve(self) -> None:
+        run, lock = self._run, self._lock
+        while (item := self._queue.get()) is not None:
+            arg, key = item
+            wall, cpu = time.monotonic(), time.thread_time()
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = run(arg)
+            except BaseException as exc:  # delivered to the loop, which decides
+                error = exc
+            end = (arg, key, result, error, time.monotonic() - wall, time.thread_time() - cpu)
+            with lock:
+                self._ends.append(end)
+                if self._woken:
+                    continue
+                self._woken = True
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            ends, self._ends = self._ends, []
+            self._woken = False
+        gate = self.gate
+        for arg, key, result, error, wall, cpu in ends:
+            gate.running -= 1
+            gate.learn(wall, cpu)
+            self._ended(arg, key, result, error)
+        while self._waiting and gate.running < gate.size:
+            self._hand(*self._waiting.popleft())
+
+    def shutdown(self) -> None:
+        """Let every thread end (after the jobs handed to it) and wait for them."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
