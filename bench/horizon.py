@@ -31,6 +31,7 @@ shared: name its load (``uptime``) beside the figures, and compare phases within
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import statistics
@@ -186,7 +187,7 @@ def summarise(windows: list[Window], rate_key: str, depth_key: str, extra: tuple
             f"{depth_key} median {statistics.median(depths):,.0f} max {max(depths):,.0f}",
         ]
         for key in extra:
-            vals = [v[key] for v in found if key in v]
+            vals = [v[key] for v in found if key in v and not math.isnan(v[key])]
             if vals:
                 parts.append(f"{key} median {statistics.median(vals):,.1f} max {max(vals):,.1f}")
         print(f"  {phase:<9} " + "; ".join(parts), flush=True)
@@ -196,11 +197,17 @@ def summarise(windows: list[Window], rate_key: str, depth_key: str, extra: tuple
 
 
 def _dead(conn: psycopg.Connection[Any], schema: str, table: str) -> float:
+    return _stat(conn, schema, table)[0]
+
+
+def _stat(conn: psycopg.Connection[Any], schema: str, table: str) -> tuple[float, float]:
+    """The table's dead tuples, and the vacuums it has had (manual and auto)."""
     row = conn.execute(
-        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
+        "SELECT n_dead_tup, vacuum_count + autovacuum_count FROM pg_stat_user_tables "
+        "WHERE schemaname = %s AND relname = %s",
         (schema, table),
     ).fetchone()
-    return float(row[0]) if row else float("nan")
+    return (float(row[0]), float(row[1])) if row else (float("nan"), float("nan"))
 
 
 # -- the job cell ------------------------------------------------------------------------------
@@ -311,17 +318,21 @@ def jobs_cell(
             ready = sampler.execute(
                 f"SELECT count(*) FROM \"{schema}\".outbox_jobs WHERE state = 'READY'"
             ).fetchone()
+            dead, vacuums = _stat(sampler, schema, "outbox_jobs")
             return {
                 "offered/s": put,
                 "completed/s": rate_,
                 "READY": float(ready[0]) if ready else float("nan"),
                 "claim p50 ms": statistics.median(waits) * 1000 if waits else float("nan"),
-                "dead": _dead(sampler, schema, "outbox_jobs"),
+                "dead": dead,
+                "vacuums": vacuums,
             }
 
         try:
             runner.start()
             producer.start()
+            while made.value == 0 and producer.is_alive():  # its start-up is not the clean phase
+                time.sleep(0.05)
             windows = run_timeline(timeline, Holder(cell_url, "outbox_jobs"), sample)
         finally:
             stop.set()
