@@ -36,6 +36,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
+from metrics.horizon import horizon_source
 from metrics.schedules import schedules_source
 from metrics.tables import Source as Source
 from metrics.tables import table_sizes_source
@@ -132,6 +133,9 @@ class DatabaseCollector(Collector):
             ),
             # Schedules: slots fired and missed, overdue slots, live workers (issue 39).
             schedules_source(self.jobs_schema),
+            # The oldest holder of the vacuum horizon, seen from the job tables' database
+            # (issue 60; metrics.horizon).
+            horizon_source(self.jobs_schema),
             *extra_sources,
         ]
 

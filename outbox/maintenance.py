@@ -25,6 +25,12 @@ draining under default autovacuum settings). Two things keep that bounded:
   yet; one already running on it (autovacuum's, another worker's) is skipped, not waited
   for. It reads the server's counts (``track_counts``), so it works with autovacuum on or
   off.
+- **A pinned horizon** (issue 60): while one transaction stays open (a report, a client
+  idle in transaction, a prepared transaction, a replication slot), no vacuum can remove a
+  row that died after it began. A vacuum that leaves its table still past the threshold
+  says so: a warning naming the holder (``outbox.horizon``: pid, application name, state,
+  age), again each minute while it lasts, and a line when it ends. Until the horizon moves,
+  the catch-up look does not vacuum that table again (it could remove nothing more).
 
 PostgreSQL only; on SQLite every function here is a no-op.
 """
@@ -41,6 +47,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
 from outbox.dialect import quoted_table as quoted_table  # re-exported for callers
+from outbox.horizon import HorizonWatch
 from outbox.logs import fields
 from outbox.outage import report_failure
 
@@ -101,20 +108,30 @@ def autovacuum_runs(cursor: Any, qualified_table: str) -> bool:
     return bool(row and row[0])
 
 
-def vacuum_unless_autovacuum(connect: Callable[[], Any], tables: Sequence[str]) -> dict[str, float]:
+def vacuum_unless_autovacuum(
+    connect: Callable[[], Any],
+    tables: Sequence[str],
+    after: Callable[[Any, dict[str, float]], None] | None = None,
+) -> dict[str, float]:
     """VACUUM each table autovacuum does not take care of; return table -> seconds it took
     (empty when autovacuum runs for them all). ``connect`` returns a new psycopg 3
     connection in autocommit mode (VACUUM cannot run inside a transaction); it is closed
     afterwards. ``SKIP_LOCKED``: a table another vacuum (another replica's) holds is skipped,
-    not waited for."""
-    return _vacuum_where(connect, tables, lambda conn, table: not autovacuum_runs(conn, table))
+    not waited for. ``after``: see :func:`_vacuum_where`."""
+    return _vacuum_where(
+        connect, tables, lambda conn, table: not autovacuum_runs(conn, table), after
+    )
 
 
 def _vacuum_where(
-    connect: Callable[[], Any], tables: Sequence[str], wanted: Callable[[Any, str], bool]
+    connect: Callable[[], Any],
+    tables: Sequence[str],
+    wanted: Callable[[Any, str], bool],
+    after: Callable[[Any, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """VACUUM (SKIP_LOCKED) each table ``wanted(conn, table)`` asks for, on one connection
-    of ``connect``'s, closed afterwards; table -> seconds it took."""
+    of ``connect``'s, closed afterwards; table -> seconds it took. ``after(conn, done)``
+    runs on the same connection once the tables are vacuumed."""
     done: dict[str, float] = {}
     conn = connect()
     try:
@@ -124,6 +141,8 @@ def _vacuum_where(
             started = time.monotonic()
             conn.execute(f"VACUUM (SKIP_LOCKED) {table}")
             done[table] = time.monotonic() - started
+        if after is not None:
+            after(conn, done)
     finally:
         conn.close()
     return done
@@ -148,16 +167,27 @@ CROSS JOIN LATERAL (
 WHERE c.oid = to_regclass(%(t)s)"""
 
 
-def vacuum_past_threshold(connect: Callable[[], Any], tables: Sequence[str]) -> dict[str, float]:
+def past_threshold(conn: Any, table: str) -> bool:
+    """Whether the table's dead tuples are past its autovacuum threshold (psycopg 3)."""
+    row = conn.execute(_PAST_THRESHOLD, {"t": table}).fetchone()
+    return bool(row and row[0])
+
+
+def vacuum_past_threshold(
+    connect: Callable[[], Any],
+    tables: Sequence[str],
+    after: Callable[[Any, dict[str, float]], None] | None = None,
+    skip: Callable[[Any, str], bool] | None = None,
+) -> dict[str, float]:
     """VACUUM each table whose dead tuples are past its autovacuum threshold (autovacuum
     would vacuum it now, at its next visit); return table -> seconds it took. ``connect``
-    and ``SKIP_LOCKED`` as in :func:`vacuum_unless_autovacuum`."""
+    and ``SKIP_LOCKED`` as in :func:`vacuum_unless_autovacuum`; a table ``skip(conn,
+    table)`` names is left alone; ``after``: see :func:`_vacuum_where`."""
 
-    def past(conn: Any, table: str) -> bool:
-        row = conn.execute(_PAST_THRESHOLD, {"t": table}).fetchone()
-        return bool(row and row[0])
+    def wanted(conn: Any, table: str) -> bool:
+        return past_threshold(conn, table) and not (skip is not None and skip(conn, table))
 
-    return _vacuum_where(connect, tables, past)
+    return _vacuum_where(connect, tables, wanted, after)
 
 
 def psycopg_connector(engine: Engine) -> Callable[[], Any]:
@@ -207,6 +237,8 @@ class PeriodicVacuum:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.last_result: dict[str, float] | None = None
+        self.horizon = HorizonWatch(what, past_threshold, log)
+        """What the vacuums learnt of the horizon (the holder, the tables pinned)."""
 
     @classmethod
     def for_engine(
@@ -257,8 +289,11 @@ class PeriodicVacuum:
     def run_catch_up(self) -> dict[str, float] | None:
         """Vacuum now, in the calling thread, the tables autovacuum would vacuum but has not
         come to yet; what :func:`vacuum_past_threshold` returned, or None if it failed."""
+        watch = self.horizon
         return self._vacuum(
-            vacuum_past_threshold,
+            lambda connect, tables: vacuum_past_threshold(
+                connect, tables, after=watch.after_vacuum, skip=watch.skip
+            ),
             "looking again later",
             "past their threshold before autovacuum came",
             logging.DEBUG,
@@ -267,8 +302,11 @@ class PeriodicVacuum:
     def run_once(self) -> dict[str, float] | None:
         """Vacuum now, in the calling thread; what :func:`vacuum_unless_autovacuum`
         returned, or None if it failed (logged)."""
+        watch = self.horizon
         done = self._vacuum(
-            vacuum_unless_autovacuum,
+            lambda connect, tables: vacuum_unless_autovacuum(
+                connect, tables, after=watch.after_vacuum
+            ),
             "again at the next interval",
             "autovacuum is off",
             logging.INFO,
