@@ -114,6 +114,27 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert (tmp_path / "index.html").exists()
 
 
+# The package roots a user imports from, with their errors modules: each has its section in
+# the API reference (docs/reference/api.md, rendered by mkdocstrings from the docstrings).
+PUBLIC_ROOTS = (
+    "outbox",
+    "outbox.errors",
+    "outbox.testing",
+    "relay",
+    "relay.errors",
+    "consumer",
+    "consumer.errors",
+    "consumer.jobs",
+    "metrics",
+)
+
+
+def test_the_api_reference_has_every_public_root() -> None:
+    text = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^::: ([\w.]+)$", text, flags=re.MULTILINE)
+    assert sorted(blocks) == sorted(PUBLIC_ROOTS)
+
+
 def _sh_blocks(page: Path) -> list[str]:
     return [block.source.strip() for block in blocks(page) if block.language == "sh"]
 
