@@ -38,7 +38,7 @@ CONFIGS: tuple[tuple[str, str], ...] = (
     ("relay.config:RelayConfig", "relay"),
     ("consumer.config:ConsumerConfig", "consumer"),
     ("consumer.jobs.config:WorkerConfig", "consumer"),
-    ("consumer.jobs.retention:JobRetentionConfig", "consumer.jobs.retention"),
+    ("consumer.jobs.retention:JobRetentionConfig", "consumer.jobs"),
     ("consumer.jobs.base:StoreConfig", "consumer"),
     ("consumer.jobs.retry:RetryPolicy", "consumer"),
 )
