@@ -120,6 +120,7 @@ PUBLIC_ROOTS = (
     "outbox",
     "outbox.errors",
     "outbox.testing",
+    "outbox.console",
     "relay",
     "relay.errors",
     "consumer",
