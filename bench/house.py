@@ -10,7 +10,11 @@ Not a timing: it reads the source tree and prints
 - the modules of ours that the docs (``python`` blocks of README.md and docs/**/*.md) and
   examples/ import from, those beyond the public roots marked;
 - radon's functions at cyclomatic complexity 15 or more (each needs a ``# complexity:``
-  reason, which tests/test_layout.py checks).
+  reason, which tests/test_layout.py checks);
+- duplicate pairs: functions of at least :data:`DUPLICATE_STATEMENTS` statements whose bodies
+  are the same code once names are set aside (the same syntax tree with every variable and
+  argument renamed alike; attributes, constants and calls' shapes kept; docstrings,
+  annotations and positions ignored), wherever they are in the packages.
 
 ``--json`` prints the same as one JSON object, to compare two checkouts.
 """
@@ -40,6 +44,7 @@ ROOTS = (
 )
 ALLOWED_EXTRA = ("outbox.django",)
 COMPLEXITY = 15
+DUPLICATE_STATEMENTS = 4
 
 IMPORT_LINE = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w., ]+?)\s*(?:#.*)?$)")
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*(\S*)")
@@ -247,6 +252,43 @@ def complex_functions() -> list[tuple[str, str, int, int]]:
     return sorted(found, key=lambda row: (-row[3], row[0], row[2]))
 
 
+def _body_key(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The function's body as comparable text, None when it is too short to count."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    statements = sum(isinstance(child, ast.stmt) for stmt in body for child in ast.walk(stmt))
+    if statements < DUPLICATE_STATEMENTS:
+        return None
+    copy = ast.parse("\n".join(ast.unparse(stmt) for stmt in body))
+    return ast.dump(_Anonymous().visit(copy), include_attributes=False)
+
+
+class _Anonymous(ast.NodeTransformer):
+    """Every variable and argument named alike, annotations dropped."""
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(id="_", ctx=node.ctx)
+
+    def visit_arg(self, node: ast.arg) -> ast.arg:
+        return ast.arg(arg="_")
+
+
+def duplicate_groups() -> list[list[str]]:
+    """Groups of functions (``path:line name``) with the same body, biggest first."""
+    groups: dict[str, list[str]] = {}
+    for path in modules().values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                key = _body_key(node)
+                if key is not None:
+                    where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+                    groups.setdefault(key, []).append(where)
+    found = [sorted(places) for places in groups.values() if len(places) > 1]
+    return sorted(found, key=lambda places: (-len(places), places))
+
+
 def measure() -> dict[str, Any]:
     graph = import_graph()
     names = public_names()
@@ -261,6 +303,7 @@ def measure() -> dict[str, Any]:
         "public_names": names,
         "user_imports": {module: dict(places) for module, places in sorted(imports.items())},
         "complex_functions": complex_functions(),
+        "duplicates": duplicate_groups(),
     }
 
 
@@ -315,6 +358,17 @@ def report(m: dict[str, Any]) -> str:
     out += [f"## Functions at radon CC >= {COMPLEXITY}: {len(functions)}", ""]
     for path, function, line, complexity in functions:
         out.append(f"{complexity:4}  {path}:{line} {function}")
+
+    groups = m["duplicates"]
+    pairs = sum(len(g) * (len(g) - 1) // 2 for g in groups)
+    out += [
+        "",
+        f"## Duplicate pairs (same body, {DUPLICATE_STATEMENTS}+ statements): {pairs}"
+        f" in {len(groups)} groups",
+        "",
+    ]
+    for places in groups:
+        out.append("  " + "  =  ".join(places))
     return "\n".join(out)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -27,6 +28,16 @@ def test_only_python_blocks_are_read_for_imports() -> None:
         "consumer.jobs.store",
         "outbox.db",
     ]
+
+
+def test_duplicate_bodies_are_found_whatever_their_names() -> None:
+    one = ast.parse("def f(a):\n    x = a + 1\n    y = x * 2\n    z = y - 3\n    return z\n")
+    two = ast.parse("def g(b):\n    p = b + 1\n    q = p * 2\n    r = q - 3\n    return r\n")
+    other = ast.parse("def h(b):\n    p = b + 1\n    q = p * 2\n    r = q - 4\n    return r\n")
+    short = ast.parse("def k(a):\n    return a\n")
+    keys = [house._body_key(t.body[0]) for t in (one, two, other, short)]  # type: ignore[arg-type]
+    assert keys[0] == keys[1] != keys[2]
+    assert keys[3] is None
 
 
 def test_public_modules_are_the_roots_their_errors_and_the_django_app() -> None:
