@@ -29,6 +29,7 @@ from consumer.errors import (
     UnknownParent,
 )
 from consumer.event import ConsumedEvent
+from consumer.inbox import build_inbox_schema
 from consumer.jobs.http import HttpProvider
 from consumer.jobs.operations import Operations, Provider, Receipt
 from consumer.jobs.retry import RetryPolicy
@@ -76,4 +77,5 @@ __all__ = [
     "UnknownParent",
     "Worker",
     "WorkerConfig",
+    "build_inbox_schema",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from metrics.alerts import default_thresholds, render_rules
 from metrics.collector import DatabaseCollector, Source, unknown_receipts_source
 from metrics.exporter import (
     DEFAULT_HOST,
@@ -44,6 +45,8 @@ __all__ = [
     "Source",
     "build_metrics",
     "build_registry",
+    "default_thresholds",
+    "render_rules",
     "resource_path",
     "serve_forever",
     "start_metrics",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 
 from outbox.errors import ConfigError
@@ -25,10 +26,9 @@ _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 
 
 def rules_path() -> Path:
-    """The installed ``alerts.yml``."""
-    from metrics import resource_path
-
-    return resource_path(RULES_FILE)
+    """The installed ``alerts.yml`` (what ``metrics.resource_path`` gives, read here so that
+    the package root may re-export this module's functions)."""
+    return Path(str(resources.files("metrics").joinpath(RULES_FILE)))
 
 
 def default_thresholds(rules_text: str | None = None) -> dict[str, float]:

@@ -3,12 +3,15 @@
 from typing import TYPE_CHECKING, Any
 
 from outbox.core import EventSpec, Outbox, Transaction
-from outbox.db import make_engine
+from outbox.db import default_database_url, make_engine, write_locked
 from outbox.errors import ConfigError, InvalidEvent, OutboxError
 from outbox.event import NewEvent
 from outbox.hooks import NO_HOOKS, Hooks
 from outbox.ids import new_event_id, uuid7
+from outbox.logs import setup_logging
+from outbox.migrations import create_extras, drop_extras
 from outbox.schema import PENDING, PUBLISHED, QUARANTINED, OutboxSchema, build_schema
+from outbox.tablestats import table_stats
 
 if TYPE_CHECKING:
     from outbox.aio import AsyncOutbox, AsyncTransaction
@@ -41,7 +44,13 @@ __all__ = [
     "OutboxSchema",
     "Transaction",
     "build_schema",
+    "create_extras",
+    "default_database_url",
+    "drop_extras",
     "make_engine",
     "new_event_id",
+    "setup_logging",
+    "table_stats",
     "uuid7",
+    "write_locked",
 ]

@@ -181,7 +181,7 @@ def build_schema(
     # topic through the pending index above (heap fetches, proportional to the backlog, as
     # their attempts histogram already was). Every index is paid by every writer: with a
     # (topic, created_at) index the connection path measured x1.11-1.14 of a minimal
-    # hand-written outbox at 8 threads, x0.94-1.15 without it (issue 25, docs/benchmarks.md).
+    # hand-written outbox at 8 threads, x0.94-1.15 without it (issue 25, docs/benchmarks/relay.md).
     # Tables made before keep theirs (`DROP INDEX CONCURRENTLY ix_<table>_pending_topic`).
     # Quarantined rows are few and must be listed fast, for `status`, `requeue` and alerts.
     Index(

@@ -42,16 +42,17 @@ class RelayConfig:
       a few events (4 or more) the relay polls again ``poll_interval`` (5 ms) after that
       cycle began; a cycle that found fewer doubles the wait up to 4 x ``poll_interval``
       while work flows; a second without work doubles it up to ``max_poll_interval`` (1 s).
-      With ``listen`` and a table that has the NOTIFY trigger (``init-db --notify``), a
-      commit wakes the relay at once.
-    - ``retention_seconds``: published rows older than this are deleted, in batches of
-      ``retention_batch`` rows, every ``retention_interval`` seconds. ``0`` disables
-      retention. Quarantined rows are never deleted.
-    - ``publish_deadline``: a claimed batch must reach Redis within this many seconds of its
-      claim, or the relay does not send it (it is left for reconciliation). Together with
-      ``clock_margin`` (allowed disagreement between the database and Redis clocks, and
-      network delay) it bounds where an orphaned intent's entry can be in the stream, and how
-      long another replica waits before reconciling it.
+    - ``listen``: PostgreSQL: LISTEN on a table that has the NOTIFY trigger (``init-db
+      --notify``), so a commit wakes the relay at once; the polling goes on beside it.
+    - ``retention_seconds`` / ``retention_batch`` / ``retention_interval``: published rows
+      older than ``retention_seconds`` are deleted, in batches of ``retention_batch`` rows,
+      every ``retention_interval`` seconds. ``0`` disables retention. Quarantined rows are
+      never deleted.
+    - ``publish_deadline`` / ``clock_margin``: a claimed batch must reach Redis within
+      ``publish_deadline`` seconds of its claim, or the relay does not send it (it is left
+      for reconciliation). Together with ``clock_margin`` (allowed disagreement between the
+      database and Redis clocks, and network delay) it bounds where an orphaned intent's
+      entry can be in the stream, and how long another replica waits before reconciling it.
     - ``record_backoff``: per-record retry delays after transient failures (full jitter).
     - ``outage_backoff``: the loop's own waits while the database or Redis is down.
     - ``vacuum_interval``: PostgreSQL, only when the server runs without autovacuum
@@ -66,13 +67,16 @@ class RelayConfig:
     - ``auto_republish``: when Redis lost entries, republish the lost window by itself
       (``outbox-relay republish``'s work) before publishing anything new; otherwise log the
       command to run and raise ``OutboxRedisDataLoss``.
-    - ``wait_replicas``: after each batch's script, ``WAIT wait_replicas`` on the connection
-      that ran it (on a cluster: on each master's), and only then record receipts; the
-      reconciliation's fences are confirmed the same way before it trusts what it finds.
-      Redis replicates asynchronously, so without it a failover to a replica that had not
-      yet received an acknowledged batch loses it. A batch not confirmed within
-      ``wait_timeout`` seconds is treated like a connection error: its intents are kept and
-      reconciled against the stream, never assumed published. ``0`` (default): no waiting.
+    - ``name_prefix``: the relay's name (its intents' ``claimed_by``) is
+      ``<prefix>-<host>-<pid>-<random>``, fresh per process.
+    - ``wait_replicas`` / ``wait_timeout``: after each batch's script, ``WAIT
+      wait_replicas`` on the connection that ran it (on a cluster: on each master's), and
+      only then record receipts; the reconciliation's fences are confirmed the same way
+      before it trusts what it finds. Redis replicates asynchronously, so without it a
+      failover to a replica that had not yet received an acknowledged batch loses it. A
+      batch not confirmed within ``wait_timeout`` seconds is treated like a connection
+      error: its intents are kept and reconciled against the stream, never assumed
+      published. ``0`` (default): no waiting.
     - ``sweep_interval``: PostgreSQL: the longest time between claims that scan pending
       rows from the very first one. Ordinary claims start near where the last one ended (see
       :mod:`relay.store`); a sweep also runs at once after a failure, a reconciliation, a

@@ -114,6 +114,91 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert (tmp_path / "index.html").exists()
 
 
+# The package roots a user imports from, with their errors modules: each has its section in
+# the API reference (docs/reference/api.md, rendered by mkdocstrings from the docstrings).
+PUBLIC_ROOTS = (
+    "outbox",
+    "outbox.errors",
+    "outbox.testing",
+    "outbox.console",
+    "relay",
+    "relay.errors",
+    "consumer",
+    "consumer.errors",
+    "consumer.jobs",
+    "metrics",
+)
+
+
+def test_the_api_reference_has_every_public_root() -> None:
+    text = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^::: ([\w.]+)$", text, flags=re.MULTILINE)
+    assert sorted(blocks) == sorted(PUBLIC_ROOTS)
+
+
+# Where the docs and examples import from (issue 55): the package roots, their errors and types
+# modules, and the two apps with their own roots, the Django app and the console. The deeper
+# modules still import (old paths keep working), but a reader is shown the small surface.
+IMPORTABLE_ROOTS = (
+    "outbox",
+    "outbox.testing",
+    "relay",
+    "consumer",
+    "consumer.jobs",
+    "consumer.jobs.effects",
+    "metrics",
+)
+PUBLIC_PACKAGES = ("outbox", "relay", "consumer", "metrics")
+IMPORT_LINE = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+(?:\s*,\s*[\w.]+)*))")
+
+
+def _importable(module: str) -> bool:
+    parent, _, leaf = module.rpartition(".")
+    return (
+        module in IMPORTABLE_ROOTS
+        or (parent in IMPORTABLE_ROOTS and leaf in ("errors", "types"))
+        or module == "outbox.console"
+        or module == "outbox.django"
+        or module.startswith("outbox.django.")  # its models and migrations, as Django wants
+    )
+
+
+def imported_modules(source: str) -> list[str]:
+    """The modules of ours that ``source``'s import lines name (line by line, so a fragment
+    that does not parse is read too)."""
+    found = []
+    for line in source.splitlines():
+        match = IMPORT_LINE.match(line)
+        if match:
+            names = [match.group(1)] if match.group(1) else match.group(2).split(",")
+            found += [n.strip() for n in names if n.strip().split(".")[0] in PUBLIC_PACKAGES]
+    return found
+
+
+def test_the_docs_and_examples_import_only_from_the_package_roots() -> None:
+    sources = [(_name(page), block.source) for page in PAGES for block in python_blocks(page)] + [
+        (str(path.relative_to(ROOT)), path.read_text(encoding="utf-8"))
+        for path in sorted((ROOT / "examples").rglob("*.py"))
+    ]
+    deep = sorted(
+        {
+            f"{place}: {module}"
+            for place, source in sources
+            for module in imported_modules(source)
+            if not _importable(module)
+        }
+    )
+    assert deep == []
+    assert any("consumer.jobs" in imported_modules(source) for _, source in sources)
+
+
+def test_the_import_check_reads_both_forms() -> None:
+    source = "from consumer.jobs.store import Store\n    import relay, outbox.db\nimport os\n"
+    assert imported_modules(source) == ["consumer.jobs.store", "relay", "outbox.db"]
+    assert [_importable(m) for m in imported_modules(source)] == [False, True, False]
+    assert _importable("consumer.errors") and _importable("outbox.django.models")
+
+
 def _sh_blocks(page: Path) -> list[str]:
     return [block.source.strip() for block in blocks(page) if block.language == "sh"]
 

@@ -5,7 +5,7 @@
 ``def`` handler; ``outbox-simulator serve`` as the provider, PostgreSQL. What is counted comes
 from the simulator (its effects, ``/arrivals``) and the job tables, never from what the
 workers say about themselves, and nothing is timed: the figures of the issue's targets are
-benchmarks (``python -m bench effects --provider blocking``, docs/benchmarks.md).
+benchmarks (``python -m bench effects --provider blocking``, docs/benchmarks/effects.md).
 """
 
 from __future__ import annotations

@@ -24,14 +24,22 @@ from outbox.validate import check_number
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Frozen store settings. ``max_attempts`` of ``retry`` also bounds lease expiries.
+    """Frozen store settings.
 
-    ``notify`` (PostgreSQL): True makes enqueues, resumes and recoveries NOTIFY, so
-    LISTENing workers claim at once. Off by default (issue 25): a transaction that sent
-    NOTIFY takes a global lock at commit, which serialises concurrent enqueuers (``python -m
-    bench job_wake``: 8 writers enqueue ~1.4x as many jobs/s without it), and a worker whose
-    store does not notify polls adaptively instead (every 10 ms for a second after a claim
-    that found work, then backing off to ``poll_interval``; ``consumer.jobs.slots``)."""
+    - ``retry``: what a failed attempt turns into, and when it may run again
+      (:class:`~consumer.jobs.retry.RetryPolicy`, below); its ``max_attempts`` also bounds
+      lease expiries.
+    - ``max_tenants_scanned``: tenants a claim looks at per queue, at most, for the fair
+      share between tenants.
+    - ``recover_limit``: rows one recovery round takes back at most (expired leases, due
+      timers, a dead worker's leases), each.
+    - ``notify``: PostgreSQL: True makes enqueues, resumes and recoveries NOTIFY, so
+      LISTENing workers claim at once. Off by default (issue 25): a transaction that sent
+      NOTIFY takes a global lock at commit, which serialises concurrent enqueuers (``python
+      -m bench job_wake``: 8 writers enqueue ~1.4x as many jobs/s without it), and a worker
+      whose store does not notify polls adaptively instead (every 10 ms for a second after a
+      claim that found work, then backing off to ``poll_interval``;
+      ``consumer.jobs.slots``)."""
 
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_tenants_scanned: int = 1000

@@ -51,15 +51,49 @@ class QueueSlots:
 class WorkerConfig:
     """Frozen worker settings (validated; errors name the field).
 
-    ``queues``: claim only from these queues (None: every queue); a list of names, or a
-    mapping of names to slots of their own (None: the queue shares the others' slots),
-    which sets ``queue_slots`` too. ``queue_slots``: queue -> slots of its own, out of
-    ``concurrency`` (see the module docstring); every queue named must be in ``queues``."""
+    - ``name``: the worker's name, the owner of its leases and its liveness row;
+      ``worker-<host>-<pid>-<random>``, fresh per process, by default.
+    - ``concurrency``: slots: the jobs in flight in this process (``run`` claims at most its
+      free slots).
+    - ``threads``: threads running ``def`` handlers at once; None: sized from the CPUs and
+      the jobs' own waits, 8 to 64 per CPU (``consumer.jobs.threads``). The other claimed
+      jobs wait for one without holding a thread.
+    - ``batch_size``: jobs per claim of ``run_once``, the steppable form.
+    - ``ttl``: seconds a lease lasts; the heartbeat renews the leases in hand every third of
+      it.
+    - ``poll_interval``: the longest wait of an idle worker: without NOTIFY it polls every
+      10 ms for a second after a claim that found work, then doubles up to this.
+    - ``recover_interval``: seconds between the recovery duty's rounds (``Store.recover``:
+      expired leases and due timers), which also runs as soon as the earliest timer comes
+      due.
+    - ``reconcile_interval``: seconds between the sweeps of the receipts whose call
+      deadline passed (only with providers).
+    - ``listen``: PostgreSQL: LISTEN for jobs that became READY (with
+      ``StoreConfig(notify=True)``).
+    - ``claim_ahead``: deprecated, without effect (a freed slot starts its next job at once,
+      without a buffer of claimed jobs); True warns.
+    - ``vacuum_interval``: VACUUM of the job tables when the server runs without
+      autovacuum; with or without it, every 5 s a job table past its autovacuum threshold is
+      vacuumed if no vacuum has come to it yet. ``0`` turns both off.
+    - ``schedule_interval``: the schedules' firing duty (``consumer.jobs.firing``) runs at
+      each schedule's next slot and at most this many seconds apart (a schedule defined or
+      resumed meanwhile).
+    - ``liveness_ttl`` / ``liveness_interval``: the worker's row in ``outbox_workers``: it
+      expires after ``liveness_ttl`` seconds unless renewed every ``liveness_interval``; the
+      leases of a worker whose row expired go back to READY at once.
+    - ``retention``: how long finished jobs, their history and receipts are kept
+      (:class:`~consumer.jobs.retention.JobRetentionConfig`, below).
+    - ``queues``: claim only from these queues (None: every queue); a list of names, or a
+      mapping of names to slots of their own (None: the queue shares the others' slots),
+      which sets ``queue_slots`` too.
+    - ``tenant_limit`` / ``tenant_limits``: at most N jobs of one tenant LEASED at once in a
+      queue, over every worker; per-tenant overrides.
+    - ``queue_slots``: queue -> slots of its own, reserved out of ``concurrency``: its jobs
+      never take more, and no other queue takes them. Every queue named must be in
+      ``queues``; the queues without slots of their own share the rest."""
 
     name: str = field(default_factory=lambda: incarnation_name("worker"))
     concurrency: int = DEFAULT_CONCURRENCY
-    # Threads running ``def`` handlers at once (None: sized from the CPUs and the jobs' own
-    # waits, consumer.jobs.threads); the other claimed jobs wait for one without a thread.
     threads: int | None = None
     batch_size: int = 10
     ttl: float = 30.0
@@ -67,13 +101,9 @@ class WorkerConfig:
     recover_interval: float = 5.0
     reconcile_interval: float = 10.0
     listen: bool = True
-    # Deprecated, without effect: a freed slot starts its next job at once on the one path
-    # (consumer.jobs.slots), so no buffer of claimed jobs is kept. Accepted (with a
-    # DeprecationWarning) so that configurations that set it keep working.
+    # Accepted (with a DeprecationWarning) so that configurations that set it keep working.
     claim_ahead: bool = False
     vacuum_interval: float = DEFAULT_VACUUM_INTERVAL
-    # The schedules' firing duty (consumer.jobs.firing): a round at each schedule's next
-    # slot, and at most this many seconds apart (a schedule defined or resumed meanwhile).
     schedule_interval: float = 30.0
     liveness_ttl: float = 3.0
     liveness_interval: float = 1.0

@@ -36,7 +36,17 @@ class Decision:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Frozen retry settings; validated at construction (the error names the field)."""
+    """Frozen retry settings; validated at construction (the error names the field).
+
+    - ``base`` / ``ceiling``: a transient failure's retry waits
+      ``uniform(0, min(ceiling, base * 2**(attempt-1)))`` seconds.
+    - ``provider_ceilings``: provider -> its own ceiling, lower or higher.
+    - ``max_attempts``: attempts (and lease expiries) after which the job goes to
+      NEEDS_ATTENTION.
+    - ``max_elapsed``: seconds a failure streak may last, from its first failure, before
+      NEEDS_ATTENTION: nothing retries for ever.
+    - ``max_auth_failures``: credentials refused this many times in a row: NEEDS_ATTENTION.
+    """
 
     base: float = 1.0
     ceiling: float = 300.0

@@ -22,8 +22,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select,
 
 from consumer import Store
 from consumer.errors import JobNotFound
-from outbox import AsyncOutbox, AsyncTransaction
-from outbox.db import default_database_url, write_locked
+from outbox import AsyncOutbox, AsyncTransaction, default_database_url, write_locked
 
 DATABASE_URL = os.environ.get("QUOTES_DATABASE_URL") or default_database_url()
 

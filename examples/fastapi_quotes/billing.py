@@ -12,24 +12,26 @@ import os
 import threading
 from typing import Any
 
-from consumer.consumer import Consumer, ConsumerConfig
-from consumer.event import ConsumedEvent
-from consumer.jobs.store import Store
-from consumer.jobs.worker import JobContext, Worker, WorkerConfig
-from outbox.db import default_database_url
-from outbox.lifecycle import GracefulStop
-from outbox.logs import setup_logging
-from outbox.redis_client import redis_client
+from consumer import (
+    ConsumedEvent,
+    Consumer,
+    ConsumerConfig,
+    JobContext,
+    Store,
+    Worker,
+    WorkerConfig,
+)
+from outbox import default_database_url, setup_logging
+from relay import GracefulStop
 
 
 def main() -> None:
     setup_logging(os.environ.get("QUOTES_LOG_LEVEL", "info"))
     database_url = os.environ.get("QUOTES_DATABASE_URL") or default_database_url()
-    client = redis_client(os.environ.get("QUOTES_REDIS_URL") or None)
     store = Store(database_url)
     consumer = Consumer(
         store.engine,
-        client,
+        os.environ.get("QUOTES_REDIS_URL") or None,  # None: the embedded Redis
         group=os.environ.get("QUOTES_GROUP", "billing"),
         topics=["quote.approved"],
         stream=os.environ.get("QUOTES_STREAM", "outbox.{topic}"),
@@ -62,7 +64,6 @@ def main() -> None:
     worker.stop()
     reader.join(timeout=10)
     working.join(timeout=10)
-    client.close()
     store.dispose()
 
 

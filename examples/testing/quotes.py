@@ -12,9 +12,7 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, select, update
 
-from consumer import JobContext, Store
-from consumer.consumer import ConsumerTx
-from consumer.event import ConsumedEvent
+from consumer import ConsumedEvent, ConsumerTx, JobContext, Store
 from outbox import Outbox
 
 REMINDER_DELAY = 3 * 86400.0
