@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from metrics import queries
 from metrics.schedules import schedules_source
+from metrics.steps import steps_source
 from metrics.tables import Source as Source
 from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
@@ -132,6 +133,7 @@ class DatabaseCollector(Collector):
             ),
             # Schedules: slots fired and missed, overdue slots, live workers (issue 39).
             schedules_source(self.jobs_schema),
+            steps_source(self.jobs_schema),  # steps a parent did not release (issue 57)
             *extra_sources,
         ]
 
@@ -322,7 +324,8 @@ class DatabaseCollector(Collector):
             jobs = GaugeMetricFamily(
                 "outbox_jobs",
                 "Open jobs per state (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, "
-                "NEEDS_ATTENTION, HELD); DONE and CANCELLED are history and not counted.",
+                "NEEDS_ATTENTION, HELD, WAITING_PARENTS); DONE and CANCELLED are history and "
+                "not counted.",
                 labels=["state"],
             )
             counts = dict.fromkeys(queries.OPEN_JOB_STATES, 0)
