@@ -38,6 +38,7 @@ from sqlalchemy.engine import Connection, Engine
 from metrics import queries
 from metrics.horizon import horizon_source
 from metrics.schedules import schedules_source
+from metrics.steps import steps_source
 from metrics.tables import Source as Source
 from metrics.tables import table_sizes_source
 from outbox.dialect import limit_statements
@@ -136,6 +137,7 @@ class DatabaseCollector(Collector):
             # The oldest holder of the vacuum horizon, seen from the job tables' database
             # (issue 60; metrics.horizon).
             horizon_source(self.jobs_schema),
+            steps_source(self.jobs_schema),  # steps a parent did not release (issue 57)
             *extra_sources,
         ]
 
@@ -326,7 +328,8 @@ class DatabaseCollector(Collector):
             jobs = GaugeMetricFamily(
                 "outbox_jobs",
                 "Open jobs per state (READY, LEASED, WAITING_EXTERNAL, WAITING_REVIEW, "
-                "NEEDS_ATTENTION, HELD); DONE and CANCELLED are history and not counted.",
+                "NEEDS_ATTENTION, HELD, WAITING_PARENTS); DONE and CANCELLED are history and "
+                "not counted.",
                 labels=["state"],
             )
             counts = dict.fromkeys(queries.OPEN_JOB_STATES, 0)

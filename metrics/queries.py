@@ -83,10 +83,12 @@ JOBS_TABLE = "outbox_jobs"
 # Open (non-terminal) states. DONE and CANCELLED are history: counting them would scan every
 # job ever run, so they are not exported (the workers' outcome counters show throughput).
 # HELD: jobs of an order key behind an earlier one (``ix_outbox_jobs_order_held``).
+# WAITING_PARENTS: steps whose parents are not all DONE (``ix_outbox_jobs_waiting_parents``).
 OPEN_JOB_STATES = (
     *("READY", "LEASED", "WAITING_EXTERNAL", "WAITING_REVIEW", "NEEDS_ATTENTION"),
-    "HELD",
+    *("HELD", "WAITING_PARENTS"),
 )
+STEPS_TABLE = "outbox_job_steps"
 
 
 def epoch_sql(dialect: str) -> str:
@@ -136,6 +138,26 @@ def ready_jobs_per_queue(table: str, dialect: str) -> TextualSelect:
         f"{now} - min(CASE WHEN {eligible} <= {now} THEN {eligible} END) AS age "
         f"FROM {table} WHERE state = 'READY' GROUP BY queue"
     ).columns(column("queue", String), column("n", Integer), column("age", Double))
+
+
+def unreleased_steps(jobs_table: str, steps_table: str, dialect: str) -> TextualSelect:
+    """Steps still WAITING_PARENTS although a parent of theirs ended (DONE, CANCELLED) and
+    its edge was not released: how many, and how long ago the earliest such parent ended.
+
+    A finish releases its children in its own transaction, so this is 0 but for a moment;
+    the exception is a parent finished on the plain path (its lease was claimed before the
+    step was enqueued after it), which ``Store.recover`` applies within a recovery round.
+    A step counted here for minutes means no worker runs its recovery. Bounded by the open
+    graph: a walk of ``ix_outbox_job_steps_unreleased`` (released edges never enter it),
+    each parent and child read by primary key.
+    """
+    return text(
+        f"SELECT count(DISTINCT s.child_id) AS n, {epoch_sql(dialect)} - min(p.updated_at) AS age "
+        f"FROM {steps_table} s JOIN {jobs_table} p ON p.id = s.parent_id "
+        f"JOIN {jobs_table} c ON c.id = s.child_id "
+        f"WHERE s.released = 0 AND p.state IN ('DONE', 'CANCELLED') "
+        f"AND c.state = 'WAITING_PARENTS'"
+    ).columns(column("n", Integer), column("age", Double))
 
 
 def expired_leases(table: str, dialect: str) -> TextualSelect:

@@ -293,6 +293,7 @@ def test_job_gauges(engine: sa.Engine) -> None:
         (("state", "WAITING_REVIEW"),): 1.0,
         (("state", "NEEDS_ATTENTION"),): 2.0,
         (("state", "HELD"),): 1.0,
+        (("state", "WAITING_PARENTS"),): 0.0,
     }
     age = value(registry, "outbox_oldest_ready_job_age_seconds")
     assert age is not None and 300.0 <= age < 360.0

@@ -16,7 +16,8 @@ when missing (idempotent):
   index of LEASED jobs with a cancel request;
 - steps (issue 57): ``outbox_jobs``'s ``result``, ``on_parent_failure`` and the counters
   ``parents_pending`` and ``children`` (NOT NULL, default 0), and the table
-  ``outbox_job_steps`` with its indexes;
+  ``outbox_job_steps`` with its indexes, and the partial index of WAITING_PARENTS jobs the
+  metrics count;
 - ``outbox_deliveries`` keyed by ``(operation_id, event_id)`` instead of ``event_id`` alone
   (issue 53: callbacks are deduplicated per operation); SQLite rebuilds the table;
 - replies to a job not enqueued yet (issue 59): the table ``outbox_kept_replies``;

@@ -90,6 +90,7 @@ from consumer.jobs.states import (
     NEEDS_ATTENTION,
     READY,
     WAITING_EXTERNAL,
+    WAITING_PARENTS,
     WAITING_REVIEW,
 )
 from outbox.dialect import db_epoch, quoted_table
@@ -230,6 +231,15 @@ Index(
     jobs.c.run_after,
     postgresql_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
     sqlite_where=jobs.c.state.in_([WAITING_EXTERNAL, WAITING_REVIEW]),
+)
+
+# Steps waiting for their parents (consumer.jobs.steps): the metrics count them at every
+# scrape, and the oldest one's age; keep that lookup small, as for NEEDS_ATTENTION.
+WAITING_PARENTS_INDEX = Index(
+    "ix_outbox_jobs_waiting_parents",
+    jobs.c.updated_at,
+    postgresql_where=jobs.c.state == WAITING_PARENTS,
+    sqlite_where=jobs.c.state == WAITING_PARENTS,
 )
 
 # Order and concurrency keys (consumer/jobs/order_keys.py): their tables and the partial

@@ -25,6 +25,7 @@ from consumer.jobs.schema import (
     PG_TENANT_ROOM_SQL,
     READY_INDEX,
     UNAPPLIED_DELIVERIES_INDEX,
+    WAITING_PARENTS_INDEX,
     concurrency_keys,
     deliveries,
     early_replies,
@@ -114,6 +115,7 @@ def upgrade_schema(conn: Connection) -> None:
     schedules.create(conn, checkfirst=True)
     DUE_SCHEDULES_INDEX.create(conn, checkfirst=True)
     job_steps.create(conn, checkfirst=True)  # steps (issue 57), with its indexes
+    WAITING_PARENTS_INDEX.create(conn, checkfirst=True)  # counted by the metrics (issue 57)
     for extra in (ORDER_HELD_INDEX, CONCURRENCY_HELD_INDEX, order_keys, concurrency_keys):
         extra.create(conn, checkfirst=True)  # order and concurrency keys (issue 56)
     if is_postgresql(conn.dialect.name):
