@@ -234,3 +234,20 @@ def test_the_consumer_backoff_stops_growing_at_two_seconds() -> None:
     backoff = ConsumerConfig().backoff
     assert backoff.cap(0) == pytest.approx(0.2)
     assert max(backoff.cap(attempt) for attempt in range(100)) == 2.0
+
+
+@pytest.mark.parametrize("scheme", ["redis", "nats"])
+def test_relay_run_once_fails_on_a_broker_that_is_not_there(
+    scheme: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One cycle, like ``--once`` on a database not there: exit 1 saying which broker and
+    why (its password hidden), instead of waiting for it for ever."""
+    import relay.cli
+
+    port = free_port()
+    url = f"{scheme}://bob:{SECRET}@127.0.0.1:{port}"
+    argv = ["run", "--once", "--database-url", pg_url, "--redis-url", url]
+    assert relay.cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach the broker at {scheme}://bob:***@127.0.0.1:{port}" in err, err
+    assert "efused" in err and SECRET not in err and "Traceback" not in err
