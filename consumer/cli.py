@@ -258,7 +258,9 @@ def _reach(consumer: Consumer, url: str | None, stop: GracefulStop) -> bool:
         return True
 
     spec = url if url is not None else getattr(consumer, "_redis_spec", None)
-    where = spec if spec is None or isinstance(spec, str) else "the application's Redis client"
+    if spec is None:
+        return True  # the embedded Redis: started on first use, never "down at start"
+    where = spec if isinstance(spec, str) else "the application's Redis client"
     return bool(reach(ping, where, stop, log, group=consumer.group, consumer=consumer.name))
 
 
