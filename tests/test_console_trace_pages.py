@@ -9,6 +9,10 @@ SQLite.
   ``next_cursor``: every event once, in order, and the last page says it is the last. The
   HTML page links to the next.
 - A bad cursor, limit, kind, id or column is a 400 (a record that is not there a 404).
+- An identity collision: an event dropped as a duplicate of another event's identity reads
+  "dropped as a duplicate", naming the event that took the identity (it read "in progress:
+  consumed, and no job found for it yet"); traced by the identity, both events show and the
+  reason names the one dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from starlette.testclient import TestClient
 from outbox.console.app import Console
 from outbox.console.schema import create_audit_table
 from outbox.console.trace_cap import VALUE_CHARS
-from tests.console_support import TENANT, World
+from tests.console_support import TENANT, TOPIC, World
 
 TOKEN = "test-token-" + "y" * 20
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -135,3 +139,25 @@ def test_bad_paging_and_value_parameters_are_4xx(
     answer = api.get(path, params=params, headers=BEARER)
     assert answer.status_code == status, answer.text
     assert "error" in json.loads(answer.text)
+
+
+def test_an_identity_collision_reads_dropped_as_a_duplicate(world: World, api: TestClient) -> None:
+    first = world.through_consumer(1)  # identity studio:send-quote-001, its job made
+    identity = f"{TENANT}:send-quote-001"
+    with world.outbox.transaction() as tx:  # another fact under the same identity
+        second = tx.emit(
+            TOPIC, key="quote-other", payload={"n": 2}, tenant=TENANT, identity=identity
+        )
+    world.publish()
+    world.consume()  # the group drops it: its identity is in the inbox already
+    dropped = _get(api, "/api/trace", q=second).json()
+    assert dropped["verdict"] == "dropped as a duplicate", dropped["because"]
+    assert first in dropped["because"] and "billing" in dropped["because"]
+    both = _get(api, "/api/trace", q=identity).json()
+    assert {e["event_id"] for e in both["events"]} == {first, second}
+    assert both["verdict"] == "in progress"  # the first event's job, READY
+    assert f"event {second} carries identity" in both["because"]
+    alone = _get(api, "/api/trace", q=first).json()
+    assert alone["verdict"] == "in progress" and "duplicate" not in alone["because"]
+    page = _get(api, "/trace", q=second).text
+    assert "verdict-dropped-as-a-duplicate" in page

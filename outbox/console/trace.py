@@ -35,6 +35,15 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
    CANCELLED ``not sent``; DONE (no receipt recorded: the handler finished) ``sent``;
 7. no job: a dead letter ``needs review``; an outbox row pending or quarantined
    ``not published yet``; published (in the stream, no job yet) ``in progress``.
+
+Before all of them, an **identity collision**: the inbox dedups by (group, identity), so an
+event whose identity a group already recorded for *another* event is dropped as a duplicate
+of it and never handled. When every event the trace found is such a one (its identity in a
+group's inbox under another event id of the same topic, its own event id in none), the
+verdict is ``dropped
+as a duplicate``, naming the group and the event that took the identity: the jobs and
+receipts found through the identity are that other event's. When only some are, the
+verdict is the others', and the reason says which were dropped.
 """
 
 from __future__ import annotations
@@ -69,9 +78,10 @@ NEEDS_REVIEW = "needs review"
 NOT_SENT = "not sent"
 NOT_PUBLISHED = "not published yet"
 NOT_FOUND = "not found"
+DUPLICATE = "dropped as a duplicate"
 VERDICTS = (
     *(SENT, SENT_DELIVERED, SENT_BOUNCED, UNKNOWN, IN_PROGRESS, WAITING, NEEDS_REVIEW),
-    *(NOT_SENT, NOT_PUBLISHED, NOT_FOUND),
+    *(NOT_SENT, NOT_PUBLISHED, NOT_FOUND, DUPLICATE),
 )
 _DELIVERY_RANK = {"delivered": 1, "opened": 2, "complained": 3, "bounced": 4}
 
@@ -190,8 +200,46 @@ def collect(
         trace.stream_entries = stream_entries(redis, trace.events)
     if has(audit.name):
         trace.audit = _audit_of(conn, trace)
-    trace.verdict, trace.because = verdict(trace)
+    trace.verdict, trace.because = judged(trace)
     return trace
+
+
+def judged(trace: Trace) -> tuple[str, str]:
+    """The verdict: :func:`verdict`, unless every event found was dropped as a duplicate of
+    another's identity (:func:`collisions`); the reason names any event dropped."""
+    said, because = verdict(trace)
+    dropped = collisions(trace)
+    if dropped and len(dropped) == len(trace.events):
+        return DUPLICATE, dropped[0]
+    if dropped:
+        because += "; " + "; ".join(dropped)
+    return said, because
+
+
+def collisions(trace: Trace) -> list[str]:
+    """Why each event the trace found was dropped as a duplicate of another event with the
+    same identity (the module docstring's identity collision), one sentence each."""
+    handled = {r["event_id"] for r in trace.inbox}
+    said = []
+    for event in trace.events:
+        if event["event_id"] in handled:
+            continue
+        taken = [
+            r
+            for r in trace.inbox
+            if r["identity"] == event["identity"]
+            and r["event_id"] != event["event_id"]
+            and r["topic"] == event["topic"]  # a group reading this topic: it drops this one
+        ]
+        if taken:
+            r = taken[0]
+            said.append(
+                f"event {event['event_id']} carries identity {event['identity']}, which consumer "
+                f"group {r['group_name']} recorded for event {r['event_id']}: it is dropped as a "
+                "duplicate of that event and never handled (give each business fact an identity "
+                "of its own)"
+            )
+    return said
 
 
 def _named(

@@ -74,22 +74,25 @@ def uncapped(rows: Iterable[Any], table: Table, tables: Tables) -> list[dict[str
     long = long_columns(table)
     kind = next((k for k, (t, _) in _kinds(tables).items() if t is table), None)
     key = _kinds(tables)[kind][1] if kind is not None else None
-    out = []
-    for row in rows:
-        item = {k: jsonable(v) for k, v in row._mapping.items() if not k.endswith(SIZE)}
-        for name in long:
-            size = row._mapping.get(name + SIZE)
-            value = item.get(name)
-            if size is not None and int(size) > VALUE_CHARS:
-                whole = None
-                if kind is not None and key is not None:
-                    query = {"kind": kind, "id": str(item[key]), "column": name}
-                    whole = "/api/trace/value?" + urlencode(query)
-                item[name + "_capped"] = {"chars": int(size), "shown": VALUE_CHARS, "whole": whole}
-            elif value is not None and isinstance(table.c[name].type, JSON):
-                item[name] = json.loads(value) if isinstance(value, str) else value
-        out.append(item)
-    return out
+    return [_uncapped(row, table, long, kind, key) for row in rows]
+
+
+def _uncapped(
+    row: Any, table: Table, long: list[str], kind: str | None, key: str | None
+) -> dict[str, Any]:
+    item = {k: jsonable(v) for k, v in row._mapping.items() if not k.endswith(SIZE)}
+    for name in long:
+        size = row._mapping.get(name + SIZE)
+        value = item.get(name)
+        if size is not None and int(size) > VALUE_CHARS:
+            whole = None
+            if kind is not None and key is not None:
+                query = {"kind": kind, "id": str(item[key]), "column": name}
+                whole = "/api/trace/value?" + urlencode(query)
+            item[name + "_capped"] = {"chars": int(size), "shown": VALUE_CHARS, "whole": whole}
+        elif isinstance(value, str) and isinstance(table.c[name].type, JSON):
+            item[name] = json.loads(value)
+    return item
 
 
 def capped_fields(found: dict[str, str]) -> tuple[dict[str, str], dict[str, int]]:
