@@ -58,6 +58,7 @@ from outbox.errors import ConfigError
 from outbox.lifecycle import GracefulStop
 from outbox.logs import fields, setup_logging
 from outbox.nats_client import NatsClient, broker_kind
+from outbox.reach import reach
 from outbox.redis_client import as_cluster_url, is_cluster_url, redis_client
 
 log = logging.getLogger("outbox.consumer.cli")
@@ -236,8 +237,31 @@ def _run(args: argparse.Namespace) -> int:
         ),
     )
     stop = GracefulStop().install()
+    if not _reach(consumer, args.redis_url, stop):
+        return 0  # stopped while waiting for the broker
     consumer.run(stop)
     return 0
+
+
+def _reach(consumer: Consumer, url: str | None, stop: GracefulStop) -> bool:
+    """Wait until the consumer's broker answers, saying so at start (:func:`outbox.reach.reach`:
+    one error line naming the broker, its password hidden; one when it answers). Before,
+    a consumer whose Redis was down at start logged heartbeat and batch warnings that named
+    no broker. False once stopped first."""
+
+    def ping() -> bool:
+        if consumer.broker == "nats":
+            reader: Any = consumer.reader
+            reader.client.ping()
+        else:
+            consumer.redis.ping()  # a cluster's client is made here: it reads the slot map
+        return True
+
+    spec = url if url is not None else getattr(consumer, "_redis_spec", None)
+    if spec is None:
+        return True  # the embedded Redis: started on first use, never "down at start"
+    where = spec if isinstance(spec, str) else "the application's Redis client"
+    return bool(reach(ping, where, stop, log, group=consumer.group, consumer=consumer.name))
 
 
 # -- dead letters ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from outbox.hooks import Hooks
 from outbox.lifecycle import GracefulStop
 from outbox.logs import setup_logging
 from outbox.outage import misconfiguration
+from outbox.reach import broker_errors, reason, where
 from outbox.schema import build_schema, create_schema
 from relay.admin import requeue, status
 from relay.broker import broker_kind
@@ -366,14 +367,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     engine, schema = _engine_and_schema(args)
     stop = GracefulStop().install()
-    publisher = connect_broker(
-        args,
-        stop,
-        stream_template=args.stream,
-        maxlen=args.maxlen or None,
-        source=args.source,
-        stream_retention=args.stream_retention,
-    )
+    options: dict[str, Any] = {
+        "stream_template": args.stream,
+        "maxlen": args.maxlen or None,
+        "source": args.source,
+        "stream_retention": args.stream_retention,
+    }
+    if args.once:  # one cycle: a broker not there fails it, as a database not there does
+        try:
+            publisher = connect_broker(args, **options)
+            assert publisher is not None  # without ``stop`` it raises instead of giving up
+            publisher.ping()
+        except broker_errors() as exc:
+            return _fail(f"cannot reach the broker at {where(args.redis_url)}: {reason(exc)}")
+    else:
+        publisher = connect_broker(args, stop, **options)
     if publisher is None:
         return 0  # stopped while waiting for the broker
     if args.require_aof:

@@ -111,16 +111,20 @@ def start_worker_app(target: str, env: Mapping[str, str], log: Path) -> subproce
 class PrivateRedis:
     """A ``redis-server`` child process on a free port; restartable on the same port."""
 
-    def __init__(self, *, persistent: bool = False, port: int | None = None) -> None:
+    def __init__(
+        self, *, persistent: bool = False, port: int | None = None, password: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.persistent = persistent
+        self.password = password  # ``requirepass``: clients must AUTH
         self.directory = tempfile.mkdtemp(prefix="private-redis-")
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.directory, "redis.log")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _command(self) -> list[str]:
         command = [
@@ -138,6 +142,8 @@ class PrivateRedis:
             "--logfile",
             self.log_path,
         ]
+        if self.password:
+            command += ["--requirepass", self.password]
         if self.persistent:
             command += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
@@ -158,6 +164,10 @@ class PrivateRedis:
             raise RuntimeError(f"redis-server exited with {self.process.returncode}: {self.log()}")
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                if self.password:
+                    sock.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not sock.recv(64).startswith(b"+OK"):
+                        return False
                 sock.sendall(b"PING\r\n")
                 # A server still loading its AOF answers -LOADING: not ready yet.
                 return sock.recv(64).startswith(b"+PONG")

@@ -35,9 +35,10 @@ from outbox.console.gate import MAX_BODY, Gate, host_names
 from outbox.console.openapi import openapi
 from outbox.console.overview import overview
 from outbox.console.params import integer, optional_integer, text
+from outbox.console.params import local_path as _local
 from outbox.console.queries import FilterError, NotFound, Tables
 from outbox.console.templating import templates
-from outbox.console.trace import collect
+from outbox.console.trace_views import TraceViews
 from outbox.logs import fields
 from outbox.schema import OutboxSchema, build_schema
 
@@ -85,6 +86,7 @@ class Console:
         self.describe = describe or {}
         self._present: tuple[float, set[str]] = (0.0, set())
         self.templates = templates()
+        self.traces = TraceViews(self)
         hosts = None if allowed_hosts is None else host_names(allowed_hosts)
         self.app = Gate(Starlette(routes=self._routes()), allowed_hosts=hosts, max_body=max_body)
 
@@ -107,7 +109,8 @@ class Console:
             r("/logout", page(self.logout), methods=["POST"]),
             r("/api/openapi.json", self.api_description),
             r("/api/overview", api(self.api_overview)),
-            r("/api/trace", api(self.api_trace)),
+            r("/api/trace", api(self.traces.api_trace)),
+            r("/api/trace/value", api(self.traces.api_value)),
             r("/api/events", api(self.api_list("events"))),
             r("/api/jobs", api(self.api_list("jobs"))),
             r("/api/receipts", api(self.api_list("receipts"))),
@@ -135,7 +138,7 @@ class Console:
                 methods=["POST"],
             ),
             r("/", page(self.page_overview)),
-            r("/trace", page(self.page_trace)),
+            r("/trace", page(self.traces.page_trace)),
             r("/events", page(self.page_list("events"))),
             r("/jobs", page(self.page_list("jobs"))),
             r("/receipts", page(self.page_list("receipts"))),
@@ -242,10 +245,6 @@ class Console:
 
     def _overview(self) -> dict[str, Any]:
         return overview(self.engine, self.tables, self.outbox_schema, self.redis, self.present())
-
-    def _trace(self, q: str) -> Any:
-        with self.engine.connect() as conn:
-            return collect(conn, self.tables, q, self.present(), self.redis)
 
     def _list(self, kind: str, params: dict[str, str]) -> queries.Page:
         size = optional_integer(params, "limit", 50, minimum=1, maximum=queries.MAX_PAGE)
@@ -355,13 +354,6 @@ class Console:
     async def api_overview(self, request: Request) -> Any:
         return await run_in_threadpool(self._overview)
 
-    async def api_trace(self, request: Request) -> Any:
-        q = (text(request.query_params.get("q"), "q") or "").strip()
-        if not q:
-            raise FilterError("q", "give an identity, event key, event id, job id or operation id")
-        trace = await run_in_threadpool(self._trace, q)
-        return trace.as_dict()
-
     def api_list(self, kind: str) -> Callable[[Request], Awaitable[Any]]:
         async def handler(request: Request) -> Any:
             page = await run_in_threadpool(self._list, kind, dict(request.query_params))
@@ -373,23 +365,6 @@ class Console:
         data = await run_in_threadpool(self._overview)
         return self._render(
             "overview.html", who=who, csrf=self._csrf(who), o=data, notice=_notice(request)
-        )
-
-    async def page_trace(self, request: Request, who: Principal) -> Response:
-        q = (text(request.query_params.get("q"), "q") or "").strip()
-        trace = await run_in_threadpool(self._trace, q) if q else None
-        status = 404 if trace is not None and not trace.found else 200
-        return self._render(
-            "trace.html",
-            status,
-            who=who,
-            csrf=self._csrf(who),
-            q=q,
-            t=trace,
-            notice=_notice(request),
-            here=_local(
-                str(request.url.path) + ("?" + request.url.query if request.url.query else "")
-            ),
         )
 
     def page_list(self, kind: str) -> Callable[[Request, Principal], Awaitable[Response]]:
@@ -574,13 +549,6 @@ async def _body(request: Request) -> dict[str, Any]:
     except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _local(path: str | None) -> str:
-    """A redirect target of this console only (never another site: ``//`` or a scheme)."""
-    if not path or not path.startswith("/") or path.startswith("//") or "\\" in path:
-        return "/"
-    return path
 
 
 def _here(request: Request) -> str:

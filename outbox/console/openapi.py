@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox.console.queries import MAX_PAGE
+from outbox.console.queries import MAX_PAGE, TRACE_LIMIT
 
 
 def _json(description: str) -> dict[str, Any]:
@@ -106,7 +106,21 @@ def openapi() -> dict[str, Any]:
                     "required": True,
                     "description": "identity, key, event id, job id or operation id",
                     "schema": {"type": "string"},
-                }
+                },
+                _query("cursor", "next_cursor of the previous page of this trace"),
+                _query(
+                    "limit",
+                    "events and jobs per page",
+                    {"type": "integer", "minimum": 1, "maximum": TRACE_LIMIT},
+                ),
+            ],
+        ),
+        "/api/trace/value": _read(
+            "the whole of a long value a trace showed cut (its *_capped.whole)",
+            [
+                _query("kind", "event, job, attempt, reply, receipt, dead_letter or audit"),
+                _query("id", "the record's key"),
+                _query("column", "the column whose value was cut"),
             ],
         ),
         "/api/events": _read(

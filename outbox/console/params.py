@@ -60,3 +60,10 @@ def text(value: str | None, name: str, limit: int = MAX_TEXT) -> str | None:
     if len(value) > limit or "\x00" in value:
         raise FilterError(name, f"at most {limit} characters, and no NUL")
     return value
+
+
+def local_path(path: str | None) -> str:
+    """A redirect target of this console only (never another site: ``//`` or a scheme)."""
+    if not path or not path.startswith("/") or path.startswith("//") or "\\" in path:
+        return "/"
+    return path

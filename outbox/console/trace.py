@@ -35,6 +35,15 @@ the job's state: an UNKNOWN receipt on a job in WAITING_REVIEW reads ``unknown``
    CANCELLED ``not sent``; DONE (no receipt recorded: the handler finished) ``sent``;
 7. no job: a dead letter ``needs review``; an outbox row pending or quarantined
    ``not published yet``; published (in the stream, no job yet) ``in progress``.
+
+Before all of them, an **identity collision**: the inbox dedups by (group, identity), so an
+event whose identity a group already recorded for *another* event is dropped as a duplicate
+of it and never handled. When every event the trace found is such a one (its identity in a
+group's inbox under another event id of the same topic, its own event id in none), the
+verdict is ``dropped
+as a duplicate``, naming the group and the event that took the identity: the jobs and
+receipts found through the identity are that other event's. When only some are, the
+verdict is the others', and the reason says which were dropped.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from consumer.jobs.schema import attempts, deliveries, job_steps, jobs, operatio
 from outbox.codec import text_fields
 from outbox.console.queries import TRACE_LIMIT, Tables, jsonable
 from outbox.console.schema import audit
+from outbox.console.trace_cap import capped_fields, capped_select, uncapped
+from outbox.console.trace_pages import Window
 from outbox.dialect import db_epoch
 from outbox.logs import fields
 from outbox.validate import INT64_MAX, int_problem
@@ -67,9 +78,10 @@ NEEDS_REVIEW = "needs review"
 NOT_SENT = "not sent"
 NOT_PUBLISHED = "not published yet"
 NOT_FOUND = "not found"
+DUPLICATE = "dropped as a duplicate"
 VERDICTS = (
     *(SENT, SENT_DELIVERED, SENT_BOUNCED, UNKNOWN, IN_PROGRESS, WAITING, NEEDS_REVIEW),
-    *(NOT_SENT, NOT_PUBLISHED, NOT_FOUND),
+    *(NOT_SENT, NOT_PUBLISHED, NOT_FOUND, DUPLICATE),
 )
 _DELIVERY_RANK = {"delivered": 1, "opened": 2, "complained": 3, "bounced": 4}
 
@@ -90,6 +102,8 @@ class Trace:
     deliveries: list[dict[str, Any]] = field(default_factory=list)
     audit: list[dict[str, Any]] = field(default_factory=list)
     clock: float = 0.0
+    window: Window = field(default_factory=Window)
+    tables: Tables | None = field(default=None, repr=False)
 
     @property
     def found(self) -> bool:
@@ -108,17 +122,27 @@ class Trace:
             "receipts": self.receipts,
             "deliveries": self.deliveries,
             "audit": self.audit,
+            "next_cursor": self.window.next_cursor,
         }
+
+    def rows(self, result: Iterable[Any], table: Any) -> list[dict[str, Any]]:
+        """``result`` of a :func:`capped_select` of ``table`` as JSON-able rows."""
+        assert self.tables is not None
+        return uncapped(result, table, self.tables)
 
 
 def _rows(result: Iterable[Any]) -> list[dict[str, Any]]:
     return [{k: jsonable(v) for k, v in r._mapping.items()} for r in result]
 
 
-def _add(into: list[dict[str, Any]], rows: list[dict[str, Any]], key: str) -> None:
+def _add(
+    into: list[dict[str, Any]], rows: list[dict[str, Any]], key: str, cap: int | None = TRACE_LIMIT
+) -> None:
+    """The rows not in ``into`` yet, up to ``cap`` in all (None: each lookup is bounded, and
+    the page's window cuts the whole: events and jobs)."""
     seen = {r[key] for r in into}
     for row in rows:
-        if row[key] not in seen and len(into) < TRACE_LIMIT:
+        if row[key] not in seen and (cap is None or len(into) < cap):
             into.append(row)
             seen.add(row[key])
 
@@ -144,21 +168,30 @@ def _as_int(q: str) -> int | None:
 
 
 def collect(
-    conn: Connection, tables: Tables, q: str, present: set[str], redis: Any = None
+    conn: Connection,
+    tables: Tables,
+    q: str,
+    present: set[str],
+    redis: Any = None,
+    *,
+    window: Window | None = None,
 ) -> Trace:
     """Find everything ``q`` names and what it links to (see the module docstring): what
     ``q`` names directly, the events of the jobs found so, the inbox rows and dead letters,
     the jobs the events made, the jobs' history and receipts, the stream entries, the audit
-    of it all, and the verdict."""
-    trace = Trace(query=q)
+    of it all, and the verdict. ``window``: which page of a long flow (events by ``seq``,
+    jobs by id; :mod:`outbox.console.trace_pages`); its first by default."""
+    trace = Trace(query=q, window=window or Window(), tables=tables)
     trace.clock = float(conn.execute(select(db_epoch())).scalar_one())
     has = present.__contains__
     _named(conn, tables, q, has, trace)
     if has(tables.outbox.name) and trace.jobs and not trace.events:
         _events_of_jobs(conn, tables, trace)  # a job id or an operation id was asked
+    trace.window.cut_events(trace.events)
     _inbox_and_dead_letters(conn, tables, q, has, trace)
     if has(jobs.name) and trace.events:
-        _add(trace.jobs, _event_jobs(conn, trace.events), "id")
+        _add(trace.jobs, _event_jobs(conn, trace), "id", cap=None)
+    trace.window.cut_jobs(trace.jobs)
     if trace.jobs:
         _history_and_receipts(conn, has, trace)
     if trace.jobs and has(job_steps.name):
@@ -167,8 +200,46 @@ def collect(
         trace.stream_entries = stream_entries(redis, trace.events)
     if has(audit.name):
         trace.audit = _audit_of(conn, trace)
-    trace.verdict, trace.because = verdict(trace)
+    trace.verdict, trace.because = judged(trace)
     return trace
+
+
+def judged(trace: Trace) -> tuple[str, str]:
+    """The verdict: :func:`verdict`, unless every event found was dropped as a duplicate of
+    another's identity (:func:`collisions`); the reason names any event dropped."""
+    said, because = verdict(trace)
+    dropped = collisions(trace)
+    if dropped and len(dropped) == len(trace.events):
+        return DUPLICATE, dropped[0]
+    if dropped:
+        because += "; " + "; ".join(dropped)
+    return said, because
+
+
+def collisions(trace: Trace) -> list[str]:
+    """Why each event the trace found was dropped as a duplicate of another event with the
+    same identity (the module docstring's identity collision), one sentence each."""
+    handled = {r["event_id"] for r in trace.inbox}
+    said = []
+    for event in trace.events:
+        if event["event_id"] in handled:
+            continue
+        taken = [
+            r
+            for r in trace.inbox
+            if r["identity"] == event["identity"]
+            and r["event_id"] != event["event_id"]
+            and r["topic"] == event["topic"]  # a group reading this topic: it drops this one
+        ]
+        if taken:
+            r = taken[0]
+            said.append(
+                f"event {event['event_id']} carries identity {event['identity']}, which consumer "
+                f"group {r['group_name']} recorded for event {r['event_id']}: it is dropped as a "
+                "duplicate of that event and never handled (give each business fact an identity "
+                "of its own)"
+            )
+    return said
 
 
 def _named(
@@ -179,10 +250,11 @@ def _named(
     t = tables.outbox
     if has(t.name):
         for column in (t.c.event_id, t.c.identity, t.c.key):
-            _add(trace.events, _lookup(conn, t, column, [q], t.c.seq), "event_id")
+            _add(trace.events, _lookup(conn, trace, t, column, [q], t.c.seq), "event_id", None)
     job_ids: set[int] = set()
     if has(operations.name):
-        ops = _rows(conn.execute(select(operations).where(operations.c.operation_id == q)))
+        one = capped_select(operations).where(operations.c.operation_id == q)
+        ops = trace.rows(conn.execute(one), operations)
         _add(trace.receipts, ops, "operation_id")
         job_ids.update(int(r["job_id"]) for r in ops)
     if has(jobs.name):
@@ -190,8 +262,8 @@ def _named(
         if number is not None:
             job_ids.add(number)
         for column, values in ((jobs.c.id, sorted(job_ids)), (jobs.c.subject, [q])):
-            _add(trace.jobs, _lookup(conn, jobs, column, values, jobs.c.id), "id")
-        _add(trace.jobs, _lookup(conn, jobs, jobs.c.action, [q], jobs.c.id), "id")
+            _add(trace.jobs, _lookup(conn, trace, jobs, column, values, jobs.c.id), "id", None)
+        _add(trace.jobs, _lookup(conn, trace, jobs, jobs.c.action, [q], jobs.c.id), "id", None)
 
 
 def _events_of_jobs(conn: Connection, tables: Tables, trace: Trace) -> None:
@@ -201,7 +273,7 @@ def _events_of_jobs(conn: Connection, tables: Tables, trace: Trace) -> None:
     actions = {j["action"] for j in trace.jobs}
     names = sorted(actions | {f"{j['tenant']}:{j['action']}" for j in trace.jobs})
     for column, values in ((t.c.identity, names), (t.c.key, subjects)):
-        _add(trace.events, _lookup(conn, t, column, values, t.c.seq), "event_id")
+        _add(trace.events, _lookup(conn, trace, t, column, values, t.c.seq), "event_id", None)
     trace.events.sort(key=lambda e: int(e["seq"]))
 
 
@@ -231,50 +303,53 @@ def _inbox_and_dead_letters(
         match: Any = dl.c.identity.in_(sorted(identities))
         if event_ids:
             match = or_(match, dl.c.event_id.in_(sorted(event_ids)))
-        trace.dead_letters = _rows(
-            conn.execute(select(dl).where(match).order_by(dl.c.id).limit(TRACE_LIMIT))
-        )
+        query = capped_select(dl).where(match).order_by(dl.c.id).limit(TRACE_LIMIT)
+        trace.dead_letters = trace.rows(conn.execute(query), dl)
 
 
 def _history_and_receipts(conn: Connection, has: Callable[[str], bool], trace: Trace) -> None:
-    """Each job's attempt history (its last TRACE_LIMIT moves) and the jobs' receipts."""
+    """Each job's attempt history (its last TRACE_LIMIT moves, read so: a job retried for
+    months has thousands) and the jobs' receipts."""
     ids = sorted(int(j["id"]) for j in trace.jobs)
-    history: dict[int, list[dict[str, Any]]] = {}
-    if has(attempts.name):
-        query = select(attempts).where(attempts.c.job_id.in_(ids)).order_by(attempts.c.id)
-        for row in _rows(conn.execute(query)):
-            history.setdefault(int(row["job_id"]), []).append(row)
     for job in trace.jobs:
-        job["history"] = history.get(int(job["id"]), [])[-TRACE_LIMIT:]
+        job["history"] = []
+        if has(attempts.name):
+            query = (
+                capped_select(attempts)
+                .where(attempts.c.job_id == int(job["id"]))
+                .order_by(attempts.c.job_id, attempts.c.id.desc())
+                .limit(TRACE_LIMIT)
+            )
+            job["history"] = trace.rows(conn.execute(query), attempts)[::-1]
         job["replies"] = []
     if has(replies.name):
         by_job = {int(j["id"]): j for j in trace.jobs}
         query = (
-            select(replies)
+            capped_select(replies)
             .where(replies.c.job_id.in_(ids))
             .order_by(replies.c.job_id, replies.c.seq)
             .limit(TRACE_LIMIT * 4)
         )
-        for row in _rows(conn.execute(query)):
+        for row in trace.rows(conn.execute(query), replies):
             kept = by_job[int(row["job_id"])]["replies"]
             if len(kept) < TRACE_LIMIT:
                 kept.append(row)
     if has(operations.name):
         receipts = (
-            select(operations)
+            capped_select(operations)
             .where(operations.c.job_id.in_(ids))
             .order_by(operations.c.created_at)
             .limit(TRACE_LIMIT)
         )
-        _add(trace.receipts, _rows(conn.execute(receipts)), "operation_id")
+        _add(trace.receipts, trace.rows(conn.execute(receipts), operations), "operation_id")
     if has(deliveries.name) and trace.receipts:
         callbacks = (
-            select(deliveries)
+            capped_select(deliveries)
             .where(deliveries.c.operation_id.in_([r["operation_id"] for r in trace.receipts]))
             .order_by(deliveries.c.operation_id, deliveries.c.received_at)
             .limit(TRACE_LIMIT)
         )
-        trace.deliveries = _rows(conn.execute(callbacks))
+        trace.deliveries = trace.rows(conn.execute(callbacks), deliveries)
 
 
 def _steps(conn: Connection, trace: Trace) -> None:
@@ -301,9 +376,10 @@ def _steps(conn: Connection, trace: Trace) -> None:
 
 
 def _lookup(
-    conn: Connection, table: Any, column: Any, values: list[Any], then: Any
+    conn: Connection, trace: Trace, table: Any, column: Any, values: list[Any], then: Any
 ) -> list[dict[str, Any]]:
-    """Rows whose ``column`` is one of ``values``, through that column's index.
+    """Rows whose ``column`` is one of ``values``, through that column's index, in the
+    trace's window (``then`` past its cursor, one row more than a page: whether more follow).
 
     One statement per column, ordered by the column itself (then ``then``): with LIMIT and no
     planner statistics (autovacuum off), an OR of several columns, or an order by another
@@ -312,12 +388,14 @@ def _lookup(
     if not values:
         return []
     where = column == values[0] if len(values) == 1 else column.in_(values)
-    query = select(table).where(where).order_by(column, then).limit(TRACE_LIMIT)
-    return _rows(conn.execute(query))
+    query = capped_select(table).where(where)
+    query = trace.window.after(query, then).order_by(column, then).limit(trace.window.limit + 1)
+    return trace.rows(conn.execute(query), table)
 
 
-def _event_jobs(conn: Connection, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _event_jobs(conn: Connection, trace: Trace) -> list[dict[str, Any]]:
     """The jobs a consumer made for these events, by the conventions (module docstring)."""
+    events = trace.events
     pairs: set[tuple[str, str]] = set()
     plain: set[str] = set()
     keys: dict[str, str | None] = {}
@@ -329,16 +407,15 @@ def _event_jobs(conn: Connection, events: list[dict[str, Any]]) -> list[dict[str
             pairs.add((prefix, rest))
         keys[key] = tenant
     found: list[dict[str, Any]] = []
-    _add(found, _lookup(conn, jobs, jobs.c.action, sorted(plain), jobs.c.id), "id")
-    by_subject = _lookup(conn, jobs, jobs.c.subject, sorted(keys), jobs.c.id)
+    _add(found, _lookup(conn, trace, jobs, jobs.c.action, sorted(plain), jobs.c.id), "id", None)
+    by_subject = _lookup(conn, trace, jobs, jobs.c.subject, sorted(keys), jobs.c.id)
     same_tenant = [j for j in by_subject if keys[j["subject"]] in (None, j["tenant"])]
-    _add(found, same_tenant, "id")
+    _add(found, same_tenant, "id", None)
     for tenant, action in sorted(pairs):  # the unique (tenant, action) index, one probe each
-        row = conn.execute(
-            select(jobs).where(jobs.c.tenant == tenant, jobs.c.action == action)
-        ).first()
+        one = capped_select(jobs).where(jobs.c.tenant == tenant, jobs.c.action == action)
+        row = conn.execute(trace.window.after(one, jobs.c.id)).first()
         if row is not None:
-            _add(found, _rows([row]), "id")
+            _add(found, trace.rows([row], jobs), "id", None)
     return sorted(found, key=lambda j: int(j["id"]))
 
 
@@ -350,18 +427,19 @@ def _audit_of(conn: Connection, trace: Trace) -> list[dict[str, Any]]:
     if not targets:
         return []
     rows = conn.execute(
-        select(audit)
+        capped_select(audit)
         .where(tuple_(audit.c.target_kind, audit.c.target_id).in_(targets[: TRACE_LIMIT * 4]))
         .order_by(audit.c.id)
         .limit(TRACE_LIMIT)
     )
-    return _rows(rows)
+    return trace.rows(rows, audit)
 
 
 def stream_entries(redis: Any, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each published row's stream entry, read back from Redis (``XRANGE id id``), with its
-    CloudEvents fields; ``missing`` when the stream no longer holds it (trimmed, or a Redis
-    that lost it: ``outbox-relay republish``)."""
+    CloudEvents fields (a long one cut to its first VALUE_CHARS characters, its whole size in
+    ``capped``: the outbox row's payload is the whole); ``missing`` when the stream no longer
+    holds it (trimmed, or a Redis that lost it: ``outbox-relay republish``)."""
     out = []
     for event in events:
         stream, entry_id = event.get("stream"), event.get("stream_id")
@@ -375,7 +453,8 @@ def stream_entries(redis: Any, events: list[dict[str, Any]]) -> list[dict[str, A
             item.update(state="unreadable", error=f"{type(exc).__name__}: {exc}", fields={})
         else:
             if found:
-                item.update(state="present", fields=text_fields(found[0][1]))
+                shown, cut = capped_fields(text_fields(found[0][1]))
+                item.update(state="present", fields=shown, **({"capped": cut} if cut else {}))
             else:
                 item.update(state="missing", fields={})
         out.append(item)
