@@ -11,7 +11,7 @@ database (``outbox.horizon``).
 
 ``OutboxVacuumHorizonHeld`` (metrics/alerts.yml) fires on the first. The worker's vacuum
 logs the holder (pid, application name, state, age) when its vacuum cannot remove the dead
-rows (``outbox.maintenance``). PostgreSQL only: on SQLite the source exports nothing.
+rows (``outbox.maintenance``). On SQLite (no vacuum horizon) both are 0.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ def horizon_source(schema: str | None = None) -> Source:
     """The collector's ``horizon`` source, present where the job table is (``schema``)."""
 
     def run(ctx: Any) -> list[Metric]:  # a metrics.collector.ScrapeContext
-        if ctx.dialect != "postgresql":
-            return []
-        holder = horizon_holder(ctx.conn)
+        # SQLite has no vacuum horizon: nothing holds one back (0).
+        holder = horizon_holder(ctx.conn) if ctx.dialect == "postgresql" else None
         seconds = holder.age_seconds if holder is not None else None
         return [
             GaugeMetricFamily(

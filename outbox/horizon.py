@@ -191,7 +191,10 @@ class HorizonWatch:
         now = self.clock()
         if self.since is None:
             self.since = now
-        same = holder is not None and self.holder is not None and holder.xmin == self.holder.xmin
+        if holder is None or self.holder is None:
+            same = holder is None and self.holder is None  # none visible, as last time
+        else:
+            same = holder.xmin == self.holder.xmin
         if same and self._reported is not None and now - self._reported < self.repeat:
             return
         self.holder, self._reported = holder, now

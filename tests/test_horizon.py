@@ -21,7 +21,7 @@ from consumer.jobs.store import Store
 from consumer.jobs.worker import Worker
 from metrics import DatabaseCollector
 from outbox.db import make_engine
-from outbox.horizon import horizon_holder
+from outbox.horizon import HorizonWatch, horizon_holder
 from tests.services import PrivatePostgres, wait_for
 
 pytestmark = pytest.mark.slow
@@ -232,3 +232,32 @@ def test_the_exporter_shows_the_oldest_transaction_age(
         held.close()
     engine.dispose()  # no pooled session of the test's own in a transaction
     assert gauges() == (0.0, 0.0)
+
+
+def test_a_holder_nobody_can_see_is_reported_once_a_minute(
+    server: PrivatePostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table stays past its threshold but no session visible to this role holds a snapshot
+    (another role's session, without pg_read_all_stats): the warning says so and how to see
+    it, once per ``repeat``, however often the vacuum looks; never a skipped vacuum."""
+    now = [1000.0]
+    watch = HorizonWatch(
+        "job tables",
+        lambda conn, table: True,
+        logging.getLogger("test.horizon"),
+        repeat=60.0,
+        clock=lambda: now[0],
+    )
+    with psycopg.connect(libpq(server.url), autocommit=True) as conn:
+        assert horizon_holder(conn) is None
+        with caplog.at_level(logging.WARNING, logger="test.horizon"):
+            for _ in range(5):
+                watch.after_vacuum(conn, {"outbox_jobs": 0.01})
+                assert not watch.skip(conn, "outbox_jobs")
+                now[0] += 5.0
+            assert len(caplog.records) == 1
+            logged = caplog.records[0].__dict__["fields"]
+            assert logged["holder"] == "unknown" and "pg_read_all_stats" in logged["hint"]
+            now[0] += 60.0
+            watch.after_vacuum(conn, {"outbox_jobs": 0.01})
+            assert len(caplog.records) == 2
