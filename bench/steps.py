@@ -17,6 +17,13 @@ and the claim.
 
 Figures: p50 / p99 / max of the gaps in ms per mode, and the ratio of the ``after`` p99 to
 the baseline's. Print the machine's load beside them (``os.getloadavg`` is printed).
+
+``--cost``: what steps cost jobs without any, in the part this cell can switch off: the
+partial index of WAITING_PARENTS jobs the metrics count (``ix_outbox_jobs_waiting_parents``).
+``--cost-jobs`` plain 1-job-per-handler no-op jobs are enqueued and drained by the worker
+(``--concurrency`` slots), in rounds that alternate the index present and dropped, in one
+schema; medians of ``--rounds`` rounds each, jobs/s, and their ratio. (Plain jobs finish on
+the one-statement path, as before steps: the steps' own statements never run for them.)
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 WARM = 2  # chains run first and not counted
+T = TypeVar("T")
 
 
 def _schema_url(base: str, schema: str) -> str:
@@ -116,6 +124,43 @@ def run_mode(url: str, mode: str, chains: int, length: int, gap: float, slots: i
     return record
 
 
+def drain_rate(url: str, jobs: int, rounds: int, slots: int) -> dict[bool, float]:
+    """Median jobs/s of ``rounds`` drains of ``jobs`` no-op jobs, with the WAITING_PARENTS
+    index (True) and without (False), alternating."""
+    import statistics
+
+    from consumer import Store, StoreConfig, Worker
+    from consumer.jobs.schema import WAITING_PARENTS_INDEX
+
+    store = Store(url, config=StoreConfig(notify=True))
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    left = threading.Semaphore(0)
+    worker = Worker(store, concurrency=slots)
+    worker.register("noop", lambda job: left.release())
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    try:
+        for n in range(rounds * 2 + 1):
+            present = n % 2 == 1
+            with store.engine.begin() as conn:
+                if present:
+                    WAITING_PARENTS_INDEX.create(conn, checkfirst=True)
+                else:
+                    WAITING_PARENTS_INDEX.drop(conn, checkfirst=True)
+            store.enqueue_many([{"tenant": "b", "action": f"noop-{n}-{i}"} for i in range(jobs)])
+            start = time.perf_counter()
+            for _ in range(jobs):
+                if not left.acquire(timeout=120):
+                    raise RuntimeError("the drain stalled")
+            if n:  # round 0 warms the pools
+                rates[present].append(jobs / (time.perf_counter() - start))
+    finally:
+        worker.stop()
+        runner.join(60)
+        store.dispose()
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
 def _pick(ms: list[float], q: float) -> float:
     return ms[min(len(ms) - 1, int(len(ms) * q))]
 
@@ -129,10 +174,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--length", type=int, default=10, help="steps per chain [10]")
     parser.add_argument("--gap", type=float, default=0.2, help="seconds between chains [0.2]")
     parser.add_argument("--concurrency", type=int, default=16, help="the worker's slots [16]")
+    parser.add_argument("--cost", action="store_true", help="the drain cell instead")
+    parser.add_argument("--cost-jobs", type=int, default=2000, help="jobs per drain [2000]")
+    parser.add_argument("--rounds", type=int, default=4, help="drains per variant [4]")
     args = parser.parse_args(argv)
     admin = sa.create_engine(args.database_url, isolation_level="AUTOCOMMIT")
 
-    def in_schema(run: Callable[[str], Chains]) -> Chains:
+    def in_schema(run: Callable[[str], T]) -> T:
         schema = f"bench_steps_{uuid.uuid4().hex[:8]}"
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
@@ -143,6 +191,23 @@ def main(argv: list[str]) -> int:
                 conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
     load = os.getloadavg()
+    if args.cost:
+        print(
+            f"drain of {args.cost_jobs} no-op jobs, {args.concurrency} slots, NOTIFY on, "
+            f"PostgreSQL, medians of {args.rounds} rounds per variant; load average "
+            f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs"
+        )
+        try:
+            rate = in_schema(
+                lambda url: drain_rate(url, args.cost_jobs, args.rounds, args.concurrency)
+            )
+        finally:
+            admin.dispose()
+        print(
+            f"  with the WAITING_PARENTS index {rate[True]:.0f} jobs/s, without "
+            f"{rate[False]:.0f} jobs/s, ratio {rate[True] / rate[False]:.3f}"
+        )
+        return 0
     print(
         f"step-to-step latency: {args.chains} chains of {args.length} steps per mode, one at "
         f"a time, {args.gap * 1000:.0f} ms apart; one worker of {args.concurrency} slots, "
