@@ -158,3 +158,54 @@ def test_operator_flow_in_a_browser(
         assert page.locator("script").count() == 0
         assert errors == []
         context.close()
+
+
+def test_a_graph_of_steps_and_a_keys_line_in_a_browser(
+    browser: Browser, pg_url: str, redis_url: str
+) -> None:
+    """Issues 57 and 56: from a job's trace to its graph (the progress, each job by level,
+    its parents as links) and to its order key's line, by the links, JavaScript off; then
+    the same pages with it on log no error."""
+    from consumer import Store
+
+    store = Store(pg_url)
+    store.enqueue_many(
+        [
+            {"tenant": "acme", "action": "quote", "order_key": "invoice-7"},
+            {"tenant": "acme", "action": "reply", "after": [("acme", "quote")]},
+            {"tenant": "acme", "action": "book", "after": [("acme", "reply")]},
+            {"tenant": "acme", "action": "remind", "order_key": "invoice-7"},
+        ]
+    )
+    epoch = store.claim("acme", "quote", "w")
+    store.finish("acme", "quote", "w", epoch, result={"quote": 7})
+    reply = store.get("acme", "reply").id
+    store.dispose()
+    with ConsoleProcess(pg_url, redis_url, token=TOKEN) as console:
+        context = browser.new_context(java_script_enabled=False)
+        page = context.new_page()
+        errors = _watch(page)
+        page.goto(console.url + f"/login?token={TOKEN}")
+        page.goto(console.url + f"/trace?q={reply}")
+        page.click("text=The whole graph and its progress")
+        assert page.url == console.url + f"/graph?job={reply}"
+        assert page.inner_text("p.progress") == "1 of 3 steps done, 1 ready, 1 waiting for parents."
+        rows = page.locator("tbody tr").all_inner_texts()
+        assert [r.split("\t")[3] for r in rows] == ["quote", "reply", "book"]
+        page.click("tbody tr >> nth=2 >> text=acme/reply")  # book's parent: its own graph
+        assert page.url == console.url + f"/graph?job={reply}"
+        page.click("tbody tr >> nth=0 >> a >> nth=0")  # quote's trace
+        page.click("text=its line")
+        assert page.url == console.url + "/keys?key=invoice-7"
+        line = page.inner_text("p.progress")  # quote finished: remind runs next
+        assert "(acme/remind) is READY; 0 job(s) HELD behind it" in line
+        assert errors == []
+        context.close()
+        context = browser.new_context()
+        page = context.new_page()
+        errors = _watch(page)
+        page.goto(console.url + f"/login?token={TOKEN}")
+        for path in (f"/graph?job={reply}", "/keys?key=invoice-7"):
+            assert page.goto(console.url + path).status == 200
+        assert errors == []
+        context.close()

@@ -116,4 +116,4 @@ def test_jobs_help_is_the_installed_command() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert "{reply,cancel,show}" in done.stdout and "--reply-id" in done.stdout
+    assert "{reply,cancel,show,graph,keys}" in done.stdout and "--reply-id" in done.stdout

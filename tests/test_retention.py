@@ -7,6 +7,7 @@ clock, with no sleeps."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -522,7 +523,7 @@ def test_outbox_worker_purge_dry_run_then_purge(
     assert count(store.engine, "outbox_jobs") == 5  # a dry run deletes nothing
     assert main(["purge", "--database-url", db_url, "--batch-size", "2"]) == 0
     captured = capsys.readouterr()
-    assert "outbox_jobs          5 deleted" in captured.out
+    assert re.search(r"^outbox_jobs +5 deleted$", captured.out, re.M)  # aligned columns
     assert "outbox-worker: outbox_jobs: 5 deleted, done" in captured.err  # progress
     assert count(store.engine, "outbox_jobs") == 0
     assert count(store.engine, "outbox_job_attempts") == 0

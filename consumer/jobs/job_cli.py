@@ -1,8 +1,14 @@
-"""``outbox-worker jobs reply|cancel``: answer or cancel one job from a shell (issue 59).
+"""``outbox-worker jobs reply|cancel``: answer or cancel one job from a shell (issue 59);
+``show`` and ``graph``: a job, and its graph of steps (issue 57: ``consumer.jobs.step_cli``);
+``keys``: an order key's line (issue 56: ``consumer.jobs.order_cli``, also ``outbox-worker
+keys KEY``).
 
 ```
 outbox-worker jobs reply JOB [ACTION] --reply-id ID --payload JSON [--source NAME] [--json]
 outbox-worker jobs cancel JOB [ACTION] --reason TEXT [--json]
+outbox-worker jobs show TENANT ACTION [--json]
+outbox-worker jobs graph JOB [ACTION] [--json] [--limit N]
+outbox-worker jobs keys KEY [--json] [--limit N]
 ```
 
 ``JOB`` is a job id, or a tenant followed by the ``ACTION``, as ``Store.reply`` and
@@ -33,13 +39,17 @@ def add_jobs_command(sub: Any) -> argparse.ArgumentParser:
     """The ``jobs`` subcommand on ``outbox-worker``'s subparsers."""
     command: argparse.ArgumentParser = sub.add_parser(
         "jobs",
-        help="reply to a job, cancel it, or show it",
+        help="reply to a job, cancel it, show it or its graph, or show an order key's line",
         description="Reply to a job (a job waiting for one becomes READY; a tenant and action "
         "not enqueued yet keep the reply for the job's first run) or cancel it (a job a "
         "worker holds gets a cancel request), or show it (its state, result, parents and "
-        "children). JOB is a job id, or a tenant followed by ACTION.",
+        "children), or its graph of steps and the graph's progress. JOB is a job id, or a "
+        "tenant followed by ACTION. keys KEY: the line of an order key (what runs, what "
+        "waits, what holds it), as outbox-worker keys KEY.",
     )
-    command.add_argument("verb", choices=("reply", "cancel", "show"), help="what to do")
+    command.add_argument(
+        "verb", choices=("reply", "cancel", "show", "graph", "keys"), help="what to do"
+    )
     command.add_argument("job", help="the job id, or its tenant (then ACTION)")
     command.add_argument("action", nargs="?", default=None, help="the job's action (with a tenant)")
     add_flags(
@@ -49,6 +59,7 @@ def add_jobs_command(sub: Any) -> argparse.ArgumentParser:
         Flag("--source", help="reply: who answered (mail, sms, ...)", env=None, metavar="NAME"),
         Flag("--reason", help="cancel: why (kept in the job's history)", env=None),
         Flag("--json", bool, "the result as one JSON object", env=None),
+        Flag("--limit", int, "graph: jobs read at most; keys: HELD jobs listed", env=None),
     )
     command.set_defaults(func=jobs_command)
     return command
@@ -63,9 +74,8 @@ def job_reference(raw: str, action: str | None) -> tuple[Any, str | None]:
     return raw, action
 
 
-def jobs_command(args: argparse.Namespace, url: str) -> int:
-    from consumer.jobs.store import Store
-
+def _read_command(args: argparse.Namespace, url: str) -> int:
+    """``show``, ``graph`` and ``keys``: reads, each in the module that owns it."""
     if args.verb == "show":
         from consumer.jobs.step_cli import job_command
 
@@ -73,6 +83,25 @@ def jobs_command(args: argparse.Namespace, url: str) -> int:
             raise UsageError("jobs show needs a tenant and ACTION")
         args.tenant, args.job_action = args.job, args.action
         return job_command(args, url)
+    if args.verb == "graph":
+        from consumer.jobs.step_cli import graph_command
+
+        return graph_command(args, url, *job_reference(args.job, args.action))
+    from consumer.jobs.order_cli import keys_command
+
+    if args.action is not None:
+        raise UsageError("jobs keys takes one KEY")
+    args.order_key = args.job
+    return keys_command(args, url)
+
+
+def jobs_command(args: argparse.Namespace, url: str) -> int:
+    from consumer.jobs.store import Store
+
+    if args.verb in ("show", "graph", "keys"):
+        return _read_command(args, url)
+    if args.limit is not None:
+        raise UsageError("--limit goes with jobs graph and jobs keys")
     job, action = job_reference(args.job, args.action)
     if args.verb == "reply":
         payload = _reply_payload(args)

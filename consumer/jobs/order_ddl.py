@@ -76,6 +76,24 @@ def holds_sql(job: str, now: str) -> str:
     return f"coalesce(NOT ({job}.state IN ('{DONE}', '{CANCELLED}') OR ({passing})), true)"
 
 
+def _lock_key(table: str, key: str, name: str, column: str, into: str, values: str) -> str:
+    """PL/pgSQL: lock the row of key ``name`` in ``table`` and read its ``column`` into
+    ``into``; a key seen for the first time gets its row first (``values``: the columns
+    after the key, before ``updated_at``). FOR UPDATE waits for the key's current holder and
+    then reads the row as it committed (no new row version for the lock alone); the upsert
+    makes a row that is missing, also one a retention round deleted meanwhile
+    (``consumer.jobs.key_retention``). Both release functions take their key's lock so."""
+    columns = {"order_key": "head_id", "concurrency_key": "active, concurrency_limit"}[key]
+    return f"""        SELECT k.{column} INTO {into} FROM {table} k
+        WHERE k.{key} = {name} FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO {table} AS k ({key}, {columns}, updated_at)
+            VALUES ({name}, {values}, p_now)
+            ON CONFLICT ({key}) DO UPDATE SET updated_at = excluded.updated_at
+            RETURNING k.{column} INTO {into};
+        END IF;"""
+
+
 def pg_order_release_sql(jobs_table: str) -> str:
     """``CREATE OR REPLACE FUNCTION outbox_jobs_order_release(p_ids, p_ended, p_now)``: for
     each order key of the jobs ``p_ids`` (that just moved; ``p_ended``: they are finished,
@@ -109,16 +127,7 @@ BEGIN
         SELECT DISTINCT order_key FROM {jobs_table}
         WHERE id = ANY(p_ids) AND order_key IS NOT NULL ORDER BY 1
     LOOP
-        -- The lock: FOR UPDATE waits for the key's current holder and then reads the row
-        -- as it committed (no new row version for the lock alone); a new key's row first.
-        SELECT k.head_id INTO head FROM {ORDER_KEYS_TABLE} k
-        WHERE k.order_key = line_key FOR UPDATE;
-        IF NOT FOUND THEN
-            INSERT INTO {ORDER_KEYS_TABLE} AS k (order_key, head_id, updated_at)
-            VALUES (line_key, NULL, p_now)
-            ON CONFLICT (order_key) DO UPDATE SET updated_at = excluded.updated_at
-            RETURNING k.head_id INTO head;
-        END IF;
+{_lock_key(ORDER_KEYS_TABLE, "order_key", "line_key", "head_id", "head", "NULL")}
         IF head IS NOT NULL AND NOT (p_ended AND head = ANY(p_ids)) THEN
             holding := NULL;
             SELECT {holding} INTO holding FROM {jobs_table} j WHERE j.id = head;
@@ -172,13 +181,7 @@ BEGIN
         WHERE j.id = ANY(p_ids) AND j.concurrency_key IS NOT NULL
         GROUP BY j.concurrency_key ORDER BY 1
     LOOP
-        SELECT k.active INTO taken FROM {keys} k WHERE k.concurrency_key = line.name FOR UPDATE;
-        IF NOT FOUND THEN
-            INSERT INTO {keys} AS k (concurrency_key, active, concurrency_limit, updated_at)
-            VALUES (line.name, 0, line.cap, p_now)
-            ON CONFLICT (concurrency_key) DO UPDATE SET updated_at = excluded.updated_at
-            RETURNING k.active INTO taken;
-        END IF;
+{_lock_key(keys, "concurrency_key", "line.name", "active", "taken", "0, line.cap")}
         IF p_ended THEN
             taken := greatest(0, taken - line.ended);
         END IF;

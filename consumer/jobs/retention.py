@@ -12,7 +12,9 @@ change is older than ``job_retention_seconds``, together with its attempts and o
 rows, in the same statement. A job with an open receipt (PENDING or UNKNOWN: an effect whose
 outcome is not settled) is kept whatever its age; so is every job in any other state
 (READY, LEASED, the waiting states, NEEDS_ATTENTION). A liveness row that expired more than
-``worker_grace_seconds`` ago and whose worker holds no lease any more.
+``worker_grace_seconds`` ago and whose worker holds no lease any more. The rows of order and
+concurrency keys idle for longer than ``job_retention_seconds``
+(``consumer.jobs.key_retention``).
 
 **The safety rule: no retention setting may make a second effect possible.** The job row
 is the deduplication of ``(tenant, action)``: enqueueing an identity that has a row returns
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection
 
 from consumer.jobs.driver_retention import PG_JOB_PURGE as PG_JOB_PURGE  # re-exported
+from consumer.jobs.key_retention import idle_key_targets
 from consumer.jobs.replies import adopt
 from consumer.jobs.schema import (
     ATTEMPTS_TABLE,
@@ -236,6 +239,7 @@ class JobRetention:
             found.append(_GoneWorkers(self))
         if self.config.early_retention_seconds > 0:
             found.append(_EarlyReplies(self))
+        found.extend(idle_key_targets(self))  # rows of idle order and concurrency keys
         if self.config.audit_retention_seconds > 0:
             found.append(AuditRetention(self.store.engine, self.config.audit_retention_seconds))
         return found

@@ -35,6 +35,7 @@ from consumer.jobs.checks import job_key
 from consumer.jobs.receipts import Receipt
 from consumer.jobs.schema import job_steps, jobs
 from consumer.jobs.states import CANCELLED, DONE, NEEDS_ATTENTION
+from consumer.jobs.step_graph import MAX_GRAPH_JOBS, StepGraph, walk_graph
 from outbox.logs import fields
 
 __all__ = ["MAX_RESULT_BYTES", "ResultMethods", "checked_result", "parent_results", "run_result"]
@@ -186,3 +187,17 @@ class ResultMethods(StoreBase):
                     for r in rows
                 ]
         return found
+
+    def step_graph(
+        self, job: Any, action: str | None = None, *, limit: int = MAX_GRAPH_JOBS
+    ) -> StepGraph:
+        """The job's whole graph of steps, each job at its level, and its progress
+        (``consumer.jobs.step_graph``): at most ``limit`` jobs read."""
+        where, label = job_key(job, action)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise JobError("limit", f"must be a positive integer, got {limit!r}")
+        with self.driver.connect() as conn:
+            job_id = conn.execute(select(jobs.c.id).where(where)).scalar()
+            if job_id is None:
+                raise JobNotFound(f"no job {label}")
+            return walk_graph(conn, int(job_id), limit)

@@ -32,6 +32,7 @@ from outbox.console.actions import ActionError, Actions, Actor
 from outbox.console.auth import COOKIE, CSRF_HEADER, Guard, Principal, Sessions
 from outbox.console.door import Door
 from outbox.console.gate import MAX_BODY, Gate, host_names
+from outbox.console.lines import line_routes
 from outbox.console.openapi import openapi
 from outbox.console.overview import overview
 from outbox.console.params import integer, optional_integer, text
@@ -120,11 +121,7 @@ class Console:
             r("/api/events/{target}/requeue", act("requeue", json_api=True), methods=["POST"]),
             r("/api/jobs/{target}/resume", act("resume", json_api=True), methods=["POST"]),
             r("/api/jobs/{target}/cancel", act("cancel", json_api=True), methods=["POST"]),
-            r(
-                "/api/receipts/{target:path}/settle",
-                act("settle", json_api=True),
-                methods=["POST"],
-            ),
+            r("/api/receipts/{target:path}/settle", act("settle", json_api=True), methods=["POST"]),
             r("/api/dead-letters/{target}/replay", act("replay", json_api=True), methods=["POST"]),
             r("/api/bulk/{kind}", act("bulk", json_api=True), methods=["POST"]),
             r("/api/queues", api(self.api_queues)),
@@ -156,6 +153,7 @@ class Console:
             r("/schedules", page(self.page_schedules)),
             r("/schedules/{target:path}/pause", act("pause_schedule"), methods=["POST"]),
             r("/schedules/{target:path}/resume", act("resume_schedule"), methods=["POST"]),
+            *line_routes(self, api, page, self._render, self._csrf),  # graphs, key lines
         ]
 
     def _render(self, name: str, status: int = 200, **context: Any) -> HTMLResponse:

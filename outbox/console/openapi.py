@@ -149,6 +149,20 @@ def openapi() -> dict[str, Any]:
         ),
         "/api/queues": _read("queues: READY, oldest READY age, LEASED, paused"),
         "/api/schedules": _read("schedules and their next slot"),
+        "/api/graph": _read(
+            "a job's whole graph of steps, by level, and its progress",
+            [
+                {**_query("job", "job id", {"type": "integer", "minimum": 1}), "required": True},
+                _query("limit", "jobs read at most", {"type": "integer", "minimum": 1}),
+            ],
+        ),
+        "/api/keys": _read(
+            "an order key's line: what runs, what waits HELD behind it, what holds it",
+            [
+                {**_query("key", "the order key"), "required": True},
+                _query("limit", "HELD jobs listed", {"type": "integer", "minimum": 1}),
+            ],
+        ),
         "/api/events/{event_id}/requeue": _action(
             "put a quarantined event back", _target("event_id", "event id")
         ),

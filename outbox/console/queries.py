@@ -50,6 +50,7 @@ from consumer.jobs.schema import (
     job_steps,
     jobs,
     operations,
+    order_keys,
     paused_queues,
     replies,
     schedules,
@@ -432,6 +433,7 @@ def present_tables(engine: Engine, tables: Tables) -> set[str]:
         replies.name,
         deliveries.name,
         job_steps.name,
+        order_keys.name,
         audit.name,
     ]
     return {name for name in names if inspector.has_table(name, schema=None)}
