@@ -172,3 +172,42 @@ def test_a_claim_that_fails_after_its_finishes_committed_reports_them_done_once(
     assert len(claimed) == 2 and _states(store) == {"DONE": 2, "LEASED": 2, "READY": 2}
     assert len([a for a in store.history(held[0].job_id) if a.outcome == "done"]) == 1
     store.dispose()
+
+
+def test_on_postgresql_finishes_with_results_and_the_claim_commit_together(
+    pg_url: str, monkeypatch: Any
+) -> None:
+    """Leases the one statement cannot carry (a result to write) are finished in the
+    claim's own transaction on PostgreSQL: one commit for both, so a claim that fails takes
+    the finishes back with it (the worker carries them into its next statement) and the
+    next call writes each once, results included."""
+    store = Store(pg_url)
+    _jobs(store, 6)
+    held = [
+        dataclasses.replace(lease, result={"n": lease.job_id})
+        for lease in store.claim_batch("w1", 2)
+    ]
+    real = store.driver.job_claim_batch
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise sa.exc.OperationalError("claim", {}, Exception("the connection is lost"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.driver, "job_claim_batch", failing)
+    try:
+        store.finish_and_claim(held, "w1", 2)
+    except sa.exc.OperationalError:
+        pass
+    else:  # pragma: no cover - the claim's failure must reach the caller
+        raise AssertionError("the failed claim was swallowed")
+    assert _states(store) == {"LEASED": 2, "READY": 4}  # neither the finishes nor the claim
+    result, claimed = store.finish_and_claim(held, "w1", 2)
+    assert result.done == sorted(x.job_id for x in held) and result.conflicts == []
+    assert len(claimed) == 2 and _states(store) == {"DONE": 2, "LEASED": 2, "READY": 2}
+    for lease in held:
+        assert store.result(lease.tenant, lease.action, timeout=5) == {"n": lease.job_id}
+        assert len([a for a in store.history(lease.job_id) if a.outcome == "done"]) == 1
+    store.dispose()

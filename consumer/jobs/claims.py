@@ -124,7 +124,10 @@ class BatchClaims(BatchMoves):
 
         PostgreSQL: one statement (``queries.pg_claim_batch(finishing=True)``), one round
         trip and one commit for both, when every lease is ``worker``'s and none has replies
-        to consume; otherwise, and on SQLite, the finish commits first, then the claim."""
+        to consume, a result or dependents; otherwise the finish's statements and the
+        claim in one transaction (one commit: a step's slot claims its next job, maybe the
+        step it made READY, without a commit of its own). On SQLite the finish commits
+        first, then the claim."""
         items, by_worker = leases_by_worker(finished)
         params = self._claim_params(
             worker, limit, ttl, None, queues, routes, tenant_limit, tenant_limits
@@ -134,6 +137,11 @@ class BatchClaims(BatchMoves):
             and list(by_worker) == [worker]
             and all(watermark(x) is None and plain(x) for x in items)
         )
+        if params is not None and items and not together and self.driver.job_claim_finishes:
+            with self.driver.begin() as conn:  # both, or neither: retried whole
+                written, woke = self._finish_in(conn, items, by_worker, None)
+                rows = self.driver.job_claim_batch(conn, params, "now" in params)
+            return self._finished(items, written, woke), self._claimed(rows, params["cursor"])
         if params is None or not together:
             result = self.finish_batch(items)
             if params is None:
