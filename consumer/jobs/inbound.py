@@ -22,13 +22,16 @@ Routes (``POST``, JSON bodies):
 - ``/webhooks/{name}``: a provider's own webhook (its own signature scheme), verified by the
   :class:`Webhook` the user registered under ``name``, then its ``parse`` turns the body into
   delivery callbacks (each as ``/deliveries`` takes them).
-- ``GET /healthz``: ``{"ok": true}``, unauthenticated (a probe).
+- ``GET /healthz``: ``{"ok": true}``, unauthenticated (a probe); ``GET /openapi.json``:
+  this API's OpenAPI description (:mod:`consumer.jobs.inbound_openapi`), unauthenticated.
 
 **Signatures** (``/replies``, ``/deliveries``): the sender puts the unix time in
 ``X-Outbox-Timestamp`` and ``v1=`` + hex HMAC-SHA256 of ``f"{timestamp}.{body}"`` with the
 shared secret in ``X-Outbox-Signature`` (:func:`sign` computes both). Several secrets may be
-given (a rotation: any of them verifies). A request is refused with **401 and no reason**
-(the same body whatever failed: a missing or malformed header, a wrong signature, a timestamp
+given (a rotation: any of them verifies), and secrets per tenant that scope a request to
+its tenant's jobs (``tenant_secrets``, ``X-Outbox-Tenant``:
+:mod:`consumer.jobs.inbound_scope`). A request is refused with **401 and no reason** (the
+same body whatever failed: a missing or malformed header, a wrong signature, a timestamp
 more than ``window`` seconds (300) away from this server's clock, in either direction)
 before its body is parsed. A replayed request within the window is harmless: both routes
 are idempotent on the callback's own id (``reply_id`` per job, ``event_id``), and the answer
@@ -65,6 +68,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from consumer.errors import JobError, JobNotFound
+from consumer.jobs.inbound_openapi import openapi
 from consumer.jobs.inbound_scope import Keys, Secrets, check_delivery, check_reply
 from consumer.jobs.operations import Operations
 from consumer.jobs.store import Store
@@ -195,6 +199,7 @@ class InboundApp:
                 Route("/deliveries", self._deliveries, methods=["POST"]),
                 Route("/webhooks/{name}", self._webhook, methods=["POST"]),
                 Route("/healthz", self._health, methods=["GET"]),
+                Route("/openapi.json", self._description, methods=["GET"]),
             ]
         )
 
@@ -205,6 +210,9 @@ class InboundApp:
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True})
+
+    async def _description(self, request: Request) -> Response:
+        return JSONResponse(openapi())
 
     async def _replies(self, request: Request) -> Response:
         return await self._answer(request, None, self._reply)
