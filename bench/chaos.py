@@ -405,6 +405,7 @@ def run_fault(loop: Loop, fault: Fault, plan: Plan, before: dict[str, Any]) -> R
     The books are the whole loop's since its start (every fault so far); ``before`` holds
     the previous fault's, so a row counts only what went wrong during its own fault."""
     row = Row(fault.name, fault.what, offered=plan.rate)
+    exits = len(loop.self_exits)
     try:
         loop.ensure_running()
         loop.start_load()
@@ -423,6 +424,9 @@ def run_fault(loop: Loop, fault: Fault, plan: Plan, before: dict[str, Any]) -> R
         row.problems = problems(row.books)
         if not row.settled:
             row.problems.insert(0, f"not settled within {plan.settle:.0f} s: {loop.open_work()}")
+        loop.note_self_exits()
+        if loop.self_exits[exits:]:  # issue 53: a fault is outlived, never a reason to exit
+            row.problems.append(f"exited by themselves: {loop.self_exits[exits:]}")
         row.lost = row.books["lost"] - before.get("lost", 0)
         row.duplicated = row.books["duplicated_effects"] - before.get("duplicated_effects", 0)
         row.samples = [s for s in loop.samples if s.at >= warm]

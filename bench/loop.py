@@ -96,8 +96,11 @@ class Proc:
         self.log_path = log
         self.popen: subprocess.Popen[bytes] | None = None
         self.kills = 0
+        self.killed = False  # this run ended by the harness (a fault), not by itself
+        self.noted = False  # this run's own exit is recorded (Loop.note_self_exits)
 
     def start(self) -> Proc:
+        self.killed = self.noted = False
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
@@ -118,6 +121,7 @@ class Proc:
             self.popen.kill()
             self.popen.wait(15)
             self.kills += 1
+            self.killed = True
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM (drain), then SIGKILL after ``timeout``; the exit code."""
@@ -279,6 +283,7 @@ class Loop:
         self.writers: list[Proc] = []
         self.samples: list[Sample] = []
         self.marks: dict[str, float] = {}
+        self.self_exits: list[str] = []  # pipeline processes that ended by themselves
         self.started = time.monotonic()
         self.wall_started = time.time()
         self._stop_sampling = threading.Event()
@@ -463,10 +468,24 @@ class Loop:
         return [p for role in ("relay", "consumer", "worker") for p in self.procs[role]]
 
     def ensure_running(self) -> None:
-        """Restart any pipeline process that died (a fault's casualty)."""
+        """Restart any pipeline process that died: a fault's casualty, or one that exited by
+        itself, which :meth:`self_exits` records first (issue 53: a process outlives its
+        connections, so none may)."""
+        self.note_self_exits()
         for proc in self.all_procs():
             if not proc.alive():
                 proc.start()
+
+    def note_self_exits(self) -> None:
+        """Record each pipeline process that ended without the harness killing it (its
+        exit code and last log line) in :attr:`self_exits`, once per run of it."""
+        for proc in self.all_procs():
+            popen = proc.popen
+            if popen is None or proc.alive() or proc.killed or proc.noted:
+                continue
+            proc.noted = True
+            last = proc.tail(300).strip().splitlines()[-1:] or [""]
+            self.self_exits.append(f"{proc.name} exited {popen.returncode}: {last[0][:200]}")
 
     def logs(self, chars: int = 1200) -> str:
         parts = []

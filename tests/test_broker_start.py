@@ -251,3 +251,50 @@ def test_relay_run_once_fails_on_a_broker_that_is_not_there(
     err = capsys.readouterr().err
     assert f"cannot reach the broker at {scheme}://bob:***@127.0.0.1:{port}" in err, err
     assert "efused" in err and SECRET not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_consumer_says_at_start_that_its_nats_broker_is_not_there(
+    pg_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    log = tmp_path / "consumer.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        "CONSUMER_APP_STREAM": "outbox.job.requested",
+        "OUTBOX_LOG_LEVEL": "info",
+    }
+    command = [sys.executable, "-m", "consumer.cli", "run", "consumer_app:build"]
+    command += ["--database-url", pg_url, "--redis-url", f"nats://bob:{SECRET}@127.0.0.1:{port}"]
+    with log.open("ab") as out:
+        consumer = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out)
+    nats: PrivateNats | None = None
+    try:
+        said = wait_for(
+            lambda: _said_error(log),
+            "the consumer to say its broker is not there",
+            timeout=60,
+            diagnose=lambda: log.read_text()[-2000:],
+        )
+        assert said[0]["message"] == "cannot reach the broker; retrying until it answers"
+        assert said[0]["broker"] == f"nats://bob:***@127.0.0.1:{port}"
+        assert consumer.poll() is None and "consumer started" not in log.read_text()
+        nats = PrivateNats(port=port).start()
+        wait_for(
+            lambda: "consumer started" in log.read_text(),
+            "the consumer to start once the broker answers",
+            timeout=60,
+            diagnose=lambda: log.read_text()[-2000:],
+        )
+        assert "broker reachable" in log.read_text()
+    finally:
+        if consumer.poll() is None:
+            consumer.send_signal(signal.SIGTERM)
+        try:
+            code = consumer.wait(60)
+        finally:
+            if nats is not None:
+                nats.close()
+    assert code == 0, log.read_text()[-2000:]
+    assert SECRET not in log.read_text()

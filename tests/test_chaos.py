@@ -11,6 +11,7 @@ The pipeline runs with its default settings: recovery is whatever the defaults g
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,35 @@ def test_the_books_balance_after_every_fault() -> None:
     for row in rows:
         assert row.lost == 0 and row.duplicated == 0, table([row])
         assert row.settled, table([row])
+
+
+def test_a_process_that_exits_by_itself_is_a_problem_a_killed_one_is_not(tmp_path: Path) -> None:
+    """Issue 53: the chaos checks count processes that exit by themselves (0 is the target);
+    ``ensure_running`` restarted them silently before. One the harness kills is a fault's
+    casualty, not counted."""
+    import sys
+    from types import SimpleNamespace
+
+    from bench.loop import Loop, Proc
+
+    env = dict(os.environ)
+    quits = Proc(
+        "worker-1",
+        [sys.executable, "-c", "print('cannot go on'); raise SystemExit(3)"],
+        env,
+        tmp_path / "w.log",
+    )
+    killed = Proc(
+        "relay-1", [sys.executable, "-c", "import time; time.sleep(60)"], env, tmp_path / "r.log"
+    )
+    loop = SimpleNamespace(procs=[quits.start(), killed.start()], self_exits=[])
+    loop.all_procs = lambda: loop.procs
+    killed.kill()
+    assert quits.popen is not None and quits.popen.wait(60) == 3
+    Loop.note_self_exits(loop)  # type: ignore[arg-type]
+    Loop.note_self_exits(loop)  # type: ignore[arg-type]  # once per run of a process
+    assert loop.self_exits == ["worker-1 exited 3: cannot go on"]
+    quits.start()  # a new run: its own exit counts again
+    assert quits.popen is not None and quits.popen.wait(60) == 3
+    Loop.note_self_exits(loop)  # type: ignore[arg-type]
+    assert len(loop.self_exits) == 2

@@ -26,6 +26,7 @@ import redis
 from starlette.testclient import TestClient
 
 from outbox.console.app import Console
+from outbox.console.queries import encode_cursor
 from outbox.console.schema import create_audit_table
 from outbox.console.trace_cap import VALUE_CHARS
 from tests.console_support import TENANT, TOPIC, World
@@ -117,6 +118,12 @@ def test_a_long_flow_is_walked_page_by_page(world: World, api: TestClient) -> No
     assert 'rel="next"' in first and "cursor=" in first
     small = _get(api, "/api/trace", q="quote-long", limit="7").json()
     assert len(small["events"]) == 7 and small["next_cursor"]
+    beyond = encode_cursor([10**12, 10**12])  # past the flow's end: empty, not "not found"
+    assert _get(api, "/api/trace", q="quote-long", cursor=beyond).json()["events"] == []
+    assert (
+        api.get("/trace", params={"q": "quote-long", "cursor": beyond}, headers=BEARER).status_code
+        == 200
+    )
 
 
 @pytest.mark.parametrize(

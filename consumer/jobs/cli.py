@@ -278,6 +278,13 @@ def build_parser() -> Parser:
             metavar="FILE",
         ),
         Flag(
+            "--tenant-secrets",
+            help="JSON file of each tenant's secrets ({tenant: secret or [secrets]}): "
+            "requests with X-Outbox-Tenant reach that tenant's jobs only",
+            env="OUTBOX_INBOUND_TENANT_SECRETS",
+            metavar="FILE",
+        ),
+        Flag(
             "--max-body",
             int,
             "largest request body in bytes",
@@ -531,23 +538,17 @@ def _inbound(args: argparse.Namespace, url: str) -> int:
     import uvicorn
 
     from consumer.jobs.inbound import InboundApp
+    from consumer.jobs.inbound_scope import server_secrets
     from consumer.jobs.store import Store
 
-    secret = os.environ.get("OUTBOX_INBOUND_SECRET", "")
-    if not secret and args.secret_file:
-        try:
-            with open(args.secret_file, encoding="utf-8") as handle:
-                secret = handle.readline().strip()
-        except OSError as exc:
-            problem = f"--secret-file: cannot read {args.secret_file!r}: {exc.strerror}"
-            raise UsageError(problem) from None
-    if not secret:
-        raise UsageError("inbound serve needs a secret: OUTBOX_INBOUND_SECRET or --secret-file")
-    if len(secret) < 16:
-        raise UsageError("the inbound secret needs 16 characters or more")
+    secret, tenants = server_secrets(
+        os.environ.get("OUTBOX_INBOUND_SECRET", ""), args.secret_file, args.tenant_secrets
+    )
     store = Store(url)
     try:
-        app = InboundApp(store, secret, max_body=args.max_body, window=args.window)
+        app = InboundApp(
+            store, secret, tenant_secrets=tenants, max_body=args.max_body, window=args.window
+        )
         if args.host != "127.0.0.1":
             log.warning(
                 "the inbound endpoint listens beyond this machine: put TLS in front of it",

@@ -22,13 +22,16 @@ Routes (``POST``, JSON bodies):
 - ``/webhooks/{name}``: a provider's own webhook (its own signature scheme), verified by the
   :class:`Webhook` the user registered under ``name``, then its ``parse`` turns the body into
   delivery callbacks (each as ``/deliveries`` takes them).
-- ``GET /healthz``: ``{"ok": true}``, unauthenticated (a probe).
+- ``GET /healthz``: ``{"ok": true}``, unauthenticated (a probe); ``GET /openapi.json``:
+  this API's OpenAPI description (:mod:`consumer.jobs.inbound_openapi`), unauthenticated.
 
 **Signatures** (``/replies``, ``/deliveries``): the sender puts the unix time in
 ``X-Outbox-Timestamp`` and ``v1=`` + hex HMAC-SHA256 of ``f"{timestamp}.{body}"`` with the
 shared secret in ``X-Outbox-Signature`` (:func:`sign` computes both). Several secrets may be
-given (a rotation: any of them verifies). A request is refused with **401 and no reason**
-(the same body whatever failed: a missing or malformed header, a wrong signature, a timestamp
+given (a rotation: any of them verifies), and secrets per tenant that scope a request to
+its tenant's jobs (``tenant_secrets``, ``X-Outbox-Tenant``:
+:mod:`consumer.jobs.inbound_scope`). A request is refused with **401 and no reason** (the
+same body whatever failed: a missing or malformed header, a wrong signature, a timestamp
 more than ``window`` seconds (300) away from this server's clock, in either direction)
 before its body is parsed. A replayed request within the window is harmless: both routes
 are idempotent on the callback's own id (``reply_id`` per job, ``event_id``), and the answer
@@ -65,6 +68,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from consumer.errors import JobError, JobNotFound
+from consumer.jobs.inbound_openapi import openapi
+from consumer.jobs.inbound_scope import Keys, Secrets, check_delivery, check_reply
 from consumer.jobs.operations import Operations
 from consumer.jobs.store import Store
 from outbox.errors import ConfigError
@@ -91,14 +96,6 @@ DEFAULT_WINDOW = 300.0
 DEFAULT_MAX_BODY = 64 * 1024
 """The largest body accepted, in bytes."""
 _VERSION = "v1="
-
-
-def _secrets(secret: str | bytes | Sequence[str | bytes]) -> list[bytes]:
-    given = [secret] if isinstance(secret, (str, bytes)) else list(secret)
-    keys = [s.encode() if isinstance(s, str) else s for s in given]
-    if not keys or any(not isinstance(k, bytes) or len(k) < 16 for k in keys):
-        raise ConfigError("secret", "needs 16 characters or more (each, when several)")
-    return keys
 
 
 def sign(secret: str | bytes, body: bytes, *, timestamp: float | None = None) -> dict[str, str]:
@@ -161,14 +158,18 @@ class InboundApp:
 
     ``store``: the job store (replies); ``operations``: where delivery callbacks go (default
     ``Operations(store)``: no providers are needed to record them). ``secret``: the shared
-    secret, or several. ``webhooks``: name -> :class:`Webhook`. ``clock``: unix seconds for
-    the window (default ``time.time``)."""
+    secret, or several (None: only ``tenant_secrets``). ``tenant_secrets``: tenant -> its
+    secret or several; a request naming its tenant in ``X-Outbox-Tenant`` is verified with
+    those and reaches that tenant's jobs only (:mod:`consumer.jobs.inbound_scope`).
+    ``webhooks``: name -> :class:`Webhook`. ``clock``: unix seconds for the window (default
+    ``time.time``)."""
 
     def __init__(
         self,
         store: Store,
-        secret: str | bytes | Sequence[str | bytes],
+        secret: Secrets | None,
         *,
+        tenant_secrets: Mapping[str, Secrets] | None = None,
         operations: Operations | None = None,
         webhooks: Mapping[str, Webhook] | None = None,
         max_body: int = DEFAULT_MAX_BODY,
@@ -178,7 +179,8 @@ class InboundApp:
         if not isinstance(store, Store):
             raise ConfigError("store", f"must be a Store, got {type(store).__name__}")
         self.store = store
-        self.secrets = _secrets(secret)
+        self.keys = Keys.build(secret, tenant_secrets)
+        self.secrets = self.keys.shared
         self.operations = operations if operations is not None else Operations(store)
         self.webhooks = dict(webhooks or {})
         for name, hook in self.webhooks.items():
@@ -197,6 +199,7 @@ class InboundApp:
                 Route("/deliveries", self._deliveries, methods=["POST"]),
                 Route("/webhooks/{name}", self._webhook, methods=["POST"]),
                 Route("/healthz", self._health, methods=["GET"]),
+                Route("/openapi.json", self._description, methods=["GET"]),
             ]
         )
 
@@ -207,6 +210,9 @@ class InboundApp:
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True})
+
+    async def _description(self, request: Request) -> Response:
+        return JSONResponse(openapi())
 
     async def _replies(self, request: Request) -> Response:
         return await self._answer(request, None, self._reply)
@@ -224,19 +230,21 @@ class InboundApp:
         self,
         request: Request,
         hook: Webhook | None,
-        work: Callable[[Any], dict[str, Any]],
+        work: Callable[[Any, str | None], dict[str, Any]],
     ) -> Response:
         try:
             body = await self._body(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
+            tenant = None
             if hook is not None:
                 trusted = await run_in_threadpool(_hook_verifies, hook, headers, body)
             else:
-                trusted = verify(self.secrets, headers, body, now=self.clock(), window=self.window)
+                keys, tenant = self.keys.for_request(headers)
+                trusted = verify(keys, headers, body, now=self.clock(), window=self.window)
             if not trusted:
                 raise _Refused(401, {"error": "unauthorized"})  # never why
             data = body if hook is not None else _json(body)
-            result = await run_in_threadpool(work, data)
+            result = await run_in_threadpool(work, data, tenant)
         except _Refused as refused:
             return JSONResponse(refused.body, refused.status, headers=refused.headers)
         except JobError as exc:
@@ -273,9 +281,10 @@ class InboundApp:
 
     # -- the work (in a thread) -------------------------------------------------------------
 
-    def _reply(self, data: Any) -> dict[str, Any]:
+    def _reply(self, data: Any, tenant: str | None) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise JobError("body", "must be a JSON object")
+        check_reply(self.store, data, tenant)  # scoped: that tenant's jobs only
         job: Any = data.get("job")
         action: Any = None
         if isinstance(job, dict):
@@ -300,12 +309,13 @@ class InboundApp:
             "kept": result.kept,
         }
 
-    def _delivery(self, data: Any) -> dict[str, Any]:
+    def _delivery(self, data: Any, tenant: str | None) -> dict[str, Any]:
         if not isinstance(data, Mapping):
             raise JobError("body", "must be a JSON object")
         unknown = set(data) - {"operation_id", "status", "event_id", "ref", "detail"}
         if unknown:
             raise JobError("body", f"unknown fields {sorted(unknown)}")
+        check_delivery(self.store, data, tenant)  # scoped: that tenant's operations only
         result = self.operations.record_delivery(
             data.get("operation_id"),  # type: ignore[arg-type]  # checked by record_delivery
             data.get("status"),  # type: ignore[arg-type]
@@ -323,8 +333,8 @@ class InboundApp:
             "kept": result.kept,
         }
 
-    def _hooked(self, hook: Webhook) -> Callable[[Any], dict[str, Any]]:
-        def work(body: bytes) -> dict[str, Any]:
+    def _hooked(self, hook: Webhook) -> Callable[[Any, str | None], dict[str, Any]]:
+        def work(body: bytes, tenant: str | None) -> dict[str, Any]:
             try:
                 items = hook.parse(body) if hook.parse is not None else _json(body)
             except (ValueError, TypeError, RecursionError) as exc:  # the parser's refusal
@@ -333,7 +343,7 @@ class InboundApp:
                 items = [items]
             if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
                 raise JobError("body", "must be a callback or a list of them")
-            return {"deliveries": [self._delivery(item) for item in items]}
+            return {"deliveries": [self._delivery(item, tenant) for item in items]}
 
         return work
 

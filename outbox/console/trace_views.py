@@ -70,7 +70,9 @@ class TraceViews:
     async def page_trace(self, request: Request, who: Principal) -> Response:
         q, window = self._asked(request)
         trace = await run_in_threadpool(self._collect, q, window) if q else None
-        status = 404 if trace is not None and not trace.found else 200
+        first = window.after_seq is None and window.after_job is None
+        # A later page past the flow's last rows is empty, not a trace that found nothing.
+        status = 404 if trace is not None and not trace.found and first else 200
         next_url = None
         if trace is not None and trace.window.next_cursor:
             query = {"q": q, "cursor": trace.window.next_cursor, "limit": str(window.limit)}

@@ -11,6 +11,7 @@ so new events flow again and, with ``auto_republish``, publish the lost window a
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,13 @@ from relay.republish import republish, since_argument
 from relay.store import Store
 
 log = logging.getLogger("outbox.relay")
+
+_ENTRY_ID = re.compile(r"[0-9]+-[0-9]+")
+
+
+def is_entry_id(receipt: str) -> bool:
+    """Whether a receipt is a Redis stream entry id (``ms-seq``), not another broker's."""
+    return _ENTRY_ID.fullmatch(receipt) is not None
 
 
 class RedisCheck:
@@ -52,7 +60,11 @@ class RedisCheck:
     def check(self) -> bool:
         """Report the persistence, then look for lost entries; True if any were lost."""
         self._report_persistence(check_persistence(self.publisher.client))
-        receipts = self.store.receipt_latest()
+        # Only Redis's own receipts: a table moved here from NATS holds JetStream sequences
+        # ("57"), which no Redis stream ever held. Read as entry ids they were "lost" at
+        # once, and the marker re-armed to "57", which the publish script cannot compare,
+        # refused every batch after (issue 53).
+        receipts = [r for r in self.store.receipt_latest() if is_entry_id(r[1])]
         if self.publisher.known_last_id is None and receipts:
             self.publisher.saw_entry(*max(receipts, key=lambda r: entry_id_key(r[1])))
         if self.publisher.cluster:
