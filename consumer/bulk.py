@@ -83,6 +83,7 @@ def bulk_insert(
     conflict: Sequence[str] | None = None,
     returning: str | Sequence[str] | None = None,
     notify: str | None = None,
+    returning_sql: Sequence[str] = (),
 ) -> list[Any]:
     """Insert ``rows`` (same keys in each) in ONE statement; with ``conflict``, skip rows
     that collide on those columns; with ``returning``, return that column of the inserted
@@ -90,6 +91,9 @@ def bulk_insert(
     (PostgreSQL; SQL giving a channel name): NOTIFY it, at commit, when a row was inserted.
     It rides on the statement's RETURNING, evaluated for inserted rows only; the server
     delivers one notification per channel and transaction however many rows there are.
+    ``returning_sql`` (PostgreSQL only; with a sequence ``returning``): SQL expressions over
+    the inserted row, returned after the named columns of each tuple (a question the caller
+    would otherwise ask in a statement of its own).
 
     PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)``, one binary array per
     column, on the Connection's own psycopg connection (same transaction). The statement
@@ -102,7 +106,9 @@ def bulk_insert(
     if not rows:
         return []
     if is_postgresql(conn.dialect.name):
-        return _insert_unnest(conn, table, rows, conflict, returning, notify)
+        return _insert_unnest(conn, table, rows, conflict, returning, notify, returning_sql)
+    if returning_sql:
+        raise ValueError("returning_sql is for PostgreSQL only")
     if is_mysql(conn.dialect.name):
         return _insert_mysql(conn, table, rows, conflict, returning)
     return _insert_values(conn, table, rows, conflict, returning)
@@ -168,6 +174,7 @@ def _insert_unnest(
     conflict: Sequence[str] | None,
     returning: str | Sequence[str] | None,
     notify: str | None = None,
+    returning_sql: Sequence[str] = (),
 ) -> list[Any]:
     """PostgreSQL: ``INSERT ... SELECT * FROM unnest(%b::type[], ...)`` on the Connection's
     own psycopg connection (same transaction)."""
@@ -222,7 +229,7 @@ def _insert_unnest(
     params = scalars + arrays  # placeholders in the order they appear: select list first
     if conflict:
         sql += f" ON CONFLICT ({', '.join(prep.quote(c) for c in conflict)}) DO NOTHING"
-    returned = [prep.quote(name) for name in names]
+    returned = [prep.quote(name) for name in names] + list(returning_sql)
     if notify is not None:
         returned.append(f"pg_notify({notify}, '')")  # last: dropped from the rows below
     if returned:
@@ -232,5 +239,5 @@ def _insert_unnest(
         cursor.execute(sql, params)
         if not names:
             return []
-        width = len(names)
+        width = len(names) + len(returning_sql)
         return [row[0] if single else tuple(row[:width]) for row in cursor.fetchall()]

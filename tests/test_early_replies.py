@@ -154,8 +154,9 @@ def test_a_consumer_handler_keeps_a_reply_with_its_entry_and_a_rollback_drops_it
 
 def test_the_keep_costs_an_enqueue_no_statement_and_an_enqueue_of_many_one(pg_url: str) -> None:
     """Issue 59's cost on the hot paths, counted: an enqueue counts the kept replies inside
-    its own INSERT (still one statement when there are none), an enqueue of many reads the
-    keep once (one SELECT for the whole list)."""
+    its own INSERT (still one statement when there are none), an enqueue of many asks the
+    keep in its INSERT's RETURNING (no statement of its own, issue 54), and moves a kept
+    reply in the same transaction."""
     store = Store(pg_url)
     statements: list[str] = []
 
@@ -170,9 +171,14 @@ def test_the_keep_costs_an_enqueue_no_statement_and_an_enqueue_of_many_one(pg_ur
         assert statements == ["INSERT"]
         statements.clear()
         store.enqueue_many([{"tenant": "studio", "action": f"many-{n}"} for n in range(800)])
-        # The rows go as binary arrays on psycopg's own cursor (unseen here); the keep's read
-        # is the one statement SQLAlchemy runs, once for the 800 jobs.
-        assert statements == ["SELECT"]
+        # The rows go as binary arrays on psycopg's own cursor (unseen here), and the keep is
+        # asked in that INSERT: SQLAlchemy runs nothing for the 800 jobs.
+        assert statements == []
+        store.reply("studio", "many-later", payload=2, reply_id="r2")
+        statements.clear()
+        store.enqueue_many([{"tenant": "studio", "action": a} for a in ("many-later", "more")])
+        assert statements[0] == "SELECT" and "DELETE" in statements  # the move: only then
+        assert [r.reply_id for r in store.replies("studio", "many-later")] == ["r2"]
         store.reply("studio", "later", payload=1, reply_id="r1")
         statements.clear()
         store.enqueue("studio", "later")  # a kept reply: moved right after, in one transaction

@@ -13,7 +13,7 @@ from sqlalchemy import ColumnElement, func, insert, select, tuple_, update
 from sqlalchemy.engine import Connection
 
 from consumer.bulk import bulk_insert
-from consumer.jobs.schema import attempts, jobs
+from consumer.jobs.schema import EARLY_REPLIES_TABLE, JOBS_TABLE, attempts, jobs
 from consumer.jobs.states import WAITING
 from outbox.dialect import db_epoch, insert_or_ignore
 
@@ -29,10 +29,20 @@ class ReadyListener(Protocol):
     def close(self) -> None: ...
 
 
+KEPT_RETURNING = (
+    f"EXISTS (SELECT 1 FROM {EARLY_REPLIES_TABLE} k"
+    f" WHERE k.tenant = {JOBS_TABLE}.tenant AND k.action = {JOBS_TABLE}.action)"
+)
+"""Whether an inserted job has replies kept for it (the keep's unique index, an index probe;
+the keep is empty in the usual case)."""
+
+
 class JobStatements(ABC):
     """Jobs: wake-up, clock, insert, read, move by anyone, history rows."""
 
     clock: Callable[[], float] | None
+    reply_kept_returned = False  # job_insert_many: kept replies in the INSERT's RETURNING
+    reply_kept_keys: Callable[[Connection, Sequence[str]], set[tuple[str, str]]]
 
     # -- wake-up --------------------------------------------------------------------------
 
@@ -90,7 +100,10 @@ class JobStatements(ABC):
         return int(existing), False, 0
 
     def job_insert_many(
-        self, conn: Connection, rows: Sequence[Mapping[str, Any]]
+        self,
+        conn: Connection,
+        rows: Sequence[Mapping[str, Any]],
+        kept: set[tuple[str, str]] | None = None,
     ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
         """Insert many jobs, one statement per :data:`INSERT_CHUNK`; returns the ids of the
         identities created and of those that existed (``consumer.bulk.bulk_insert``: binary
@@ -98,9 +111,16 @@ class JobStatements(ABC):
 
         ``created_at``/``updated_at`` are numbers, or the database clock as an expression
         (the same object in every row): :meth:`job_rows_stamped` makes them what this database
-        can bind."""
+        can bind.
+
+        ``kept``: filled with the created keys that have replies kept for them
+        (``outbox_kept_replies``). On PostgreSQL the INSERT's RETURNING answers it (an index
+        probe per created row, no statement of its own: a consumer's batch made five
+        statements, this was one); elsewhere one read after the insert."""
         rows = self.job_rows_stamped(conn, rows)
         created: dict[tuple[str, str], int] = {}
+        asked = kept is not None and self.reply_kept_returned
+        found: set[tuple[str, str]] = set()  # asked: the created keys with replies kept
         for start in range(0, len(rows), INSERT_CHUNK):
             returned = bulk_insert(
                 conn,
@@ -109,14 +129,28 @@ class JobStatements(ABC):
                 conflict=("tenant", "action"),
                 returning=("id", "tenant", "action"),
                 notify=self.job_ready_channel_sql,
+                returning_sql=(KEPT_RETURNING,) if asked else (),
             )
-            for job_id, tenant, action in returned:
+            for job_id, tenant, action, *has_kept in returned:
                 created[(tenant, action)] = int(job_id)
+                if any(has_kept):
+                    found.add((tenant, action))
+        if kept is not None:
+            kept.update(found if asked else self._kept_among(conn, created))
         missing = sorted({(r["tenant"], r["action"]) for r in rows} - set(created))
         existing: dict[tuple[str, str], int] = {}
         for start in range(0, len(missing), INSERT_CHUNK):
             existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
         return created, existing
+
+    def _kept_among(
+        self, conn: Connection, created: Mapping[tuple[str, str], int]
+    ) -> set[tuple[str, str]]:
+        """The created keys with replies kept for them: one read of the keep."""
+        if not created:
+            return set()
+        tenants = sorted({tenant for tenant, _ in created})
+        return {key for key in self.reply_kept_keys(conn, tenants) if key in created}
 
     def job_rows_stamped(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]

@@ -52,6 +52,7 @@ class PostgresJobDriver(JobDriver):
 
     name = "postgresql"
     job_claim_finishes = True  # queries.pg_claim_batch(finishing=True)
+    reply_kept_returned = True  # job_insert_many: kept replies in the INSERT's RETURNING
 
     @cached_property
     def _jit_off(self) -> bool:

@@ -115,8 +115,9 @@ def enqueue_rows(
     stamp = rows[0]["created_at"]
     if any(row["created_at"] is not stamp for row in rows):
         rows = [{**row, "created_at": stamp, "updated_at": stamp} for row in rows]
-    created, existing = driver.job_insert_many(conn, rows)
-    adopt_created(driver, conn, created)
+    kept: set[tuple[str, str]] = set()
+    created, existing = driver.job_insert_many(conn, rows, kept)
+    adopt_created(driver, conn, created, kept)
     keys = [(row["tenant"], row["action"]) for row in rows]
     ordered = [
         created[key]

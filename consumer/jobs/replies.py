@@ -241,15 +241,16 @@ def kept_count(tenant: str, action: str) -> Any:
 
 
 def adopt_created(
-    driver: JobDriver, conn: Connection, created: Mapping[tuple[str, str], int]
+    driver: JobDriver,
+    conn: Connection,
+    created: Mapping[tuple[str, str], int],
+    kept: set[tuple[str, str]],
 ) -> int:
     """After an enqueue of many, in its transaction: move the replies kept for the jobs it
-    created (``(tenant, action)`` -> id; one read when there are none, the usual case);
-    how many."""
-    if not created:
-        return 0
+    created (``(tenant, action)`` -> id) that have some (``kept``, as
+    ``job_insert_many`` found them); how many."""
     moved = 0
-    for key in driver.reply_kept_keys(conn, sorted({tenant for tenant, _ in created})):
+    for key in sorted(kept):
         if key in created:
             moved += adopt(driver, conn, created[key])
     return moved
