@@ -21,8 +21,9 @@ wait, up to ``max_poll_interval``). Short, because the outbox table has no NOTIF
 default (issue 25: NOTIFY's commit lock halved 8 concurrent writers): while events flow,
 the relay finds each within a few milliseconds of its commit, for one claim statement per
 poll. The pace follows the flow (``relay.loop``): a cycle that finds fewer than ``FEW``
-events doubles the wait, up to 4 x this (20 ms) while work trickles in; once the flow stops,
-a second without work backs it off to ``max_poll_interval``."""
+events doubles the wait, up to 10 x this (50 ms) while work trickles in, and one that finds
+more halves it; once the flow stops, a second without work backs it off to
+``max_poll_interval``."""
 
 
 def _positive(name: str, value: float, *, integer: bool = False, zero: bool = False) -> None:

@@ -120,6 +120,7 @@ class JobStatements(ABC):
         rows = self.job_rows_stamped(conn, rows)
         created: dict[tuple[str, str], int] = {}
         asked = kept is not None and self.reply_kept_returned
+        found: set[tuple[str, str]] = set()  # asked: the created keys with replies kept
         for start in range(0, len(rows), INSERT_CHUNK):
             returned = bulk_insert(
                 conn,
@@ -132,16 +133,24 @@ class JobStatements(ABC):
             )
             for job_id, tenant, action, *has_kept in returned:
                 created[(tenant, action)] = int(job_id)
-                if kept is not None and has_kept and has_kept[0]:
-                    kept.add((tenant, action))
-        if kept is not None and not asked and created:
-            tenants = sorted({tenant for tenant, _ in created})
-            kept.update(key for key in self.reply_kept_keys(conn, tenants) if key in created)
+                if any(has_kept):
+                    found.add((tenant, action))
+        if kept is not None:
+            kept.update(found if asked else self._kept_among(conn, created))
         missing = sorted({(r["tenant"], r["action"]) for r in rows} - set(created))
         existing: dict[tuple[str, str], int] = {}
         for start in range(0, len(missing), INSERT_CHUNK):
             existing.update(self.job_ids(conn, missing[start : start + INSERT_CHUNK]))
         return created, existing
+
+    def _kept_among(
+        self, conn: Connection, created: Mapping[tuple[str, str], int]
+    ) -> set[tuple[str, str]]:
+        """The created keys with replies kept for them: one read of the keep."""
+        if not created:
+            return set()
+        tenants = sorted({tenant for tenant, _ in created})
+        return {key for key in self.reply_kept_keys(conn, tenants) if key in created}
 
     def job_rows_stamped(
         self, conn: Connection, rows: Sequence[Mapping[str, Any]]
