@@ -137,23 +137,8 @@ class BatchClaims(BatchMoves):
             and list(by_worker) == [worker]
             and all(watermark(x) is None and plain(x) for x in items)
         )
-        if params is not None and items and not together and self.driver.job_claim_finishes:
-            with self.driver.begin() as conn:  # both, or neither: retried whole
-                written, woke = self._finish_in(conn, items, by_worker, None)
-                rows = self.driver.job_claim_batch(conn, params, "now" in params)
-            return self._finished(items, written, woke), self._claimed(rows, params["cursor"])
         if params is None or not together:
-            result = self.finish_batch(items)
-            if params is None:
-                return result, []
-            try:
-                rows = self._claim_rows(params)
-            except SQLAlchemyError as exc:
-                # The finishes committed: say so (the caller must not write them again, and
-                # a second write would be refused as fenced out); the claim is the next one's.
-                report_failure(log, "claim after committed finishes failed; claimed next time", exc)
-                return result, []
-            return result, self._claimed(rows, params["cursor"])
+            return self._finish_then_claim(items, by_worker, params)
         params["finishing"] = by_worker[worker]
         ended: set[int] = set()
         claimed: list[Any] = []
@@ -167,6 +152,32 @@ class BatchClaims(BatchMoves):
             conflicts=sorted(x.job_id for x in items if x.job_id not in ended),
         )
         return result, self._claimed(claimed, params["cursor"])
+
+    def _finish_then_claim(
+        self,
+        items: list[Lease],
+        by_worker: dict[str, list[tuple[int, int]]],
+        params: dict[str, Any] | None,
+    ) -> tuple[BatchResult, list[Lease]]:
+        """:meth:`finish_and_claim` of finishes its one statement cannot carry (or with
+        nothing to claim): on PostgreSQL in the claim's transaction, one commit for both; on
+        SQLite the finishes commit first, then the claim."""
+        if params is not None and items and self.driver.job_claim_finishes:
+            with self.driver.begin() as conn:  # both, or neither: retried whole
+                written, woke = self._finish_in(conn, items, by_worker, None)
+                rows = self.driver.job_claim_batch(conn, params, "now" in params)
+            return self._finished(items, written, woke), self._claimed(rows, params["cursor"])
+        result = self.finish_batch(items)
+        if params is None:
+            return result, []
+        try:
+            rows = self._claim_rows(params)
+        except SQLAlchemyError as exc:
+            # The finishes committed: say so (the caller must not write them again, and a
+            # second write would be refused as fenced out); the claim is the next one's.
+            report_failure(log, "claim after committed finishes failed; claimed next time", exc)
+            return result, []
+        return result, self._claimed(rows, params["cursor"])
 
     def _claim_params(
         self,
