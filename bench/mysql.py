@@ -16,6 +16,13 @@ the same table, and the writer against a minimal hand-written INSERT.
     way (a Core transaction; a Session). Ratio: the hand-written transactions/s over the
     outbox's, medians of ``--rounds`` alternated rounds (1.00 = no overhead).
 
+``python -m bench mysql retention [--events 100000] [--batch 1000]``
+    ``--events`` published rows past the retention, deleted by the relay's retention round
+    (``DELETE ... ORDER BY seq LIMIT --batch`` per transaction, until done), against the same
+    rows in a table partitioned by ``created_at`` (what MySQL would need: the partition
+    column in the primary key and in ``event_id``'s unique key), dropped with ``ALTER TABLE
+    ... DROP PARTITION``.
+
 MariaDB at ``OUTBOX_BENCH_MYSQL`` (default ``mysql+pymysql://root@127.0.0.1:3306``), Redis at
 ``OUTBOX_BENCH_REDIS``. Each run creates and drops its own databases.
 """
@@ -247,6 +254,60 @@ def write(seconds: float, thread_counts: list[int], rounds: int = 3) -> None:
                 )
 
 
+PARTITIONED = (
+    "CREATE TABLE parted (seq BIGINT NOT NULL AUTO_INCREMENT, event_id VARCHAR(64) NOT NULL, "
+    'topic VARCHAR(200) NOT NULL, "key" VARCHAR(200) NOT NULL, payload JSON NOT NULL, '
+    "state VARCHAR(16) NOT NULL, created_at DATETIME(6) NOT NULL, "
+    "PRIMARY KEY (seq, created_at), UNIQUE KEY (event_id, created_at), "
+    'KEY (state, seq), KEY ("key", state, seq)) ENGINE=InnoDB '
+    "PARTITION BY RANGE COLUMNS (created_at) ("
+    "PARTITION p_old VALUES LESS THAN ('2000-01-02'), PARTITION p_now VALUES LESS THAN MAXVALUE)"
+)
+
+
+def retention(events: int, batch: int) -> None:
+    """Published rows past the retention: the relay's batched DELETE (``purge``'s round,
+    ``batch`` rows a transaction) against dropping a partition holding the same rows."""
+    from relay.store.mysql import delete_published
+
+    with database() as url:
+        engine = make_engine(url, pool_size=2)
+        outbox = Outbox(engine)
+        outbox.create_schema()
+        preload(outbox, events)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox_events SET state = 'published', "
+                    "published_at = '2000-01-01', created_at = '2000-01-01'"
+                )
+            )
+            conn.execute(sa.text(PARTITIONED))
+            conn.execute(
+                sa.text(
+                    'INSERT INTO parted (event_id, topic, "key", payload, state, created_at) '
+                    'SELECT event_id, topic, "key", payload, state, created_at FROM outbox_events'
+                )
+            )
+        started = time.perf_counter()
+        deleted = 0
+        while True:
+            n = delete_published(engine, '"outbox_events"', 86400, batch)
+            deleted += n
+            if n < batch:
+                break
+        batched = time.perf_counter() - started
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE parted DROP PARTITION p_old"))
+        dropped = time.perf_counter() - started
+        engine.dispose()
+    print(
+        f"retention, {deleted:,} published rows: batched DELETE ({batch} a round) "
+        f"{batched:.2f} s ({deleted / batched:,.0f} rows/s); DROP PARTITION {dropped:.3f} s"
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench mysql")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -258,7 +319,13 @@ def main(argv: list[str]) -> int:
     write_args.add_argument("--seconds", type=float, default=10.0)
     write_args.add_argument("--threads", type=int, nargs="+", default=[1, 8])
     write_args.add_argument("--rounds", type=int, default=3)
+    retention_args = sub.add_parser("retention")
+    retention_args.add_argument("--events", type=int, default=100_000)
+    retention_args.add_argument("--batch", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.what == "retention":
+        retention(args.events, args.batch)
+        return 0
     if args.what == "write":
         write(args.seconds, args.threads, args.rounds)
         return 0
