@@ -42,7 +42,7 @@ indexes instead of the three partial ones (``outbox.schema.mysql_index_columns``
 ``create_extras`` adds them. Give autogenerate :func:`include_object_for` so that it neither
 writes the partial indexes there nor proposes to drop the two::
 
-    from outbox.migrations import include_object_for
+    from outbox import include_object_for
 
     context.configure(
         connection=connection,

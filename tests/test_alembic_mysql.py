@@ -23,7 +23,7 @@ from sqlalchemy import create_engine
 
 from consumer.inbox import build_inbox_schema
 from outbox import build_schema
-from outbox.migrations import include_object_for
+from outbox import include_object_for
 
 # A MySQL service's recipe: the outbox and the inbox (its jobs live in PostgreSQL or SQLite).
 target_metadata = [build_schema().metadata, build_inbox_schema().metadata]
