@@ -8,12 +8,20 @@ the same table, and the writer against a minimal hand-written INSERT.
     batch size, the same Redis). Rounds alternate a then b on a fresh database each; the
     ratio is the relay's events/s over the loop's, per round.
 
-``python -m bench mysql write [--seconds 10] [--threads 1 8]``
+``python -m bench mysql write [--seconds 10] [--threads 1 8] [--rounds 3]``
     Domain transactions (an aggregate row locked and bumped, one event) for ``--seconds`` at
-    each thread count: through ``outbox.transaction()`` (a Session), through
-    ``outbox.emit(conn, ...)`` in the caller's Core transaction, on the default schema, and
-    with a minimal hand-written INSERT into a table of a primary key and four columns.
-    Ratio: the hand-written transactions/s over the outbox's (1.00 = no overhead).
+    each thread count: through ``outbox.emit(conn, ...)`` in the caller's Core transaction
+    and through ``outbox.transaction()`` (a Session), on the default schema, each against a
+    minimal hand-written INSERT into a table of a primary key and four columns made the same
+    way (a Core transaction; a Session). Ratio: the hand-written transactions/s over the
+    outbox's, medians of ``--rounds`` alternated rounds (1.00 = no overhead).
+
+``python -m bench mysql retention [--events 100000] [--batch 1000]``
+    ``--events`` published rows past the retention, deleted by the relay's retention round
+    (``DELETE ... ORDER BY seq LIMIT --batch`` per transaction, until done), against the same
+    rows in a table partitioned by ``created_at`` (what MySQL would need: the partition
+    column in the primary key and in ``event_id``'s unique key), dropped with ``ALTER TABLE
+    ... DROP PARTITION``.
 
 MariaDB at ``OUTBOX_BENCH_MYSQL`` (default ``mysql+pymysql://root@127.0.0.1:3306``), Redis at
 ``OUTBOX_BENCH_REDIS``. Each run creates and drops its own databases.
@@ -29,9 +37,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from statistics import median
 
 import redis
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
 from outbox import Outbox
 from outbox.codec import EntryEncoder
@@ -163,6 +173,11 @@ MINIMAL = (
 )
 
 
+def hand_row(agg: int, n: int) -> dict[str, str]:
+    """The hand-written outbox's row: a random id, the topic, the key, the payload."""
+    return {"e": str(uuid.uuid4()), "t": "bench.a", "k": f"agg-{agg}", "p": json.dumps({"n": n})}
+
+
 def write_rate(url: str, threads: int, seconds: float, way: str) -> float:
     """Domain transactions per second: lock and bump an aggregate, write one event."""
     engine = make_engine(url, pool_size=threads + 2)
@@ -185,18 +200,14 @@ def write_rate(url: str, threads: int, seconds: float, way: str) -> float:
                 with engine.begin() as conn:
                     conn.execute(bump, {"id": agg})
                     outbox.emit(conn, "bench.a", key=f"agg-{agg}", payload={"n": counts[n]})
+            elif way == "hand-session":  # the hand-written INSERT in a Session of its own
+                with Session(engine) as session, session.begin():
+                    session.execute(bump, {"id": agg})
+                    session.execute(insert, hand_row(agg, counts[n]))
             else:
                 with engine.begin() as conn:
                     conn.execute(bump, {"id": agg})
-                    conn.execute(
-                        insert,
-                        {
-                            "e": str(uuid.uuid4()),
-                            "t": "bench.a",
-                            "k": f"agg-{agg}",
-                            "p": json.dumps({"n": counts[n]}),
-                        },
-                    )
+                    conn.execute(insert, hand_row(agg, counts[n]))
             counts[n] += 1
 
     started = time.perf_counter()
@@ -210,7 +221,7 @@ def write_rate(url: str, threads: int, seconds: float, way: str) -> float:
     return rate
 
 
-def write(seconds: float, thread_counts: list[int]) -> None:
+def write(seconds: float, thread_counts: list[int], rounds: int = 3) -> None:
     with database() as url:
         engine = make_engine(url, pool_size=2)
         Outbox(engine).create_schema()
@@ -224,20 +235,77 @@ def write(seconds: float, thread_counts: list[int]) -> None:
         engine.dispose()
         for threads in thread_counts:
             # Alternated, twice each: the machine's load drifts between runs.
-            ways = ("hand", "outbox", "emit")
+            # Each way against the hand-written INSERT made the same way: emit() in a Core
+            # transaction against the INSERT in a Core transaction, outbox.transaction() (a
+            # Session) against the INSERT in a Session (what the ORM costs either way is not
+            # the outbox's).
+            ways = ("hand", "emit", "hand-session", "outbox")
             rates: dict[str, list[float]] = {way: [] for way in ways}
-            for _ in range(2):
+            for _ in range(rounds):
                 for way in ways:
                     rates[way].append(write_rate(url, threads, seconds, way))
-            hand = sum(rates["hand"]) / 2
-            for way in ("outbox", "emit"):
-                box = sum(rates[way]) / 2
+            for way, base in (("emit", "hand"), ("outbox", "hand-session")):
+                box, hand = median(rates[way]), median(rates[base])
                 print(
-                    f"writer, {threads} thread(s), {way}: {box:,.0f} tx/s against hand-written "
+                    f"writer, {threads} thread(s), {way}: {box:,.0f} tx/s against {base} "
                     f"{hand:,.0f}: x{hand / box:.2f} "
                     f"(rounds: {[round(r) for r in rates[way]]} / "
-                    f"{[round(r) for r in rates['hand']]})"
+                    f"{[round(r) for r in rates[base]]})"
                 )
+
+
+PARTITIONED = (
+    "CREATE TABLE parted (seq BIGINT NOT NULL AUTO_INCREMENT, event_id VARCHAR(64) NOT NULL, "
+    'topic VARCHAR(200) NOT NULL, "key" VARCHAR(200) NOT NULL, payload JSON NOT NULL, '
+    "state VARCHAR(16) NOT NULL, created_at DATETIME(6) NOT NULL, "
+    "PRIMARY KEY (seq, created_at), UNIQUE KEY (event_id, created_at), "
+    'KEY (state, seq), KEY ("key", state, seq)) ENGINE=InnoDB '
+    "PARTITION BY RANGE COLUMNS (created_at) ("
+    "PARTITION p_old VALUES LESS THAN ('2000-01-02'), PARTITION p_now VALUES LESS THAN MAXVALUE)"
+)
+
+
+def retention(events: int, batch: int) -> None:
+    """Published rows past the retention: the relay's batched DELETE (``purge``'s round,
+    ``batch`` rows a transaction) against dropping a partition holding the same rows."""
+    from relay.store.mysql import delete_published
+
+    with database() as url:
+        engine = make_engine(url, pool_size=2)
+        outbox = Outbox(engine)
+        outbox.create_schema()
+        preload(outbox, events)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox_events SET state = 'published', "
+                    "published_at = '2000-01-01', created_at = '2000-01-01'"
+                )
+            )
+            conn.execute(sa.text(PARTITIONED))
+            conn.execute(
+                sa.text(
+                    'INSERT INTO parted (event_id, topic, "key", payload, state, created_at) '
+                    'SELECT event_id, topic, "key", payload, state, created_at FROM outbox_events'
+                )
+            )
+        started = time.perf_counter()
+        deleted = 0
+        while True:
+            n = delete_published(engine, '"outbox_events"', 86400, batch)
+            deleted += n
+            if n < batch:
+                break
+        batched = time.perf_counter() - started
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE parted DROP PARTITION p_old"))
+        dropped = time.perf_counter() - started
+        engine.dispose()
+    print(
+        f"retention, {deleted:,} published rows: batched DELETE ({batch} a round) "
+        f"{batched:.2f} s ({deleted / batched:,.0f} rows/s); DROP PARTITION {dropped:.3f} s"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -250,9 +318,16 @@ def main(argv: list[str]) -> int:
     write_args = sub.add_parser("write")
     write_args.add_argument("--seconds", type=float, default=10.0)
     write_args.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+    write_args.add_argument("--rounds", type=int, default=3)
+    retention_args = sub.add_parser("retention")
+    retention_args.add_argument("--events", type=int, default=100_000)
+    retention_args.add_argument("--batch", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.what == "retention":
+        retention(args.events, args.batch)
+        return 0
     if args.what == "write":
-        write(args.seconds, args.threads)
+        write(args.seconds, args.threads, args.rounds)
         return 0
     for n in range(args.rounds):
         got = relay_round(args.events, args.batch)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 
 from consumer.inbox import REPLAYED, Inbox
+from outbox.dialect import delete_due
 from outbox.retention import (
     DEFAULT_DEAD_LETTER_RETENTION,
     DEFAULT_PURGE_BATCH,
@@ -76,16 +77,8 @@ class DeadLetterRetention:
         self._ensure_index()
         table = self.inbox.tables.dead_letters
         with self.inbox.engine.begin() as conn:
-            oldest = (
-                select(table.c.id)
-                .where(self._where(conn, now))
-                .order_by(table.c.replayed_at)
-                .limit(limit)
-            )
-            result = conn.execute(
-                delete(table).where(table.c.id.in_(oldest.scalar_subquery())).returning(table.c.id)
-            )
-            return len(result.fetchall())
+            where = self._where(conn, now)
+            return delete_due(conn, table, table.c.id, where, table.c.replayed_at, limit)
 
 
 def dead_letter_duty(

@@ -9,7 +9,7 @@ from outbox.event import NewEvent
 from outbox.hooks import NO_HOOKS, Hooks
 from outbox.ids import new_event_id, uuid7
 from outbox.logs import setup_logging
-from outbox.migrations import create_extras, drop_extras
+from outbox.migrations import create_extras, drop_extras, include_object_for
 from outbox.schema import PENDING, PUBLISHED, QUARANTINED, OutboxSchema, build_schema
 from outbox.tablestats import table_stats
 
@@ -47,6 +47,7 @@ __all__ = [
     "create_extras",
     "default_database_url",
     "drop_extras",
+    "include_object_for",
     "make_engine",
     "new_event_id",
     "setup_logging",

@@ -179,8 +179,9 @@ class Outbox:
         self._mysql = is_mysql(self.engine.dialect.name)
         self._insert_one = f"{head} VALUES {_MYSQL_ROW if self._mysql else _PG_ROW}"
         self._unnest_sql = f"{head}{_UNNEST}"
-        # The sync psycopg driver (the async one is reached through SQLAlchemy's adaptation).
-        self._raw_driver = self.engine.dialect.driver == "psycopg"
+        # The sync psycopg and PyMySQL drivers (the async ones are reached through
+        # SQLAlchemy's adaptation).
+        self._raw_driver = self.engine.dialect.driver in ("psycopg", "pymysql")
         dbapi = getattr(self.engine.dialect, "loaded_dbapi", None)
         self._dbapi_error: type[Exception] = getattr(dbapi, "Error", Exception)
 
@@ -319,9 +320,12 @@ class Outbox:
             # (a JSON column parses it); several rows go as one executemany, which PyMySQL
             # and aiomysql send as one multi-row INSERT.
             params = row_params(events)
+            if len(events) == 1:  # straight to PyMySQL's cursor (see _driver_execute)
+                self._driver_execute(connection, self._insert_one, tuple(params))
+                return
             width = len(INSERT_COLUMNS)
             rows = [tuple(params[i : i + width]) for i in range(0, len(params), width)]
-            connection.exec_driver_sql(self._insert_one, rows if len(rows) > 1 else rows[0])
+            connection.exec_driver_sql(self._insert_one, rows)
             return
         # psycopg: a hand-written INSERT sent straight to the driver. Through insert(table)
         # a Connection transaction spent more client CPU on the INSERT than a hand-written

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Double, Table
+from sqlalchemy import DateTime, Double, Table, delete, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
@@ -175,6 +175,22 @@ def insert_new(
     Core inserts)."""
     stmt = insert_or_ignore(table, conflict, conn.dialect.name).values(**values)
     return conn.execute(stmt.returning(returning)).first()
+
+
+def delete_due(conn: Connection, table: Table, key: Any, where: Any, order: Any, limit: int) -> int:
+    """Delete at most ``limit`` rows of ``table`` that match ``where``, oldest by ``order``
+    first; return how many went (a retention round: bounded work, short locks).
+
+    PostgreSQL and SQLite: one DELETE of the ``key`` values a LIMITed subquery selects,
+    RETURNING them. MySQL and MariaDB refuse a LIMIT in an IN subquery (error 1235): a
+    single-table ``DELETE ... WHERE ... LIMIT`` instead, counted by its affected rows; it
+    takes any ``limit`` of the matching rows, every one of them due."""
+    if is_mysql(conn.dialect.name):
+        statement = delete(table).where(where).with_dialect_options(mysql_limit=limit)
+        return int(conn.execute(statement).rowcount)
+    oldest = select(key).where(where).order_by(order).limit(limit)
+    result = conn.execute(delete(table).where(key.in_(oldest.scalar_subquery())).returning(key))
+    return len(result.fetchall())
 
 
 def quoted_table(table: str, schema: str | None = None) -> str:

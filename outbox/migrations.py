@@ -36,17 +36,31 @@ A partitioned outbox (``outbox.partitions``): ``build_schema(partitioned="hourly
 'RANGE (created_at)')`` with the ``(seq, created_at)`` primary key, and
 ``create_extras(op, partitioned="hourly")`` adds the partitions (without any, every insert
 fails: a partitioned table keeps rows in its partitions only).
+
+On MySQL/MariaDB, which has no partial index, the outbox table carries two whole-table
+indexes instead of the three partial ones (``outbox.schema.mysql_index_columns``), and
+``create_extras`` adds them. Give autogenerate :func:`include_object_for` so that it neither
+writes the partial indexes there nor proposes to drop the two::
+
+    from outbox import include_object_for
+
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        include_object=include_object_for(connection),
+    )
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import text
 
-from outbox.dialect import quoted_table
+from outbox.dialect import is_mysql, quoted_table
 from outbox.maintenance import HOT_TABLE_AUTOVACUUM, set_storage_parameters
-from outbox.schema import DEFAULT_TABLE, build_schema, notify_trigger_name
+from outbox.schema import DEFAULT_TABLE, build_schema, mysql_index_columns, notify_trigger_name
 from outbox.schema import create_extras as _create_extras
 
 HOT_TABLES = ("consumer_inbox", "outbox_jobs", "outbox_job_attempts", "outbox_operations")
@@ -101,3 +115,25 @@ def drop_extras(op: Any, *, table: str = DEFAULT_TABLE, schema: str | None = Non
         text(f'DROP TRIGGER IF EXISTS "{trigger}" ON {prefix}"{outbox_schema.table_name}"')
     )
     bind.execute(text(f'DROP FUNCTION IF EXISTS {prefix}"{trigger}"()'))
+
+
+def include_object_for(
+    connection: Any, table: str = DEFAULT_TABLE
+) -> Callable[[Any, str | None, str, bool, Any], bool]:
+    """Alembic's ``include_object`` for ``connection``'s database: on MySQL/MariaDB it leaves
+    out the outbox table's partial indexes (MySQL has none) and the two whole-table indexes
+    :func:`create_extras` adds in their place; elsewhere it includes everything."""
+    if not is_mysql(connection.dialect.name):
+        return lambda obj, name, type_, reflected, compare_to: True
+    schema = build_schema(table)
+    partial = {
+        str(index.name)
+        for index in schema.table.indexes
+        if index.dialect_options["postgresql"].get("where") is not None
+    }
+    skipped = partial | set(mysql_index_columns(table))
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, to: Any) -> bool:
+        return not (type_ == "index" and name in skipped and obj.table.name == table)
+
+    return include_object

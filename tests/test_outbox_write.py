@@ -12,6 +12,7 @@ checks both paths. Reads for the assertions go through a separate sync engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import uuid
@@ -1010,11 +1011,17 @@ def test_pending_orm_changes_are_written_before_the_event(outbox_db_url: str, wa
 # -- the INSERT straight on the driver (issue 25) ---------------------------------------------
 
 
-def test_the_driver_path_is_what_sqlalchemy_would_have_sent(pg_url: str) -> None:
-    """On psycopg, a single event's INSERT goes straight to the driver inside the caller's
-    transaction when nothing would tell the difference; what it raises, and what a listener
-    or a connection with no transaction yet sees, is SQLAlchemy's."""
-    outbox = Outbox(pg_url)
+@pytest.fixture(params=["pg", "mysql"])
+def driver_url(request: pytest.FixtureRequest) -> str:
+    """The databases whose sync driver takes the INSERT straight (psycopg, PyMySQL)."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+def test_the_driver_path_is_what_sqlalchemy_would_have_sent(driver_url: str) -> None:
+    """On psycopg and PyMySQL, a single event's INSERT goes straight to the driver inside the
+    caller's transaction when nothing would tell the difference; what it raises, and what a
+    listener or a connection with no transaction yet sees, is SQLAlchemy's."""
+    outbox = Outbox(driver_url)
     outbox.create_schema()
     with outbox.engine.begin() as conn:  # the fast path: a transaction, nobody listening
         outbox.emit(conn, "t", key="k", payload=1, event_id="fixed-id")
@@ -1041,21 +1048,30 @@ def test_the_driver_path_is_what_sqlalchemy_would_have_sent(pg_url: str) -> None
     assert any("INSERT INTO" in s and "outbox_events" in s for s in seen)
     with outbox.engine.connect() as conn:
         payloads = conn.execute(sa.text("SELECT payload FROM outbox_events ORDER BY seq"))
-        assert [row[0] for row in payloads] == [1, 3, 4]
+        # psycopg decodes jsonb; MySQL's JSON comes back as its text through text().
+        got = [json.loads(p) if isinstance(p, str) else p for (p,) in payloads]
+        assert got == [1, 3, 4]
+    outbox.engine.dispose()
 
 
-def test_a_connection_lost_under_the_driver_path_is_invalidated(pg_url: str) -> None:
-    outbox = Outbox(pg_url)
+def test_a_connection_lost_under_the_driver_path_is_invalidated(driver_url: str) -> None:
+    outbox = Outbox(driver_url)
     outbox.create_schema()
-    admin = sa.create_engine(pg_url)
+    admin = sa.create_engine(driver_url)
+    mysql = outbox.engine.dialect.name == "mysql"
+    whoami = "SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()"
     try:
         with pytest.raises(sa.exc.DBAPIError) as caught, outbox.engine.begin() as conn:
-            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            pid = int(conn.execute(sa.text(whoami)).scalar_one())
             with admin.begin() as other:
-                other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+                if mysql:
+                    other.execute(sa.text(f"KILL {pid}"))
+                else:
+                    other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
             outbox.emit(conn, "t", key="k", payload=1)
         assert caught.value.connection_invalidated
         with outbox.engine.begin() as conn:  # the pool hands out a working connection
             outbox.emit(conn, "t", key="k", payload=2)
     finally:
         admin.dispose()
+        outbox.engine.dispose()

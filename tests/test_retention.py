@@ -279,8 +279,8 @@ def test_a_duty_comes_back_at_once_when_behind_and_survives_a_failure() -> None:
 # -- dead letters ----------------------------------------------------------------------------
 
 
-def test_replayed_dead_letters_go_after_their_retention_others_stay(db_url: str) -> None:
-    consumer = Consumer(db_url, "redis://127.0.0.1:6379/0", group="g", topics=[TOPIC])
+def test_replayed_dead_letters_go_after_their_retention_others_stay(outbox_db_url: str) -> None:
+    consumer = Consumer(outbox_db_url, "redis://127.0.0.1:6379/0", group="g", topics=[TOPIC])
     consumer.create_schema()
     inbox = consumer.inbox
     table = inbox.tables.dead_letters

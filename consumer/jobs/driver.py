@@ -46,7 +46,14 @@ __all__ = [
     "SqliteJobDriver",
     "driver_for",
     "engine_for",
+    "jobs_supported",
 ]
+
+
+def jobs_supported(engine: Engine) -> bool:
+    """Whether the job store runs on ``engine``'s database (PostgreSQL or SQLite): a reader
+    of several parts (the console) shows the jobs only where they can be."""
+    return is_postgresql(engine.dialect.name) or engine.dialect.name == SQLITE
 
 
 def driver_for(engine: Engine, *, notify: bool = True) -> JobDriver:

@@ -33,7 +33,8 @@ Bulk actions take a list's filter: :func:`bulk_preview` counts what it matches (
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from consumer.errors import (
 )
 from consumer.inbox import NEEDS_ATTENTION as DL_NEEDS_ATTENTION
 from consumer.inbox import inbox_for
+from consumer.jobs.driver import jobs_supported
 from consumer.jobs.operations import Operations
 from consumer.jobs.schema import db_epoch, jobs, operations
 from consumer.jobs.states import STATES as JOB_STATES
@@ -135,6 +137,9 @@ def check_actor(actor: Actor) -> Actor:
     return Actor(actor.name, actor.via, client)
 
 
+_JOB_KINDS = ("job", "receipt", "queue", "schedule")
+"""The targets that live in the job store (PostgreSQL and SQLite only)."""
+
 _REFUSALS = (
     Conflict,
     IllegalTransition,
@@ -166,9 +171,32 @@ class Actions:
         self.outbox_schema = outbox_schema
         self.tables = tables
         self.redis = redis
-        self.store = Store(engine, create_schema=False)
-        self.operations = Operations(self.store)
+        # The job store runs on PostgreSQL and SQLite only: on MySQL/MariaDB the console
+        # shows and acts on the outbox and the inbox, and refuses the jobs' actions.
+        self.store = Store(engine, create_schema=False) if jobs_supported(engine) else None
         self.inbox = inbox_for(engine, tables.inbox)
+
+    def _jobs(self) -> Store:
+        """The job store; refused (404: no such job here) where the database has none."""
+        if self.store is None:
+            raise ActionRefused(
+                f"the job store is not in this database ({self.engine.dialect.name}): "
+                "it runs on PostgreSQL or SQLite",
+                404,
+            )
+        return self.store
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        """The action's transaction, with the job store's calls joined to it where there is a
+        job store (its own begin: SQLite's write lock), else the engine's."""
+        if self.store is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        driver = self.store.driver
+        with driver.begin() as conn, driver.joined(conn):
+            yield conn
 
     # -- reading a target ----------------------------------------------------------------
 
@@ -184,9 +212,9 @@ class Actions:
         elif kind == "job":
             query = select(jobs).where(jobs.c.id == int(target_id))
         elif kind == "queue":
-            return self.store.depth(target_id)[target_id].as_dict()  # any name is a queue
+            return self._jobs().depth(target_id)[target_id].as_dict()  # any name is a queue
         elif kind == "schedule":
-            found = [s for s in self.store.schedules() if s.name == target_id]
+            found = [s for s in self._jobs().schedules() if s.name == target_id]
             return found[0].as_dict() if found else None
         else:
             query = select(operations).where(operations.c.operation_id == target_id)
@@ -246,11 +274,12 @@ class Actions:
         who = check_actor(actor)
         if text_problem(target_id, limit=400) is not None:
             raise ActionRefused(f"no {kind.replace('_', ' ')} {ascii(target_id)[:60]}", 404)
-        driver = self.store.driver
+        if kind in _JOB_KINDS:
+            self._jobs()
         refused: ActionRefused | None = None
         result: Any = None
         # One transaction: the operation (a savepoint a refusal rolls back) and its audit row.
-        with driver.begin() as conn, driver.joined(conn):
+        with self._transaction() as conn:
             before = self._read(conn, kind, target_id)
             if before is None:
                 outcome, after = "refused: not found", None
@@ -308,7 +337,7 @@ class Actions:
         why = reason if isinstance(reason, str) else None
 
         def operation(conn: Connection) -> Any:
-            self.store.resume(ident, reason=f"console: {why} (by {actor.name})")
+            self._jobs().resume(ident, reason=f"console: {why} (by {actor.name})")
 
         return self._run(actor, "resume", "job", str(ident), reason, operation, bulk)
 
@@ -320,7 +349,7 @@ class Actions:
 
         def operation(conn: Connection) -> Any:
             # A LEASED job gets a cancel request: its run ends it (``Store.cancel``).
-            state = self.store.cancel(ident, reason=f"console: {why} (by {actor.name})")
+            state = self._jobs().cancel(ident, reason=f"console: {why} (by {actor.name})")
             return {"state": state, "requested": state != "CANCELLED"}
 
         return self._run(actor, "cancel", "job", str(ident), reason, operation, bulk)
@@ -344,7 +373,7 @@ class Actions:
         why = reason if isinstance(reason, str) else None
 
         def operation(conn: Connection) -> Any:
-            receipt = self.operations.settle(
+            receipt = Operations(self._jobs()).settle(
                 operation_id, accepted=ref, not_sent=ref is None, reason=why, by=actor.name
             )
             return receipt.as_dict()
@@ -357,7 +386,7 @@ class Actions:
         name = _queue_name(queue)
 
         def operation(conn: Connection) -> Any:
-            if not self.store.pause_queue(name):
+            if not self._jobs().pause_queue(name):
                 raise ActionRefused(f"queue {name} is paused already")
             return {"paused": True}
 
@@ -369,7 +398,7 @@ class Actions:
         name = _queue_name(queue)
 
         def operation(conn: Connection) -> Any:
-            if not self.store.resume_queue(name):
+            if not self._jobs().resume_queue(name):
                 raise ActionRefused(f"queue {name} is not paused")
             return {"paused": False}
 
@@ -380,7 +409,7 @@ class Actions:
         target = _schedule_name(name)
 
         def operation(conn: Connection) -> Any:
-            if not self.store.pause_schedule(target):
+            if not self._jobs().pause_schedule(target):
                 raise ActionRefused(f"schedule {target} is paused already")
             return {"paused": True}
 
@@ -391,7 +420,7 @@ class Actions:
         target = _schedule_name(name)
 
         def operation(conn: Connection) -> Any:
-            if not self.store.resume_schedule(target):
+            if not self._jobs().resume_schedule(target):
                 raise ActionRefused(f"schedule {target} is not paused")
             return {"paused": False}
 

@@ -298,9 +298,10 @@ class Console:
             )
 
     def _queues(self) -> queries.Page:
-        if "outbox_jobs" not in self.present() or "outbox_paused_queues" not in self.present():
-            return queries.Page([], None, {})  # no job store here (yet)
-        return queries.list_queues(self.actions.store)
+        store, here = self.actions.store, self.present()
+        if store is None or "outbox_jobs" not in here or "outbox_paused_queues" not in here:
+            return queries.Page([], None, {})  # no job store here (yet, or on MySQL)
+        return queries.list_queues(store)
 
     async def api_queues(self, request: Request) -> Any:
         return (await run_in_threadpool(self._queues)).as_dict()
@@ -317,9 +318,10 @@ class Console:
         )
 
     def _schedules(self) -> queries.Page:
-        if "outbox_schedules" not in self.present() or "outbox_jobs" not in self.present():
-            return queries.Page([], None, {})  # no schedules here (yet)
-        return queries.list_schedules(self.actions.store)
+        store, here = self.actions.store, self.present()
+        if store is None or "outbox_schedules" not in here or "outbox_jobs" not in here:
+            return queries.Page([], None, {})  # no schedules here (yet, or on MySQL)
+        return queries.list_schedules(store)
 
     async def api_schedules(self, request: Request) -> Any:
         return (await run_in_threadpool(self._schedules)).as_dict()

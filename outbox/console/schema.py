@@ -53,14 +53,13 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    delete,
     inspect,
     select,
     text,
 )
 from sqlalchemy.engine import Connection, Engine
 
-from outbox.dialect import db_epoch, is_postgresql, quoted_table
+from outbox.dialect import MYSQL, db_epoch, delete_due, is_postgresql, quoted_table
 from outbox.logs import fields
 from outbox.schema import DEFAULT_TABLE, check_identifier
 
@@ -112,11 +111,7 @@ def purge_audit(engine: Engine, older_than_seconds: float, limit: int) -> int:
         raise ValueError("limit must be >= 1")
     with engine.begin() as conn:
         cutoff = float(conn.execute(select(db_epoch())).scalar_one()) - older_than_seconds
-        oldest = select(audit.c.id).where(audit.c.at < cutoff).order_by(audit.c.at).limit(limit)
-        result = conn.execute(
-            delete(audit).where(audit.c.id.in_(oldest.scalar_subquery())).returning(audit.c.id)
-        )
-        return len(result.fetchall())
+        return delete_due(conn, audit, audit.c.id, audit.c.at < cutoff, audit.c.at, limit)
 
 
 @dataclass(frozen=True)
@@ -202,7 +197,10 @@ def create_lookup_indexes(
         columns = ", ".join(f'"{c}"' for c in index.columns)
         postgres = is_postgresql(engine.dialect.name)
         how = "CONCURRENTLY " if postgres and concurrently and isinstance(bind, Engine) else ""
-        ddl = f'CREATE INDEX {how}IF NOT EXISTS "{name}" ON {quoted_table(table)} ({columns})'
+        # MySQL 8 has no CREATE INDEX ... IF NOT EXISTS (MariaDB has): the index was missing.
+        mysql = engine.dialect.name == MYSQL and not getattr(engine.dialect, "is_mariadb", False)
+        exists = "" if mysql else "IF NOT EXISTS "
+        ddl = f'CREATE INDEX {how}{exists}"{name}" ON {quoted_table(table)} ({columns})'
         if isinstance(bind, Connection):
             bind.execute(text(ddl))
         elif how:

@@ -104,6 +104,8 @@ class Trace:
     clock: float = 0.0
     window: Window = field(default_factory=Window)
     tables: Tables | None = field(default=None, repr=False)
+    jobs_here: bool = field(default=True, repr=False)
+    """Whether the database has the job store's tables (not on MySQL/MariaDB)."""
 
     @property
     def found(self) -> bool:
@@ -184,6 +186,7 @@ def collect(
     trace = Trace(query=q, window=window or Window(), tables=tables)
     trace.clock = float(conn.execute(select(db_epoch())).scalar_one())
     has = present.__contains__
+    trace.jobs_here = has(jobs.name)
     _named(conn, tables, q, has, trace)
     if has(tables.outbox.name) and trace.jobs and not trace.events:
         _events_of_jobs(conn, tables, trace)  # a job id or an operation id was asked
@@ -500,6 +503,8 @@ def verdict(trace: Trace) -> tuple[str, str]:
     if unpublished:
         e = unpublished[0]
         return NOT_PUBLISHED, f"outbox event {e['event_id']} is {e['state']}"
+    if trace.inbox and not trace.jobs_here:
+        return IN_PROGRESS, "consumed; the jobs are not in this database, so the trace ends here"
     if trace.inbox:
         return IN_PROGRESS, "consumed, and no job found for it yet"
     return IN_PROGRESS, "published to its stream; no consumer has made a job for it yet"
