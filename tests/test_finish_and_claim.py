@@ -25,6 +25,20 @@ def _states(store: Store) -> dict[str, int]:
         return {state: int(n) for state, n in rows}
 
 
+def _claim_fails_once(store: Store, monkeypatch: Any) -> None:
+    """The store's next claim statement fails as on a lost connection; later ones run."""
+    real = store.driver.job_claim_batch
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise sa.exc.OperationalError("claim", {}, Exception("the connection is lost"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.driver, "job_claim_batch", failing)
+
+
 def test_it_finishes_the_leases_and_claims_the_next_jobs(db_url: str) -> None:
     store = Store(db_url)
     _jobs(store, 10)
@@ -154,16 +168,7 @@ def test_a_claim_that_fails_after_its_finishes_committed_reports_them_done_once(
     _jobs(store, 6)
     held = store.claim_batch("w1", 2)
     monkeypatch.setattr(type(store.driver), "job_claim_finishes", False, raising=False)
-    real = store.driver.job_claim_batch
-    calls: list[int] = []
-
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise sa.exc.OperationalError("claim", {}, Exception("the connection is lost"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(store.driver, "job_claim_batch", failing)
+    _claim_fails_once(store, monkeypatch)
     result, claimed = store.finish_and_claim(held, "w1", 2)
     assert result.done == sorted(x.job_id for x in held) and result.conflicts == []
     assert claimed == []
@@ -187,16 +192,7 @@ def test_on_postgresql_finishes_with_results_and_the_claim_commit_together(
         dataclasses.replace(lease, result={"n": lease.job_id})
         for lease in store.claim_batch("w1", 2)
     ]
-    real = store.driver.job_claim_batch
-    calls: list[int] = []
-
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise sa.exc.OperationalError("claim", {}, Exception("the connection is lost"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(store.driver, "job_claim_batch", failing)
+    _claim_fails_once(store, monkeypatch)
     try:
         store.finish_and_claim(held, "w1", 2)
     except sa.exc.OperationalError:
