@@ -100,13 +100,21 @@ def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of ours its module-level imports name (the deepest known one)."""
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of the module, those inside functions too."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def import_graph(*, function_level: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ours its module-level imports name (the deepest known one);
+    with ``function_level``, its imports inside functions too (tests/test_layout.py's
+    cycles count lazy imports)."""
     known = modules()
     graph: dict[str, set[str]] = {name: set() for name in known}
+    collect = _all_imports if function_level else _module_level_imports
     for name, path in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _module_level_imports(tree):
+        for node in collect(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

@@ -12,72 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from bench import house
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("outbox", "relay", "consumer", "metrics")
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _modules() -> dict[str, Path]:
-    return {
-        _module_name(path): path
-        for package in PACKAGES
-        for path in sorted((ROOT / package).rglob("*.py"))
-    }
-
-
-def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported, including those under ``if
-    TYPE_CHECKING:`` and ``try:`` (they count for cycles too); not those inside functions,
-    which run later (a lazy import, e.g. the CLI importing the demo)."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    stack: list[ast.stmt] = list(tree.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, (ast.If, ast.Try, ast.With)):
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                for child in getattr(node, field, []):
-                    if isinstance(child, ast.ExceptHandler):
-                        stack.extend(child.body)
-                    else:
-                        stack.append(child)
-    return found
-
-
-def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Every import of the module, those inside functions too: a lazy import still ties the
-    two modules together (issue 26 counts them)."""
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    return house.modules()
 
 
 def import_graph(*, function_level: bool = False) -> dict[str, set[str]]:
-    modules = _modules()
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    collect = _all_imports if function_level else _module_level_imports
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in collect(tree):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif node.module and node.level == 0:
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    targets.append(sub if sub in modules else node.module)
-            for target in targets:
-                # Importing a.b.c runs a, a.b and a.b.c: the deepest one we know is the edge.
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    graph[name].add(target)
-    return graph
+    """The packages' import graph (``bench.house``, which measures the same tree), with the
+    imports inside functions too when ``function_level``: a lazy import still ties two
+    modules together (issue 26 counts them for cycles)."""
+    return house.import_graph(function_level=function_level)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
