@@ -51,7 +51,7 @@ def test_jobs_beyond_the_size_wait_in_turn_holding_no_thread() -> None:
             inside.append(i)
             started.append(i)
             most = max(most, len(inside))
-        time.sleep(0.01)
+        time.sleep(0.01)  # the scenario: the handler's work, so the jobs overlap meanwhile
         with lock:
             inside.remove(i)
         return i * 10
